@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Build the local control plane's binaries (kube-apiserver, kube-controller-manager, kubectl, helm)
+# from the Go module proxy into a cache directory, once. Later calls return at once.
+# Go 1.26.x is required: Go 1.27's default JSON mode breaks the OpenAPI documents of Kubernetes <= 1.36.
+set -euo pipefail
+
+K8S_VERSION=v1.36.3
+HELM_VERSION=v3.22.0
+here=$(cd "$(dirname "$0")" && pwd)
+cache=${GRAPHKEEPER_CACHE:-$HOME/.cache/graphkeeper}
+bin=$cache/bin/k8s-$K8S_VERSION
+mkdir -p "$bin"
+
+case "$(go env GOVERSION)" in
+  go1.26.*) ;;
+  *) echo "build-bins: need Go 1.26.x, found $(go env GOVERSION)" >&2; exit 1 ;;
+esac
+export CGO_ENABLED=0 GOTOOLCHAIN=local GOFLAGS=-mod=mod
+
+if [ ! -x "$bin/kube-apiserver" ] || [ ! -x "$bin/kube-controller-manager" ] || [ ! -x "$bin/kubectl" ]; then
+  minor=${K8S_VERSION#v1.}; minor=${minor%%.*}
+  ld="-s -w"
+  for p in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
+    ld="$ld -X $p.gitVersion=$K8S_VERSION -X $p.gitMajor=1 -X $p.gitMinor=$minor -X $p.gitTreeState=clean"
+  done
+  echo "build-bins: building Kubernetes $K8S_VERSION control plane into $bin (first time takes minutes)" >&2
+  (cd "$here/k8s-bins" && go build -trimpath -ldflags "$ld" -o "$bin/" \
+    k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kube-controller-manager \
+    k8s.io/kubernetes/cmd/kubectl)
+fi
+
+if [ ! -x "$bin/helm" ]; then
+  echo "build-bins: building helm $HELM_VERSION" >&2
+  GOBIN="$bin" go install -trimpath \
+    -ldflags "-s -w -X helm.sh/helm/v3/internal/version.version=$HELM_VERSION" \
+    "helm.sh/helm/v3/cmd/helm@$HELM_VERSION"
+fi
+echo "$bin"

@@ -1,0 +1,97 @@
+"""Starts the operator: kopf's settings, the handler registrations, and ``run()`` for the CLI.
+
+This module only wires things together; what each handler does lives in ``policy_handlers``,
+``pod_handlers`` and ``reconciler``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from typing import Any
+
+import kopf
+from graphkeeper.operator import metrics, naming, pod_handlers, policy_handlers
+from graphkeeper.operator.kube import Kube, load_client_config
+from graphkeeper.operator.reconciler import Reconciler
+from graphkeeper.operator.workerclient import GraphControlClient
+
+POLICIES = (naming.GROUP, naming.VERSION, naming.PLURAL)
+
+
+async def startup(
+    settings: kopf.OperatorSettings, memo: Any, worker_pods: Any, graph_policies: Any, **_: Any
+) -> None:
+    """kopf's settings, then the shared state every handler finds in ``memo``."""
+    # Bookkeeping in annotations under our prefix, so .status holds only what our schema declares.
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(
+        prefix=naming.ANNOTATION_PREFIX)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=naming.ANNOTATION_PREFIX, key="last-handled-configuration")
+    settings.persistence.finalizer = naming.FINALIZER
+    # Watches that hang silently are the classic operator failure; make every one time out.
+    settings.watching.server_timeout = 300
+    settings.watching.client_timeout = 330
+    settings.watching.connect_timeout = 30
+    settings.watching.reconnect_backoff = 1.0
+    settings.peering.standalone = True
+    settings.posting.level = logging.INFO
+    settings.execution.max_workers = 4
+
+    api = load_client_config()
+    memo.kube = Kube(api)
+    memo.reconciler = Reconciler(
+        client=GraphControlClient(timeout=memo.rpc_timeout),
+        kube=memo.kube,
+        pods=worker_pods,
+        policies=graph_policies,
+        interval=memo.status_interval,
+    )
+    memo.http = None
+    if memo.metrics_port:
+        memo.http = await metrics.serve(memo.metrics_port, memo.reconciler.health)
+
+
+async def cleanup(memo: Any, **_: Any) -> None:
+    await memo.reconciler.shutdown()
+    if memo.http is not None:
+        await memo.http.cleanup()
+
+
+def register(registry: kopf.OperatorRegistry | None = None) -> kopf.OperatorRegistry:
+    """Registers every handler on ``registry`` (kopf's default one unless given)."""
+    registry = registry or kopf.get_default_registry()
+    kopf.on.startup(registry=registry)(startup)
+    kopf.on.cleanup(registry=registry)(cleanup)
+
+    kopf.index("pods", id="worker_pods", registry=registry)(pod_handlers.index_pod)
+    kopf.on.event("pods", id="pod_event", registry=registry)(pod_handlers.on_pod_event)
+
+    kopf.index(*POLICIES, id="graph_policies", registry=registry)(policy_handlers.index_policy)
+    kopf.on.event(*POLICIES, id="policy_event", registry=registry)(
+        policy_handlers.on_policy_event)
+    render = policy_handlers.render_policy
+    kopf.on.resume(*POLICIES, id="render", registry=registry)(render)
+    kopf.on.create(*POLICIES, id="render", registry=registry)(render)
+    kopf.on.update(*POLICIES, id="render", field="spec", registry=registry)(render)
+    return registry
+
+
+def run(args: argparse.Namespace) -> int:
+    """``graphkeeper operator``: kopf's ``run`` with our handlers, standalone (no peering)."""
+    level = str(args.log_level).upper()
+    kopf.configure(verbose=level == "DEBUG")
+    logging.getLogger().setLevel(level)
+    memo = kopf.Memo(
+        status_interval=float(args.status_interval),
+        metrics_port=int(args.metrics_port),
+        rpc_timeout=float(getattr(args, "rpc_timeout", 5.0)),
+    )
+    kopf.run(
+        registry=register(),
+        standalone=True,
+        clusterwide=not args.namespace,
+        namespaces=list(args.namespace),
+        memo=memo,
+    )
+    return 0

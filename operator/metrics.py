@@ -1,0 +1,83 @@
+"""The operator's own Prometheus metrics and its HTTP endpoint (``/metrics``, ``/healthz``).
+
+The operator is one process, so the default registry is enough. Labels stay bounded: outcomes
+and states are closed lists, and per-policy series are removed when the policy goes away.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, Counter, Gauge, Histogram, generate_latest
+
+RECONCILE_SECONDS = Histogram(
+    "graphkeeper_operator_reconcile_duration_seconds",
+    "Time to reconcile one GraphPolicy: read every worker, push where needed, write status.",
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+)
+PUSHES = Counter(
+    "graphkeeper_operator_policy_pushes_total",
+    "ApplyGraphPolicy calls, by outcome (applied, unchanged, rejected, stale, unreachable, error).",
+    ["outcome"],
+)
+MODEL_LOADS = Counter(
+    "graphkeeper_operator_model_loads_total",
+    "LoadModelRevision calls made because a pod's model-revision annotation changed, by outcome.",
+    ["outcome"],
+)
+STATUS_READS = Counter(
+    "graphkeeper_operator_status_reads_total",
+    "GetGraphStatus calls, by outcome (ok, or the kind of failure).",
+    ["outcome"],
+)
+WORKERS = Gauge(
+    "graphkeeper_operator_workers",
+    "Selected workers by state (Captured, Pending, Starting, Unreachable, ...), per policy.",
+    ["namespace", "policy", "state"],
+)
+API_REQUESTS = Counter(
+    "graphkeeper_operator_api_requests_total",
+    "Kubernetes API requests the operator's own code made (kopf's watches not included).",
+    ["verb", "resource"],
+)
+STATUS_WRITES = Counter(
+    "graphkeeper_operator_status_writes_total",
+    "GraphPolicy status patches (a reconcile that changes nothing writes nothing).",
+)
+
+
+def set_worker_states(
+    namespace: str, policy: str, counts: dict[str, int], states: list[str]
+) -> None:
+    for state in states:
+        WORKERS.labels(namespace=namespace, policy=policy, state=state).set(counts.get(state, 0))
+
+
+def forget_policy(namespace: str, policy: str, states: list[str]) -> None:
+    for state in states:
+        with contextlib.suppress(KeyError):
+            WORKERS.remove(namespace, policy, state)
+
+
+async def serve(port: int, health: Callable[[], dict]) -> web.AppRunner:
+    """Starts ``/metrics`` and ``/healthz`` on ``port`` (0.0.0.0); returns the runner to stop."""
+    started = time.monotonic()
+
+    async def metrics_view(_: web.Request) -> web.Response:
+        body = generate_latest()
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def health_view(_: web.Request) -> web.Response:
+        report = {"ok": True, "uptime_seconds": round(time.monotonic() - started, 1), **health()}
+        return web.json_response(report, status=200 if report["ok"] else 503)
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics_view)
+    app.router.add_get("/healthz", health_view)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, "0.0.0.0", port).start()
+    return runner

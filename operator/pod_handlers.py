@@ -1,0 +1,21 @@
+"""kopf handlers for Pods: an in-memory index of them, and wake-ups for the policies they affect.
+
+The operator never lists pods per event: the index is kept current by the watch, and each
+policy's selector is resolved against it in memory.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from graphkeeper.operator.selection import WorkerPod, worker_from_pod
+
+
+def index_pod(body: Any, namespace: str, **_: Any) -> dict[str, WorkerPod]:
+    """``pods[namespace]`` -> the pods there, reduced to what the operator needs."""
+    return {namespace: worker_from_pod(body)}
+
+
+async def on_pod_event(event: dict, body: Any, memo: Any, **_: Any) -> None:
+    """A new, restarted, re-annotated or deleted pod wakes the policies that select it."""
+    memo.reconciler.on_pod(worker_from_pod(body), deleted=event.get("type") == "DELETED")

@@ -1,0 +1,200 @@
+"""Which worker pods a policy selects, where to reach them, and who owns a contested pod.
+
+Everything here is pure: the kopf indices hold ``WorkerPod`` and ``PolicyRef`` values built by
+these functions from watch events, and the reconciler resolves selectors against them in memory
+instead of listing pods per event.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from graphkeeper.operator import naming
+
+
+@dataclass(frozen=True)
+class WorkerPod:
+    """The little the operator needs to know about one pod."""
+
+    namespace: str
+    name: str
+    uid: str
+    labels: Mapping[str, str] = field(default_factory=dict, compare=False, hash=False)
+    address: str = ""
+    port: int = naming.DEFAULT_GRPC_PORT
+    phase: str = ""
+    ready: bool = False
+    restarts: int = 0
+    deleting: bool = False
+    model_source: str = ""
+    model_revision: str = ""
+
+    @property
+    def key(self) -> str:
+        """``namespace/name``, the name people see in status and Events."""
+        return f"{self.namespace}/{self.name}"
+
+    @property
+    def target(self) -> str:
+        return f"{self.address}:{self.port}"
+
+    @property
+    def running(self) -> bool:
+        """Whether there is a process to talk to (a Running pod with an IP)."""
+        return self.phase == "Running" and bool(self.address) and not self.deleting
+
+    def fingerprint(self) -> tuple:
+        """What, when it changes, may need the policy pushed again or a model reloaded."""
+        return (self.address, self.port, self.phase, self.ready, self.restarts, self.deleting,
+                self.model_source, self.model_revision, tuple(sorted(self.labels.items())))
+
+
+def grpc_port(pod: Mapping[str, Any]) -> int:
+    """The container port named ``grpc``, else the ``graphkeeper.io/grpc-port`` annotation,
+    else 50051."""
+    for container in (pod.get("spec") or {}).get("containers") or []:
+        for port in container.get("ports") or []:
+            if port.get("name") == naming.GRPC_PORT_NAME and port.get("containerPort"):
+                return int(port["containerPort"])
+    annotations = (pod.get("metadata") or {}).get("annotations") or {}
+    value = str(annotations.get(naming.GRPC_PORT_ANNOTATION, "")).strip()
+    if value.isdigit() and 0 < int(value) < 65536:
+        return int(value)
+    return naming.DEFAULT_GRPC_PORT
+
+
+def worker_from_pod(pod: Mapping[str, Any]) -> WorkerPod:
+    """Builds a ``WorkerPod`` from a Pod object (a dict, or kopf's body)."""
+    meta = pod.get("metadata") or {}
+    status = pod.get("status") or {}
+    annotations = meta.get("annotations") or {}
+    conditions = status.get("conditions") or []
+    ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
+    restarts = sum(int(c.get("restartCount") or 0) for c in status.get("containerStatuses") or [])
+    return WorkerPod(
+        namespace=meta.get("namespace", ""),
+        name=meta.get("name", ""),
+        uid=meta.get("uid", ""),
+        labels=dict(meta.get("labels") or {}),
+        address=status.get("podIP") or "",
+        port=grpc_port(pod),
+        phase=status.get("phase") or "",
+        ready=ready,
+        restarts=restarts,
+        deleting=bool(meta.get("deletionTimestamp")),
+        model_source=str(annotations.get(naming.MODEL_SOURCE_ANNOTATION, "")),
+        model_revision=str(annotations.get(naming.MODEL_REVISION_ANNOTATION, "")),
+    )
+
+
+def selector_matches(selector: Mapping[str, Any] | None, labels: Mapping[str, str]) -> bool:
+    """metav1.LabelSelector semantics, except that an empty selector matches nothing.
+
+    Kubernetes reads an empty selector as "everything"; for a policy that pushes graph settings
+    into processes, selecting every pod by accident is worse than selecting none (the CRD
+    refuses empty selectors too).
+    """
+    if not selector:
+        return False
+    match_labels = selector.get("matchLabels") or {}
+    expressions = selector.get("matchExpressions") or []
+    if not match_labels and not expressions:
+        return False
+    if any(labels.get(k) != v for k, v in match_labels.items()):
+        return False
+    for expr in expressions:
+        key, op, values = expr.get("key"), expr.get("operator"), expr.get("values") or []
+        present = key in labels
+        if op == "In" and not (present and labels[key] in values):
+            return False
+        if op == "NotIn" and present and labels[key] in values:
+            return False
+        if op == "Exists" and not present:
+            return False
+        if op == "DoesNotExist" and present:
+            return False
+        if op not in ("In", "NotIn", "Exists", "DoesNotExist"):
+            return False
+    return True
+
+
+@dataclass(frozen=True)
+class PolicyRef:
+    """A GraphPolicy as the operator's index keeps it."""
+
+    namespace: str
+    name: str
+    uid: str
+    created: str = ""
+    generation: int = 1
+    spec: Mapping[str, Any] = field(default_factory=dict, compare=False, hash=False)
+    status: Mapping[str, Any] = field(default_factory=dict, compare=False, hash=False)
+    deleting: bool = False
+
+    @property
+    def key(self) -> str:
+        return f"{self.namespace}/{self.name}"
+
+    @property
+    def seniority(self) -> tuple[str, str]:
+        """Older policies win contested pods; the name breaks ties within one second."""
+        return (self.created, self.name)
+
+    def selects(self, pod: WorkerPod) -> bool:
+        return pod.namespace == self.namespace and selector_matches(
+            self.spec.get("selector"), pod.labels
+        )
+
+    def body(self) -> dict[str, Any]:
+        """Just enough of the object for kopf to post Events about it."""
+        return {
+            "apiVersion": naming.API_VERSION,
+            "kind": naming.KIND,
+            "metadata": {"namespace": self.namespace, "name": self.name, "uid": self.uid},
+        }
+
+
+def plain(value: Any) -> Any:
+    """A deep copy made of dicts and lists (kopf hands out read-only views)."""
+    if isinstance(value, Mapping):
+        return {str(k): plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [plain(v) for v in value]
+    return value
+
+
+def policy_ref_from_body(body: Mapping[str, Any]) -> PolicyRef:
+    meta = body.get("metadata") or {}
+    return PolicyRef(
+        namespace=meta.get("namespace", ""),
+        name=meta.get("name", ""),
+        uid=meta.get("uid", ""),
+        created=str(meta.get("creationTimestamp") or ""),
+        generation=int(meta.get("generation") or 1),
+        spec=plain(body.get("spec") or {}),
+        status=plain(body.get("status") or {}),
+        deleting=bool(meta.get("deletionTimestamp")),
+    )
+
+
+def selected_workers(policy: PolicyRef, pods: Iterable[WorkerPod]) -> list[WorkerPod]:
+    """The pods ``policy`` selects, by name."""
+    return sorted((p for p in pods if policy.selects(p)), key=lambda p: p.name)
+
+
+def senior_claimant(
+    policy: PolicyRef, pod: WorkerPod, policies: Iterable[PolicyRef]
+) -> PolicyRef | None:
+    """The oldest other policy that also selects ``pod`` and is older than ``policy``, if any.
+
+    When two policies select one pod, the older keeps it and the younger is Degraded/Conflict
+    for that pod; which one is older never changes, so the two never take turns.
+    """
+    rivals = [
+        p for p in policies
+        if p.uid != policy.uid and not p.deleting
+        and p.seniority < policy.seniority and p.selects(pod)
+    ]
+    return min(rivals, key=lambda p: p.seniority, default=None)

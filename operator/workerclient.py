@@ -1,0 +1,120 @@
+"""The operator's gRPC client for the workers' ``GraphControl`` service.
+
+It owns one channel per worker address and turns gRPC failures into a ``WorkerError`` whose
+``kind`` says what the operator should conclude: the worker is unreachable, it rejected the
+policy, it already holds a newer generation, or something else went wrong. Every call has a
+deadline, so a hung worker costs one deadline, never a stuck reconcile.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import grpc
+from graphkeeper.proto import worker_pb2 as pb
+from graphkeeper.proto import worker_pb2_grpc as pb_grpc
+
+# A restarted worker listens again within seconds; gRPC's default reconnect backoff (up to two
+# minutes) would hide it from the operator for far longer than that.
+_CHANNEL_OPTIONS = (
+    ("grpc.initial_reconnect_backoff_ms", 250),
+    ("grpc.min_reconnect_backoff_ms", 250),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+    ("grpc.enable_retries", 0),
+)
+
+
+class ErrorKind(enum.StrEnum):
+    UNREACHABLE = "Unreachable"
+    REJECTED = "Rejected"
+    STALE = "Stale"
+    ERROR = "Error"
+
+
+_KIND_BY_CODE = {
+    grpc.StatusCode.UNAVAILABLE: ErrorKind.UNREACHABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED: ErrorKind.UNREACHABLE,
+    grpc.StatusCode.INVALID_ARGUMENT: ErrorKind.REJECTED,
+    grpc.StatusCode.FAILED_PRECONDITION: ErrorKind.STALE,
+}
+
+
+class WorkerError(Exception):
+    """A GraphControl call that failed; ``kind`` is what it means for the policy."""
+
+    def __init__(self, kind: ErrorKind, message: str, code: grpc.StatusCode | None = None) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.message = message
+        self.code = code
+
+
+class GraphControlClient:
+    """Calls ``GraphControl`` on workers by ``host:port``; channels are cached per address."""
+
+    def __init__(self, timeout: float = 5.0, load_timeout: float = 300.0) -> None:
+        self.timeout = timeout
+        self.load_timeout = load_timeout
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._stubs: dict[str, pb_grpc.GraphControlStub] = {}
+
+    def _stub(self, target: str) -> pb_grpc.GraphControlStub:
+        stub = self._stubs.get(target)
+        if stub is None:
+            channel = grpc.aio.insecure_channel(target, options=_CHANNEL_OPTIONS)
+            self._channels[target] = channel
+            stub = self._stubs[target] = pb_grpc.GraphControlStub(channel)
+        return stub
+
+    async def _call(self, target: str, method: str, request: object, timeout: float) -> object:
+        try:
+            return await getattr(self._stub(target), method)(request, timeout=timeout)
+        except grpc.aio.AioRpcError as err:
+            kind = _KIND_BY_CODE.get(err.code(), ErrorKind.ERROR)
+            if kind is ErrorKind.UNREACHABLE:
+                # A fresh channel next time: the old one may sit in reconnect backoff.
+                await self.forget(target)
+            detail = err.details() or err.code().name
+            raise WorkerError(kind, f"{method}: {err.code().name}: {detail}", err.code()) from None
+
+    async def get_status(self, target: str) -> pb.GraphStatus:
+        return await self._call(target, "GetGraphStatus", pb.GetGraphStatusRequest(), self.timeout)
+
+    async def apply_policy(
+        self, target: str, policy: pb.GraphPolicy
+    ) -> pb.ApplyGraphPolicyResponse:
+        request = pb.ApplyGraphPolicyRequest(policy=policy)
+        # Applying may recapture every size before it answers; give it the load deadline.
+        return await self._call(target, "ApplyGraphPolicy", request, self.load_timeout)
+
+    async def load_model_revision(
+        self, target: str, source: str, revision: str
+    ) -> pb.LoadModelRevisionResponse:
+        request = pb.LoadModelRevisionRequest(source=source, revision=revision)
+        return await self._call(target, "LoadModelRevision", request, self.load_timeout)
+
+    async def model_info(self, target: str) -> pb.GetModelInfoResponse:
+        """The worker's model (its InferenceWorker service shares the port)."""
+        self._stub(target)  # opens the channel if needed
+        stub = pb_grpc.InferenceWorkerStub(self._channels[target])
+        try:
+            return await stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=self.timeout)
+        except grpc.aio.AioRpcError as err:
+            kind = _KIND_BY_CODE.get(err.code(), ErrorKind.ERROR)
+            raise WorkerError(kind, f"GetModelInfo: {err.code().name}: {err.details()}") from None
+
+    async def forget(self, target: str) -> None:
+        """Closes the channel to ``target`` (a worker that went away or moved)."""
+        self._stubs.pop(target, None)
+        channel = self._channels.pop(target, None)
+        if channel is not None:
+            await channel.close()
+
+    async def prune(self, keep: set[str]) -> None:
+        """Closes channels to addresses no selected worker has any more."""
+        for target in [t for t in self._channels if t not in keep]:
+            await self.forget(target)
+
+    async def close(self) -> None:
+        for target in list(self._channels):
+            await self.forget(target)

@@ -1,0 +1,323 @@
+"""The graph policy model that the operator and the worker share.
+
+One place turns a GraphPolicy custom resource's spec into the wire message, validates it with
+messages that name the field, and resolves its capture sizes into a ladder. The CRD's schema
+and CEL rules check the same things at admission; the operator checks again before it pushes
+and the worker before it captures, so a policy that slips past one layer is still refused with
+a clear reason.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from google.protobuf import json_format
+
+from graphkeeper.proto import worker_pb2 as pb
+
+#: The largest capture size any policy may ask for.
+MAX_CAPTURE_SIZE_LIMIT = 8192
+#: Upper bound of the default maximum capture size (vLLM's choice).
+DEFAULT_MAX_CAPTURE_CEILING = 512
+MAX_EXPLICIT_SIZES = 256
+MAX_TENANTS = 256
+
+TENANT_RE = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
+
+# CRD spelling (Kubernetes API conventions: CamelCase enum values) <-> wire enums.
+MODE_BY_NAME: dict[str, int] = {
+    "None": pb.GRAPH_MODE_NONE,
+    "Piecewise": pb.GRAPH_MODE_PIECEWISE,
+    "Full": pb.GRAPH_MODE_FULL,
+    "FullDecodeOnly": pb.GRAPH_MODE_FULL_DECODE_ONLY,
+    "FullAndPiecewise": pb.GRAPH_MODE_FULL_AND_PIECEWISE,
+}
+LADDER_BY_NAME: dict[str, int] = {
+    "Default": pb.CAPTURE_LADDER_DEFAULT,
+    "Interactivity": pb.CAPTURE_LADDER_INTERACTIVITY,
+}
+TENANT_GRAPHS_BY_NAME: dict[str, int] = {
+    "Enabled": pb.TENANT_GRAPHS_ENABLED,
+    "Disabled": pb.TENANT_GRAPHS_DISABLED,
+}
+DEFAULT_MODE = pb.GRAPH_MODE_FULL_AND_PIECEWISE
+
+_QUANTITY_RE = re.compile(r"^([0-9]+(?:\.[0-9]+)?)([KMGTPE]i?|[kmun]|)$")
+_QUANTITY_FACTORS = {
+    "": 1, "k": 10**3, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18,
+    "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60,
+}
+
+
+class PolicyError(ValueError):
+    """A policy that cannot be applied; ``field`` names the offending field."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+
+
+# --- capture-size ladders ---------------------------------------------------------------------
+
+
+def default_max_capture_size(max_num_seqs: int) -> int:
+    """vLLM's default: twice the running-sequence limit, at most 512."""
+    return max(1, min(2 * max_num_seqs, DEFAULT_MAX_CAPTURE_CEILING))
+
+
+def default_ladder(max_size: int) -> list[int]:
+    """1, 2, 4, then every 8 up to 256, then every 16 up to ``max_size``; ``max_size`` included."""
+    steps = [1, 2, 4, *range(8, 257, 8), *range(272, max_size + 1, 16)]
+    return _with_max([s for s in steps if s <= max_size], max_size)
+
+
+def interactivity_ladder(max_size: int) -> list[int]:
+    """Every size 1..32 (small batches never pad), then the default steps."""
+    steps = set(range(1, 33)) | set(default_ladder(max_size))
+    return _with_max(sorted(s for s in steps if s <= max_size), max_size)
+
+
+def _with_max(sizes: list[int], max_size: int) -> list[int]:
+    # The maximum is always captured: vLLM truncated off-stride maxima and lost the top bucket.
+    return sizes if sizes and sizes[-1] == max_size else [*sizes, max_size]
+
+
+def resolve_capture_sizes(
+    sizes: pb.CaptureSizes, max_num_seqs: int, max_num_batched_tokens: int
+) -> list[int]:
+    """The ascending capture sizes a worker with these limits captures for ``sizes``."""
+    limit = max_num_batched_tokens
+    max_size = sizes.max_capture_size or default_max_capture_size(max_num_seqs)
+    which = sizes.WhichOneof("sizes")
+    if which == "explicit":
+        chosen = sorted(set(sizes.explicit.sizes))
+        if sizes.max_capture_size:
+            chosen = sorted(set(chosen) | {sizes.max_capture_size})
+        return chosen
+    max_size = min(max_size, limit)
+    if which == "ladder" and sizes.ladder == pb.CAPTURE_LADDER_INTERACTIVITY:
+        return interactivity_ladder(max_size)
+    return default_ladder(max_size)
+
+
+def padding_table(capture_sizes: list[int]) -> list[int]:
+    """``table[n]`` is the smallest capture size >= n, for n in 0..max; index 0 maps to 0.
+
+    Precomputed once so that the dispatcher pads any token count in O(1).
+    """
+    if not capture_sizes:
+        return [0]
+    ordered = sorted(capture_sizes)
+    table = [0] * (ordered[-1] + 1)
+    bucket = 0
+    for n in range(1, ordered[-1] + 1):
+        while ordered[bucket] < n:
+            bucket += 1
+        table[n] = ordered[bucket]
+    return table
+
+
+# --- validation -------------------------------------------------------------------------------
+
+
+def validate_policy(
+    policy: pb.GraphPolicy, max_num_batched_tokens: int | None = None
+) -> None:
+    """Raises PolicyError naming the first invalid field; silent when the policy is valid.
+
+    ``max_num_batched_tokens`` is given by a worker, which also refuses sizes it can never use.
+    """
+    if not policy.policy_uid:
+        raise PolicyError("policy_uid", "must not be empty")
+    if policy.generation < 1:
+        raise PolicyError("generation", f"must be at least 1, got {policy.generation}")
+    if policy.mode not in MODE_BY_NAME.values() and policy.mode != pb.GRAPH_MODE_UNSPECIFIED:
+        raise PolicyError("mode", f"unknown graph mode {policy.mode}")
+    _validate_sizes(policy.capture_sizes, max_num_batched_tokens)
+    if policy.memory_budget_bytes < 0:
+        raise PolicyError("memory_budget_bytes", f"must not be negative, got {policy.memory_budget_bytes}")
+    _validate_tenants(policy)
+
+
+def _validate_sizes(sizes: pb.CaptureSizes, max_num_batched_tokens: int | None) -> None:
+    max_size = sizes.max_capture_size
+    if max_size < 0 or max_size > MAX_CAPTURE_SIZE_LIMIT:
+        raise PolicyError(
+            "capture_sizes.max_capture_size",
+            f"must be in [1, {MAX_CAPTURE_SIZE_LIMIT}] (0 for the default), got {max_size}",
+        )
+    if sizes.WhichOneof("sizes") == "ladder" and sizes.ladder not in LADDER_BY_NAME.values():
+        raise PolicyError("capture_sizes.ladder", f"unknown ladder {sizes.ladder}")
+    if sizes.WhichOneof("sizes") != "explicit":
+        return
+    values = list(sizes.explicit.sizes)
+    if not values:
+        raise PolicyError("capture_sizes.explicit.sizes", "must list at least one size")
+    if len(values) > MAX_EXPLICIT_SIZES:
+        raise PolicyError("capture_sizes.explicit.sizes", f"at most {MAX_EXPLICIT_SIZES} sizes")
+    seen: set[int] = set()
+    for i, size in enumerate(values):
+        field = f"capture_sizes.explicit.sizes[{i}]"
+        if size < 1:
+            raise PolicyError(field, f"must be positive, got {size}")
+        if size in seen:
+            raise PolicyError(field, f"duplicate size {size}")
+        seen.add(size)
+        ceiling = max_size or MAX_CAPTURE_SIZE_LIMIT
+        if size > ceiling:
+            raise PolicyError(field, f"{size} exceeds the maximum capture size {ceiling}")
+        if max_num_batched_tokens is not None and size > max_num_batched_tokens:
+            raise PolicyError(
+                field,
+                f"{size} exceeds this worker's token budget per step ({max_num_batched_tokens})",
+            )
+
+
+def _validate_tenants(policy: pb.GraphPolicy) -> None:
+    if len(policy.tenants) > MAX_TENANTS:
+        raise PolicyError("tenants", f"at most {MAX_TENANTS} entries")
+    seen: set[str] = set()
+    for i, toggle in enumerate(policy.tenants):
+        if not TENANT_RE.match(toggle.tenant):
+            raise PolicyError(
+                f"tenants[{i}].tenant",
+                f"{toggle.tenant!r} is not a DNS-1123 label ([a-z0-9-], at most 63 characters)",
+            )
+        if toggle.tenant in seen:
+            raise PolicyError(f"tenants[{i}].tenant", f"duplicate tenant {toggle.tenant!r}")
+        seen.add(toggle.tenant)
+        if toggle.graphs not in TENANT_GRAPHS_BY_NAME.values():
+            raise PolicyError(f"tenants[{i}].graphs", "must be ENABLED or DISABLED")
+
+
+def valid_tenant(name: str) -> bool:
+    """Empty is the default tenant; anything else must be a DNS-1123 label."""
+    return name == "" or bool(TENANT_RE.match(name))
+
+
+# --- tenants ----------------------------------------------------------------------------------
+
+
+def tenant_allows_graphs(policy: pb.GraphPolicy, tenant: str) -> bool:
+    """Whether a step holding a sequence of ``tenant`` may replay a graph under ``policy``."""
+    for toggle in policy.tenants:
+        if toggle.tenant == tenant:
+            return toggle.graphs != pb.TENANT_GRAPHS_DISABLED
+    return policy.default_tenant_graphs != pb.TENANT_GRAPHS_DISABLED
+
+
+def disabled_tenants(policy: pb.GraphPolicy) -> frozenset[str]:
+    """Tenants listed as Disabled (all others follow the default)."""
+    return frozenset(t.tenant for t in policy.tenants if t.graphs == pb.TENANT_GRAPHS_DISABLED)
+
+
+def effective_requested_mode(policy: pb.GraphPolicy) -> int:
+    """The policy's mode, with UNSPECIFIED read as the default FULL_AND_PIECEWISE."""
+    return policy.mode or DEFAULT_MODE
+
+
+# --- the custom resource's spec ---------------------------------------------------------------
+
+
+def parse_quantity(value: str | int) -> int:
+    """A Kubernetes quantity (``256Mi``, ``1G``, ``1024``) in bytes."""
+    if isinstance(value, int):
+        if value < 0:
+            raise PolicyError("memoryBudget", f"must not be negative, got {value}")
+        return value
+    match = _QUANTITY_RE.match(str(value).strip())
+    if not match or match.group(2) in ("m", "u", "n"):
+        raise PolicyError("memoryBudget", f"{value!r} is not a byte quantity such as 256Mi or 1G")
+    number, suffix = match.groups()
+    return int(float(number) * _QUANTITY_FACTORS[suffix])
+
+
+def policy_from_spec(
+    spec: Mapping[str, Any], *, uid: str, name: str, generation: int
+) -> pb.GraphPolicy:
+    """Turns a GraphPolicy custom resource's spec into the wire message, validating it."""
+    policy = pb.GraphPolicy(policy_uid=uid, policy_name=name, generation=generation)
+    mode = spec.get("mode", "FullAndPiecewise")
+    if mode not in MODE_BY_NAME:
+        raise PolicyError("spec.mode", f"{mode!r} is not one of {sorted(MODE_BY_NAME)}")
+    policy.mode = MODE_BY_NAME[mode]
+    _sizes_from_spec(spec.get("captureSizes") or {}, policy.capture_sizes)
+    if spec.get("memoryBudget") not in (None, ""):
+        try:
+            policy.memory_budget_bytes = parse_quantity(spec["memoryBudget"])
+        except PolicyError as err:
+            raise PolicyError("spec.memoryBudget", err.message) from None
+    default = spec.get("defaultTenantGraphs", "Enabled")
+    if default not in TENANT_GRAPHS_BY_NAME:
+        raise PolicyError("spec.defaultTenantGraphs", f"{default!r} is not Enabled or Disabled")
+    policy.default_tenant_graphs = TENANT_GRAPHS_BY_NAME[default]
+    for i, entry in enumerate(spec.get("tenants") or []):
+        graphs = entry.get("graphs", "Enabled")
+        if graphs not in TENANT_GRAPHS_BY_NAME:
+            raise PolicyError(f"spec.tenants[{i}].graphs", f"{graphs!r} is not Enabled or Disabled")
+        policy.tenants.add(tenant=str(entry.get("name", "")), graphs=TENANT_GRAPHS_BY_NAME[graphs])
+    try:
+        validate_policy(policy)
+    except PolicyError as err:
+        raise PolicyError(_spec_field(err.field), err.message) from None
+    return policy
+
+
+def _sizes_from_spec(spec: Mapping[str, Any], out: pb.CaptureSizes) -> None:
+    if "sizes" in spec and "ladder" in spec:
+        raise PolicyError("spec.captureSizes", "set either sizes or ladder, not both")
+    out.max_capture_size = int(spec.get("maxCaptureSize", 0))
+    if "sizes" in spec:
+        out.explicit.sizes.extend(int(s) for s in spec["sizes"])
+        return
+    ladder = spec.get("ladder", "Default")
+    if ladder not in LADDER_BY_NAME:
+        raise PolicyError("spec.captureSizes.ladder", f"{ladder!r} is not one of {sorted(LADDER_BY_NAME)}")
+    out.ladder = LADDER_BY_NAME[ladder]
+
+
+def _spec_field(field: str) -> str:
+    """Maps a wire field path to the custom resource's spelling, for messages people read."""
+    renames = {
+        "capture_sizes.explicit.sizes": "spec.captureSizes.sizes",
+        "capture_sizes.max_capture_size": "spec.captureSizes.maxCaptureSize",
+        "capture_sizes.ladder": "spec.captureSizes.ladder",
+        "memory_budget_bytes": "spec.memoryBudget",
+        "tenants": "spec.tenants",
+        "mode": "spec.mode",
+    }
+    for wire, crd in renames.items():
+        if field.startswith(wire):
+            return crd + field[len(wire):].replace(".tenant", ".name")
+    return field
+
+
+# --- the policy file a worker reads at boot ---------------------------------------------------
+
+
+def policy_to_json(policy: pb.GraphPolicy) -> str:
+    """The policy as the JSON the operator writes into the ConfigMap that worker pods mount."""
+    return json_format.MessageToJson(policy, preserving_proto_field_name=True, indent=2)
+
+
+def policy_from_json(text: str) -> pb.GraphPolicy:
+    """Parses a policy file; raises PolicyError on malformed JSON or an invalid policy."""
+    try:
+        policy = json_format.Parse(text, pb.GraphPolicy())
+    except json_format.ParseError as err:
+        raise PolicyError("policy_file", f"not a GraphPolicy JSON document: {err}") from None
+    validate_policy(policy)
+    return policy
+
+
+def mode_name(mode: int) -> str:
+    """``GRAPH_MODE_FULL_AND_PIECEWISE`` -> ``full_and_piecewise`` (the metric label form)."""
+    return pb.GraphMode.Name(mode).removeprefix("GRAPH_MODE_").lower()
+
+
+def reason_name(reason: int) -> str:
+    """``FALLBACK_REASON_TENANT_DISABLED`` -> ``tenant_disabled`` (the metric label form)."""
+    return pb.FallbackReason.Name(reason).removeprefix("FALLBACK_REASON_").lower()

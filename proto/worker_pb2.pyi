@@ -1,0 +1,401 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class GraphMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    GRAPH_MODE_UNSPECIFIED: _ClassVar[GraphMode]
+    GRAPH_MODE_NONE: _ClassVar[GraphMode]
+    GRAPH_MODE_PIECEWISE: _ClassVar[GraphMode]
+    GRAPH_MODE_FULL: _ClassVar[GraphMode]
+    GRAPH_MODE_FULL_DECODE_ONLY: _ClassVar[GraphMode]
+    GRAPH_MODE_FULL_AND_PIECEWISE: _ClassVar[GraphMode]
+
+class FallbackReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FALLBACK_REASON_UNSPECIFIED: _ClassVar[FallbackReason]
+    FALLBACK_REASON_EXCEEDS_MAX_CAPTURE_SIZE: _ClassVar[FallbackReason]
+    FALLBACK_REASON_SIZE_OVER_BUDGET: _ClassVar[FallbackReason]
+    FALLBACK_REASON_SIZE_CAPTURE_FAILED: _ClassVar[FallbackReason]
+    FALLBACK_REASON_MODE_EXCLUDES_STEP: _ClassVar[FallbackReason]
+    FALLBACK_REASON_TENANT_DISABLED: _ClassVar[FallbackReason]
+    FALLBACK_REASON_BACKEND_UNSUPPORTED: _ClassVar[FallbackReason]
+    FALLBACK_REASON_RECAPTURING: _ClassVar[FallbackReason]
+
+class LifecycleState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    LIFECYCLE_STATE_UNSPECIFIED: _ClassVar[LifecycleState]
+    LIFECYCLE_STATE_LOADING: _ClassVar[LifecycleState]
+    LIFECYCLE_STATE_MODEL_LOADED: _ClassVar[LifecycleState]
+    LIFECYCLE_STATE_WARMED: _ClassVar[LifecycleState]
+    LIFECYCLE_STATE_CAPTURED: _ClassVar[LifecycleState]
+    LIFECYCLE_STATE_READY: _ClassVar[LifecycleState]
+    LIFECYCLE_STATE_RECAPTURING: _ClassVar[LifecycleState]
+    LIFECYCLE_STATE_DRAINING: _ClassVar[LifecycleState]
+
+class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FINISH_REASON_UNSPECIFIED: _ClassVar[FinishReason]
+    FINISH_REASON_LENGTH: _ClassVar[FinishReason]
+    FINISH_REASON_STOP: _ClassVar[FinishReason]
+    FINISH_REASON_EOS: _ClassVar[FinishReason]
+    FINISH_REASON_CANCELLED: _ClassVar[FinishReason]
+    FINISH_REASON_ERROR: _ClassVar[FinishReason]
+
+class CaptureLadder(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    CAPTURE_LADDER_UNSPECIFIED: _ClassVar[CaptureLadder]
+    CAPTURE_LADDER_DEFAULT: _ClassVar[CaptureLadder]
+    CAPTURE_LADDER_INTERACTIVITY: _ClassVar[CaptureLadder]
+
+class TenantGraphs(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TENANT_GRAPHS_UNSPECIFIED: _ClassVar[TenantGraphs]
+    TENANT_GRAPHS_ENABLED: _ClassVar[TenantGraphs]
+    TENANT_GRAPHS_DISABLED: _ClassVar[TenantGraphs]
+
+class LedgerStage(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    LEDGER_STAGE_UNSPECIFIED: _ClassVar[LedgerStage]
+    LEDGER_STAGE_CONTEXT: _ClassVar[LedgerStage]
+    LEDGER_STAGE_WEIGHTS: _ClassVar[LedgerStage]
+    LEDGER_STAGE_KV_CACHE: _ClassVar[LedgerStage]
+    LEDGER_STAGE_WARMUP: _ClassVar[LedgerStage]
+    LEDGER_STAGE_CAPTURE: _ClassVar[LedgerStage]
+    LEDGER_STAGE_STEADY: _ClassVar[LedgerStage]
+GRAPH_MODE_UNSPECIFIED: GraphMode
+GRAPH_MODE_NONE: GraphMode
+GRAPH_MODE_PIECEWISE: GraphMode
+GRAPH_MODE_FULL: GraphMode
+GRAPH_MODE_FULL_DECODE_ONLY: GraphMode
+GRAPH_MODE_FULL_AND_PIECEWISE: GraphMode
+FALLBACK_REASON_UNSPECIFIED: FallbackReason
+FALLBACK_REASON_EXCEEDS_MAX_CAPTURE_SIZE: FallbackReason
+FALLBACK_REASON_SIZE_OVER_BUDGET: FallbackReason
+FALLBACK_REASON_SIZE_CAPTURE_FAILED: FallbackReason
+FALLBACK_REASON_MODE_EXCLUDES_STEP: FallbackReason
+FALLBACK_REASON_TENANT_DISABLED: FallbackReason
+FALLBACK_REASON_BACKEND_UNSUPPORTED: FallbackReason
+FALLBACK_REASON_RECAPTURING: FallbackReason
+LIFECYCLE_STATE_UNSPECIFIED: LifecycleState
+LIFECYCLE_STATE_LOADING: LifecycleState
+LIFECYCLE_STATE_MODEL_LOADED: LifecycleState
+LIFECYCLE_STATE_WARMED: LifecycleState
+LIFECYCLE_STATE_CAPTURED: LifecycleState
+LIFECYCLE_STATE_READY: LifecycleState
+LIFECYCLE_STATE_RECAPTURING: LifecycleState
+LIFECYCLE_STATE_DRAINING: LifecycleState
+FINISH_REASON_UNSPECIFIED: FinishReason
+FINISH_REASON_LENGTH: FinishReason
+FINISH_REASON_STOP: FinishReason
+FINISH_REASON_EOS: FinishReason
+FINISH_REASON_CANCELLED: FinishReason
+FINISH_REASON_ERROR: FinishReason
+CAPTURE_LADDER_UNSPECIFIED: CaptureLadder
+CAPTURE_LADDER_DEFAULT: CaptureLadder
+CAPTURE_LADDER_INTERACTIVITY: CaptureLadder
+TENANT_GRAPHS_UNSPECIFIED: TenantGraphs
+TENANT_GRAPHS_ENABLED: TenantGraphs
+TENANT_GRAPHS_DISABLED: TenantGraphs
+LEDGER_STAGE_UNSPECIFIED: LedgerStage
+LEDGER_STAGE_CONTEXT: LedgerStage
+LEDGER_STAGE_WEIGHTS: LedgerStage
+LEDGER_STAGE_KV_CACHE: LedgerStage
+LEDGER_STAGE_WARMUP: LedgerStage
+LEDGER_STAGE_CAPTURE: LedgerStage
+LEDGER_STAGE_STEADY: LedgerStage
+
+class SamplingParams(_message.Message):
+    __slots__ = ("temperature", "top_k", "top_p", "seed")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class StoppingCriteria(_message.Message):
+    __slots__ = ("max_new_tokens", "stop_token_ids", "ignore_eos")
+    MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    max_new_tokens: int
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    ignore_eos: bool
+    def __init__(self, max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
+
+class GenerateRequest(_message.Message):
+    __slots__ = ("request_id", "tenant", "prompt_token_ids", "sampling", "stopping")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    STOPPING_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    tenant: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: SamplingParams
+    stopping: StoppingCriteria
+    def __init__(self, request_id: _Optional[str] = ..., tenant: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stopping: _Optional[_Union[StoppingCriteria, _Mapping]] = ...) -> None: ...
+
+class GenerateResponse(_message.Message):
+    __slots__ = ("tokens", "completion")
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COMPLETION_FIELD_NUMBER: _ClassVar[int]
+    tokens: TokenChunk
+    completion: Completion
+    def __init__(self, tokens: _Optional[_Union[TokenChunk, _Mapping]] = ..., completion: _Optional[_Union[Completion, _Mapping]] = ...) -> None: ...
+
+class TokenChunk(_message.Message):
+    __slots__ = ("token_ids",)
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class Completion(_message.Message):
+    __slots__ = ("request_id", "finish_reason", "prompt_tokens", "generated_tokens", "time_to_first_token_seconds", "total_seconds", "execution")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TIME_TO_FIRST_TOKEN_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    EXECUTION_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    finish_reason: FinishReason
+    prompt_tokens: int
+    generated_tokens: int
+    time_to_first_token_seconds: float
+    total_seconds: float
+    execution: ExecutionSummary
+    def __init__(self, request_id: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., time_to_first_token_seconds: _Optional[float] = ..., total_seconds: _Optional[float] = ..., execution: _Optional[_Union[ExecutionSummary, _Mapping]] = ...) -> None: ...
+
+class ExecutionSummary(_message.Message):
+    __slots__ = ("graph_steps", "eager_steps")
+    GRAPH_STEPS_FIELD_NUMBER: _ClassVar[int]
+    EAGER_STEPS_FIELD_NUMBER: _ClassVar[int]
+    graph_steps: _containers.RepeatedCompositeFieldContainer[GraphStepCount]
+    eager_steps: _containers.RepeatedCompositeFieldContainer[FallbackCount]
+    def __init__(self, graph_steps: _Optional[_Iterable[_Union[GraphStepCount, _Mapping]]] = ..., eager_steps: _Optional[_Iterable[_Union[FallbackCount, _Mapping]]] = ...) -> None: ...
+
+class GraphStepCount(_message.Message):
+    __slots__ = ("mode", "size", "steps")
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    mode: GraphMode
+    size: int
+    steps: int
+    def __init__(self, mode: _Optional[_Union[GraphMode, str]] = ..., size: _Optional[int] = ..., steps: _Optional[int] = ...) -> None: ...
+
+class FallbackCount(_message.Message):
+    __slots__ = ("reason", "steps")
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    reason: FallbackReason
+    steps: int
+    def __init__(self, reason: _Optional[_Union[FallbackReason, str]] = ..., steps: _Optional[int] = ...) -> None: ...
+
+class GetModelInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetModelInfoResponse(_message.Message):
+    __slots__ = ("source", "revision", "architecture", "dtype", "vocab_size", "hidden_size", "num_layers", "num_attention_heads", "num_key_value_heads", "max_seq_len", "max_num_seqs", "eos_token_id", "device", "parameter_count")
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    REVISION_FIELD_NUMBER: _ClassVar[int]
+    ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_ATTENTION_HEADS_FIELD_NUMBER: _ClassVar[int]
+    NUM_KEY_VALUE_HEADS_FIELD_NUMBER: _ClassVar[int]
+    MAX_SEQ_LEN_FIELD_NUMBER: _ClassVar[int]
+    MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
+    EOS_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    PARAMETER_COUNT_FIELD_NUMBER: _ClassVar[int]
+    source: str
+    revision: str
+    architecture: str
+    dtype: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    max_seq_len: int
+    max_num_seqs: int
+    eos_token_id: int
+    device: str
+    parameter_count: int
+    def __init__(self, source: _Optional[str] = ..., revision: _Optional[str] = ..., architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_attention_heads: _Optional[int] = ..., num_key_value_heads: _Optional[int] = ..., max_seq_len: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., eos_token_id: _Optional[int] = ..., device: _Optional[str] = ..., parameter_count: _Optional[int] = ...) -> None: ...
+
+class CaptureSizes(_message.Message):
+    __slots__ = ("explicit", "ladder", "max_capture_size")
+    EXPLICIT_FIELD_NUMBER: _ClassVar[int]
+    LADDER_FIELD_NUMBER: _ClassVar[int]
+    MAX_CAPTURE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    explicit: ExplicitSizes
+    ladder: CaptureLadder
+    max_capture_size: int
+    def __init__(self, explicit: _Optional[_Union[ExplicitSizes, _Mapping]] = ..., ladder: _Optional[_Union[CaptureLadder, str]] = ..., max_capture_size: _Optional[int] = ...) -> None: ...
+
+class ExplicitSizes(_message.Message):
+    __slots__ = ("sizes",)
+    SIZES_FIELD_NUMBER: _ClassVar[int]
+    sizes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, sizes: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class TenantToggle(_message.Message):
+    __slots__ = ("tenant", "graphs")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    GRAPHS_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    graphs: TenantGraphs
+    def __init__(self, tenant: _Optional[str] = ..., graphs: _Optional[_Union[TenantGraphs, str]] = ...) -> None: ...
+
+class GraphPolicy(_message.Message):
+    __slots__ = ("policy_uid", "policy_name", "generation", "mode", "capture_sizes", "memory_budget_bytes", "tenants", "default_tenant_graphs")
+    POLICY_UID_FIELD_NUMBER: _ClassVar[int]
+    POLICY_NAME_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    CAPTURE_SIZES_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TENANTS_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_TENANT_GRAPHS_FIELD_NUMBER: _ClassVar[int]
+    policy_uid: str
+    policy_name: str
+    generation: int
+    mode: GraphMode
+    capture_sizes: CaptureSizes
+    memory_budget_bytes: int
+    tenants: _containers.RepeatedCompositeFieldContainer[TenantToggle]
+    default_tenant_graphs: TenantGraphs
+    def __init__(self, policy_uid: _Optional[str] = ..., policy_name: _Optional[str] = ..., generation: _Optional[int] = ..., mode: _Optional[_Union[GraphMode, str]] = ..., capture_sizes: _Optional[_Union[CaptureSizes, _Mapping]] = ..., memory_budget_bytes: _Optional[int] = ..., tenants: _Optional[_Iterable[_Union[TenantToggle, _Mapping]]] = ..., default_tenant_graphs: _Optional[_Union[TenantGraphs, str]] = ...) -> None: ...
+
+class ApplyGraphPolicyRequest(_message.Message):
+    __slots__ = ("policy",)
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    policy: GraphPolicy
+    def __init__(self, policy: _Optional[_Union[GraphPolicy, _Mapping]] = ...) -> None: ...
+
+class ApplyGraphPolicyResponse(_message.Message):
+    __slots__ = ("applied_generation", "recapture_started", "unchanged")
+    APPLIED_GENERATION_FIELD_NUMBER: _ClassVar[int]
+    RECAPTURE_STARTED_FIELD_NUMBER: _ClassVar[int]
+    UNCHANGED_FIELD_NUMBER: _ClassVar[int]
+    applied_generation: int
+    recapture_started: bool
+    unchanged: bool
+    def __init__(self, applied_generation: _Optional[int] = ..., recapture_started: _Optional[bool] = ..., unchanged: _Optional[bool] = ...) -> None: ...
+
+class GetGraphStatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class CapturedSize(_message.Message):
+    __slots__ = ("size", "mode", "capture_seconds", "device_bytes", "reserved_bytes")
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    CAPTURE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RESERVED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    size: int
+    mode: GraphMode
+    capture_seconds: float
+    device_bytes: int
+    reserved_bytes: int
+    def __init__(self, size: _Optional[int] = ..., mode: _Optional[_Union[GraphMode, str]] = ..., capture_seconds: _Optional[float] = ..., device_bytes: _Optional[int] = ..., reserved_bytes: _Optional[int] = ...) -> None: ...
+
+class SkippedSize(_message.Message):
+    __slots__ = ("size", "mode", "reason", "message")
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    size: int
+    mode: GraphMode
+    reason: FallbackReason
+    message: str
+    def __init__(self, size: _Optional[int] = ..., mode: _Optional[_Union[GraphMode, str]] = ..., reason: _Optional[_Union[FallbackReason, str]] = ..., message: _Optional[str] = ...) -> None: ...
+
+class LedgerEntry(_message.Message):
+    __slots__ = ("stage", "device_used_bytes", "torch_allocated_bytes", "torch_reserved_bytes", "residual_bytes")
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TORCH_ALLOCATED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TORCH_RESERVED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RESIDUAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    stage: LedgerStage
+    device_used_bytes: int
+    torch_allocated_bytes: int
+    torch_reserved_bytes: int
+    residual_bytes: int
+    def __init__(self, stage: _Optional[_Union[LedgerStage, str]] = ..., device_used_bytes: _Optional[int] = ..., torch_allocated_bytes: _Optional[int] = ..., torch_reserved_bytes: _Optional[int] = ..., residual_bytes: _Optional[int] = ...) -> None: ...
+
+class GraphStatus(_message.Message):
+    __slots__ = ("state", "requested_mode", "effective_mode", "mode_downgrade_reason", "policy_uid", "policy_generation", "model_revision", "captured", "skipped", "fallbacks", "graph_steps", "eager_steps", "graph_memory_bytes", "total_capture_seconds", "ledger", "running_sequences", "queued_requests", "last_error")
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    REQUESTED_MODE_FIELD_NUMBER: _ClassVar[int]
+    EFFECTIVE_MODE_FIELD_NUMBER: _ClassVar[int]
+    MODE_DOWNGRADE_REASON_FIELD_NUMBER: _ClassVar[int]
+    POLICY_UID_FIELD_NUMBER: _ClassVar[int]
+    POLICY_GENERATION_FIELD_NUMBER: _ClassVar[int]
+    MODEL_REVISION_FIELD_NUMBER: _ClassVar[int]
+    CAPTURED_FIELD_NUMBER: _ClassVar[int]
+    SKIPPED_FIELD_NUMBER: _ClassVar[int]
+    FALLBACKS_FIELD_NUMBER: _ClassVar[int]
+    GRAPH_STEPS_FIELD_NUMBER: _ClassVar[int]
+    EAGER_STEPS_FIELD_NUMBER: _ClassVar[int]
+    GRAPH_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_CAPTURE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    LEDGER_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    LAST_ERROR_FIELD_NUMBER: _ClassVar[int]
+    state: LifecycleState
+    requested_mode: GraphMode
+    effective_mode: GraphMode
+    mode_downgrade_reason: str
+    policy_uid: str
+    policy_generation: int
+    model_revision: str
+    captured: _containers.RepeatedCompositeFieldContainer[CapturedSize]
+    skipped: _containers.RepeatedCompositeFieldContainer[SkippedSize]
+    fallbacks: _containers.RepeatedCompositeFieldContainer[FallbackCount]
+    graph_steps: int
+    eager_steps: int
+    graph_memory_bytes: int
+    total_capture_seconds: float
+    ledger: _containers.RepeatedCompositeFieldContainer[LedgerEntry]
+    running_sequences: int
+    queued_requests: int
+    last_error: str
+    def __init__(self, state: _Optional[_Union[LifecycleState, str]] = ..., requested_mode: _Optional[_Union[GraphMode, str]] = ..., effective_mode: _Optional[_Union[GraphMode, str]] = ..., mode_downgrade_reason: _Optional[str] = ..., policy_uid: _Optional[str] = ..., policy_generation: _Optional[int] = ..., model_revision: _Optional[str] = ..., captured: _Optional[_Iterable[_Union[CapturedSize, _Mapping]]] = ..., skipped: _Optional[_Iterable[_Union[SkippedSize, _Mapping]]] = ..., fallbacks: _Optional[_Iterable[_Union[FallbackCount, _Mapping]]] = ..., graph_steps: _Optional[int] = ..., eager_steps: _Optional[int] = ..., graph_memory_bytes: _Optional[int] = ..., total_capture_seconds: _Optional[float] = ..., ledger: _Optional[_Iterable[_Union[LedgerEntry, _Mapping]]] = ..., running_sequences: _Optional[int] = ..., queued_requests: _Optional[int] = ..., last_error: _Optional[str] = ...) -> None: ...
+
+class LoadModelRevisionRequest(_message.Message):
+    __slots__ = ("source", "revision")
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    REVISION_FIELD_NUMBER: _ClassVar[int]
+    source: str
+    revision: str
+    def __init__(self, source: _Optional[str] = ..., revision: _Optional[str] = ...) -> None: ...
+
+class LoadModelRevisionResponse(_message.Message):
+    __slots__ = ("revision", "recapture_started")
+    REVISION_FIELD_NUMBER: _ClassVar[int]
+    RECAPTURE_STARTED_FIELD_NUMBER: _ClassVar[int]
+    revision: str
+    recapture_started: bool
+    def __init__(self, revision: _Optional[str] = ..., recapture_started: _Optional[bool] = ...) -> None: ...

@@ -1,0 +1,82 @@
+"""The ``graphkeeper`` console script: one entry point, one subcommand per role.
+
+Each subcommand imports its room lazily, so ``graphkeeper generate`` never loads torch and
+``graphkeeper worker`` never loads kopf.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _worker(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("worker", help="serve a model over gRPC until stopped")
+    p.add_argument("--model", default="random:tiny", help="HF-style directory or random:<preset>[@seed]")
+    p.add_argument("--model-revision", default="", help="revision to report (default: content hash)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=50051)
+    p.add_argument("--metrics-port", type=int, default=9400, help="0 disables /metrics")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
+    p.add_argument("--max-num-seqs", type=int, default=16)
+    p.add_argument("--max-seq-len", type=int, default=512)
+    p.add_argument("--max-num-batched-tokens", type=int, default=256, help="token budget per step")
+    p.add_argument("--max-queue", type=int, default=256, help="queued requests before RESOURCE_EXHAUSTED")
+    p.add_argument("--prefill-chunk", type=int, default=0, help="longest prefill chunk (0: token budget)")
+    p.add_argument("--policy-file", default="", help="GraphPolicy JSON to capture before ready")
+    p.add_argument("--graph-mode", default="", help="graph mode without a policy (e.g. FullAndPiecewise)")
+    p.add_argument("--drain-seconds", type=float, default=30.0)
+    p.add_argument("--log-level", default="INFO")
+    p.set_defaults(func=lambda a: __import__("graphkeeper.worker.main", fromlist=["run"]).run(a))
+
+
+def _generate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="stream tokens from a worker")
+    p.add_argument("--target", default="127.0.0.1:50051")
+    p.add_argument("--prompt-ids", required=True, help="comma-separated token ids")
+    p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--tenant", default="")
+    p.add_argument("--stop-ids", default="", help="comma-separated stop token ids")
+    p.add_argument("--json", action="store_true", help="print one JSON object at the end")
+    p.add_argument("--timeout", type=float, default=300.0)
+    p.set_defaults(func=lambda a: __import__("graphkeeper.client", fromlist=["generate_cmd"]).generate_cmd(a))
+
+
+def _status(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("status", help="print a worker's model info and graph status")
+    p.add_argument("--target", default="127.0.0.1:50051")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--timeout", type=float, default=10.0)
+    p.set_defaults(func=lambda a: __import__("graphkeeper.client", fromlist=["status_cmd"]).status_cmd(a))
+
+
+def _operator(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("operator", help="run the GraphPolicy operator (a wrapper over kopf run)")
+    p.add_argument("--namespace", action="append", default=[], help="watch only these (default: all)")
+    p.add_argument("--metrics-port", type=int, default=9500, help="operator metrics and /healthz")
+    p.add_argument("--status-interval", type=float, default=5.0, help="seconds between status reads")
+    p.add_argument("--rpc-timeout", type=float, default=5.0, help="deadline of a status read")
+    p.add_argument("--log-level", default="INFO")
+    p.set_defaults(func=lambda a: __import__("graphkeeper.operator.main", fromlist=["run"]).run(a))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="graphkeeper", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    for add in (_worker, _generate, _status, _operator):
+        add(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,106 @@
+"""``graphkeeper generate`` and ``graphkeeper status``: small gRPC clients of a worker.
+
+They import only grpc and the generated proto code, never torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+import grpc
+from google.protobuf import json_format
+
+from graphkeeper.proto import worker_pb2 as pb
+from graphkeeper.proto import worker_pb2_grpc as pb_grpc
+from graphkeeper.proto.policy import mode_name, reason_name
+
+
+def _ids(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def build_request(args: argparse.Namespace) -> pb.GenerateRequest:
+    sampling = pb.SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    if args.seed is not None:
+        sampling.seed = args.seed
+    return pb.GenerateRequest(
+        tenant=args.tenant, prompt_token_ids=_ids(args.prompt_ids), sampling=sampling,
+        stopping=pb.StoppingCriteria(max_new_tokens=args.max_new_tokens, stop_token_ids=_ids(args.stop_ids)),
+    )
+
+
+def summary_dict(summary: pb.ExecutionSummary) -> dict[str, Any]:
+    """The execution summary with label-form names, as people and scripts read it."""
+    return {
+        "graph_steps": [{"mode": mode_name(g.mode), "size": g.size, "steps": g.steps} for g in summary.graph_steps],
+        "eager_steps": [{"reason": reason_name(e.reason), "steps": e.steps} for e in summary.eager_steps],
+    }
+
+
+def generate_cmd(args: argparse.Namespace) -> int:
+    request = build_request(args)
+    tokens: list[int] = []
+    completion = pb.Completion()
+    with grpc.insecure_channel(args.target) as channel:
+        stub = pb_grpc.InferenceWorkerStub(channel)
+        try:
+            for response in stub.Generate(request, timeout=args.timeout):
+                if response.HasField("tokens"):
+                    tokens.extend(response.tokens.token_ids)
+                    if not args.json:
+                        print(" ".join(map(str, response.tokens.token_ids)), end=" ", flush=True)
+                else:
+                    completion = response.completion
+        except grpc.RpcError as err:
+            print(f"error: {err.code().name}: {err.details()}", file=sys.stderr)
+            return 2
+    result = {
+        "request_id": completion.request_id,
+        "token_ids": tokens,
+        "finish_reason": pb.FinishReason.Name(completion.finish_reason).removeprefix("FINISH_REASON_").lower(),
+        "prompt_tokens": completion.prompt_tokens,
+        "generated_tokens": completion.generated_tokens,
+        "time_to_first_token_seconds": completion.time_to_first_token_seconds,
+        "total_seconds": completion.total_seconds,
+        "execution": summary_dict(completion.execution),
+    }
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(f"\nfinish: {result['finish_reason']}; execution: {json.dumps(result['execution'])}")
+    return 0
+
+
+def status_cmd(args: argparse.Namespace) -> int:
+    with grpc.insecure_channel(args.target) as channel:
+        try:
+            info = pb_grpc.InferenceWorkerStub(channel).GetModelInfo(pb.GetModelInfoRequest(), timeout=args.timeout)
+            status = pb_grpc.GraphControlStub(channel).GetGraphStatus(pb.GetGraphStatusRequest(), timeout=args.timeout)
+        except grpc.RpcError as err:
+            print(f"error: {err.code().name}: {err.details()}", file=sys.stderr)
+            return 2
+    if args.json:
+        doc = {"model": json_format.MessageToDict(info, preserving_proto_field_name=True),
+               "graphs": json_format.MessageToDict(status, preserving_proto_field_name=True)}
+        print(json.dumps(doc, indent=2))
+        return 0
+    print(f"model     {info.source} revision {info.revision} ({info.dtype} on {info.device}, "
+          f"{info.parameter_count} parameters)")
+    print(f"state     {pb.LifecycleState.Name(status.state).removeprefix('LIFECYCLE_STATE_')}")
+    downgrade = f" ({status.mode_downgrade_reason})" if status.mode_downgrade_reason else ""
+    print(f"mode      requested {mode_name(status.requested_mode)}, effective {mode_name(status.effective_mode)}"
+          f"{downgrade}")
+    print(f"policy    {status.policy_uid or '(worker default)'} generation {status.policy_generation}")
+    sizes = ", ".join(f"{mode_name(c.mode)}:{c.size}" for c in status.captured) or "none"
+    print(f"captured  {sizes}; {status.graph_memory_bytes} B graph memory, {status.total_capture_seconds:.2f} s")
+    for s in status.skipped:
+        print(f"skipped   {mode_name(s.mode)}:{s.size} {reason_name(s.reason)}: {s.message}")
+    fallbacks = ", ".join(f"{reason_name(f.reason)}={f.steps}" for f in status.fallbacks) or "none"
+    print(f"steps     graph {status.graph_steps}, eager {status.eager_steps} (fallbacks: {fallbacks})")
+    print(f"serving   {status.running_sequences} running, {status.queued_requests} queued")
+    if status.last_error:
+        print(f"error     {status.last_error}")
+    return 0

@@ -1,0 +1,109 @@
+"""Attention over the static KV cache, and what the backend can record in a CUDA graph.
+
+A step's tokens are laid out flat: first one row per decoding sequence, then the prefill chunks,
+then padding. Decode rows are attended in one batched call whose shapes depend only on the row
+count, so it can be recorded in a FULL graph; prefill chunks are attended one sequence at a time
+with shapes that depend on the chunk, so they always run eagerly (between PIECEWISE graphs).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from graphkeeper.worker.config import ModelConfig
+from graphkeeper.worker.kv_cache import KVCache
+
+
+class GraphSupport(enum.IntEnum):
+    """What an attention backend can record (vLLM's AttentionCGSupport, simplified)."""
+
+    NEVER = 0
+    UNIFORM_DECODE = 1  # only steps where every row is one decode token
+    ALWAYS = 2
+
+
+@dataclass(frozen=True)
+class PrefillChunk:
+    row: int  # first row of the chunk in the flat batch
+    length: int  # tokens in the chunk
+    slot: int
+    start: int  # position of the chunk's first token
+
+
+@dataclass
+class AttentionMetadata:
+    """Device tensors and host facts describing one step's attention.
+
+    ``slots`` and ``positions`` cover every row including padding (padded rows point at the dummy
+    slot, position 0); ``lengths`` covers the decode rows (context length including the new token).
+    """
+
+    slots: Tensor
+    positions: Tensor
+    lengths: Tensor
+    num_decode: int
+    prefill: list[PrefillChunk] = field(default_factory=list)
+
+
+class SdpaAttention:
+    """Attention with ``torch.nn.functional.scaled_dot_product_attention`` over the slot cache.
+
+    Grouped-query attention without repeating keys: for one query token per sequence the query
+    heads of a group become the query-length axis of one SDPA call over the group's key head.
+    """
+
+    name = "sdpa"
+    graph_support = GraphSupport.UNIFORM_DECODE
+
+    def __init__(self, config: ModelConfig, cache: KVCache) -> None:
+        self.cache = cache
+        self.n_heads, self.n_kv, self.head_dim = config.n_heads, config.n_kv_heads, config.head_dim
+        self.group = config.group_size
+        self.key_positions = torch.arange(cache.max_seq_len, device=cache.k.device)
+        self.meta: AttentionMetadata | None = None
+
+    def bind(self, meta: AttentionMetadata) -> None:
+        """Sets the metadata the next forward pass attends with."""
+        self.meta = meta
+
+    def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        meta = self.meta
+        assert meta is not None, "attention metadata not bound for this step"
+        rows = q.shape[0]
+        self.cache.write(layer, meta.slots[:rows], meta.positions[:rows], k, v)
+        if meta.num_decode == rows:
+            return self._decode(layer, q, meta.slots[:rows], meta.lengths[:rows])
+        out = q.new_zeros(rows, self.n_heads * self.head_dim)
+        nd = meta.num_decode
+        if nd:
+            out[:nd] = self._decode(layer, q[:nd], meta.slots[:nd], meta.lengths[:nd])
+        for chunk in meta.prefill:
+            span = slice(chunk.row, chunk.row + chunk.length)
+            out[span] = self._prefill(layer, q[span], chunk)
+        return out
+
+    def _decode(self, layer: int, q: Tensor, slots: Tensor, lengths: Tensor) -> Tensor:
+        b = q.shape[0]
+        keys = self.cache.k[layer][slots]  # [B, n_kv, L, d]
+        values = self.cache.v[layer][slots]
+        query = q.view(b, self.n_kv, self.group, self.head_dim)
+        mask = (self.key_positions[None, :] < lengths[:, None]).view(b, 1, 1, -1)
+        out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask)
+        return out.reshape(b, self.n_heads * self.head_dim)
+
+    def _prefill(self, layer: int, q: Tensor, chunk: PrefillChunk) -> Tensor:
+        n, g = chunk.length, self.group
+        context = chunk.start + n
+        keys = self.cache.k[layer][chunk.slot, :, :context]  # [n_kv, context, d]
+        values = self.cache.v[layer][chunk.slot, :, :context]
+        # [n, n_kv, g, d] -> [n_kv, n * g, d]: row t*g + j is token t, head j of the group.
+        query = q.view(n, self.n_kv, g, self.head_dim).permute(1, 0, 2, 3).reshape(self.n_kv, n * g, -1)
+        token_pos = torch.arange(chunk.start, context, device=q.device).repeat_interleave(g)
+        mask = self.key_positions[None, :context] <= token_pos[:, None]
+        out = F.scaled_dot_product_attention(query[None], keys[None], values[None], attn_mask=mask)
+        return out[0].view(self.n_kv, n, g, self.head_dim).permute(1, 0, 2, 3).reshape(n, -1)

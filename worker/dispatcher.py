@@ -1,0 +1,154 @@
+"""The one place that decides how a step runs: a graph of some mode and padded size, or eager
+with exactly one reason.
+
+Graph wrappers trust the answer; nothing else re-decides. The decision is a pure function of the
+step's descriptor and the captured state, so every reason is testable without a GPU; the
+``Dispatcher`` wraps it with the precomputed padding table and counts each decision once.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from graphkeeper.proto import worker_pb2 as pb
+from graphkeeper.proto.policy import padding_table
+
+NONE, PIECEWISE, FULL = pb.GRAPH_MODE_NONE, pb.GRAPH_MODE_PIECEWISE, pb.GRAPH_MODE_FULL
+_HAS_FULL = {pb.GRAPH_MODE_FULL, pb.GRAPH_MODE_FULL_DECODE_ONLY, pb.GRAPH_MODE_FULL_AND_PIECEWISE}
+_HAS_PIECEWISE = {pb.GRAPH_MODE_PIECEWISE, pb.GRAPH_MODE_FULL_AND_PIECEWISE}
+
+
+class BatchDescriptor(NamedTuple):
+    """What the dispatcher needs to know about a step."""
+
+    num_tokens: int
+    num_reqs: int
+    uniform_decode: bool  # every sequence contributes exactly one (decode) token
+    graphs_allowed: bool  # every sequence's tenant may use graphs
+
+
+class Decision(NamedTuple):
+    """``mode`` is FULL, PIECEWISE or NONE (eager); ``reason`` is set exactly when eager."""
+
+    mode: int
+    size: int
+    reason: int = pb.FALLBACK_REASON_UNSPECIFIED
+
+    @property
+    def eager(self) -> bool:
+        return self.mode == NONE
+
+
+@dataclass(frozen=True)
+class GraphState:
+    """What is captured now, as the dispatcher sees it.
+
+    ``backend_reason`` is set when graphs cannot be recorded at all (no CUDA, or the backend);
+    ``skipped`` maps (mode, size) to SIZE_OVER_BUDGET or SIZE_CAPTURE_FAILED.
+    """
+
+    effective_mode: int = NONE
+    ladder: tuple[int, ...] = ()
+    captured: frozenset[tuple[int, int]] = frozenset()
+    skipped: dict[tuple[int, int], int] = field(default_factory=dict)
+    backend_unsupported: bool = False
+    recapturing: bool = False
+
+
+def mode_has_full(mode: int) -> bool:
+    return mode in _HAS_FULL
+
+
+def mode_has_piecewise(mode: int) -> bool:
+    return mode in _HAS_PIECEWISE
+
+
+def decide(desc: BatchDescriptor, state: GraphState, table: list[int]) -> Decision:
+    """The decision for one step. Reasons are checked in a fixed order, so each step gets one."""
+    n = desc.num_tokens
+    if state.backend_unsupported:
+        return Decision(NONE, n, pb.FALLBACK_REASON_BACKEND_UNSUPPORTED)
+    if state.recapturing:
+        return Decision(NONE, n, pb.FALLBACK_REASON_RECAPTURING)
+    if state.effective_mode == pb.GRAPH_MODE_NONE:
+        return Decision(NONE, n, pb.FALLBACK_REASON_MODE_EXCLUDES_STEP)
+    if not desc.graphs_allowed:
+        return Decision(NONE, n, pb.FALLBACK_REASON_TENANT_DISABLED)
+    modes = _candidate_modes(desc, state.effective_mode)
+    if not modes:
+        return Decision(NONE, n, pb.FALLBACK_REASON_MODE_EXCLUDES_STEP)
+    if not state.ladder or n > state.ladder[-1]:
+        return Decision(NONE, n, pb.FALLBACK_REASON_EXCEEDS_MAX_CAPTURE_SIZE)
+    padded = table[n]
+    for mode in modes:
+        if (mode, padded) in state.captured:
+            return Decision(mode, padded)
+    reason = state.skipped.get((modes[0], padded), pb.FALLBACK_REASON_SIZE_CAPTURE_FAILED)
+    return Decision(NONE, n, reason)
+
+
+def _candidate_modes(desc: BatchDescriptor, mode: int) -> list[int]:
+    """Runtime modes that may serve this step, best first."""
+    modes = []
+    if desc.uniform_decode and mode_has_full(mode):
+        modes.append(FULL)
+    if mode_has_piecewise(mode):
+        modes.append(PIECEWISE)
+    return modes
+
+
+class Dispatcher:
+    """Holds the graph state and its padding table; counts every decision once."""
+
+    def __init__(self, state: GraphState | None = None) -> None:
+        self.graph_steps: Counter[tuple[int, int]] = Counter()
+        self.eager_steps: Counter[int] = Counter()
+        self.padded_tokens = 0
+        self.real_tokens = 0
+        self.update(state or GraphState(backend_unsupported=True))
+
+    def update(self, state: GraphState) -> None:
+        """Swaps in a new graph state (after a capture, at a recapture); O(max size) once."""
+        self.state = state
+        self.table = padding_table(list(state.ladder))
+
+    def dispatch(self, desc: BatchDescriptor) -> Decision:
+        decision = decide(desc, self.state, self.table)
+        self.real_tokens += desc.num_tokens
+        if decision.eager:
+            self.eager_steps[decision.reason] += 1
+            self.padded_tokens += desc.num_tokens
+        else:
+            self.graph_steps[(decision.mode, decision.size)] += 1
+            self.padded_tokens += decision.size
+        return decision
+
+
+def full_sizes(ladder: list[int], max_num_seqs: int) -> list[int]:
+    """The sizes uniform decode steps pad to: FULL graphs beyond them would never be replayed."""
+    table = padding_table(ladder)
+    top = min(max_num_seqs, ladder[-1]) if ladder else 0
+    return sorted({table[n] for n in range(1, top + 1)})
+
+
+def downgrade_mode(requested: int, support: int, cuda: bool) -> tuple[int, str]:
+    """The nearest mode this backend can record, and why it differs from ``requested``.
+
+    ``support`` is a GraphSupport value: 0 never, 1 uniform decode only, 2 always.
+    """
+    if requested == pb.GRAPH_MODE_NONE:
+        return pb.GRAPH_MODE_NONE, ""
+    if not cuda:
+        return pb.GRAPH_MODE_NONE, "no CUDA device: graphs cannot be recorded"
+    if support == 0:
+        if mode_has_piecewise(requested) or requested == pb.GRAPH_MODE_FULL:
+            return pb.GRAPH_MODE_PIECEWISE, "attention backend cannot be recorded: PIECEWISE only"
+        return pb.GRAPH_MODE_NONE, "attention backend cannot be recorded and the mode has no PIECEWISE"
+    if support == 1 and requested == pb.GRAPH_MODE_FULL:
+        return (
+            pb.GRAPH_MODE_FULL_AND_PIECEWISE,
+            "attention backend records only uniform decode steps: mixed steps use PIECEWISE",
+        )
+    return requested, ""

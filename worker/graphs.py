@@ -1,0 +1,292 @@
+"""CUDA graphs for one model, one KV cache and one policy: capture, validation, replay.
+
+A ``GraphSet`` holds the graphs recorded against one set of addresses (weights, KV cache, the
+runner's buffers). Whatever can move those addresses builds a new set; an old set is released,
+never replayed. A ``CaptureJob`` fills a set one (mode, size) at a time, largest first, into one
+shared memory pool, within the policy's memory budget; each graph is replayed on a probe batch
+and compared with eager execution before the dispatcher may use it. The job can run to the end
+at startup, or one size between engine steps during a recapture.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from graphkeeper.proto import worker_pb2 as pb
+from graphkeeper.proto.policy import mode_name
+from graphkeeper.worker.attention import AttentionMetadata
+from graphkeeper.worker.runner import ModelRunner, StepPlan
+
+log = logging.getLogger(__name__)
+
+FULL, PIECEWISE = pb.GRAPH_MODE_FULL, pb.GRAPH_MODE_PIECEWISE
+Key = tuple[int, int]  # (runtime mode, padded size)
+
+
+class StaleGraphError(RuntimeError):
+    """A graph recorded for other weights or buffers was about to be replayed."""
+
+
+@dataclass
+class CapturedGraph:
+    mode: int
+    size: int
+    graphs: list[torch.cuda.CUDAGraph]
+    seconds: float
+    device_bytes: int
+    reserved_bytes: int
+
+
+@dataclass
+class Skipped:
+    reason: int  # SIZE_OVER_BUDGET or SIZE_CAPTURE_FAILED
+    message: str
+
+
+def device_used() -> int:
+    free, total = torch.cuda.mem_get_info()
+    return total - free
+
+
+class GraphSet:
+    """Graphs recorded against one runner's addresses, keyed by (mode, padded size)."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+        self.addresses = _addresses(runner)
+        self.captured: dict[Key, CapturedGraph] = {}
+        self.skipped: dict[Key, Skipped] = {}
+        self.pool = torch.cuda.graph_pool_handle()
+        self.stream = torch.cuda.Stream(device=runner.device)
+        self._piece_buffers: dict[str, Tensor] | None = None
+
+    # --- replay ---------------------------------------------------------------------------
+
+    def check_fresh(self) -> None:
+        """Refuses to replay against moved weights or buffers (cheap pointer comparison)."""
+        if _addresses(self.runner) != self.addresses:
+            raise StaleGraphError("weights or KV cache moved since these graphs were recorded")
+
+    def replay(self, mode: int, size: int, meta: AttentionMetadata) -> Tensor:
+        """Replays the graph the dispatcher chose; returns hidden states ``[size, dim]``."""
+        entry = self.captured.get((mode, size))
+        if entry is None:
+            raise RuntimeError(f"no {mode_name(mode)} graph of size {size}: replay never captures")
+        if mode == FULL:
+            entry.graphs[0].replay()
+        else:
+            self._replay_pieces(entry.graphs, size, meta)
+        return self.runner.hidden[:size]
+
+    def _replay_pieces(self, pieces: list[torch.cuda.CUDAGraph], size: int, meta: AttentionMetadata) -> None:
+        buf = self._buffers()
+        attention = self.runner.attention
+        attention.bind(meta)
+        pieces[0].replay()
+        for layer in range(len(pieces) - 1):
+            out = attention(layer, buf["q"][:size], buf["k"][:size], buf["v"][:size])
+            buf["o"][:size].copy_(out)
+            pieces[layer + 1].replay()
+
+    def release(self) -> None:
+        for entry in self.captured.values():
+            for graph in entry.graphs:
+                graph.reset()
+        self.captured.clear()
+        self._piece_buffers = None
+
+    @property
+    def graph_memory_bytes(self) -> int:
+        return sum(e.device_bytes for e in self.captured.values())
+
+    # --- recording ------------------------------------------------------------------------
+
+    def record(self, mode: int, size: int) -> list[torch.cuda.CUDAGraph]:
+        """Records the graphs for one key on the capture stream into the shared pool."""
+        fns = [self._full_fn(size)] if mode == FULL else self._piece_fns(size)
+        graphs = []
+        self.stream.wait_stream(torch.cuda.current_stream())  # inputs were filled on the main stream
+        with torch.cuda.stream(self.stream):
+            for fn in fns:
+                fn()  # warm-up on the capture stream: lazy library state is created outside capture
+                graph = torch.cuda.CUDAGraph()
+                graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
+                try:
+                    fn()
+                finally:
+                    graph.capture_end()
+                graphs.append(graph)
+        torch.cuda.current_stream().wait_stream(self.stream)
+        return graphs
+
+    def _full_fn(self, size: int) -> Callable[[], None]:
+        runner = self.runner
+
+        def step() -> None:
+            meta = runner.metadata(size, size, [])
+            runner.hidden[:size].copy_(runner.forward_eager(meta, size))
+
+        return step
+
+    def _piece_fns(self, size: int) -> list[Callable[[], None]]:
+        model, runner, buf = self.runner.model, self.runner, self._buffers()
+        tokens, positions = runner.tokens(size), runner.positions(size)
+
+        def store(h: Tensor, q: Tensor, k: Tensor, v: Tensor) -> None:
+            for name, value in (("h", h), ("q", q), ("k", k), ("v", v)):
+                buf[name][:size].copy_(value)
+
+        def first() -> None:
+            store(*model.first_piece(tokens, positions))
+
+        def middle(layer: int) -> Callable[[], None]:
+            return lambda: store(*model.middle_piece(layer, buf["h"][:size], buf["o"][:size], positions))
+
+        def last() -> None:
+            runner.hidden[:size].copy_(model.last_piece(buf["h"][:size], buf["o"][:size]))
+
+        n_layers = model.config.n_layers
+        return [first, *(middle(i) for i in range(1, n_layers)), last]
+
+    def _buffers(self) -> dict[str, Tensor]:
+        """Piece inputs and outputs, shared by every size: one size runs at a time."""
+        if self._piece_buffers is None:
+            c, m = self.runner.loaded.config, self.runner.max_tokens
+            kw = {"device": self.runner.device, "dtype": self.runner.loaded.dtype}
+            self._piece_buffers = {
+                "h": torch.zeros(m, c.dim, **kw),
+                "q": torch.zeros(m, c.n_heads, c.head_dim, **kw),
+                "k": torch.zeros(m, c.n_kv_heads, c.head_dim, **kw),
+                "v": torch.zeros(m, c.n_kv_heads, c.head_dim, **kw),
+                "o": torch.zeros(m, c.n_heads * c.head_dim, **kw),
+            }
+        return self._piece_buffers
+
+
+def _addresses(runner: ModelRunner) -> tuple[int, ...]:
+    weights = runner.model.tok_embeddings.weight.data_ptr(), runner.model.layers[0].attention.wqkv.weight.data_ptr()
+    return (*weights, *runner.cache.addresses(), runner.inputs.data_ptr(), runner.hidden.data_ptr())
+
+
+@dataclass
+class CaptureJob:
+    """Captures ``plan`` into ``graphs`` one key at a time, then hands the set to the dispatcher."""
+
+    graphs: GraphSet
+    plan: list[Key]
+    budget_bytes: int = 0
+    inject_failures: frozenset[int] = frozenset()
+    tolerance: float = 1e-3
+    position: int = 0
+    started_used: int = field(default=0)
+    total_seconds: float = 0.0
+    last_cost: int = 0
+    stopped_by_budget: bool = False
+
+    def __post_init__(self) -> None:
+        self.started_used = device_used()
+
+    @property
+    def done(self) -> bool:
+        return self.position >= len(self.plan)
+
+    def run_all(self) -> None:
+        gc.collect()
+        gc.freeze()  # keeps the collector from walking every object during capture
+        try:
+            while not self.done:
+                self.step()
+        finally:
+            gc.unfreeze()
+
+    def step(self) -> None:
+        """Captures and validates the next key, or skips it with its reason."""
+        mode, size = self.plan[self.position]
+        self.position += 1
+        used = device_used() - self.started_used
+        if self.budget_bytes and (self.stopped_by_budget or (self.graphs.captured and used + self.last_cost > self.budget_bytes)):
+            self._skip(mode, size, pb.FALLBACK_REASON_SIZE_OVER_BUDGET,
+                       f"graph memory {used} B + about {self.last_cost} B would exceed the budget {self.budget_bytes} B")
+            return
+        self._capture(mode, size)
+
+    def _capture(self, mode: int, size: int) -> None:
+        runner = self.graphs.runner
+        probe = probe_plan(runner, size)
+        before_used, before_reserved = device_used(), torch.cuda.memory_reserved()
+        start = time.perf_counter()
+        try:
+            runner.prepare(probe, size)
+            if size in self.inject_failures:
+                raise RuntimeError(f"injected capture failure for size {size}")
+            graphs = self.graphs.record(mode, size)
+        except Exception as err:  # noqa: BLE001 - one size's failure must never stop the worker
+            torch.cuda.synchronize()
+            self._skip(mode, size, pb.FALLBACK_REASON_SIZE_CAPTURE_FAILED, f"capture failed: {err}")
+            return
+        seconds = time.perf_counter() - start
+        entry = CapturedGraph(mode, size, graphs, seconds, device_used() - before_used,
+                              torch.cuda.memory_reserved() - before_reserved)
+        self.graphs.captured[(mode, size)] = entry
+        problem = validate(self.graphs, mode, size, probe, self.tolerance)
+        if problem:
+            self._drop(mode, size, pb.FALLBACK_REASON_SIZE_CAPTURE_FAILED, f"validation failed: {problem}")
+            return
+        self.total_seconds += seconds
+        self.last_cost = max(entry.device_bytes, 0)
+        if self.budget_bytes and device_used() - self.started_used > self.budget_bytes:
+            self._over_budget(mode, size)
+            return
+        log.info("captured %s size %d in %.3f s, %d bytes device, %d bytes reserved",
+                 mode_name(mode), size, seconds, entry.device_bytes, entry.reserved_bytes)
+
+    def _over_budget(self, mode: int, size: int) -> None:
+        only = len(self.graphs.captured) == 1
+        self._drop(mode, size, pb.FALLBACK_REASON_SIZE_OVER_BUDGET,
+                   f"capturing it took graph memory over the budget {self.budget_bytes} B")
+        if only:
+            gc.collect()
+            torch.cuda.empty_cache()  # the pool is empty again: give its memory back
+        if device_used() - self.started_used > self.budget_bytes:
+            self.stopped_by_budget = True  # memory the pool keeps cannot be returned: stop here
+
+    def _drop(self, mode: int, size: int, reason: int, message: str) -> None:
+        entry = self.graphs.captured.pop((mode, size))
+        for graph in entry.graphs:
+            graph.reset()
+        self._skip(mode, size, reason, message)
+
+    def _skip(self, mode: int, size: int, reason: int, message: str) -> None:
+        self.graphs.skipped[(mode, size)] = Skipped(reason, message)
+        log.warning("%s size %d falls back: %s", mode_name(mode), size, message)
+
+
+def probe_plan(runner: ModelRunner, size: int) -> StepPlan:
+    """A deterministic decode batch over scratch slots: every row writes its own position."""
+    generator = torch.Generator().manual_seed(size)
+    tokens = torch.randint(0, runner.loaded.config.vocab_size, (size,), generator=generator).tolist()
+    where = [runner.cache.probe_slot_position(r) for r in range(size)]
+    return StepPlan(tokens=tokens, positions=[p for _, p in where], slots=[s for s, _ in where],
+                    num_decode=size, sample_rows=list(range(size)))
+
+
+def validate(graphs: GraphSet, mode: int, size: int, probe: StepPlan, tolerance: float) -> str:
+    """Replays one graph on the probe batch and compares it with eager execution; '' when equal."""
+    runner = graphs.runner
+    meta = runner.prepare(probe, size)
+    expected = runner.model.logits(runner.forward_eager(meta, size))
+    meta = runner.prepare(probe, size)
+    got = runner.model.logits(graphs.replay(mode, size, meta))
+    if not torch.isfinite(got).all():
+        return "non-finite logits"
+    if not torch.equal(got.argmax(-1), expected.argmax(-1)):
+        return "greedy tokens differ from eager execution"
+    rel = ((got - expected).norm() / expected.norm().clamp_min(1e-12)).item()
+    return f"logits differ by {rel:.2e} (tolerance {tolerance:.0e})" if rel > tolerance else ""

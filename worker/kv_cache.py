@@ -1,0 +1,50 @@
+"""A static, preallocated KV cache: one slot per running sequence, a fixed maximum length.
+
+Shapes and addresses never change between steps, which is what lets a recorded graph read and
+write it. Scratch slots after the real ones belong to the capture phase: the first, the *dummy slot*,
+absorbs the writes of padded rows so that padding never touches a real sequence's state, and
+validation probes write distinct positions across all of them.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from graphkeeper.worker.config import ModelConfig
+
+
+class KVCache:
+    def __init__(
+        self, config: ModelConfig, num_slots: int, max_seq_len: int, *,
+        device: torch.device, dtype: torch.dtype, scratch_slots: int = 1,
+    ) -> None:
+        self.num_slots = num_slots
+        self.scratch_slots = max(1, scratch_slots)
+        self.max_seq_len = max_seq_len
+        total = num_slots + self.scratch_slots
+        shape = (config.n_layers, total, config.n_kv_heads, max_seq_len, config.head_dim)
+        # Zeros, not empty: the dummy slot is read by padded rows and must hold finite values.
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+
+    @property
+    def dummy_slot(self) -> int:
+        return self.num_slots
+
+    def probe_slot_position(self, row: int) -> tuple[int, int]:
+        """A distinct scratch (slot, position) for probe row ``row``."""
+        return self.num_slots + row // self.max_seq_len, row % self.max_seq_len
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.numel() * self.k.element_size() * 2
+
+    def write(self, layer: int, slots: Tensor, positions: Tensor, k: Tensor, v: Tensor) -> None:
+        """Stores ``k``/``v`` ``[T, n_kv, head_dim]`` at ``(slots[t], positions[t])``; no host sync."""
+        self.k[layer][slots, :, positions] = k
+        self.v[layer][slots, :, positions] = v
+
+    def addresses(self) -> tuple[int, int]:
+        """The buffers' device addresses; graphs recorded against others are stale."""
+        return self.k.data_ptr(), self.v.data_ptr()

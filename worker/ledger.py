@@ -1,0 +1,58 @@
+"""The memory ledger: device and allocator memory recorded at each lifecycle stage.
+
+Graph memory is measured, not estimated: the capture stage's growth in device memory in use is
+what the graphs cost. The residual is device memory torch's allocator does not hold (the CUDA
+context, libraries, other processes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from graphkeeper.proto import worker_pb2 as pb
+
+
+@dataclass(frozen=True)
+class LedgerEntry:
+    stage: int
+    device_used: int
+    torch_allocated: int
+    torch_reserved: int
+
+    @property
+    def residual(self) -> int:
+        return max(self.device_used - self.torch_reserved, 0)
+
+    def to_proto(self) -> pb.LedgerEntry:
+        return pb.LedgerEntry(
+            stage=self.stage, device_used_bytes=self.device_used,
+            torch_allocated_bytes=self.torch_allocated, torch_reserved_bytes=self.torch_reserved,
+            residual_bytes=self.residual,
+        )
+
+
+def measure(stage: int, device: torch.device) -> LedgerEntry:
+    """Reads the device's memory now; on a CPU every figure is 0 (nothing to measure)."""
+    if device.type != "cuda":
+        return LedgerEntry(stage, 0, 0, 0)
+    torch.cuda.synchronize(device)
+    free, total = torch.cuda.mem_get_info(device)
+    return LedgerEntry(stage, total - free, torch.cuda.memory_allocated(device),
+                       torch.cuda.memory_reserved(device))
+
+
+class Ledger:
+    """The latest entry for each stage, in lifecycle order."""
+
+    def __init__(self) -> None:
+        self.entries: dict[int, LedgerEntry] = {}
+
+    def record(self, stage: int, device: torch.device) -> LedgerEntry:
+        entry = measure(stage, device)
+        self.entries[stage] = entry
+        return entry
+
+    def to_proto(self) -> list[pb.LedgerEntry]:
+        return [self.entries[s].to_proto() for s in sorted(self.entries)]

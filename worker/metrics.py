@@ -1,0 +1,141 @@
+"""Every metric the worker exports, in one place.
+
+Names carry the ``graphkeeper_`` prefix and base units; counters end in ``_total``; labels are
+bounded: graph modes and fallback reasons come from the proto enums (lower case, prefix
+stripped), sizes from the captured ladder, outcomes from a closed list here. The dashboard, the
+alert rules and the docs use the names in ``METRIC_NAMES``; a test keeps them in step.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+
+from graphkeeper.proto import worker_pb2 as pb
+from graphkeeper.proto.policy import mode_name, reason_name
+
+#: Label values of graphkeeper_requests_total{outcome}.
+OUTCOMES = ("length", "stop", "eos", "cancelled", "invalid", "queue_full", "error")
+#: Label values of graphkeeper_step_duration_seconds{execution_mode}.
+EXECUTION_MODES = ("full", "piecewise", "eager")
+FALLBACK_REASONS = tuple(
+    reason_name(v) for v in pb.FallbackReason.values() if v != pb.FALLBACK_REASON_UNSPECIFIED
+)
+GRAPH_MODES = tuple(mode_name(v) for v in pb.GraphMode.values() if v != pb.GRAPH_MODE_UNSPECIFIED)
+LIFECYCLE_STATES = tuple(
+    pb.LifecycleState.Name(v).removeprefix("LIFECYCLE_STATE_").lower()
+    for v in pb.LifecycleState.values() if v != pb.LIFECYCLE_STATE_UNSPECIFIED
+)
+LEDGER_KINDS = ("device_used", "torch_allocated", "torch_reserved", "residual")
+
+_LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30)
+
+
+class WorkerMetrics:
+    """The worker's metrics, in a registry of its own (several workers may share a process in tests)."""
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        # Serving.
+        self.requests = Counter("graphkeeper_requests", "Generate requests by outcome.",
+                                ["outcome"], registry=r)
+        self.time_to_first_token = Histogram(
+            "graphkeeper_time_to_first_token_seconds", "Admission to first token.",
+            buckets=_LATENCY_BUCKETS, registry=r)
+        self.inter_token_latency = Histogram(
+            "graphkeeper_inter_token_latency_seconds", "Time between a request's tokens.",
+            buckets=_LATENCY_BUCKETS, registry=r)
+        self.step_duration = Histogram(
+            "graphkeeper_step_duration_seconds", "Engine step wall time by execution mode.",
+            ["execution_mode"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.queue_depth = Gauge("graphkeeper_queue_depth", "Requests waiting for a slot.", registry=r)
+        self.running_sequences = Gauge("graphkeeper_running_sequences", "Sequences holding a KV slot.",
+                                       registry=r)
+        self.prompt_tokens = Counter("graphkeeper_prompt_tokens", "Prompt tokens admitted.", registry=r)
+        self.generated_tokens = Counter("graphkeeper_generated_tokens", "Tokens generated.", registry=r)
+        # Graphs.
+        self.graph_replays = Counter("graphkeeper_graph_replays", "Steps that replayed a graph.",
+                                     ["mode", "size"], registry=r)
+        self.eager_steps = Counter("graphkeeper_eager_steps", "Steps that ran eagerly, by reason.",
+                                   ["fallback_reason"], registry=r)
+        self.padded_tokens = Counter("graphkeeper_padded_tokens",
+                                     "Token rows executed, padding included.", registry=r)
+        self.real_tokens = Counter("graphkeeper_real_tokens", "Token rows executed for real sequences.",
+                                   registry=r)
+        self.capture_duration = Gauge("graphkeeper_graph_capture_duration_seconds",
+                                      "Capture time of each captured graph.", ["mode", "size"], registry=r)
+        self.capture_phase = Gauge("graphkeeper_graph_capture_phase_seconds",
+                                   "Total capture time of the last capture phase.", registry=r)
+        self.graph_memory = Gauge("graphkeeper_graph_memory_bytes",
+                                  "Device memory the captured graphs hold (measured).", registry=r)
+        self.captured = Gauge("graphkeeper_graph_captured", "1 for each captured (mode, size).",
+                              ["mode", "size"], registry=r)
+        self.skipped = Gauge("graphkeeper_graph_skipped", "1 for each size left out, by reason.",
+                             ["mode", "size", "fallback_reason"], registry=r)
+        self.lifecycle = Gauge("graphkeeper_lifecycle_state", "1 for the current lifecycle state.",
+                               ["state"], registry=r)
+        self.policy_generation = Gauge("graphkeeper_policy_generation",
+                                       "Generation of the graph policy the worker holds.", registry=r)
+        self.graph_mode = Gauge("graphkeeper_graph_mode", "1 for the requested and the effective mode.",
+                                ["kind", "mode"], registry=r)
+        self.ledger = Gauge("graphkeeper_memory_ledger_bytes", "Memory at each lifecycle stage.",
+                            ["stage", "kind"], registry=r)
+        self.model = Info("graphkeeper_model", "The model being served.", registry=r)
+        self.recaptures = Counter("graphkeeper_recaptures", "Recaptures started, by cause.", ["cause"],
+                                  registry=r)
+        for outcome in OUTCOMES:
+            self.requests.labels(outcome)
+        for reason in FALLBACK_REASONS:
+            self.eager_steps.labels(reason)
+
+    def set_lifecycle(self, state: int) -> None:
+        current = pb.LifecycleState.Name(state).removeprefix("LIFECYCLE_STATE_").lower()
+        for name in LIFECYCLE_STATES:
+            self.lifecycle.labels(name).set(1 if name == current else 0)
+
+    def set_modes(self, requested: int, effective: int) -> None:
+        for mode in GRAPH_MODES:
+            self.graph_mode.labels("requested", mode).set(1 if mode == mode_name(requested) else 0)
+            self.graph_mode.labels("effective", mode).set(1 if mode == mode_name(effective) else 0)
+
+
+def metric_names(metrics: WorkerMetrics) -> set[str]:
+    """Every series name the worker exports (counters with their ``_total`` suffix)."""
+    names = set()
+    for family in metrics.registry.collect():
+        for sample in family.samples:
+            names.add(sample.name)
+    return names
+
+
+#: The exported series names, for the dashboard, the alert rules and the docs.
+METRIC_NAMES = frozenset({
+    "graphkeeper_requests_total",
+    "graphkeeper_time_to_first_token_seconds_bucket",
+    "graphkeeper_time_to_first_token_seconds_count",
+    "graphkeeper_time_to_first_token_seconds_sum",
+    "graphkeeper_inter_token_latency_seconds_bucket",
+    "graphkeeper_inter_token_latency_seconds_count",
+    "graphkeeper_inter_token_latency_seconds_sum",
+    "graphkeeper_step_duration_seconds_bucket",
+    "graphkeeper_step_duration_seconds_count",
+    "graphkeeper_step_duration_seconds_sum",
+    "graphkeeper_queue_depth",
+    "graphkeeper_running_sequences",
+    "graphkeeper_prompt_tokens_total",
+    "graphkeeper_generated_tokens_total",
+    "graphkeeper_graph_replays_total",
+    "graphkeeper_eager_steps_total",
+    "graphkeeper_padded_tokens_total",
+    "graphkeeper_real_tokens_total",
+    "graphkeeper_graph_capture_duration_seconds",
+    "graphkeeper_graph_capture_phase_seconds",
+    "graphkeeper_graph_memory_bytes",
+    "graphkeeper_graph_captured",
+    "graphkeeper_graph_skipped",
+    "graphkeeper_lifecycle_state",
+    "graphkeeper_policy_generation",
+    "graphkeeper_graph_mode",
+    "graphkeeper_memory_ledger_bytes",
+    "graphkeeper_model_info",
+    "graphkeeper_recaptures_total",
+})
