@@ -119,3 +119,32 @@ class FakeWorkerServer:
 
     async def stop(self) -> None:
         await self._server.stop(grace=None)
+
+
+async def serve_forever(port: int, max_num_batched_tokens: int, revision: str) -> None:
+    """A fake worker process: GraphControl, GetModelInfo and gRPC health (SERVING at once)."""
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+    server = FakeWorkerServer(FakeWorkerState(max_num_batched_tokens=max_num_batched_tokens,
+                                              model_revision=revision), port=port)
+    checker = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(checker, server._server)
+    for name in ("", "graphkeeper.worker.v1.InferenceWorker"):
+        await checker.set(name, health_pb2.HealthCheckResponse.SERVING)
+    await server.start()
+    await server._server.wait_for_termination()
+
+
+def main() -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(description="a fake graphkeeper worker (GraphControl only)")
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=64)
+    parser.add_argument("--model-revision", default="rev-0")
+    args = parser.parse_args()
+    asyncio.run(serve_forever(args.port, args.max_num_batched_tokens, args.model_revision))
+
+
+if __name__ == "__main__":
+    main()

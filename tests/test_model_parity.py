@@ -6,8 +6,7 @@ import dataclasses
 
 import pytest
 import torch
-
-from graphkeeper.worker.attention import AttentionMetadata, PrefillChunk, SdpaAttention
+from graphkeeper.worker.attention import AttentionMetadata, PrefillChunk, SlotAttention
 from graphkeeper.worker.config import PRESETS, ModelConfig
 from graphkeeper.worker.kv_cache import KVCache
 from graphkeeper.worker.loader import load_model, save_hf_directory
@@ -44,7 +43,7 @@ def ours_from_config(config: ModelConfig, tmp_path, seed: int = 7):
 def prefill_logits(loaded, prompt: list[int]) -> torch.Tensor:
     """Logits for every prompt position through our model, one prefill chunk in slot 0."""
     cache = KVCache(loaded.config, num_slots=1, max_seq_len=256, device=torch.device("cpu"), dtype=torch.float32)
-    attention = SdpaAttention(loaded.config, cache)
+    attention = SlotAttention(loaded.config, cache)
     n = len(prompt)
     positions = torch.arange(n)
     attention.bind(AttentionMetadata(

@@ -13,10 +13,10 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
-
+from graphkeeper.worker import decode_kernel
 from graphkeeper.worker.config import ModelConfig
 from graphkeeper.worker.kv_cache import KVCache
+from torch import Tensor
 
 
 class GraphSupport(enum.IntEnum):
@@ -50,14 +50,14 @@ class AttentionMetadata:
     prefill: list[PrefillChunk] = field(default_factory=list)
 
 
-class SdpaAttention:
-    """Attention with ``torch.nn.functional.scaled_dot_product_attention`` over the slot cache.
+class SlotAttention:
+    """Attention over the slot cache: decode rows through the Triton kernel on CUDA (no gather)
+    or SDPA elsewhere; prefill chunks through SDPA.
 
-    Grouped-query attention without repeating keys: for one query token per sequence the query
-    heads of a group become the query-length axis of one SDPA call over the group's key head.
+    Grouped-query attention without repeating keys: the query heads of a group become the
+    query-length axis of one SDPA call over the group's key head.
     """
 
-    name = "sdpa"
     graph_support = GraphSupport.UNIFORM_DECODE
 
     def __init__(self, config: ModelConfig, cache: KVCache) -> None:
@@ -66,6 +66,8 @@ class SdpaAttention:
         self.group = config.group_size
         self.key_positions = torch.arange(cache.max_seq_len, device=cache.k.device)
         self.meta: AttentionMetadata | None = None
+        self.triton_decode = decode_kernel.available(cache.k.device)
+        self.name = "triton-decode+sdpa-prefill" if self.triton_decode else "sdpa"
 
     def bind(self, meta: AttentionMetadata) -> None:
         """Sets the metadata the next forward pass attends with."""
@@ -88,6 +90,8 @@ class SdpaAttention:
         return out
 
     def _decode(self, layer: int, q: Tensor, slots: Tensor, lengths: Tensor) -> Tensor:
+        if self.triton_decode:
+            return decode_kernel.decode_attention(q, self.cache.k[layer], self.cache.v[layer], slots, lengths)
         b = q.shape[0]
         keys = self.cache.k[layer][slots]  # [B, n_kv, L, d]
         values = self.cache.v[layer][slots]

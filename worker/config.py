@@ -63,7 +63,9 @@ class ModelConfig:
             "mlp_bias": False,
         }
         if self.rope_scaling:
-            hf["rope_scaling"] = {"rope_type": "llama3", **self.rope_scaling}
+            scaling = {k: v for k, v in self.rope_scaling.items()}
+            scaling["original_max_position_embeddings"] = int(scaling["original_max_position_embeddings"])
+            hf["rope_scaling"] = {"rope_type": "llama3", **scaling}
         return hf
 
     @classmethod
@@ -116,7 +118,7 @@ PRESETS: dict[str, ModelConfig] = {
     # Small enough for CPU tests, with every feature on: GQA, Llama 3 scaling, untied head.
     "tiny": ModelConfig(
         vocab_size=512, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_size=128,
-        rope_scaling=_LLAMA3_SCALING, max_position_embeddings=2048, eos_token_id=2, bos_token_id=1,
+        rope_scaling=_LLAMA3_SCALING, max_position_embeddings=16384, eos_token_id=2, bos_token_id=1,
     ),
     # Llama 3.2 1B shape.
     "llama-1b": ModelConfig(

@@ -143,6 +143,8 @@ def downgrade_mode(requested: int, support: int, cuda: bool) -> tuple[int, str]:
     if not cuda:
         return pb.GRAPH_MODE_NONE, "no CUDA device: graphs cannot be recorded"
     if support == 0:
+        if requested == pb.GRAPH_MODE_PIECEWISE:
+            return requested, ""  # PIECEWISE never records attention: nothing to downgrade
         if mode_has_piecewise(requested) or requested == pb.GRAPH_MODE_FULL:
             return pb.GRAPH_MODE_PIECEWISE, "attention backend cannot be recorded: PIECEWISE only"
         return pb.GRAPH_MODE_NONE, "attention backend cannot be recorded and the mode has no PIECEWISE"

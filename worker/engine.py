@@ -20,7 +20,6 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
-
 from graphkeeper.proto import worker_pb2 as pb
 from graphkeeper.proto.policy import (
     disabled_tenants,
@@ -31,7 +30,7 @@ from graphkeeper.proto.policy import (
     validate_policy,
 )
 from graphkeeper.worker.admission import Limits, validate_request
-from graphkeeper.worker.attention import SdpaAttention
+from graphkeeper.worker.attention import SlotAttention
 from graphkeeper.worker.dispatcher import (
     FULL,
     PIECEWISE,
@@ -213,7 +212,7 @@ class Engine:
     def _startup(self) -> None:
         s = self.settings
         if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
+            torch.cuda.set_device(self.device.index or 0)
             torch.cuda.init()
             torch.zeros(1, device=self.device)  # creates the context before the first ledger entry
         self.ledger.record(L.LEDGER_STAGE_CONTEXT, self.device)
@@ -414,7 +413,7 @@ class Engine:
         cuda = self.device.type == "cuda"
         self.requested_mode = effective_requested_mode(policy)
         self.effective_mode, self.downgrade_reason = downgrade_mode(
-            self.requested_mode, int(SdpaAttention.graph_support), cuda)
+            self.requested_mode, int(SlotAttention.graph_support), cuda)
         self.metrics.set_modes(self.requested_mode, self.effective_mode)
         self.metrics.policy_generation.set(policy.generation)
         self.ladder = resolve_capture_sizes(policy.capture_sizes, s.max_num_seqs, s.max_num_batched_tokens)
@@ -449,6 +448,7 @@ class Engine:
         job, graphs = self.capture_job, self.graph_set
         self.capture_job = None
         if job is not None:
+            job.finish()
             self.total_capture_seconds = job.total_seconds
             self.dispatcher.update(GraphState(
                 effective_mode=self.effective_mode, ladder=tuple(self.ladder),
@@ -480,7 +480,7 @@ class Engine:
         for (mode, size), skipped in graphs.skipped.items():
             m.skipped.labels(mode_name(mode), str(size), reason_name(skipped.reason)).set(1)
         m.capture_phase.set(self.total_capture_seconds)
-        m.graph_memory.set(graphs.graph_memory_bytes)
+        m.graph_memory.set(graphs.memory_bytes)
 
     def _release_graphs(self) -> None:
         """Graphs are dropped before anything that could move their addresses."""
@@ -557,7 +557,7 @@ class Engine:
             fallbacks=[pb.FallbackCount(reason=r, steps=n) for r, n in sorted(eager.items())],
             graph_steps=sum(dict(self.dispatcher.graph_steps).values()),
             eager_steps=sum(eager.values()),
-            graph_memory_bytes=sum(e.device_bytes for e in captured.values()),
+            graph_memory_bytes=graphs.memory_bytes if graphs else 0,
             total_capture_seconds=self.total_capture_seconds,
             ledger=self.ledger.to_proto(),
             running_sequences=len(self.scheduler.running),

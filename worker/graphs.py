@@ -17,12 +17,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-from torch import Tensor
-
 from graphkeeper.proto import worker_pb2 as pb
 from graphkeeper.proto.policy import mode_name
 from graphkeeper.worker.attention import AttentionMetadata
 from graphkeeper.worker.runner import ModelRunner, StepPlan
+from torch import Tensor
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +65,7 @@ class GraphSet:
         self.pool = torch.cuda.graph_pool_handle()
         self.stream = torch.cuda.Stream(device=runner.device)
         self._piece_buffers: dict[str, Tensor] | None = None
+        self.memory_bytes = 0  # device memory the capture phase added, measured when it ends
 
     # --- replay ---------------------------------------------------------------------------
 
@@ -101,10 +101,6 @@ class GraphSet:
                 graph.reset()
         self.captured.clear()
         self._piece_buffers = None
-
-    @property
-    def graph_memory_bytes(self) -> int:
-        return sum(e.device_bytes for e in self.captured.values())
 
     # --- recording ------------------------------------------------------------------------
 
@@ -144,10 +140,10 @@ class GraphSet:
                 buf[name][:size].copy_(value)
 
         def first() -> None:
-            store(*model.first_piece(tokens, positions))
+            store(*model.first_piece(tokens, *model.rope(positions)))
 
         def middle(layer: int) -> Callable[[], None]:
-            return lambda: store(*model.middle_piece(layer, buf["h"][:size], buf["o"][:size], positions))
+            return lambda: store(*model.middle_piece(layer, buf["h"][:size], buf["o"][:size], *model.rope(positions)))
 
         def last() -> None:
             runner.hidden[:size].copy_(model.last_piece(buf["h"][:size], buf["o"][:size]))
@@ -197,6 +193,10 @@ class CaptureJob:
     def done(self) -> bool:
         return self.position >= len(self.plan)
 
+    def finish(self) -> None:
+        """Records what the whole capture phase cost in device memory (pool and buffers)."""
+        self.graphs.memory_bytes = max(device_used() - self.started_used, 0)
+
     def run_all(self) -> None:
         gc.collect()
         gc.freeze()  # keeps the collector from walking every object during capture
@@ -211,9 +211,11 @@ class CaptureJob:
         mode, size = self.plan[self.position]
         self.position += 1
         used = device_used() - self.started_used
-        if self.budget_bytes and (self.stopped_by_budget or (self.graphs.captured and used + self.last_cost > self.budget_bytes)):
+        estimate = used + self.last_cost if self.graphs.captured else 0
+        if self.budget_bytes and (self.stopped_by_budget or estimate > self.budget_bytes):
             self._skip(mode, size, pb.FALLBACK_REASON_SIZE_OVER_BUDGET,
-                       f"graph memory {used} B + about {self.last_cost} B would exceed the budget {self.budget_bytes} B")
+                       f"graph memory {used} B + about {self.last_cost} B would exceed the budget "
+                       f"{self.budget_bytes} B")
             return
         self._capture(mode, size)
 
@@ -240,10 +242,10 @@ class CaptureJob:
             self._drop(mode, size, pb.FALLBACK_REASON_SIZE_CAPTURE_FAILED, f"validation failed: {problem}")
             return
         self.total_seconds += seconds
-        self.last_cost = max(entry.device_bytes, 0)
         if self.budget_bytes and device_used() - self.started_used > self.budget_bytes:
             self._over_budget(mode, size)
             return
+        self.last_cost = max(entry.device_bytes, 0)
         log.info("captured %s size %d in %.3f s, %d bytes device, %d bytes reserved",
                  mode_name(mode), size, seconds, entry.device_bytes, entry.reserved_bytes)
 

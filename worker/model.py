@@ -16,9 +16,8 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
-
 from graphkeeper.worker.config import ModelConfig
+from torch import Tensor, nn
 
 #: attend(layer_index, q [T, n_heads, head_dim], k [T, n_kv, head_dim], v) -> [T, n_heads * head_dim]
 AttendFn = Callable[[int, Tensor, Tensor, Tensor], Tensor]
@@ -43,18 +42,23 @@ def rope_inv_freq(config: ModelConfig) -> Tensor:
 
 
 def rope_tables(config: ModelConfig, max_positions: int) -> tuple[Tensor, Tensor]:
-    """cos and sin tables ``[max_positions, head_dim]`` in float32 (HF's half-rotation layout)."""
+    """cos and signed sin tables ``[max_positions, head_dim]`` in float32.
+
+    HF's half-rotation is ``x * cos + cat(-x2, x1) * sin``; with the sign folded into the first
+    half of ``sin`` it becomes ``x * cos + roll(x, d/2) * sin_signed``: three kernels, not five.
+    """
     positions = torch.arange(max_positions, dtype=torch.float32)
     freqs = torch.outer(positions, rope_inv_freq(config))
     emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos(), emb.sin()
+    sin = emb.sin()
+    half = sin.shape[-1] // 2
+    return emb.cos(), torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
 
 
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotates ``x [T, heads, head_dim]`` by per-token ``cos``/``sin`` ``[T, head_dim]``."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
+def apply_rope(x: Tensor, cos: Tensor, sin_signed: Tensor) -> Tensor:
+    """Rotates ``x [T, heads, head_dim]`` by per-token ``cos``/``sin_signed`` ``[T, head_dim]``."""
+    rolled = torch.roll(x, x.shape[-1] // 2, dims=-1)
+    return torch.addcmul(x * cos[:, None, :], rolled, sin_signed[:, None, :])
 
 
 class RMSNorm(nn.Module):
@@ -78,12 +82,10 @@ class Attention(nn.Module):
         self.wo = nn.Linear(config.n_heads * config.head_dim, config.dim, bias=False)
 
     def qkv(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        t = x.shape[0]
-        q_size, kv_size = self.n_heads * self.head_dim, self.n_kv * self.head_dim
-        q, k, v = self.wqkv(x).split([q_size, kv_size, kv_size], dim=-1)
-        q = apply_rope(q.view(t, self.n_heads, self.head_dim), cos, sin)
-        k = apply_rope(k.view(t, self.n_kv, self.head_dim), cos, sin)
-        return q, k, v.view(t, self.n_kv, self.head_dim)
+        """q ``[T, heads, d]``, k and v ``[T, kv_heads, d]``; q and k are rotated together."""
+        heads = self.wqkv(x).view(x.shape[0], self.n_heads + 2 * self.n_kv, self.head_dim)
+        qk = apply_rope(heads[:, : self.n_heads + self.n_kv], cos, sin)
+        return qk[:, : self.n_heads], qk[:, self.n_heads :], heads[:, self.n_heads + self.n_kv :]
 
 
 class FeedForward(nn.Module):
@@ -133,29 +135,30 @@ class Transformer(nn.Module):
     # The pieces between attention calls. Each returns the residual stream and the next
     # layer's q, k, v; PIECEWISE graphs record each piece for a padded token count.
 
-    def first_piece(self, tokens: Tensor, positions: Tensor) -> tuple[Tensor, ...]:
-        h = self.tok_embeddings(tokens)
-        return (h, *self._qkv(0, h, positions))
+    def rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """Per-token cos and signed sin, looked up once per step (or once per piece)."""
+        dtype = self.tok_embeddings.weight.dtype
+        return self.rope_cos[positions].to(dtype), self.rope_sin[positions].to(dtype)
 
-    def middle_piece(self, layer: int, h: Tensor, attn_out: Tensor, positions: Tensor) -> tuple[Tensor, ...]:
+    def first_piece(self, tokens: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, ...]:
+        h = self.tok_embeddings(tokens)
+        return (h, *self.layers[0].before_attention(h, cos, sin))
+
+    def middle_piece(self, layer: int, h: Tensor, attn_out: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, ...]:
         """Finishes ``layer - 1`` and prepares attention for ``layer``."""
         h = self.layers[layer - 1].after_attention(h, attn_out)
-        return (h, *self._qkv(layer, h, positions))
+        return (h, *self.layers[layer].before_attention(h, cos, sin))
 
     def last_piece(self, h: Tensor, attn_out: Tensor) -> Tensor:
         """Finishes the last layer and applies the final norm; returns hidden states."""
         return self.norm(self.layers[-1].after_attention(h, attn_out))
 
-    def _qkv(self, layer: int, h: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        cos = self.rope_cos[positions].to(h.dtype)
-        sin = self.rope_sin[positions].to(h.dtype)
-        return self.layers[layer].before_attention(h, cos, sin)
-
     def forward(self, tokens: Tensor, positions: Tensor, attend: AttendFn) -> Tensor:
         """Hidden states ``[T, dim]`` after the final norm, for a flat batch of tokens."""
-        h, q, k, v = self.first_piece(tokens, positions)
+        cos, sin = self.rope(positions)
+        h, q, k, v = self.first_piece(tokens, cos, sin)
         for layer in range(1, self.config.n_layers):
-            h, q, k, v = self.middle_piece(layer, h, attend(layer - 1, q, k, v), positions)
+            h, q, k, v = self.middle_piece(layer, h, attend(layer - 1, q, k, v), cos, sin)
         return self.last_piece(h, attend(self.config.n_layers - 1, q, k, v))
 
     def logits(self, hidden: Tensor) -> Tensor:

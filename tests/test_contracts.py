@@ -1,0 +1,144 @@
+"""Contracts that must not drift: the generated proto code, the enum names the code uses, the metric
+label values derived from the enums, the exported metric names, and lint."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+from graphkeeper.proto import worker_pb2 as pb
+from graphkeeper.proto.policy import mode_name, reason_name
+
+ROOT = Path(__file__).resolve().parents[1]
+PROTO_DIR = ROOT / "proto"
+ENUM_REF = re.compile(r"\b((?:FALLBACK_REASON|GRAPH_MODE)_[A-Z0-9_]+)\b")
+# Series that exist only once a graph is captured (labelled by captured size): absent on a CPU.
+GRAPH_ONLY_SERIES = {
+    "graphkeeper_graph_replays_total",
+    "graphkeeper_graph_capture_duration_seconds",
+    "graphkeeper_graph_captured",
+    "graphkeeper_graph_skipped",
+}
+
+
+def test_generated_proto_code_is_not_stale(tmp_path):
+    pytest.importorskip("grpc_tools", reason="grpcio-tools (a test dependency) is not installed")
+    from graphkeeper.proto.generate import OUTPUTS, generate
+
+    written = generate(tmp_path)
+    assert sorted(p.name for p in written) == sorted(OUTPUTS)
+    for path in written:
+        committed = PROTO_DIR / path.name
+        assert committed.read_bytes() == path.read_bytes(), (
+            f"proto/{path.name} is stale: run `python -m graphkeeper.proto.generate`")
+
+
+def test_generated_code_matches_the_proto_package():
+    assert pb.DESCRIPTOR.package == "graphkeeper.worker.v1"
+    assert pb.DESCRIPTOR.name == "graphkeeper/proto/worker.proto"
+    assert set(pb.DESCRIPTOR.services_by_name) == {"InferenceWorker", "GraphControl"}
+
+
+def test_every_enum_is_prefixed_with_unspecified_zero():
+    for enum in pb.DESCRIPTOR.enum_types_by_name.values():
+        prefix = re.sub(r"(?<!^)(?=[A-Z])", "_", enum.name).upper() + "_"
+        assert enum.values_by_number[0].name == prefix + "UNSPECIFIED", enum.name
+        for value in enum.values:
+            assert value.name.startswith(prefix), value.name
+
+
+def _sources() -> list[Path]:
+    files = sorted((ROOT / "worker").glob("*.py"))
+    files += [ROOT / "proto" / "policy.py", *sorted((ROOT / "src" / "graphkeeper").glob("*.py"))]
+    files += sorted((ROOT / "operator").glob("*.py"))
+    return files
+
+
+def test_every_referenced_reason_and_mode_exists_in_the_proto():
+    known = set(pb.FallbackReason.keys()) | set(pb.GraphMode.keys())
+    referenced: dict[str, list[str]] = {}
+    for path in _sources():
+        for name in ENUM_REF.findall(path.read_text()):
+            referenced.setdefault(name, []).append(str(path.relative_to(ROOT)))
+    assert referenced, "the scan found no references at all: the pattern is broken"
+    assert "FALLBACK_REASON_BACKEND_UNSUPPORTED" in referenced
+    unknown = {name: where for name, where in referenced.items() if name not in known}
+    assert not unknown, f"names the proto does not define: {unknown}"
+
+
+def test_metric_label_values_derive_from_the_proto_enums():
+    from graphkeeper.worker import metrics
+
+    reasons = [n for n in pb.FallbackReason.keys() if n != "FALLBACK_REASON_UNSPECIFIED"]
+    modes = [n for n in pb.GraphMode.keys() if n != "GRAPH_MODE_UNSPECIFIED"]
+    assert list(metrics.FALLBACK_REASONS) == [n.removeprefix("FALLBACK_REASON_").lower() for n in reasons]
+    assert list(metrics.GRAPH_MODES) == [n.removeprefix("GRAPH_MODE_").lower() for n in modes]
+    for name in reasons:
+        assert reason_name(pb.FallbackReason.Value(name)) == name.removeprefix("FALLBACK_REASON_").lower()
+    for name in modes:
+        assert mode_name(pb.GraphMode.Value(name)) == name.removeprefix("GRAPH_MODE_").lower()
+    # Every reason series exists from the start (at zero), so dashboards never see gaps.
+    registry = metrics.WorkerMetrics().registry
+    labels = {s.labels["fallback_reason"] for fam in registry.collect() for s in fam.samples
+              if s.name == "graphkeeper_eager_steps_total"}
+    assert labels == set(metrics.FALLBACK_REASONS)
+
+
+def _declared_series(registry) -> set[str]:
+    """The series names each registered family can export, by its type."""
+    suffixes = {"counter": ["_total"], "gauge": [""], "histogram": ["_bucket", "_count", "_sum"],
+                "info": ["_info"]}
+    return {fam.name + s for fam in registry.collect() for s in suffixes[fam.type]}
+
+
+@pytest.fixture(scope="module")
+def served_metrics():
+    """A real engine (random:tiny on the CPU) after one completed request: its metrics."""
+    from graphkeeper.worker.engine import Engine, EngineSettings
+
+    engine = Engine(EngineSettings(model="random:tiny", max_num_seqs=2, max_seq_len=64,
+                                   max_num_batched_tokens=32))
+    engine.start()
+    assert engine.ready.wait(120) and engine.failed is None
+    done = threading.Event()
+    events = []
+
+    def emit(kind, payload):
+        events.append((kind, payload))
+        if kind == "completion":
+            done.set()
+
+    engine.submit(pb.GenerateRequest(prompt_token_ids=[5, 6, 7],
+                                      stopping=pb.StoppingCriteria(max_new_tokens=4, ignore_eos=True)), emit)
+    assert done.wait(60)
+    assert events[-1][1].finish_reason == pb.FINISH_REASON_LENGTH
+    yield engine.metrics
+    engine.drain_and_stop(5)
+
+
+def test_registered_metrics_are_exactly_metric_names(served_metrics):
+    from graphkeeper.worker.metrics import METRIC_NAMES
+
+    assert _declared_series(served_metrics.registry) == set(METRIC_NAMES)
+    assert all(name.startswith("graphkeeper_") for name in METRIC_NAMES)
+
+
+def test_exported_series_after_one_request(served_metrics):
+    from graphkeeper.worker.metrics import METRIC_NAMES, metric_names
+
+    exported = {n for n in metric_names(served_metrics) if not n.endswith("_created")}
+    assert exported <= set(METRIC_NAMES), f"undeclared series: {exported - set(METRIC_NAMES)}"
+    assert set(METRIC_NAMES) - exported == GRAPH_ONLY_SERIES
+
+
+def test_ruff_check_passes():
+    ruff = shutil.which("ruff", path=str(Path(sys.executable).parent)) or shutil.which("ruff")
+    if ruff is None:
+        pytest.skip("ruff (a test dependency) is not installed")
+    proc = subprocess.run([ruff, "check", "."], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr

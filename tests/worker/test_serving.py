@@ -1,0 +1,124 @@
+"""Issue 2, serving under pressure: a cancelled or disconnected stream frees its slot, a full queue
+answers RESOURCE_EXHAUSTED, and SIGTERM drains running requests before the process exits 0."""
+
+from __future__ import annotations
+
+import signal
+
+import grpc
+import pytest
+from graphkeeper.proto import worker_pb2 as pb
+from graphkeeper.proto import worker_pb2_grpc as pb_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from worker_harness import INFERENCE_SERVICE, generate, make_request, wait_until
+
+LONG = 480  # new tokens: a request that runs for a while on the tiny model
+PROMPT = [11, 22, 33, 44]
+
+
+@pytest.fixture(scope="module")
+def worker(module_workers):
+    return module_workers("--max-num-seqs", "4", "--max-seq-len", "512", "--max-num-batched-tokens", "64")
+
+
+def _first_chunk(call) -> list[int]:
+    response = next(call)
+    assert response.HasField("tokens")
+    return list(response.tokens.token_ids)
+
+
+def test_cancelled_stream_frees_its_slot(worker):
+    short_ref, _ = generate(worker, make_request([7, 8, 9], 40))
+    cancelled_before = worker.metric("graphkeeper_requests_total", outcome="cancelled")
+    length_before = worker.metric("graphkeeper_requests_total", outcome="length")
+    call = worker.inference.Generate(make_request(PROMPT, LONG), timeout=120)
+    _first_chunk(call)
+    assert worker.status().running_sequences == 1
+    # A neighbour shares the steps; cancelling the long one must not disturb it.
+    neighbour = worker.inference.Generate(make_request([7, 8, 9], 40), timeout=120)
+    call.cancel()
+    with pytest.raises(grpc.RpcError) as err:
+        for _ in call:
+            pass
+    assert err.value.code() == grpc.StatusCode.CANCELLED
+    tokens, completion = [], None
+    for response in neighbour:
+        if response.HasField("tokens"):
+            tokens.extend(response.tokens.token_ids)
+        else:
+            completion = response.completion
+    assert tokens == short_ref and completion.finish_reason == pb.FINISH_REASON_LENGTH
+    wait_until(lambda: worker.status().running_sequences == 0, what="running_sequences 0 in status")
+    wait_until(lambda: worker.metric("graphkeeper_requests_total", outcome="cancelled")
+               == cancelled_before + 1, what="requests_total{outcome=cancelled} + 1")
+    wait_until(lambda: worker.metric("graphkeeper_running_sequences") == 0,
+               what="graphkeeper_running_sequences 0")
+    # The long request never completed normally: only the neighbour counts as length.
+    assert worker.metric("graphkeeper_requests_total", outcome="length") == length_before + 1
+    assert worker.status().queued_requests == 0
+
+
+def test_disconnected_client_frees_its_slot(worker):
+    before = worker.metric("graphkeeper_requests_total", outcome="cancelled")
+    channel = grpc.insecure_channel(worker.target)
+    call = pb_grpc.InferenceWorkerStub(channel).Generate(make_request(PROMPT, LONG), timeout=120)
+    _first_chunk(call)
+    assert worker.status().running_sequences == 1
+    channel.close()
+    wait_until(lambda: worker.status().running_sequences == 0, what="slot freed after disconnect")
+    wait_until(lambda: worker.metric("graphkeeper_requests_total", outcome="cancelled") == before + 1,
+               what="disconnect counted as cancelled")
+    tokens, completion = generate(worker, make_request(PROMPT, 3))
+    assert len(tokens) == 3 and completion.finish_reason == pb.FINISH_REASON_LENGTH
+
+
+def test_full_queue_is_resource_exhausted(fresh_workers):
+    worker = fresh_workers("--max-num-seqs", "1", "--max-queue", "1", "--max-seq-len", "512",
+                           "--max-num-batched-tokens", "64")
+    running = worker.inference.Generate(make_request(PROMPT, LONG), timeout=120)
+    _first_chunk(running)
+    queued = worker.inference.Generate(make_request([5, 6], 4), timeout=120)
+    wait_until(lambda: worker.status().queued_requests == 1, what="second request queued")
+    assert worker.status().running_sequences == 1
+    with pytest.raises(grpc.RpcError) as err:
+        generate(worker, make_request([5, 6], 4))
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "queue is full" in err.value.details()
+    assert worker.metric("graphkeeper_requests_total", outcome="queue_full") == 1
+    wait_until(lambda: worker.metric("graphkeeper_queue_depth") == 1, what="queue depth gauge 1")
+    # Freeing the slot lets the queued request run, and the worker accepts new ones again.
+    running.cancel()
+    tokens = []
+    for response in queued:
+        if response.HasField("tokens"):
+            tokens.extend(response.tokens.token_ids)
+        else:
+            assert response.completion.finish_reason == pb.FINISH_REASON_LENGTH
+    assert len(tokens) == 4
+    tokens, _ = generate(worker, make_request([5, 6], 4))
+    assert len(tokens) == 4
+
+
+def test_sigterm_drains_the_running_request_and_exits_zero(fresh_workers):
+    worker = fresh_workers("--max-num-seqs", "2", "--max-seq-len", "512", "--max-num-batched-tokens", "64")
+    call = worker.inference.Generate(make_request(PROMPT, LONG), timeout=120)
+    tokens = _first_chunk(call)
+    worker.proc.send_signal(signal.SIGTERM)
+    # While draining: not ready, and new requests are refused; the running one keeps streaming.
+    wait_until(lambda: worker.http_get("/readyz") == (503, "DRAINING\n"), what="readyz DRAINING")
+    health = health_pb2_grpc.HealthStub(worker.channel)
+    status = health.Check(health_pb2.HealthCheckRequest(service=INFERENCE_SERVICE), timeout=5).status
+    assert status == health_pb2.HealthCheckResponse.NOT_SERVING
+    with pytest.raises(grpc.RpcError) as err:
+        generate(worker, make_request([1, 2], 2))
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    completion = None
+    for response in call:
+        if response.HasField("tokens"):
+            tokens.extend(response.tokens.token_ids)
+        else:
+            completion = response.completion
+    assert completion is not None and completion.finish_reason == pb.FINISH_REASON_LENGTH
+    assert len(tokens) == completion.generated_tokens == LONG
+    assert worker.proc.wait(timeout=60) == 0
+    assert "stopped" in worker.log()

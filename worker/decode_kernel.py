@@ -1,0 +1,90 @@
+"""Decode attention in one Triton kernel that reads keys and values straight from the slot cache.
+
+A decode row attends to its own sequence's slot up to its length. Gathering each row's slot into
+a batch (what plain SDPA needs) copies the whole slot for every row and every layer: memory
+traffic at large batches and, inside a graph's pool, hundreds of MiB that every graph must keep.
+This kernel instead takes the slot index and the length as inputs, loops over the keys that
+exist, and keeps a running softmax (flash-decoding without the split). One program handles one
+row and one key/value head, with all the query heads of that group. Shapes depend only on the
+row count, so it records into FULL graphs; it runs eagerly too, so eager and replay agree.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - CPU-only installs without triton
+    triton = None
+
+
+def available(device: torch.device) -> bool:
+    return triton is not None and device.type == "cuda"
+
+
+if triton is not None:
+
+    @triton.jit
+    def _decode_kernel(
+        q_ptr, k_ptr, v_ptr, out_ptr, slots_ptr, lengths_ptr, scale,
+        stride_qb, stride_qh, stride_ks, stride_kh, stride_kl, stride_ob, stride_oh,
+        GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+        IEEE: tl.constexpr,
+    ):
+        row = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        slot = tl.load(slots_ptr + row)
+        length = tl.load(lengths_ptr + row)
+        heads = kv_head * GROUP + tl.arange(0, GROUP_PAD)
+        head_ok = tl.arange(0, GROUP_PAD) < GROUP
+        dims = tl.arange(0, HEAD_DIM)
+        q = tl.load(q_ptr + row * stride_qb + heads[:, None] * stride_qh + dims[None, :],
+                    mask=head_ok[:, None], other=0.0)
+        k_base = k_ptr + slot * stride_ks + kv_head * stride_kh
+        v_base = v_ptr + slot * stride_ks + kv_head * stride_kh
+        m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+        l_i = tl.zeros([GROUP_PAD], tl.float32)
+        acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+        for start in range(0, length, BLOCK_N):
+            keys = start + tl.arange(0, BLOCK_N)
+            key_ok = keys < length
+            offsets = keys[:, None] * stride_kl + dims[None, :]
+            k = tl.load(k_base + offsets, mask=key_ok[:, None], other=0.0)
+            if IEEE:  # noqa: SIM108 - constexpr branch, resolved at compile time
+                s = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(k))
+            s = tl.where(key_ok[None, :], s * scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(v_base + offsets, mask=key_ok[:, None], other=0.0)
+            if IEEE:  # noqa: SIM108 - constexpr branch, resolved at compile time
+                pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+            else:
+                pv = tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + pv
+            m_i = m_new
+        acc = acc / l_i[:, None]
+        tl.store(out_ptr + row * stride_ob + heads[:, None] * stride_oh + dims[None, :],
+                 acc.to(out_ptr.dtype.element_ty), mask=head_ok[:, None])
+
+
+def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, lengths: Tensor) -> Tensor:
+    """``q [B, heads, d]`` over ``k_cache/v_cache [slots, kv_heads, L, d]`` -> ``[B, heads * d]``."""
+    rows, heads, head_dim = q.shape
+    kv_heads = k_cache.shape[1]
+    group = heads // kv_heads
+    out = torch.empty(rows, heads, head_dim, dtype=q.dtype, device=q.device)
+    _decode_kernel[(rows, kv_heads)](
+        q, k_cache, v_cache, out, slots, lengths, head_dim ** -0.5,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        out.stride(0), out.stride(1),
+        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_N=64,
+        IEEE=q.dtype == torch.float32, num_warps=4,
+    )
+    return out.view(rows, heads * head_dim)
