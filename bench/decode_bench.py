@@ -110,8 +110,8 @@ def _transformers_batch(hf, static_cache, b: int, context: int, steps: int) -> d
     def step():
         with torch.inference_mode():
             out = compiled(ids, position).tolist()
-        for layer in cache.layers:  # keep the context at `context` tokens every step
-            layer.cumulative_length.fill_(context)
+            for layer in cache.layers:  # keep the context at `context` tokens every step
+                layer.cumulative_length.fill_(context)
         return out
 
     start = time.perf_counter()

@@ -35,7 +35,8 @@ async def startup(
     settings.watching.connect_timeout = 30
     settings.watching.reconnect_backoff = 1.0
     settings.peering.standalone = True
-    settings.posting.level = logging.INFO
+    # Our Events are posted explicitly (kopf.event); kopf's own "handler succeeded" chatter is not.
+    settings.posting.level = logging.WARNING
     settings.execution.max_workers = 4
 
     api = load_client_config()

@@ -98,8 +98,9 @@ class FakeGraphControl(pb_grpc.GraphControlServicer, pb_grpc.InferenceWorkerServ
 class FakeWorkerServer:
     """One fake worker listening on ``127.0.0.1:<port>`` (port 0 picks a free one)."""
 
-    def __init__(self, state: FakeWorkerState | None = None, port: int = 0) -> None:
-        self.servicer = FakeGraphControl(state)
+    def __init__(self, state: FakeWorkerState | None = None, port: int = 0,
+                 servicer: type[FakeGraphControl] = FakeGraphControl) -> None:
+        self.servicer = servicer(state)
         self._server = grpc.aio.server()
         pb_grpc.add_GraphControlServicer_to_server(self.servicer, self._server)
         pb_grpc.add_InferenceWorkerServicer_to_server(self.servicer, self._server)
@@ -121,12 +122,17 @@ class FakeWorkerServer:
         await self._server.stop(grace=None)
 
 
-async def serve_forever(port: int, max_num_batched_tokens: int, revision: str) -> None:
+async def serve_forever(port: int, max_num_batched_tokens: int, revision: str,
+                        policy_file: str = "") -> None:
     """A fake worker process: GraphControl, GetModelInfo and gRPC health (SERVING at once)."""
+    from pathlib import Path
+
+    from graphkeeper.proto.policy import policy_from_json
     from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+    policy = policy_from_json(Path(policy_file).read_text()) if policy_file else None
     server = FakeWorkerServer(FakeWorkerState(max_num_batched_tokens=max_num_batched_tokens,
-                                              model_revision=revision), port=port)
+                                              model_revision=revision, policy=policy), port=port)
     checker = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(checker, server._server)
     for name in ("", "graphkeeper.worker.v1.InferenceWorker"):
@@ -142,8 +148,10 @@ def main() -> None:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--max-num-batched-tokens", type=int, default=64)
     parser.add_argument("--model-revision", default="rev-0")
+    parser.add_argument("--policy-file", default="")
     args = parser.parse_args()
-    asyncio.run(serve_forever(args.port, args.max_num_batched_tokens, args.model_revision))
+    asyncio.run(serve_forever(args.port, args.max_num_batched_tokens, args.model_revision,
+                              args.policy_file))
 
 
 if __name__ == "__main__":

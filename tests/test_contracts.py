@@ -17,8 +17,10 @@ from graphkeeper.proto.policy import mode_name, reason_name
 ROOT = Path(__file__).resolve().parents[1]
 PROTO_DIR = ROOT / "proto"
 ENUM_REF = re.compile(r"\b((?:FALLBACK_REASON|GRAPH_MODE)_[A-Z0-9_]+)\b")
-# Series that exist only once a graph is captured (labelled by captured size): absent on a CPU.
-GRAPH_ONLY_SERIES = {
+# Series whose labels appear only once something happens: a graph is captured (labelled by captured
+# size, so never on a CPU), or a recapture starts (labelled by cause).
+ABSENT_UNTIL_EVENT = {
+    "graphkeeper_recaptures_total",
     "graphkeeper_graph_replays_total",
     "graphkeeper_graph_capture_duration_seconds",
     "graphkeeper_graph_captured",
@@ -74,8 +76,8 @@ def test_every_referenced_reason_and_mode_exists_in_the_proto():
 def test_metric_label_values_derive_from_the_proto_enums():
     from graphkeeper.worker import metrics
 
-    reasons = [n for n in pb.FallbackReason.keys() if n != "FALLBACK_REASON_UNSPECIFIED"]
-    modes = [n for n in pb.GraphMode.keys() if n != "GRAPH_MODE_UNSPECIFIED"]
+    reasons = [v.name for v in pb.FallbackReason.DESCRIPTOR.values if v.number != 0]
+    modes = [v.name for v in pb.GraphMode.DESCRIPTOR.values if v.number != 0]
     assert list(metrics.FALLBACK_REASONS) == [n.removeprefix("FALLBACK_REASON_").lower() for n in reasons]
     assert list(metrics.GRAPH_MODES) == [n.removeprefix("GRAPH_MODE_").lower() for n in modes]
     for name in reasons:
@@ -133,7 +135,7 @@ def test_exported_series_after_one_request(served_metrics):
 
     exported = {n for n in metric_names(served_metrics) if not n.endswith("_created")}
     assert exported <= set(METRIC_NAMES), f"undeclared series: {exported - set(METRIC_NAMES)}"
-    assert set(METRIC_NAMES) - exported == GRAPH_ONLY_SERIES
+    assert set(METRIC_NAMES) - exported == ABSENT_UNTIL_EVENT
 
 
 def test_ruff_check_passes():

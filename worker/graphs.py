@@ -187,6 +187,10 @@ class CaptureJob:
     stopped_by_budget: bool = False
 
     def __post_init__(self) -> None:
+        # A clean baseline: blocks the allocator merely caches would otherwise be freed by the
+        # budget path's empty_cache() and read as negative graph memory.
+        gc.collect()
+        torch.cuda.empty_cache()
         self.started_used = device_used()
 
     @property
@@ -256,6 +260,7 @@ class CaptureJob:
         if only:
             gc.collect()
             torch.cuda.empty_cache()  # the pool is empty again: give its memory back
+            self.graphs.pool = torch.cuda.graph_pool_handle()
         if device_used() - self.started_used > self.budget_bytes:
             self.stopped_by_budget = True  # memory the pool keeps cannot be returned: stop here
 

@@ -55,14 +55,13 @@ class ModelRunner:
         self.attention = SlotAttention(loaded.config, cache)
         self.inputs = torch.zeros(4, max_tokens, dtype=torch.long, device=self.device)
         self.hidden = torch.zeros(max_tokens, loaded.config.dim, dtype=loaded.dtype, device=self.device)
-        self._pin = self.device.type == "cuda"
 
     # --- inputs ---------------------------------------------------------------------------
 
     def prepare(self, plan: StepPlan, rows: int) -> AttentionMetadata:
         """Copies the plan into the static buffers, padded to ``rows`` with inert rows."""
         n, nd = plan.num_tokens, plan.num_decode
-        host = torch.empty(4, rows, dtype=torch.long, pin_memory=self._pin)
+        host = torch.empty(4, rows, dtype=torch.long)
         host[self.TOKENS, :n] = torch.tensor(plan.tokens)
         host[self.POSITIONS, :n] = torch.tensor(plan.positions)
         host[self.SLOTS, :n] = torch.tensor(plan.slots)
@@ -72,7 +71,9 @@ class ModelRunner:
         host[self.SLOTS, n:] = self.cache.dummy_slot
         host[self.LENGTHS, :nd] = host[self.POSITIONS, :nd] + 1
         host[self.LENGTHS, nd:] = 1
-        self.inputs[:, :rows].copy_(host, non_blocking=self._pin)
+        # Pageable and synchronous: the previous step already synced (its tokens went to the
+        # host), and pinned staging buffers interfere with graph capture's host allocator.
+        self.inputs[:, :rows].copy_(host)
         return self.metadata(rows, nd, plan.prefill)
 
     def metadata(self, rows: int, num_decode: int, prefill: list[PrefillChunk]) -> AttentionMetadata:

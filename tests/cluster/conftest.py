@@ -112,24 +112,22 @@ class Cluster:
         return kubernetes.client.CustomObjectsApi(self.api)
 
 
-@pytest.fixture(scope="session")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    state = Path(os.environ.get("GRAPHKEEPER_TEST_CLUSTER_DIR")
-                 or tmp_path_factory.mktemp("cluster"))
-    etcd = free_port(3)
+def start_cluster(state: Path, extra_env: dict[str, str] | None = None) -> Cluster:
+    """``cluster.sh up`` on free loopback ports with its state in ``state``; the CRD applied."""
     env = {
         **os.environ,
         "GRAPHKEEPER_CLUSTER_DIR": str(state),
         "GRAPHKEEPER_APISERVER_PORT": str(free_port()),
-        "GRAPHKEEPER_ETCD_PORT": str(etcd),
+        "GRAPHKEEPER_ETCD_PORT": str(free_port(3)),
         "GRAPHKEEPER_KCM_PORT": str(free_port()),
         "PYTHON": sys.executable,
+        **(extra_env or {}),
     }
     up = subprocess.run([str(CLUSTER_SH), "up"], env=env, capture_output=True, text=True,
                         timeout=1800)
     if up.returncode != 0:
         subprocess.run([str(CLUSTER_SH), "down"], env=env, timeout=60)
-        pytest.fail(f"cluster.sh up failed:\n{up.stdout}\n{up.stderr}")
+        raise RuntimeError(f"cluster.sh up failed:\n{up.stdout}\n{up.stderr}")
     exports = subprocess.run([str(CLUSTER_SH), "env"], env=env, capture_output=True, text=True,
                              check=True, timeout=60).stdout
     for line in exports.splitlines():
@@ -142,9 +140,28 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         c.kubectl("apply", "--server-side", "-f", str(CRD))
         c.kubectl("wait", "--for=condition=Established", "--timeout=60s",
                   f"crd/{PLURAL}.{GROUP}")
+    except Exception:
+        stop_cluster(c)
+        raise
+    return c
+
+
+def stop_cluster(c: Cluster) -> None:
+    subprocess.run([str(CLUSTER_SH), "down"], env=c.env, timeout=120)
+
+
+@pytest.fixture(scope="session")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    state = Path(os.environ.get("GRAPHKEEPER_TEST_CLUSTER_DIR")
+                 or tmp_path_factory.mktemp("cluster"))
+    try:
+        c = start_cluster(state)
+    except RuntimeError as err:
+        pytest.fail(str(err))
+    try:
         yield c
     finally:
-        subprocess.run([str(CLUSTER_SH), "down"], env=env, timeout=120)
+        stop_cluster(c)
 
 
 @pytest.fixture
@@ -226,6 +243,8 @@ class Kubelet:
                     "--max-num-batched-tokens", "64"]
             if model_revision:
                 args += ["--model-revision", model_revision]
+            if policy_file:
+                args += ["--policy-file", policy_file]
         else:
             args = [sys.executable, "-m", "graphkeeper.cli", "worker", "--model", "random:tiny",
                     "--host", "127.0.0.1", "--port", str(port), "--metrics-port",
@@ -313,6 +332,8 @@ class Operator:
     metrics_port: int = 0
     process: subprocess.Popen | None = None
     status_interval: float = 1.0
+    extra_args: list[str] = field(default_factory=list)
+    env: dict[str, str] | None = None
 
     def start(self) -> None:
         if self.running:
@@ -320,11 +341,12 @@ class Operator:
         self.metrics_port = free_port()
         args = [sys.executable, "-m", "graphkeeper.cli", "operator", "--metrics-port",
                 str(self.metrics_port), "--status-interval", str(self.status_interval),
-                "--rpc-timeout", "2", "--log-level", "INFO"]
+                "--rpc-timeout", "2", "--log-level", "INFO", *self.extra_args]
         with open(self.log, "ab") as log:
             log.write(f"\n===== start {now()} =====\n".encode())
             self.process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT,
-                                            env=self.cluster.env, start_new_session=True)
+                                            env=self.env or self.cluster.env,
+                                            start_new_session=True)
         wait_until("the operator's /healthz", self.healthy, timeout=60)
 
     @property
@@ -380,6 +402,13 @@ def operator(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iter
     op.start()
     yield op
     op.stop()
+
+
+@pytest.fixture
+def no_operator(operator: Operator) -> Operator:
+    """The session operator stopped, for tests that write a policy's status themselves."""
+    operator.stop()
+    return operator
 
 
 @pytest.fixture
@@ -444,7 +473,8 @@ class Policies:
         try:
             return wait_until(f"{name} {kind}={value} ({reason})", check, timeout=timeout)
         except AssertionError as err:
-            raise AssertionError(f"{err}\nstatus: {json.dumps(self.get(name).get('status'))}")
+            status = json.dumps(self.get(name).get("status"))
+            raise AssertionError(f"{err}\nstatus: {status}") from None
 
     def events(self, name: str) -> list[dict[str, Any]]:
         items = self.cluster.core.list_namespaced_event(

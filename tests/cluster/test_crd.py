@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from .conftest import GROUP, PLURAL, VERSION, Cluster, Policies, kubernetes
+from .conftest import GROUP, PLURAL, VERSION, Cluster, Operator, Policies, kubernetes
 
 pytestmark = pytest.mark.cluster
 
@@ -78,8 +78,8 @@ def test_a_valid_policy_gets_its_defaults(policies: Policies):
                               "mode": "None", "captureSizes": {"sizes": []}})
 
 
-def test_status_is_a_subresource_and_keeps_only_declared_fields(cluster: Cluster,
-                                                                 policies: Policies):
+def test_status_is_a_subresource_and_keeps_only_declared_fields(
+        no_operator: Operator, cluster: Cluster, policies: Policies):
     policies.create("st", {"selector": SELECTOR})
     cluster.custom.patch_namespaced_custom_object_status(
         GROUP, VERSION, policies.namespace, PLURAL, "st",
@@ -90,7 +90,8 @@ def test_status_is_a_subresource_and_keeps_only_declared_fields(cluster: Cluster
     assert "bogus" not in status, "the status schema is structural: unknown fields are pruned"
 
 
-def test_kubectl_get_gp_shows_the_printer_columns(cluster: Cluster, policies: Policies):
+def test_kubectl_get_gp_shows_the_printer_columns(
+        no_operator: Operator, cluster: Cluster, policies: Policies):
     policies.create("cols", {"selector": SELECTOR, "mode": "FullDecodeOnly"})
     cluster.custom.patch_namespaced_custom_object_status(
         GROUP, VERSION, policies.namespace, PLURAL, "cols",

@@ -207,3 +207,29 @@ def test_deleting_a_policy_completes_while_the_operator_is_stopped(
         assert holds(worker, policy), "the worker keeps its last policy"
     finally:
         operator.start()
+
+
+def test_a_worker_that_starts_while_the_operator_is_away_boots_with_its_policy(
+        operator: Operator, kubelet: Kubelet, policies: Policies, cluster: Cluster,
+        tmp_path):
+    operator.start()
+    ns = policies.namespace
+    kubelet.create_worker(ns, "first", LABELS)
+    policy = policies.create("p", SPEC)
+    policies.wait_condition("p", "Ready", "True")
+
+    operator.stop()
+    try:
+        # What the kubelet would mount from the ConfigMap the operator rendered.
+        cm = cluster.core.read_namespaced_config_map("p-graphpolicy", ns)
+        policy_file = tmp_path / "policy.json"
+        policy_file.write_text(cm.data["policy.json"])
+        late = kubelet.create_worker(ns, "late", LABELS, policy_file=str(policy_file))
+        assert holds(late, policy), "it captured the policy before it reported ready"
+    finally:
+        operator.start()
+    wait_until("both workers counted as captured",
+               lambda: policies.get("p")["status"]["capturedWorkers"] == 2, timeout=30)
+    assert policies.condition("p", "Ready")["status"] == "True"
+    assert operator.metric("graphkeeper_operator_policy_pushes_total") == 0, (
+        "the restarted operator pushed nothing: both workers already held the generation")

@@ -1,0 +1,132 @@
+"""The CRD, the plain manifests and the Helm chart agree with each other and with the code."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+from graphkeeper.proto.policy import (
+    LADDER_BY_NAME,
+    MODE_BY_NAME,
+    TENANT_GRAPHS_BY_NAME,
+    policy_from_spec,
+)
+
+from graphkeeper.cli import build_parser
+
+ROOT = Path(__file__).resolve().parents[2]
+CRD = ROOT / "deploy" / "crds" / "graphpolicy.yaml"
+CHART = ROOT / "charts" / "graphkeeper"
+K8S_BIN = Path(os.environ.get("GRAPHKEEPER_K8S_BIN")
+               or Path.home() / ".cache" / "graphkeeper" / "bin" / "k8s-v1.36.3")
+
+
+def spec_schema() -> dict:
+    crd = yaml.safe_load(CRD.read_text())
+    return crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+
+
+def test_the_crd_in_deploy_and_in_the_chart_are_identical():
+    assert (CHART / "crds" / "graphpolicy.yaml").read_bytes() == CRD.read_bytes()
+
+
+def test_crd_enums_are_the_policy_models_names():
+    props = spec_schema()["properties"]
+    assert set(props["mode"]["enum"]) == set(MODE_BY_NAME)
+    assert set(props["captureSizes"]["properties"]["ladder"]["enum"]) == set(LADDER_BY_NAME)
+    assert set(props["defaultTenantGraphs"]["enum"]) == set(TENANT_GRAPHS_BY_NAME)
+    tenant = props["tenants"]["items"]["properties"]
+    assert set(tenant["graphs"]["enum"]) == set(TENANT_GRAPHS_BY_NAME)
+    assert props["mode"]["default"] == "FullAndPiecewise"
+
+
+def test_every_list_and_string_in_the_spec_is_bounded():
+    def walk(schema: dict, path: str) -> list[str]:
+        missing = []
+        kind = schema.get("type")
+        if kind == "array" and "maxItems" not in schema:
+            missing.append(path)
+        if kind == "string" and "enum" not in schema and "maxLength" not in schema:
+            missing.append(path)
+        if kind == "object" and "additionalProperties" in schema and "maxProperties" not in schema:
+            missing.append(path)
+        for name, sub in (schema.get("properties") or {}).items():
+            missing += walk(sub, f"{path}.{name}")
+        if isinstance(schema.get("items"), dict):
+            missing += walk(schema["items"], f"{path}[]")
+        if isinstance(schema.get("additionalProperties"), dict):
+            missing += walk(schema["additionalProperties"], f"{path}{{}}")
+        return missing
+
+    assert walk(spec_schema(), "spec") == []
+
+
+def test_the_example_policies_are_valid_for_the_operator():
+    for path in sorted((ROOT / "deploy" / "examples").glob("*.yaml")):
+        for doc in yaml.safe_load_all(path.read_text()):
+            if doc and doc.get("kind") == "GraphPolicy":
+                policy_from_spec(doc["spec"], uid="u", name="ns/x", generation=1)
+
+
+def helm() -> str:
+    found = K8S_BIN / "helm" if (K8S_BIN / "helm").exists() else shutil.which("helm")
+    if not found:
+        pytest.skip("helm is not built (deploy/local/build-bins.sh)")
+    return str(found)
+
+
+CHART_VALUES = [
+    [],
+    ["--set", "workers.enabled=true", "--set", "workers.modelRevision=r1",
+     "--set", "workers.podMonitor.enabled=true", "--set", "operator.serviceMonitor.enabled=true"],
+    ["--set", "operator.watchNamespaces={team-a,team-b}"],
+]
+
+
+@pytest.mark.parametrize("values", CHART_VALUES, ids=["defaults", "workers", "namespaced"])
+def test_helm_lint_passes(values: list[str]):
+    out = subprocess.run([helm(), "lint", "--strict", str(CHART), *values],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def render(*values: str) -> list[dict]:
+    out = subprocess.run([helm(), "template", "gk", str(CHART), "--namespace", "gk-system",
+                          "--kube-version", "1.36.3", *values],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return [d for d in yaml.safe_load_all(out.stdout) if d]
+
+
+def test_the_chart_runs_the_operator_with_flags_the_cli_accepts():
+    docs = render("--set", "operator.watchNamespaces={team-a}")
+    deployment = next(d for d in docs if d["kind"] == "Deployment")
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    args = build_parser().parse_args([*container["command"][1:], *container["args"]])
+    assert args.namespace == ["team-a"]
+    assert deployment["spec"]["strategy"]["type"] == "Recreate"
+    roles = {(d["kind"], d["metadata"].get("namespace")) for d in docs if "Role" in d["kind"]}
+    assert ("Role", "team-a") in roles and ("RoleBinding", "team-a") in roles
+
+
+def test_the_chart_workers_mount_the_rendered_policy_and_probe_grpc_health():
+    docs = render("--set", "workers.enabled=true")
+    policy = next(d for d in docs if d["kind"] == "GraphPolicy")
+    policy_from_spec(policy["spec"], uid="u", name="ns/x", generation=1)
+    worker = next(d for d in docs if d["kind"] == "Deployment"
+                  and d["metadata"]["name"].endswith("-worker"))
+    pod = worker["spec"]["template"]
+    labels = pod["metadata"]["labels"]
+    assert all(labels.get(k) == v for k, v in policy["spec"]["selector"]["matchLabels"].items())
+    container = pod["spec"]["containers"][0]
+    args = build_parser().parse_args([*container["command"][1:], *container["args"]])
+    assert args.policy_file == "/etc/graphkeeper/policy/policy.json"
+    volume = pod["spec"]["volumes"][0]["configMap"]["name"]
+    assert volume == f"{policy['metadata']['name']}-graphpolicy"
+    assert container["readinessProbe"]["grpc"]["service"] == "graphkeeper.worker.v1.InferenceWorker"
+    grpc_port = next(p for p in container["ports"] if p["name"] == "grpc")["containerPort"]
+    assert container["readinessProbe"]["grpc"]["port"] == grpc_port == args.port
