@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from graphkeeper.proto.policy import policy_from_spec
 
 from .conftest import GROUP, PLURAL, VERSION, Cluster, Operator, Policies, kubernetes
 
@@ -28,6 +29,11 @@ INVALID = {
     "graph mode without sizes": (
         {"selector": SELECTOR, "mode": "Full", "captureSizes": {"sizes": []}},
         "mode Full captures graphs and needs at least one capture size"),
+    "mode None with capture sizes": (
+        {"selector": SELECTOR, "mode": "None", "captureSizes": {"sizes": []}},
+        "mode None captures no graphs; leave captureSizes out"),
+    "memory budget in exponent form": ({"selector": SELECTOR, "memoryBudget": "1e9"},
+                                       "memoryBudget must be a non-negative whole number of bytes"),
     "maxCaptureSize out of range": (
         {"selector": SELECTOR, "captureSizes": {"maxCaptureSize": 100000}},
         "should be less than or equal to 8192"),
@@ -74,8 +80,11 @@ def test_a_valid_policy_gets_its_defaults(policies: Policies):
     assert spec["defaultTenantGraphs"] == "Enabled"
     assert spec["onModelRevisionChange"] == "Recapture"
     assert spec["tenants"] == [{"name": "batch", "graphs": "Enabled"}]
-    policies.create("bytes", {"selector": SELECTOR, "memoryBudget": 1048576,
-                              "mode": "None", "captureSizes": {"sizes": []}})
+    more = [policies.create("bytes", {"selector": SELECTOR, "memoryBudget": 1048576,
+                                      "mode": "None"}),
+            policies.create("decimal", {"selector": SELECTOR, "memoryBudget": "1G"})]
+    for accepted in [obj, *more]:  # what admission accepts, the operator accepts too
+        policy_from_spec(accepted["spec"], uid="u", name="ns/p", generation=1)
 
 
 def test_status_is_a_subresource_and_keeps_only_declared_fields(
