@@ -79,6 +79,27 @@ def bench_ours(loaded: LoadedModel, batches: list[int], context: int, steps: int
     return rows
 
 
+def count_kernels(loaded: LoadedModel, context: int) -> dict:
+    """GPU kernels one eager decode step launches at batch 1 (what a FULL graph records)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cache = KVCache(loaded.config, 1, context + 16, device=loaded.device, dtype=loaded.dtype)
+    runner = ModelRunner(loaded, cache, 1)
+    plan = decode_plan(1, context, loaded.config.vocab_size)
+    runner.forward_eager(runner.prepare(plan, 1), 1)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        runner.forward_eager(runner.prepare(plan, 1), 1)
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    names: dict[str, int] = {}
+    for e in kernels:
+        names[e.name[:60]] = names.get(e.name[:60], 0) + 1
+    top = sorted(names.items(), key=lambda kv: -kv[1])[:12]
+    print(f"  one eager decode step (model forward, batch 1): {len(kernels)} GPU kernels", flush=True)
+    return {"kernels_per_forward": len(kernels), "top": top}
+
+
 def bench_transformers(loaded: LoadedModel, batches: list[int], context: int, steps: int) -> list[dict]:
     """transformers LlamaForCausalLM, StaticCache, torch.compile(mode='reduce-overhead'), same weights."""
     from transformers import LlamaForCausalLM, StaticCache
@@ -229,7 +250,7 @@ def main() -> int:
     parser.add_argument("--batches", default="1,4,16,64")
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--parts", default="eager,graph,transformers,ladder,mixed")
+    parser.add_argument("--parts", default="kernels,eager,graph,transformers,ladder,mixed")
     parser.add_argument("--mixed-seconds", type=float, default=8.0, help="seconds per concurrency level")
     parser.add_argument("--out", default="")
     args = parser.parse_args()
@@ -245,6 +266,8 @@ def main() -> int:
     }
     print(f"{gpu}, torch {torch.__version__}, {args.preset} {args.dtype}, context {args.context}", flush=True)
     with torch.inference_mode():
+        if "kernels" in parts:
+            report["kernels"] = count_kernels(loaded, args.context)
         if "eager" in parts:
             report["decode"] += bench_ours(loaded, batches, args.context, args.steps, graphs=False)
         if "graph" in parts:

@@ -83,6 +83,9 @@ def run(args: argparse.Namespace) -> int:
     level = str(args.log_level).upper()
     kopf.configure(verbose=level == "DEBUG")
     logging.getLogger().setLevel(level)
+    if level != "DEBUG":
+        # kopf logs every pod event's handler at INFO; what happened is in our own log lines.
+        logging.getLogger("kopf.objects").setLevel(logging.WARNING)
     memo = kopf.Memo(
         status_interval=float(args.status_interval),
         metrics_port=int(args.metrics_port),

@@ -48,7 +48,7 @@ def prefill_logits(loaded, prompt: list[int]) -> torch.Tensor:
     positions = torch.arange(n)
     attention.bind(AttentionMetadata(
         slots=torch.zeros(n, dtype=torch.long), positions=positions,
-        lengths=torch.zeros(0, dtype=torch.long), num_decode=0,
+        lengths=torch.zeros(0, dtype=torch.long), kv_rows=positions, num_decode=0,
         prefill=[PrefillChunk(row=0, length=n, slot=0, start=0)],
     ))
     with torch.inference_mode():

@@ -39,13 +39,15 @@ class PrefillChunk:
 class AttentionMetadata:
     """Device tensors and host facts describing one step's attention.
 
-    ``slots`` and ``positions`` cover every row including padding (padded rows point at the dummy
-    slot, position 0); ``lengths`` covers the decode rows (context length including the new token).
+    ``slots``, ``positions`` and ``kv_rows`` (where each row's keys go in the cache) cover every
+    row including padding (padded rows point at the dummy slot, position 0); ``lengths`` covers the
+    decode rows (context length including the new token).
     """
 
     slots: Tensor
     positions: Tensor
     lengths: Tensor
+    kv_rows: Tensor
     num_decode: int
     prefill: list[PrefillChunk] = field(default_factory=list)
 
@@ -77,7 +79,7 @@ class SlotAttention:
         meta = self.meta
         assert meta is not None, "attention metadata not bound for this step"
         rows = q.shape[0]
-        self.cache.write(layer, meta.slots[:rows], meta.positions[:rows], k, v)
+        self.cache.write(layer, meta.kv_rows[:rows], k, v)
         if meta.num_decode == rows:
             return self._decode(layer, q, meta.slots[:rows], meta.lengths[:rows])
         out = q.new_zeros(rows, self.n_heads * self.head_dim)
@@ -93,8 +95,8 @@ class SlotAttention:
         if self.triton_decode:
             return decode_kernel.decode_attention(q, self.cache.k[layer], self.cache.v[layer], slots, lengths)
         b = q.shape[0]
-        keys = self.cache.k[layer][slots]  # [B, n_kv, L, d]
-        values = self.cache.v[layer][slots]
+        keys = self.cache.k[layer][slots].transpose(1, 2)  # [B, n_kv, L, d]
+        values = self.cache.v[layer][slots].transpose(1, 2)
         query = q.view(b, self.n_kv, self.group, self.head_dim)
         mask = (self.key_positions[None, :] < lengths[:, None]).view(b, 1, 1, -1)
         out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask)
@@ -103,8 +105,8 @@ class SlotAttention:
     def _prefill(self, layer: int, q: Tensor, chunk: PrefillChunk) -> Tensor:
         n, g = chunk.length, self.group
         context = chunk.start + n
-        keys = self.cache.k[layer][chunk.slot, :, :context]  # [n_kv, context, d]
-        values = self.cache.v[layer][chunk.slot, :, :context]
+        keys = self.cache.k[layer][chunk.slot, :context].transpose(0, 1)  # [n_kv, context, d]
+        values = self.cache.v[layer][chunk.slot, :context].transpose(0, 1)
         # [n, n_kv, g, d] -> [n_kv, n * g, d]: row t*g + j is token t, head j of the group.
         query = q.view(n, self.n_kv, g, self.head_dim).permute(1, 0, 2, 3).reshape(self.n_kv, n * g, -1)
         token_pos = torch.arange(chunk.start, context, device=q.device).repeat_interleave(g)

@@ -75,14 +75,14 @@ if triton is not None:
 
 
 def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, lengths: Tensor) -> Tensor:
-    """``q [B, heads, d]`` over ``k_cache/v_cache [slots, kv_heads, L, d]`` -> ``[B, heads * d]``."""
+    """``q [B, heads, d]`` over ``k_cache/v_cache [slots, L, kv_heads, d]`` -> ``[B, heads * d]``."""
     rows, heads, head_dim = q.shape
-    kv_heads = k_cache.shape[1]
+    kv_heads = k_cache.shape[2]
     group = heads // kv_heads
     out = torch.empty(rows, heads, head_dim, dtype=q.dtype, device=q.device)
     _decode_kernel[(rows, kv_heads)](
         q, k_cache, v_cache, out, slots, lengths, head_dim ** -0.5,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(2), k_cache.stride(1),
         out.stride(0), out.stride(1),
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_N=64,
         IEEE=q.dtype == torch.float32, num_warps=4,

@@ -22,7 +22,9 @@ class KVCache:
         self.scratch_slots = max(1, scratch_slots)
         self.max_seq_len = max_seq_len
         total = num_slots + self.scratch_slots
-        shape = (config.n_layers, total, config.n_kv_heads, max_seq_len, config.head_dim)
+        # [layer, slot, position, kv_head, head_dim]: one (slot, position) is one contiguous row,
+        # so a step's keys land with a single index_copy_ per layer at slot * max_seq_len + position.
+        shape = (config.n_layers, total, max_seq_len, config.n_kv_heads, config.head_dim)
         # Zeros, not empty: the dummy slot is read by padded rows and must hold finite values.
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
@@ -39,10 +41,15 @@ class KVCache:
     def nbytes(self) -> int:
         return self.k.numel() * self.k.element_size() * 2
 
-    def write(self, layer: int, slots: Tensor, positions: Tensor, k: Tensor, v: Tensor) -> None:
-        """Stores ``k``/``v`` ``[T, n_kv, head_dim]`` at ``(slots[t], positions[t])``; no host sync."""
-        self.k[layer][slots, :, positions] = k
-        self.v[layer][slots, :, positions] = v
+    def row_index(self, slot: int, position: int) -> int:
+        """Where ``(slot, position)`` lives in a layer's flat view."""
+        return slot * self.max_seq_len + position
+
+    def write(self, layer: int, rows: Tensor, k: Tensor, v: Tensor) -> None:
+        """Stores ``k``/``v`` ``[T, n_kv, head_dim]`` at flat ``rows`` (see row_index); no host sync."""
+        t = k.shape[0]
+        self.k[layer].view(-1, k.shape[1] * k.shape[2]).index_copy_(0, rows, k.reshape(t, -1))
+        self.v[layer].view(-1, v.shape[1] * v.shape[2]).index_copy_(0, rows, v.reshape(t, -1))
 
     def addresses(self) -> tuple[int, int]:
         """The buffers' device addresses; graphs recorded against others are stale."""

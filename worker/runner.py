@@ -44,7 +44,7 @@ class StepPlan:
 class ModelRunner:
     """Executes steps for one loaded model and one KV cache."""
 
-    TOKENS, POSITIONS, SLOTS, LENGTHS = range(4)
+    TOKENS, POSITIONS, SLOTS, LENGTHS, KV_ROWS = range(5)
 
     def __init__(self, loaded: LoadedModel, cache: KVCache, max_tokens: int) -> None:
         self.loaded = loaded
@@ -53,7 +53,7 @@ class ModelRunner:
         self.device = loaded.device
         self.max_tokens = max_tokens
         self.attention = SlotAttention(loaded.config, cache)
-        self.inputs = torch.zeros(4, max_tokens, dtype=torch.long, device=self.device)
+        self.inputs = torch.zeros(5, max_tokens, dtype=torch.long, device=self.device)
         self.hidden = torch.zeros(max_tokens, loaded.config.dim, dtype=loaded.dtype, device=self.device)
 
     # --- inputs ---------------------------------------------------------------------------
@@ -61,7 +61,7 @@ class ModelRunner:
     def prepare(self, plan: StepPlan, rows: int) -> AttentionMetadata:
         """Copies the plan into the static buffers, padded to ``rows`` with inert rows."""
         n, nd = plan.num_tokens, plan.num_decode
-        host = torch.empty(4, rows, dtype=torch.long)
+        host = torch.empty(5, rows, dtype=torch.long)
         host[self.TOKENS, :n] = torch.tensor(plan.tokens)
         host[self.POSITIONS, :n] = torch.tensor(plan.positions)
         host[self.SLOTS, :n] = torch.tensor(plan.slots)
@@ -71,6 +71,7 @@ class ModelRunner:
         host[self.SLOTS, n:] = self.cache.dummy_slot
         host[self.LENGTHS, :nd] = host[self.POSITIONS, :nd] + 1
         host[self.LENGTHS, nd:] = 1
+        host[self.KV_ROWS] = host[self.SLOTS] * self.cache.max_seq_len + host[self.POSITIONS]
         # Pageable and synchronous: the previous step already synced (its tokens went to the
         # host), and pinned staging buffers interfere with graph capture's host allocator.
         self.inputs[:, :rows].copy_(host)
@@ -81,6 +82,7 @@ class ModelRunner:
             slots=self.inputs[self.SLOTS, :rows],
             positions=self.inputs[self.POSITIONS, :rows],
             lengths=self.inputs[self.LENGTHS, :rows],
+            kv_rows=self.inputs[self.KV_ROWS, :rows],
             num_decode=num_decode,
             prefill=prefill,
         )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from graphkeeper.proto.policy import policy_from_spec
@@ -115,3 +116,11 @@ def test_kubectl_get_gp_shows_the_printer_columns(
     assert row.split()[:5] == ["cols", "FullDecodeOnly", "2", "1", "False"]
     wide = cluster.kubectl("get", "graphpolicies", "-o", "wide", "-n", policies.namespace)
     assert "WorkersNotCaptured" in wide and "REASON" in wide
+
+
+def test_the_examples_pass_server_side_validation(no_operator: Operator, cluster: Cluster,
+                                                   policies: Policies):
+    examples = Path(__file__).resolve().parents[2] / "deploy" / "examples"
+    out = cluster.kubectl("apply", "--dry-run=server", "-n", policies.namespace,
+                          "-f", str(examples))
+    assert out.count("(server dry run)") == len(list(examples.glob("*.yaml"))), out

@@ -290,7 +290,7 @@ def test_triton_decode_kernel_matches_sdpa_reference(dtype, tol):
 
     torch.manual_seed(0)
     slots_total, kv_heads, length_max, d, heads, rows = 9, 2, 200, 64, 8, 7
-    k = torch.randn(slots_total, kv_heads, length_max, d, device="cuda", dtype=dtype)
+    k = torch.randn(slots_total, length_max, kv_heads, d, device="cuda", dtype=dtype)
     v = torch.randn_like(k)
     q = torch.randn(rows, heads, d, device="cuda", dtype=dtype)
     slots = torch.tensor([3, 0, 8, 5, 5, 1, 2], device="cuda")
@@ -299,8 +299,8 @@ def test_triton_decode_kernel_matches_sdpa_reference(dtype, tol):
     group = heads // kv_heads
     for r in range(rows):
         n = int(lengths[r])
-        keys = k[slots[r], :, :n].float().repeat_interleave(group, 0)
-        values = v[slots[r], :, :n].float().repeat_interleave(group, 0)
+        keys = k[slots[r], :n].float().transpose(0, 1).repeat_interleave(group, 0)
+        values = v[slots[r], :n].float().transpose(0, 1).repeat_interleave(group, 0)
         want = torch.softmax(q[r].float()[:, None, :] @ keys.transpose(1, 2) / d**0.5, -1) @ values
         rel = ((got[r] - want[:, 0]).norm() / want.norm()).item()
         assert rel < tol, (r, rel)
