@@ -20,9 +20,10 @@ import time
 from pathlib import Path
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
 from graphkeeper.proto import worker_pb2 as pb
 from graphkeeper.proto import worker_pb2_grpc as pb_grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 
 def free_port() -> int:

@@ -11,6 +11,7 @@ import asyncio
 from typing import Any
 
 import kubernetes
+
 from graphkeeper.operator import metrics, naming
 
 _MERGE_PATCH = "application/merge-patch+json"
@@ -70,6 +71,8 @@ class Kube:
                                 meta["namespace"], body, field_manager=naming.FIELD_MANAGER)
                 return
             except kubernetes.client.ApiException as err:
+                if _namespace_terminating(err):
+                    return  # the policy goes away with its namespace; nothing to render for
                 if err.status != 409:
                     raise
         await self._run(
@@ -77,3 +80,7 @@ class Kube:
             meta["name"], meta["namespace"], body,
             field_manager=naming.FIELD_MANAGER, _content_type=_MERGE_PATCH,
         )
+
+
+def _namespace_terminating(err: kubernetes.client.ApiException) -> bool:
+    return err.status == 403 and "being terminated" in str(err.body or "")

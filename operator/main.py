@@ -11,6 +11,7 @@ import logging
 from typing import Any
 
 import kopf
+
 from graphkeeper.operator import metrics, naming, pod_handlers, policy_handlers
 from graphkeeper.operator.kube import Kube, load_client_config
 from graphkeeper.operator.reconciler import Reconciler

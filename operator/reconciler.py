@@ -23,6 +23,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 import kopf
+
 from graphkeeper.operator import metrics
 from graphkeeper.operator.kube import Kube
 from graphkeeper.operator.render import build_status_patch

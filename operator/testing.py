@@ -14,6 +14,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 import grpc
+
 from graphkeeper.proto import worker_pb2 as pb
 from graphkeeper.proto import worker_pb2_grpc as pb_grpc
 from graphkeeper.proto.policy import PolicyError, validate_policy
@@ -127,8 +128,9 @@ async def serve_forever(port: int, max_num_batched_tokens: int, revision: str,
     """A fake worker process: GraphControl, GetModelInfo and gRPC health (SERVING at once)."""
     from pathlib import Path
 
-    from graphkeeper.proto.policy import policy_from_json
     from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+    from graphkeeper.proto.policy import policy_from_json
 
     policy = policy_from_json(Path(policy_file).read_text()) if policy_file else None
     server = FakeWorkerServer(FakeWorkerState(max_num_batched_tokens=max_num_batched_tokens,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import enum
 
 import grpc
+
 from graphkeeper.proto import worker_pb2 as pb
 from graphkeeper.proto import worker_pb2_grpc as pb_grpc
 

@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from google.protobuf import json_format
+
 from graphkeeper.proto import worker_pb2 as pb
 
 #: The largest capture size any policy may ask for.

@@ -11,6 +11,7 @@ import threading
 from pathlib import Path
 
 import pytest
+
 from graphkeeper.proto import worker_pb2 as pb
 from graphkeeper.proto.policy import mode_name, reason_name
 

@@ -6,6 +6,7 @@ import dataclasses
 
 import pytest
 import torch
+
 from graphkeeper.worker.attention import AttentionMetadata, PrefillChunk, SlotAttention
 from graphkeeper.worker.config import PRESETS, ModelConfig
 from graphkeeper.worker.kv_cache import KVCache

@@ -13,10 +13,11 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
+
 from graphkeeper.worker import decode_kernel
 from graphkeeper.worker.config import ModelConfig
 from graphkeeper.worker.kv_cache import KVCache
-from torch import Tensor
 
 
 class GraphSupport(enum.IntEnum):

@@ -20,6 +20,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
+
 from graphkeeper.proto import worker_pb2 as pb
 from graphkeeper.proto.policy import (
     disabled_tenants,

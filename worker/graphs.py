@@ -17,11 +17,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from torch import Tensor
+
 from graphkeeper.proto import worker_pb2 as pb
 from graphkeeper.proto.policy import mode_name
 from graphkeeper.worker.attention import AttentionMetadata
 from graphkeeper.worker.runner import ModelRunner, StepPlan
-from torch import Tensor
 
 log = logging.getLogger(__name__)
 

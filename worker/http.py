@@ -6,9 +6,10 @@ from __future__ import annotations
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
 from graphkeeper.worker.engine import Engine
 from graphkeeper.worker.lifecycle import state_name
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 
 def serve_http(engine: Engine, host: str, port: int) -> ThreadingHTTPServer:

@@ -9,8 +9,9 @@ validation probes write distinct positions across all of them.
 from __future__ import annotations
 
 import torch
-from graphkeeper.worker.config import ModelConfig
 from torch import Tensor
+
+from graphkeeper.worker.config import ModelConfig
 
 
 class KVCache:

@@ -13,10 +13,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from graphkeeper.worker.config import PRESETS, ModelConfig
-from graphkeeper.worker.model import Transformer, rope_tables
 from safetensors import safe_open
 from torch import Tensor
+
+from graphkeeper.worker.config import PRESETS, ModelConfig
+from graphkeeper.worker.model import Transformer, rope_tables
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_SEED = 0

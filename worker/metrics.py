@@ -8,9 +8,10 @@ alert rules and the docs use the names in ``METRIC_NAMES``; a test keeps them in
 
 from __future__ import annotations
 
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+
 from graphkeeper.proto import worker_pb2 as pb
 from graphkeeper.proto.policy import mode_name, reason_name
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
 #: Label values of graphkeeper_requests_total{outcome}.
 OUTCOMES = ("length", "stop", "eos", "cancelled", "invalid", "queue_full", "error")

@@ -16,8 +16,9 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-from graphkeeper.worker.config import ModelConfig
 from torch import Tensor, nn
+
+from graphkeeper.worker.config import ModelConfig
 
 #: attend(layer_index, q [T, n_heads, head_dim], k [T, n_kv, head_dim], v) -> [T, n_heads * head_dim]
 AttendFn = Callable[[int, Tensor, Tensor, Tensor], Tensor]

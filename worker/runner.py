@@ -10,11 +10,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
+from torch import Tensor
+
 from graphkeeper.worker.attention import AttentionMetadata, PrefillChunk, SlotAttention
 from graphkeeper.worker.kv_cache import KVCache
 from graphkeeper.worker.loader import LoadedModel
-from torch import Tensor
 
 
 @dataclass
@@ -61,10 +63,11 @@ class ModelRunner:
     def prepare(self, plan: StepPlan, rows: int) -> AttentionMetadata:
         """Copies the plan into the static buffers, padded to ``rows`` with inert rows."""
         n, nd = plan.num_tokens, plan.num_decode
-        host = torch.empty(5, rows, dtype=torch.long)
-        host[self.TOKENS, :n] = torch.tensor(plan.tokens)
-        host[self.POSITIONS, :n] = torch.tensor(plan.positions)
-        host[self.SLOTS, :n] = torch.tensor(plan.slots)
+        # Built with numpy: a handful of host operations per step instead of a dozen torch ones.
+        host = np.empty((5, rows), dtype=np.int64)
+        host[self.TOKENS, :n] = plan.tokens
+        host[self.POSITIONS, :n] = plan.positions
+        host[self.SLOTS, :n] = plan.slots
         # Padded rows: token 0 at position 0 in the dummy slot, attending to a length of 1.
         host[self.TOKENS, n:] = 0
         host[self.POSITIONS, n:] = 0
@@ -74,7 +77,7 @@ class ModelRunner:
         host[self.KV_ROWS] = host[self.SLOTS] * self.cache.max_seq_len + host[self.POSITIONS]
         # Pageable and synchronous: the previous step already synced (its tokens went to the
         # host), and pinned staging buffers interfere with graph capture's host allocator.
-        self.inputs[:, :rows].copy_(host)
+        self.inputs[:, :rows].copy_(torch.from_numpy(host))
         return self.metadata(rows, nd, plan.prefill)
 
     def metadata(self, rows: int, num_decode: int, prefill: list[PrefillChunk]) -> AttentionMetadata:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
 from graphkeeper.proto import worker_pb2 as pb
 from graphkeeper.worker.attention import PrefillChunk
 from graphkeeper.worker.runner import StepPlan

@@ -12,14 +12,15 @@ import queue
 from concurrent import futures
 
 import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
 from graphkeeper.proto import worker_pb2 as pb
 from graphkeeper.proto import worker_pb2_grpc as pb_grpc
 from graphkeeper.proto.policy import PolicyError
 from graphkeeper.worker.admission import AdmissionError
 from graphkeeper.worker.engine import Engine, NotServing, QueueFull, StalePolicy
 from graphkeeper.worker.lifecycle import SERVING_STATES
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 log = logging.getLogger(__name__)
 

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+
 from graphkeeper.proto.policy import policy_from_spec
 
 from .conftest import GROUP, PLURAL, VERSION, Cluster, Operator, Policies, kubernetes

@@ -58,7 +58,7 @@ def test_applied_policy_reaches_every_selected_worker_and_is_ready(
 
 
 def test_changed_sizes_are_recaptured_and_status_follows(
-        running_operator: Operator, kubelet: Kubelet, policies: Policies):
+        running_operator: Operator, kubelet: Kubelet, policies: Policies, cluster: Cluster):
     ns = policies.namespace
     worker = kubelet.create_worker(ns, "w", LABELS)
     policies.create("p", SPEC)
@@ -70,6 +70,10 @@ def test_changed_sizes_are_recaptured_and_status_follows(
     assert obj["status"]["observedGeneration"] == 2
     assert obj["status"]["workers"][0]["policyGeneration"] == 2
     assert holds(worker, updated, 2)
+    cm = cluster.core.read_namespaced_config_map("p-graphpolicy", ns)
+    rendered = json.loads(cm.data["policy.json"])
+    assert (rendered["generation"], rendered["capture_sizes"]["explicit"]["sizes"]) == (
+        "2", [1, 16, 32]), "the ConfigMap follows the spec for workers that boot later"
 
 
 def test_a_worker_added_later_gets_the_policy(
@@ -167,6 +171,7 @@ def test_a_conflicting_second_policy_is_degraded_and_not_pushed(
     assert policies.condition("first", "Ready")["status"] == "True"
 
     policies.delete("first")  # the pod is free again: the second policy takes it
+    wait_until("the first policy to be gone", lambda: not policies.exists("first"), timeout=10)
     second = policies.get("second")
     policies.wait_condition("second", "Ready", "True", timeout=30)
     assert holds(worker, second)

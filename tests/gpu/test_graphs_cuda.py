@@ -7,6 +7,7 @@ import threading
 
 import pytest
 import torch
+
 from graphkeeper.proto import worker_pb2 as pb
 from graphkeeper.worker.attention import PrefillChunk
 from graphkeeper.worker.engine import Engine, EngineSettings

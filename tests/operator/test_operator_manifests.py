@@ -9,14 +9,14 @@ from pathlib import Path
 
 import pytest
 import yaml
+
+from graphkeeper.cli import build_parser
 from graphkeeper.proto.policy import (
     LADDER_BY_NAME,
     MODE_BY_NAME,
     TENANT_GRAPHS_BY_NAME,
     policy_from_spec,
 )
-
-from graphkeeper.cli import build_parser
 
 ROOT = Path(__file__).resolve().parents[2]
 CRD = ROOT / "deploy" / "crds" / "graphpolicy.yaml"

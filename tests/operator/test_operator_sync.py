@@ -134,3 +134,29 @@ def test_a_ready_pod_that_does_not_answer_is_unreachable_and_a_starting_one_is_n
     assert "UNAVAILABLE" in ready.observation.message
     assert starting.observation.state == WorkerState.STARTING
     assert pending.observation.state == WorkerState.STARTING
+
+
+def test_a_size_whose_capture_failed_makes_the_worker_capture_failed():
+    from graphkeeper.operator.sync import observe
+    from graphkeeper.proto import worker_pb2 as pb
+
+    wire = policy()
+    status = pb.GraphStatus(
+        state=pb.LIFECYCLE_STATE_READY, policy_uid=wire.policy_uid, policy_generation=1,
+        effective_mode=pb.GRAPH_MODE_FULL, graph_steps=30, eager_steps=10,
+        captured=[pb.CapturedSize(size=1, mode=pb.GRAPH_MODE_FULL),
+                  pb.CapturedSize(size=2, mode=pb.GRAPH_MODE_FULL)],
+        skipped=[pb.SkippedSize(size=4, reason=pb.FALLBACK_REASON_SIZE_CAPTURE_FAILED,
+                                message="cudaErrorMemoryAllocation")])
+    pod = WorkerPod(namespace="ns", name="w0", uid="u")
+    seen = observe(pod, status, wire)
+    assert seen.state == WorkerState.CAPTURE_FAILED
+    assert "4 (cudaErrorMemoryAllocation)" in seen.message
+    assert seen.captured_sizes == (1, 2) and seen.effective_mode == "Full"
+    assert seen.fallback_rate == 0.25
+    over_budget = pb.GraphStatus()
+    over_budget.CopyFrom(status)
+    del over_budget.skipped[:]
+    over_budget.skipped.add(size=4, reason=pb.FALLBACK_REASON_SIZE_OVER_BUDGET)
+    assert observe(pod, over_budget, wire).state == WorkerState.CAPTURED, (
+        "a size left out by the memory budget is the policy working, not a failure")

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import grpc
 import pytest
+from worker_harness import eager_reasons, generate, make_request, wait_until
+
 from graphkeeper.proto import worker_pb2 as pb
 from graphkeeper.proto.policy import policy_to_json
-from worker_harness import eager_reasons, generate, make_request, wait_until
 
 PROMPTS = [[3, 14, 15, 92, 65], [35, 89, 79], [323, 84, 62, 64, 33, 83, 27]]
 

@@ -14,8 +14,6 @@ import grpc
 import pytest
 import torch
 from google.protobuf.descriptor_pool import DescriptorPool
-from graphkeeper.proto import worker_pb2 as pb
-from graphkeeper.worker.loader import load_model, save_hf_directory
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
@@ -29,6 +27,9 @@ from worker_harness import (
     generate_concurrently,
     make_request,
 )
+
+from graphkeeper.proto import worker_pb2 as pb
+from graphkeeper.worker.loader import load_model, save_hf_directory
 
 transformers = pytest.importorskip("transformers")
 

@@ -4,6 +4,7 @@ the lifecycle state machine and policy validation, as pure functions."""
 from __future__ import annotations
 
 import pytest
+
 from graphkeeper.proto import worker_pb2 as pb
 from graphkeeper.proto.policy import (
     PolicyError,

@@ -7,10 +7,11 @@ import signal
 
 import grpc
 import pytest
-from graphkeeper.proto import worker_pb2 as pb
-from graphkeeper.proto import worker_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from worker_harness import INFERENCE_SERVICE, generate, make_request, wait_until
+
+from graphkeeper.proto import worker_pb2 as pb
+from graphkeeper.proto import worker_pb2_grpc as pb_grpc
 
 LONG = 480  # new tokens: a request that runs for a while on the tiny model
 PROMPT = [11, 22, 33, 44]

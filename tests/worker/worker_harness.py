@@ -21,9 +21,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
 from graphkeeper.proto import worker_pb2 as pb
 from graphkeeper.proto import worker_pb2_grpc as pb_grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 GRAPHKEEPER = Path(sys.executable).parent / "graphkeeper"
 INFERENCE_SERVICE = "graphkeeper.worker.v1.InferenceWorker"
