@@ -19,9 +19,9 @@ ROOT = Path(__file__).resolve().parents[1]
 PROTO_DIR = ROOT / "proto"
 ENUM_REF = re.compile(r"\b((?:FALLBACK_REASON|GRAPH_MODE)_[A-Z0-9_]+)\b")
 # Series whose labels appear only once something happens: a graph is captured (labelled by captured
-# size, so never on a CPU), or a recapture starts (labelled by cause).
+# size, so never on a CPU), or a step holds a tenant the policy lists.
 ABSENT_UNTIL_EVENT = {
-    "graphkeeper_recaptures_total",
+    "graphkeeper_tenant_steps_total",
     "graphkeeper_graph_replays_total",
     "graphkeeper_graph_capture_duration_seconds",
     "graphkeeper_graph_captured",

@@ -118,6 +118,7 @@ class Engine:
         self.downgrade_reason = ""
         self.ladder: list[int] = []
         self.disabled = disabled_tenants(self.policy)
+        self.listed_tenants = frozenset(t.tenant for t in self.policy.tenants)
         self.default_disabled = self.policy.default_tenant_graphs == pb.TENANT_GRAPHS_DISABLED
         self.last_error = ""
         self.total_capture_seconds = 0.0
@@ -327,6 +328,9 @@ class Engine:
         else:
             m.graph_replays.labels(mode_name(decision.mode), str(decision.size)).inc()
             m.padded_tokens.inc(decision.size)
+        execution = "eager" if decision.eager else "graph"
+        for tenant in {s.tenant for s in step.sequences} & self.listed_tenants:
+            m.tenant_steps.labels(tenant, execution).inc()  # bounded: only tenants the policy lists
         for seq in step.sequences:
             if decision.eager:
                 seq.eager_steps[decision.reason] += 1
@@ -392,6 +396,7 @@ class Engine:
     def _adopt_policy(self, policy: pb.GraphPolicy, recapture: bool) -> None:
         """Engine thread: tenant toggles now; a capture config change recaptures."""
         self.disabled = disabled_tenants(policy)
+        self.listed_tenants = frozenset(t.tenant for t in policy.tenants)
         self.default_disabled = policy.default_tenant_graphs == pb.TENANT_GRAPHS_DISABLED
         self.metrics.policy_generation.set(policy.generation)
         log.info("policy %s generation %d adopted (recapture: %s)", policy.policy_name or policy.policy_uid,

@@ -8,7 +8,7 @@ alert rules and the docs use the names in ``METRIC_NAMES``; a test keeps them in
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, disable_created_metrics
 
 from graphkeeper.proto import worker_pb2 as pb
 from graphkeeper.proto.policy import mode_name, reason_name
@@ -26,6 +26,14 @@ LIFECYCLE_STATES = tuple(
     for v in pb.LifecycleState.values() if v != pb.LIFECYCLE_STATE_UNSPECIFIED
 )
 LEDGER_KINDS = ("device_used", "torch_allocated", "torch_reserved", "residual")
+
+#: Label values of graphkeeper_recaptures_total{cause}.
+RECAPTURE_CAUSES = ("policy", "model_revision")
+#: Label values of graphkeeper_tenant_steps_total{execution}.
+TENANT_EXECUTIONS = ("graph", "eager")
+
+# The *_created series double every counter for no dashboard's benefit.
+disable_created_metrics()
 
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30)
 
@@ -82,8 +90,13 @@ class WorkerMetrics:
         self.model = Info("graphkeeper_model", "The model being served.", registry=r)
         self.recaptures = Counter("graphkeeper_recaptures", "Recaptures started, by cause.", ["cause"],
                                   registry=r)
+        self.tenant_steps = Counter(
+            "graphkeeper_tenant_steps", "Steps holding a tenant's sequences (policy-listed tenants only).",
+            ["tenant", "execution"], registry=r)
         for outcome in OUTCOMES:
             self.requests.labels(outcome)
+        for cause in RECAPTURE_CAUSES:
+            self.recaptures.labels(cause)
         for reason in FALLBACK_REASONS:
             self.eager_steps.labels(reason)
 
@@ -138,4 +151,5 @@ METRIC_NAMES = frozenset({
     "graphkeeper_memory_ledger_bytes",
     "graphkeeper_model_info",
     "graphkeeper_recaptures_total",
+    "graphkeeper_tenant_steps_total",
 })

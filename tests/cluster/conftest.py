@@ -341,7 +341,7 @@ class Operator:
         self.metrics_port = free_port()
         args = [sys.executable, "-m", "graphkeeper.cli", "operator", "--metrics-port",
                 str(self.metrics_port), "--status-interval", str(self.status_interval),
-                "--rpc-timeout", "2", "--log-level", "INFO", *self.extra_args]
+                "--rpc-timeout", "5", "--log-level", "INFO", *self.extra_args]
         with open(self.log, "ab") as log:
             log.write(f"\n===== start {now()} =====\n".encode())
             self.process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT,
@@ -458,7 +458,7 @@ class Policies:
         return next((c for c in status.get("conditions") or [] if c["type"] == kind), {})
 
     def wait_condition(self, name: str, kind: str, value: str, reason: str | None = None,
-                       generation: int | None = None, timeout: float = 30) -> dict[str, Any]:
+                       generation: int | None = None, timeout: float = 60) -> dict[str, Any]:
         def check() -> dict[str, Any] | None:
             obj = self.get(name)
             status = obj.get("status") or {}

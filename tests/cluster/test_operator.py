@@ -151,7 +151,7 @@ def test_a_killed_worker_degrades_the_policy_by_name_and_recovers_when_restarted
     assert running_operator.running, "an unreachable worker never crashes the operator"
 
     kubelet.restart(victim)  # a fresh process: it lost the policy with its memory
-    policies.wait_condition("p", "Ready", "True", timeout=30)
+    policies.wait_condition("p", "Ready", "True")
     assert holds(victim, policy)
     assert policies.condition("p", "Degraded")["status"] == "False"
 
@@ -173,7 +173,7 @@ def test_a_conflicting_second_policy_is_degraded_and_not_pushed(
     policies.delete("first")  # the pod is free again: the second policy takes it
     wait_until("the first policy to be gone", lambda: not policies.exists("first"), timeout=10)
     second = policies.get("second")
-    policies.wait_condition("second", "Ready", "True", timeout=30)
+    policies.wait_condition("second", "Ready", "True")
     assert holds(worker, second)
 
 

@@ -108,6 +108,11 @@ def test_tenant_toggles_apply_without_recapture(worker):
         tokens, completion = generate(worker, make_request(PROMPTS[1], 3, tenant=tenant))
         assert len(tokens) == 3
         assert eager_reasons(completion) == {pb.FALLBACK_REASON_BACKEND_UNSUPPORTED: 3}
+    # Tenant-labelled series exist only for the tenants the policy lists (bounded labels).
+    for listed in ("batch", "chat"):
+        assert worker.metric("graphkeeper_tenant_steps_total", tenant=listed, execution="eager") >= 3
+    assert not any(name == "graphkeeper_tenant_steps_total" and dict(labels).get("tenant") == ""
+                   for name, labels in worker.metrics())
 
 
 def test_another_policy_uid_is_told_apart(worker):
