@@ -309,6 +309,7 @@ class Engine:
         self.steps_since_ready += 1
         if self.steps_since_ready == STEADY_AFTER_STEPS:
             self.ledger.record(L.LEDGER_STAGE_STEADY, self.device)
+            self._export_ledger()
 
     def _graphs_allowed(self, sequences: list[Sequence]) -> bool:
         if self.default_disabled:
@@ -466,14 +467,17 @@ class Engine:
                 self.last_error = failures[-1]
             self._export_graphs()
         self.ledger.record(L.LEDGER_STAGE_CAPTURE, self.device)
-        for entry in self.ledger.entries.values():
-            for kind, value in (("device_used", entry.device_used), ("torch_allocated", entry.torch_allocated),
-                                ("torch_reserved", entry.torch_reserved), ("residual", entry.residual)):
-                self.metrics.ledger.labels(pb.LedgerStage.Name(entry.stage).removeprefix("LEDGER_STAGE_").lower(),
-                                           kind).set(value)
+        self._export_ledger()
         if self.lifecycle.state == S.LIFECYCLE_STATE_RECAPTURING:
             self.lifecycle.move(S.LIFECYCLE_STATE_READY)
             self._log_ready()
+
+    def _export_ledger(self) -> None:
+        for entry in list(self.ledger.entries.values()):
+            stage = pb.LedgerStage.Name(entry.stage).removeprefix("LEDGER_STAGE_").lower()
+            for kind, value in (("device_used", entry.device_used), ("torch_allocated", entry.torch_allocated),
+                                ("torch_reserved", entry.torch_reserved), ("residual", entry.residual)):
+                self.metrics.ledger.labels(stage, kind).set(value)
 
     def _export_graphs(self) -> None:
         m, graphs = self.metrics, self.graph_set
