@@ -53,7 +53,10 @@ class Lifecycle:
         listener(self.state)
 
     def move(self, new: int) -> None:
+        """Moves to ``new``; a move out of DRAINING (shutdown began mid-capture) is ignored."""
         with self._lock:
+            if self.state == S.LIFECYCLE_STATE_DRAINING and new != S.LIFECYCLE_STATE_DRAINING:
+                return
             check_transition(self.state, new)
             self.state = new
         for listener in self._listeners:

@@ -450,3 +450,12 @@ def test_label_names():
     assert mode_name(pb.GRAPH_MODE_NONE) == "none"
     assert reason_name(R.FALLBACK_REASON_TENANT_DISABLED) == "tenant_disabled"
     assert reason_name(R.FALLBACK_REASON_BACKEND_UNSUPPORTED) == "backend_unsupported"
+
+
+def test_moves_after_draining_began_are_ignored():
+    # Shutdown can start while the engine thread is still capturing; its next move must not crash it.
+    lifecycle = Lifecycle()
+    lifecycle.move(S.LIFECYCLE_STATE_MODEL_LOADED)
+    lifecycle.move(S.LIFECYCLE_STATE_DRAINING)
+    lifecycle.move(S.LIFECYCLE_STATE_WARMED)
+    assert lifecycle.state == S.LIFECYCLE_STATE_DRAINING
