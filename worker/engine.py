@@ -249,10 +249,8 @@ class Engine:
         self.ledger.record(L.LEDGER_STAGE_KV_CACHE, self.device)
         self.loaded = loaded
         self.runner = ModelRunner(loaded, cache, s.max_num_batched_tokens)
-        self.metrics.model.info({
-            "revision": loaded.revision, "source": loaded.source, "dtype": str(loaded.dtype).removeprefix("torch."),
-            "device": str(self.device),
-        })
+        self.metrics.set_model(loaded.revision, loaded.source, str(loaded.dtype).removeprefix("torch."),
+                               str(self.device))
         log.info("model %s revision %s loaded: %d parameters, %s on %s", loaded.source, loaded.revision,
                  loaded.parameter_count, loaded.dtype, self.device)
 
@@ -423,6 +421,7 @@ class Engine:
             self.requested_mode, int(SlotAttention.graph_support), cuda)
         self.metrics.set_modes(self.requested_mode, self.effective_mode)
         self.metrics.policy_generation.set(policy.generation)
+        self.metrics.graph_memory_budget.set(policy.memory_budget_bytes)
         self.ladder = resolve_capture_sizes(policy.capture_sizes, s.max_num_seqs, s.max_num_batched_tokens)
         if not cuda or self.effective_mode == pb.GRAPH_MODE_NONE:
             self.capture_job = None

@@ -27,6 +27,10 @@ LIFECYCLE_STATES = tuple(
 )
 LEDGER_KINDS = ("device_used", "torch_allocated", "torch_reserved", "residual")
 
+#: Label names of graphkeeper_model_info (an Info series; its labels are set when a model loads).
+MODEL_INFO_LABELS = ("revision", "source", "dtype", "device")
+#: Label values of graphkeeper_graph_mode{kind}.
+MODE_KINDS = ("requested", "effective")
 #: Label values of graphkeeper_recaptures_total{cause}.
 RECAPTURE_CAUSES = ("policy", "model_revision")
 #: Label values of graphkeeper_tenant_steps_total{execution}.
@@ -75,6 +79,8 @@ class WorkerMetrics:
                                    "Total capture time of the last capture phase.", registry=r)
         self.graph_memory = Gauge("graphkeeper_graph_memory_bytes",
                                   "Device memory the captured graphs hold (measured).", registry=r)
+        self.graph_memory_budget = Gauge("graphkeeper_graph_memory_budget_bytes",
+                                         "The policy's graph memory budget; 0 is unlimited.", registry=r)
         self.captured = Gauge("graphkeeper_graph_captured", "1 for each captured (mode, size).",
                               ["mode", "size"], registry=r)
         self.skipped = Gauge("graphkeeper_graph_skipped", "1 for each size left out, by reason.",
@@ -106,9 +112,13 @@ class WorkerMetrics:
             self.lifecycle.labels(name).set(1 if name == current else 0)
 
     def set_modes(self, requested: int, effective: int) -> None:
-        for mode in GRAPH_MODES:
-            self.graph_mode.labels("requested", mode).set(1 if mode == mode_name(requested) else 0)
-            self.graph_mode.labels("effective", mode).set(1 if mode == mode_name(effective) else 0)
+        for kind, value in zip(MODE_KINDS, (requested, effective), strict=True):
+            for mode in GRAPH_MODES:
+                self.graph_mode.labels(kind, mode).set(1 if mode == mode_name(value) else 0)
+
+    def set_model(self, revision: str, source: str, dtype: str, device: str) -> None:
+        values = (revision, source, dtype, device)
+        self.model.info(dict(zip(MODEL_INFO_LABELS, values, strict=True)))
 
 
 def metric_names(metrics: WorkerMetrics) -> set[str]:
@@ -143,6 +153,7 @@ METRIC_NAMES = frozenset({
     "graphkeeper_graph_capture_duration_seconds",
     "graphkeeper_graph_capture_phase_seconds",
     "graphkeeper_graph_memory_bytes",
+    "graphkeeper_graph_memory_budget_bytes",
     "graphkeeper_graph_captured",
     "graphkeeper_graph_skipped",
     "graphkeeper_lifecycle_state",
