@@ -302,6 +302,7 @@ class Engine:
         self.scheduler.advance(step)
         self._record(decision, desc, step, elapsed)
         now = time.perf_counter()
+        self.metrics.generated_tokens.inc(len(tokens))
         for seq, token in zip(step.samplers, tokens, strict=True):
             self._append(seq, token, now)
         self.steps_since_ready += 1
@@ -344,7 +345,6 @@ class Engine:
         else:
             self.metrics.inter_token_latency.observe(now - seq.last_token_at)
         seq.last_token_at = now
-        self.metrics.generated_tokens.inc()
         seq.emit("tokens", [token])
         reason = seq.stop_reason()
         if reason != pb.FINISH_REASON_UNSPECIFIED:
