@@ -108,6 +108,7 @@ class Reconciler:
         self.loops: dict[str, PolicyLoop] = {}
         self._fingerprints: dict[str, tuple] = {}
         self._load_attempts: dict[str, tuple[str, float]] = {}
+        self._rejections: dict[str, tuple[str, int, str, float]] = {}
         self._limit = asyncio.Semaphore(concurrency)
         self._post_event = post_event
         self.runs = 0
@@ -135,6 +136,7 @@ class Reconciler:
         fingerprint = None if deleted else pod.fingerprint()
         if self._fingerprints.get(pod.uid) == fingerprint:
             return
+        self._rejections.pop(pod.uid, None)  # a changed pod (restarted, re-annotated) is asked again
         if deleted:
             self._fingerprints.pop(pod.uid, None)
             self._load_attempts.pop(pod.uid, None)
@@ -218,7 +220,7 @@ class Reconciler:
                 f"also selected by the older policy {rival.name}, which keeps it; not pushed"))
         async with self._limit:
             return await sync_worker(self.client, pod, wire, recapture_on_revision=recapture,
-                                     load_attempts=self._load_attempts)
+                                     load_attempts=self._load_attempts, rejections=self._rejections)
 
     async def _write_status(self, loop: PolicyLoop, ref: PolicyRef,
                             observations: list[WorkerObservation], invalid: str | None) -> None:

@@ -21,6 +21,8 @@ from graphkeeper.proto.policy import MODE_BY_NAME
 
 #: A LoadModelRevision for the same pod and revision is not retried sooner than this.
 MODEL_LOAD_RETRY_SECONDS = 60.0
+#: A generation a worker refused is not pushed to it again sooner than this (unless the pod changes).
+REJECTED_RETRY_SECONDS = 60.0
 
 _MODE_NAME = {v: k for k, v in MODE_BY_NAME.items()}
 _BUSY = (pb.LIFECYCLE_STATE_LOADING, pb.LIFECYCLE_STATE_RECAPTURING)
@@ -89,8 +91,13 @@ async def sync_worker(
     *,
     recapture_on_revision: bool,
     load_attempts: MutableMapping[str, tuple[str, float]],
+    rejections: MutableMapping[str, tuple[str, int, str, float]] | None = None,
 ) -> SyncResult:
-    """Reads the worker, pushes the policy if it lacks it, reloads the model if asked to."""
+    """Reads the worker, pushes the policy if it lacks it, reloads the model if asked to.
+
+    ``rejections`` remembers, per pod uid, the (policy uid, generation, message, time) a worker
+    refused, so a worker that keeps refusing is not pushed the same generation every interval.
+    """
     if not pod.running:
         why = "is being deleted" if pod.deleting else f"is {pod.phase or 'Pending'}"
         return SyncResult(WorkerObservation(pod.key, WorkerState.STARTING, f"pod {why}"))
@@ -105,6 +112,11 @@ async def sync_worker(
             # Our watch has not caught up with a newer generation the worker already holds.
             result.observation = observe(pod, status, policy, message="operator view is stale")
             return result
+        refused = (rejections or {}).get(pod.uid)
+        if (refused is not None and refused[:2] == (policy.policy_uid, policy.generation)
+                and time.monotonic() - refused[3] < REJECTED_RETRY_SECONDS):
+            result.observation = _rejected(observe(pod, status, policy), refused[2])
+            return result
         try:
             reply = await client.apply_policy(pod.target, policy)
         except WorkerError as err:
@@ -117,11 +129,12 @@ async def sync_worker(
             elif err.kind is ErrorKind.STALE:
                 result.observation = observe(pod, status, policy, message=err.message)
             else:
-                failed = observe(pod, status, policy)
-                result.observation = WorkerObservation(**{**failed.__dict__,
-                                                          "state": WorkerState.REJECTED,
-                                                          "message": err.message})
+                if rejections is not None and err.kind is ErrorKind.REJECTED:
+                    rejections[pod.uid] = (policy.policy_uid, policy.generation, err.message, time.monotonic())
+                result.observation = _rejected(observe(pod, status, policy), err.message)
             return result
+        if rejections is not None:
+            rejections.pop(pod.uid, None)
         result.pushed = "unchanged" if reply.unchanged else "applied"
         metrics.PUSHES.labels(outcome=result.pushed).inc()
         try:
@@ -166,6 +179,10 @@ async def _current_source(client: GraphControlClient, pod: WorkerPod) -> str:
     """The model source the worker serves now (for a pod that names only a revision)."""
     info = await client.model_info(pod.target)
     return info.source
+
+
+def _rejected(observation: WorkerObservation, message: str) -> WorkerObservation:
+    return WorkerObservation(**{**observation.__dict__, "state": WorkerState.REJECTED, "message": message})
 
 
 def _unreachable(pod: WorkerPod, err: WorkerError) -> WorkerObservation:

@@ -80,6 +80,23 @@ def test_a_policy_the_worker_refuses_is_rejected_with_its_message():
     assert "token budget" in result.observation.message
 
 
+def test_a_refused_generation_is_not_pushed_again_every_interval():
+    too_big = {**SPEC, "captureSizes": {"sizes": [128]}}
+
+    async def scenario(server, client):
+        refused, results = {}, []
+        for generation in (1, 1, 2):
+            results.append(await sync_worker(client, pod_for(server), policy(generation, spec=too_big),
+                                             recapture_on_revision=True, load_attempts={}, rejections=refused))
+        return results, server.state.calls
+    (first, again, newer), calls = run(scenario, FakeWorkerState(max_num_batched_tokens=64))
+    assert first.pushed == "rejected"
+    assert again.pushed == "" and again.observation.state == WorkerState.REJECTED
+    assert "token budget" in again.observation.message
+    assert newer.pushed == "rejected", "a new generation is always offered"
+    assert calls["ApplyGraphPolicy"] == 2
+
+
 def test_an_older_generation_is_never_forced_on_a_worker():
     async def scenario(server, client):
         await sync_worker(client, pod_for(server), policy(3), recapture_on_revision=True,
