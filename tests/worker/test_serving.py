@@ -123,3 +123,27 @@ def test_sigterm_drains_the_running_request_and_exits_zero(fresh_workers):
     assert len(tokens) == completion.generated_tokens == LONG
     assert worker.proc.wait(timeout=60) == 0
     assert "stopped" in worker.log()
+
+
+def test_inference_is_not_serving_until_ready(fresh_workers):
+    # A 1B-parameter random model takes seconds to build on a CPU: long enough to look at the
+    # worker before READY. The control plane answers; inference health, /readyz and Generate refuse.
+    worker = fresh_workers("--dtype", "bfloat16", model="random:llama-1b", wait=False)
+    health = health_pb2_grpc.HealthStub(worker.channel)
+    wait_until(lambda: _health(health, "graphkeeper.worker.v1.GraphControl") == health_pb2.HealthCheckResponse.SERVING,
+               what="the control plane answers during startup")
+    assert _health(health, INFERENCE_SERVICE) == health_pb2.HealthCheckResponse.NOT_SERVING
+    assert worker.status().state in (pb.LIFECYCLE_STATE_LOADING, pb.LIFECYCLE_STATE_MODEL_LOADED,
+                                     pb.LIFECYCLE_STATE_WARMED)
+    code, body = worker.http_get("/readyz")
+    assert code == 503 and body.strip() in ("LOADING", "MODEL_LOADED", "WARMED")
+    with pytest.raises(grpc.RpcError) as err:
+        generate(worker, make_request([1, 2, 3], 2))
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def _health(stub, service: str) -> int:
+    try:
+        return stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=2).status
+    except grpc.RpcError:
+        return -1
