@@ -23,11 +23,11 @@ import torch
 
 from graphkeeper.proto import worker_pb2 as pb
 from graphkeeper.proto.policy import (
-    disabled_tenants,
     effective_requested_mode,
     mode_name,
     reason_name,
     resolve_capture_sizes,
+    tenant_allows_graphs,
     validate_policy,
 )
 from graphkeeper.worker.admission import Limits, validate_request
@@ -117,9 +117,7 @@ class Engine:
         self.effective_mode = pb.GRAPH_MODE_NONE
         self.downgrade_reason = ""
         self.ladder: list[int] = []
-        self.disabled = disabled_tenants(self.policy)
-        self.listed_tenants = frozenset(t.tenant for t in self.policy.tenants)
-        self.default_disabled = self.policy.default_tenant_graphs == pb.TENANT_GRAPHS_DISABLED
+        self._adopt_tenants(self.policy)
         self.last_error = ""
         self.total_capture_seconds = 0.0
         self.failed: BaseException | None = None
@@ -311,12 +309,20 @@ class Engine:
             self._export_ledger()
 
     def _graphs_allowed(self, sequences: list[Sequence]) -> bool:
-        if self.default_disabled:
-            return all(s.tenant not in self.disabled and self._listed_enabled(s.tenant) for s in sequences)
-        return not any(s.tenant in self.disabled for s in sequences)
+        return all(self._tenant_allows(s.tenant) for s in sequences)
 
-    def _listed_enabled(self, tenant: str) -> bool:
-        return any(t.tenant == tenant and t.graphs == pb.TENANT_GRAPHS_ENABLED for t in self.policy.tenants)
+    def _tenant_allows(self, tenant: str) -> bool:
+        """The shared policy rule, memoised per tenant until the next policy is adopted."""
+        allowed = self._tenant_allowed.get(tenant)
+        if allowed is None:
+            allowed = self._tenant_allowed[tenant] = tenant_allows_graphs(self._tenant_policy, tenant)
+        return allowed
+
+    def _adopt_tenants(self, policy: pb.GraphPolicy) -> None:
+        """Tenant toggles take effect at the next step; only the adopted policy's rules apply."""
+        self._tenant_policy = policy
+        self._tenant_allowed: dict[str, bool] = {}
+        self.listed_tenants = frozenset(t.tenant for t in policy.tenants)
 
     def _record(self, decision: Decision, desc: BatchDescriptor, step: ScheduledStep, elapsed: float) -> None:
         m = self.metrics
@@ -394,9 +400,7 @@ class Engine:
 
     def _adopt_policy(self, policy: pb.GraphPolicy, recapture: bool) -> None:
         """Engine thread: tenant toggles now; a capture config change recaptures."""
-        self.disabled = disabled_tenants(policy)
-        self.listed_tenants = frozenset(t.tenant for t in policy.tenants)
-        self.default_disabled = policy.default_tenant_graphs == pb.TENANT_GRAPHS_DISABLED
+        self._adopt_tenants(policy)
         self.metrics.policy_generation.set(policy.generation)
         log.info("policy %s generation %d adopted (recapture: %s)", policy.policy_name or policy.policy_uid,
                  policy.generation, recapture)

@@ -38,12 +38,8 @@ class KVCache:
         """A distinct scratch (slot, position) for probe row ``row``."""
         return self.num_slots + row // self.max_seq_len, row % self.max_seq_len
 
-    @property
-    def nbytes(self) -> int:
-        return self.k.numel() * self.k.element_size() * 2
-
-    def row_index(self, slot: int, position: int) -> int:
-        """Where ``(slot, position)`` lives in a layer's flat view."""
+    def row_index(self, slot, position):
+        """Where ``(slot, position)`` lives in a layer's flat view (ints or numpy arrays)."""
         return slot * self.max_seq_len + position
 
     def write(self, layer: int, rows: Tensor, k: Tensor, v: Tensor) -> None:

@@ -74,7 +74,7 @@ class ModelRunner:
         host[self.SLOTS, n:] = self.cache.dummy_slot
         host[self.LENGTHS, :nd] = host[self.POSITIONS, :nd] + 1
         host[self.LENGTHS, nd:] = 1
-        host[self.KV_ROWS] = host[self.SLOTS] * self.cache.max_seq_len + host[self.POSITIONS]
+        host[self.KV_ROWS] = self.cache.row_index(host[self.SLOTS], host[self.POSITIONS])
         # Pageable and synchronous: the previous step already synced (its tokens went to the
         # host), and pinned staging buffers interfere with graph capture's host allocator.
         self.inputs[:, :rows].copy_(torch.from_numpy(host))
