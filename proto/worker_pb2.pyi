@@ -133,18 +133,20 @@ class StoppingCriteria(_message.Message):
     def __init__(self, max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "tenant", "prompt_token_ids", "sampling", "stopping")
+    __slots__ = ("request_id", "tenant", "prompt_token_ids", "sampling", "stopping", "prompt_text")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     STOPPING_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TEXT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     tenant: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
     stopping: StoppingCriteria
-    def __init__(self, request_id: _Optional[str] = ..., tenant: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stopping: _Optional[_Union[StoppingCriteria, _Mapping]] = ...) -> None: ...
+    prompt_text: str
+    def __init__(self, request_id: _Optional[str] = ..., tenant: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stopping: _Optional[_Union[StoppingCriteria, _Mapping]] = ..., prompt_text: _Optional[str] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("tokens", "completion")
@@ -155,10 +157,12 @@ class GenerateResponse(_message.Message):
     def __init__(self, tokens: _Optional[_Union[TokenChunk, _Mapping]] = ..., completion: _Optional[_Union[Completion, _Mapping]] = ...) -> None: ...
 
 class TokenChunk(_message.Message):
-    __slots__ = ("token_ids",)
+    __slots__ = ("token_ids", "text")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    text: str
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ...) -> None: ...
 
 class Completion(_message.Message):
     __slots__ = ("request_id", "finish_reason", "prompt_tokens", "generated_tokens", "time_to_first_token_seconds", "total_seconds", "execution")
@@ -345,7 +349,7 @@ class LedgerEntry(_message.Message):
     def __init__(self, stage: _Optional[_Union[LedgerStage, str]] = ..., device_used_bytes: _Optional[int] = ..., torch_allocated_bytes: _Optional[int] = ..., torch_reserved_bytes: _Optional[int] = ..., residual_bytes: _Optional[int] = ...) -> None: ...
 
 class GraphStatus(_message.Message):
-    __slots__ = ("state", "requested_mode", "effective_mode", "mode_downgrade_reason", "policy_uid", "policy_generation", "model_revision", "captured", "skipped", "fallbacks", "graph_steps", "eager_steps", "graph_memory_bytes", "total_capture_seconds", "ledger", "running_sequences", "queued_requests", "last_error")
+    __slots__ = ("state", "requested_mode", "effective_mode", "mode_downgrade_reason", "policy_uid", "policy_generation", "model_revision", "captured", "skipped", "fallbacks", "graph_steps", "eager_steps", "graph_memory_bytes", "total_capture_seconds", "ledger", "running_sequences", "queued_requests", "last_error", "pending_policy_uid", "pending_policy_generation", "pending_model_revision")
     STATE_FIELD_NUMBER: _ClassVar[int]
     REQUESTED_MODE_FIELD_NUMBER: _ClassVar[int]
     EFFECTIVE_MODE_FIELD_NUMBER: _ClassVar[int]
@@ -364,6 +368,9 @@ class GraphStatus(_message.Message):
     RUNNING_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     QUEUED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     LAST_ERROR_FIELD_NUMBER: _ClassVar[int]
+    PENDING_POLICY_UID_FIELD_NUMBER: _ClassVar[int]
+    PENDING_POLICY_GENERATION_FIELD_NUMBER: _ClassVar[int]
+    PENDING_MODEL_REVISION_FIELD_NUMBER: _ClassVar[int]
     state: LifecycleState
     requested_mode: GraphMode
     effective_mode: GraphMode
@@ -382,7 +389,10 @@ class GraphStatus(_message.Message):
     running_sequences: int
     queued_requests: int
     last_error: str
-    def __init__(self, state: _Optional[_Union[LifecycleState, str]] = ..., requested_mode: _Optional[_Union[GraphMode, str]] = ..., effective_mode: _Optional[_Union[GraphMode, str]] = ..., mode_downgrade_reason: _Optional[str] = ..., policy_uid: _Optional[str] = ..., policy_generation: _Optional[int] = ..., model_revision: _Optional[str] = ..., captured: _Optional[_Iterable[_Union[CapturedSize, _Mapping]]] = ..., skipped: _Optional[_Iterable[_Union[SkippedSize, _Mapping]]] = ..., fallbacks: _Optional[_Iterable[_Union[FallbackCount, _Mapping]]] = ..., graph_steps: _Optional[int] = ..., eager_steps: _Optional[int] = ..., graph_memory_bytes: _Optional[int] = ..., total_capture_seconds: _Optional[float] = ..., ledger: _Optional[_Iterable[_Union[LedgerEntry, _Mapping]]] = ..., running_sequences: _Optional[int] = ..., queued_requests: _Optional[int] = ..., last_error: _Optional[str] = ...) -> None: ...
+    pending_policy_uid: str
+    pending_policy_generation: int
+    pending_model_revision: str
+    def __init__(self, state: _Optional[_Union[LifecycleState, str]] = ..., requested_mode: _Optional[_Union[GraphMode, str]] = ..., effective_mode: _Optional[_Union[GraphMode, str]] = ..., mode_downgrade_reason: _Optional[str] = ..., policy_uid: _Optional[str] = ..., policy_generation: _Optional[int] = ..., model_revision: _Optional[str] = ..., captured: _Optional[_Iterable[_Union[CapturedSize, _Mapping]]] = ..., skipped: _Optional[_Iterable[_Union[SkippedSize, _Mapping]]] = ..., fallbacks: _Optional[_Iterable[_Union[FallbackCount, _Mapping]]] = ..., graph_steps: _Optional[int] = ..., eager_steps: _Optional[int] = ..., graph_memory_bytes: _Optional[int] = ..., total_capture_seconds: _Optional[float] = ..., ledger: _Optional[_Iterable[_Union[LedgerEntry, _Mapping]]] = ..., running_sequences: _Optional[int] = ..., queued_requests: _Optional[int] = ..., last_error: _Optional[str] = ..., pending_policy_uid: _Optional[str] = ..., pending_policy_generation: _Optional[int] = ..., pending_model_revision: _Optional[str] = ...) -> None: ...
 
 class LoadModelRevisionRequest(_message.Message):
     __slots__ = ("source", "revision")

@@ -15,7 +15,13 @@ def _worker(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default="random:tiny", help="HF-style directory or random:<preset>[@seed]")
     p.add_argument("--model-revision", default="", help="revision to report (default: content hash)")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=50051)
+    p.add_argument("--port", type=int, default=50051, help="inference gRPC port (InferenceWorker, health)")
+    p.add_argument("--control-host", default="", help="GraphControl address (default: --host)")
+    p.add_argument("--control-port", type=int, default=50052, help="GraphControl gRPC port, never the inference one")
+    p.add_argument("--control-token-file", default="",
+                   help="bearer token every GraphControl call must carry; without it control binds loopback only")
+    p.add_argument("--model-root", action="append", default=[],
+                   help="directory LoadModelRevision may load from (repeatable; default: the --model directory's parent)")
     p.add_argument("--metrics-port", type=int, default=9400, help="0 disables /metrics")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
