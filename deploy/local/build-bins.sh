@@ -1,11 +1,17 @@
 #!/usr/bin/env bash
 # Build the local control plane's binaries (kube-apiserver, kube-controller-manager, kubectl, helm)
 # from the Go module proxy into a cache directory, once. Later calls return at once.
+#   build-bins.sh          the control plane (what `make test` needs)
+#   build-bins.sh --node   also a node's binaries, kubelet and kube-scheduler (same module cache:
+#                          a minute or two more), and kube-score for the end-to-end suite
 # Go 1.26.x is required: Go 1.27's default JSON mode breaks the OpenAPI documents of Kubernetes <= 1.36.
 set -euo pipefail
 
 K8S_VERSION=v1.36.3
 HELM_VERSION=v3.22.0
+KUBE_SCORE_VERSION=v1.20.0
+node=0
+[ "${1:-}" = --node ] && node=1
 here=$(cd "$(dirname "$0")" && pwd)
 cache=${GRAPHKEEPER_CACHE:-$HOME/.cache/graphkeeper}
 bin=$cache/bin/k8s-$K8S_VERSION
@@ -27,6 +33,23 @@ if [ ! -x "$bin/kube-apiserver" ] || [ ! -x "$bin/kube-controller-manager" ] || 
   (cd "$here/k8s-bins" && go build -trimpath -ldflags "$ld" -o "$bin/" \
     k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kube-controller-manager \
     k8s.io/kubernetes/cmd/kubectl)
+fi
+
+if [ "$node" = 1 ] && { [ ! -x "$bin/kubelet" ] || [ ! -x "$bin/kube-scheduler" ]; }; then
+  minor=${K8S_VERSION#v1.}; minor=${minor%%.*}
+  ld="-s -w"
+  for p in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
+    ld="$ld -X $p.gitVersion=$K8S_VERSION -X $p.gitMajor=1 -X $p.gitMinor=$minor -X $p.gitTreeState=clean"
+  done
+  echo "build-bins: building Kubernetes $K8S_VERSION kubelet and kube-scheduler into $bin" >&2
+  (cd "$here/k8s-bins" && go build -trimpath -ldflags "$ld" -o "$bin/" \
+    k8s.io/kubernetes/cmd/kubelet k8s.io/kubernetes/cmd/kube-scheduler)
+fi
+
+if [ "$node" = 1 ] && [ ! -x "$bin/kube-score" ]; then
+  echo "build-bins: building kube-score $KUBE_SCORE_VERSION" >&2
+  GOBIN="$bin" go install -trimpath -ldflags "-s -w -X main.version=$KUBE_SCORE_VERSION" \
+    "github.com/zegl/kube-score/cmd/kube-score@$KUBE_SCORE_VERSION"
 fi
 
 if [ ! -x "$bin/helm" ]; then

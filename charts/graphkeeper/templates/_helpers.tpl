@@ -53,3 +53,23 @@ app.kubernetes.io/component: inference-worker
 {{- define "graphkeeper.worker.policyName" -}}
 {{- printf "%s-workers" (include "graphkeeper.fullname" .) | trunc 52 | trimSuffix "-" }}
 {{- end }}
+
+{{- /* The restricted Pod Security Standard, for the operator's and the workers' pods. The image's
+user is 10001; fsGroup makes the mounted control token readable to it. */ -}}
+{{- define "graphkeeper.podSecurityContext" -}}
+runAsNonRoot: true
+runAsUser: 10001
+runAsGroup: 10001
+fsGroup: 10001
+seccompProfile: {type: RuntimeDefault}
+{{- end }}
+
+{{- define "graphkeeper.containerSecurityContext" -}}
+allowPrivilegeEscalation: false
+readOnlyRootFilesystem: true
+runAsNonRoot: true
+runAsUser: 10001
+runAsGroup: 10001
+capabilities: {drop: [ALL]}
+seccompProfile: {type: RuntimeDefault}
+{{- end }}
