@@ -1,12 +1,14 @@
-# graphkeeper: two commands.
-#   make run    set up (virtualenv, install) and start a worker serving a small model on this machine
-#   make test   set up and run the whole test suite (ruff included); GPU tests skip without a GPU
+# graphkeeper.
+#   make demo       the whole system on a real single-node Kubernetes on this machine (root, Debian)
+#   make run        set up (virtualenv, install) and start a worker serving a small model on this machine
+#   make test       set up and run the test suite (ruff included); GPU tests skip without a GPU
+#   make test-e2e   the end-to-end suite on a real node (helm install, kubelet, containerd, Prometheus)
 VENV ?= .venv
 BIN := $(VENV)/bin
 MODEL ?= random:tiny
 DEVICE ?= $(shell python3 -c "import shutil;print('cuda' if shutil.which('nvidia-smi') else 'cpu')")
 
-.PHONY: setup run test test-cuda cluster-up cluster-down
+.PHONY: setup run test test-cuda test-e2e cluster-up cluster-down node-deps demo demo-down images
 
 setup: $(VENV)/.installed
 
@@ -30,3 +32,21 @@ cluster-up: setup
 
 cluster-down:
 	deploy/local/cluster.sh down
+
+# Debian's packages the real node, the image build and Prometheus use (only what is missing).
+NODE_PACKAGES := containerd runc containernetworking-plugins buildah debootstrap iptables iproute2 prometheus
+node-deps:
+	@missing=$$(for p in $(NODE_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
+	if [ -n "$$missing" ]; then apt-get update -qq && apt-get install -y -qq --no-install-recommends $$missing; fi
+
+images: setup node-deps
+	PYTHON=$(abspath $(BIN))/python deploy/docker/build-images.sh --no-load
+
+demo: setup node-deps
+	PATH=$(abspath $(BIN)):$$PATH deploy/local/demo.sh up
+
+demo-down:
+	deploy/local/demo.sh down
+
+test-e2e: setup node-deps
+	GRAPHKEEPER_E2E=1 $(BIN)/pytest tests/e2e -p no:cacheprovider

@@ -101,7 +101,8 @@ graphkeeper_image() {
   bah push -q "$image:$tag" "docker-archive:$images/graphkeeper.tar.part:$image:$tag"
   mv "$images/graphkeeper.tar.part" "$images/graphkeeper.tar"
   echo "$stamp" >"$images/graphkeeper.stamp"
-  # Only the newest build is kept.
+  # The archive is what gets loaded; the build's own copy (GBs) goes, the base image stays.
+  bah rmi "$image:$tag" >/dev/null 2>&1 || true
   bah rmi --prune >/dev/null 2>&1 || true
 }
 

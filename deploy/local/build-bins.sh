@@ -52,10 +52,18 @@ if [ "$node" = 1 ] && [ ! -x "$bin/kube-score" ]; then
     "github.com/zegl/kube-score/cmd/kube-score@$KUBE_SCORE_VERSION"
 fi
 
-if [ ! -x "$bin/helm" ]; then
+# Helm's own Makefile stamps the Kubernetes version it was built against (its client-go, v0.37:
+# 1.37) as the default for `helm template` and `helm lint`; a plain `go install` leaves the source
+# default, v1.20, and every chart with a kubeVersion constraint fails to render. The stamp file
+# marks a helm built with these flags (older caches are rebuilt once).
+HELM_KUBE_MINOR=37
+if [ ! -x "$bin/helm" ] || [ ! -f "$bin/.helm-kube-1.$HELM_KUBE_MINOR" ]; then
   echo "build-bins: building helm $HELM_VERSION" >&2
-  GOBIN="$bin" go install -trimpath \
-    -ldflags "-s -w -X helm.sh/helm/v3/internal/version.version=$HELM_VERSION" \
-    "helm.sh/helm/v3/cmd/helm@$HELM_VERSION"
+  ld="-s -w -X helm.sh/helm/v3/internal/version.version=$HELM_VERSION"
+  for p in helm.sh/helm/v3/pkg/chartutil helm.sh/helm/v3/pkg/lint/rules; do
+    ld="$ld -X $p.k8sVersionMajor=1 -X $p.k8sVersionMinor=$HELM_KUBE_MINOR"
+  done
+  GOBIN="$bin" go install -trimpath -ldflags "$ld" "helm.sh/helm/v3/cmd/helm@$HELM_VERSION"
+  touch "$bin/.helm-kube-1.$HELM_KUBE_MINOR"
 fi
 echo "$bin"

@@ -1,0 +1,127 @@
+"""The Helm chart as a new user meets it: `helm lint` and `helm template` with the chart's own
+defaults (no --kube-version), and what the rendered workloads promise: the restricted security
+context, requests and limits, probes, the control port and its token, the NetworkPolicies.
+
+The same chart installed on a real node is tests/e2e (``make test-e2e``).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+CHART = ROOT / "charts" / "graphkeeper"
+CACHE = Path(os.environ.get("GRAPHKEEPER_CACHE", Path.home() / ".cache" / "graphkeeper"))
+HELM = CACHE / "bin" / "k8s-v1.36.3" / "helm"
+TOKEN_DIR = "/var/run/graphkeeper/control"
+
+
+@pytest.fixture(scope="session")
+def helm() -> Path:
+    if not HELM.exists():
+        pytest.skip(f"helm is not built ({HELM}); run deploy/local/build-bins.sh")
+    return HELM
+
+
+def render(helm: Path, *args: str) -> list[dict]:
+    out = subprocess.run([str(helm), "template", "gk", str(CHART), "-n", "llm", *args],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return [d for d in yaml.safe_load_all(out.stdout) if d]
+
+
+def one(docs: list[dict], kind: str, name: str) -> dict:
+    found = [d for d in docs if d["kind"] == kind and d["metadata"]["name"] == name]
+    assert len(found) == 1, f"{kind}/{name}: {[d['metadata']['name'] for d in docs if d['kind'] == kind]}"
+    return found[0]
+
+
+def test_helm_lint_passes_with_the_charts_defaults(helm):
+    out = subprocess.run([str(helm), "lint", "--strict", str(CHART)], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "1 chart(s) linted, 0 chart(s) failed" in out.stdout
+
+
+def test_helm_template_renders_without_a_kube_version(helm):
+    """deploy/README.md's command, as written there."""
+    docs = render(helm)
+    kinds = {d["kind"] for d in docs}
+    assert {"Deployment", "ServiceAccount", "ClusterRole", "Secret", "NetworkPolicy"} <= kinds
+
+
+def test_the_charts_kube_version_floor_still_holds(helm):
+    out = subprocess.run([str(helm), "template", "gk", str(CHART), "--kube-version", "1.28.0"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0
+    assert "kubeVersion" in out.stderr
+
+
+@pytest.mark.parametrize("component", ["operator", "worker"])
+def test_pods_run_restricted(helm, component):
+    docs = render(helm, "--set", "workers.enabled=true")
+    pod = one(docs, "Deployment", f"gk-graphkeeper-{component}")["spec"]["template"]["spec"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    (container,) = pod["containers"]
+    sc = container["securityContext"]
+    assert sc["allowPrivilegeEscalation"] is False
+    assert sc["readOnlyRootFilesystem"] is True
+    assert sc["capabilities"] == {"drop": ["ALL"]}
+    assert {"cpu", "memory"} <= set(container["resources"]["requests"])
+    assert {"cpu", "memory"} <= set(container["resources"]["limits"])
+    assert "readinessProbe" in container and "livenessProbe" in container
+    mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
+    assert "/tmp" in mounts, "a writable /tmp on the read-only root filesystem"
+    assert mounts[TOKEN_DIR]["readOnly"] is True
+    assert f"--control-token-file={TOKEN_DIR}/token" in container["args"]
+
+
+def test_workers_serve_control_on_its_own_port_and_probe_inference(helm):
+    docs = render(helm, "--set", "workers.enabled=true", "--set", "workers.modelRoots={/models}")
+    container = one(docs, "Deployment", "gk-graphkeeper-worker")["spec"]["template"]["spec"]["containers"][0]
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports == {"grpc": 50051, "control": 50052, "metrics": 9400}
+    assert "--control-port=50052" in container["args"]
+    assert "--model-root=/models" in container["args"]
+    assert container["readinessProbe"]["grpc"] == {
+        "port": 50051, "service": "graphkeeper.worker.v1.InferenceWorker"}
+
+
+def test_the_control_token_secret_is_mounted_by_both(helm):
+    docs = render(helm, "--set", "workers.enabled=true")
+    secret = one(docs, "Secret", "gk-graphkeeper-control-token")
+    assert set(secret["data"]) == {"token"}
+    for component in ("operator", "worker"):
+        pod = one(docs, "Deployment", f"gk-graphkeeper-{component}")["spec"]["template"]["spec"]
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        assert volumes["control-token"]["secret"]["secretName"] == "gk-graphkeeper-control-token"
+
+
+def test_network_policy_opens_control_only_to_the_operator(helm):
+    docs = render(helm, "--set", "workers.enabled=true")
+    worker = one(docs, "NetworkPolicy", "gk-graphkeeper-worker")["spec"]
+    operator_pods = one(docs, "Deployment", "gk-graphkeeper-operator")["spec"]["selector"]["matchLabels"]
+    worker_pods = one(docs, "Deployment", "gk-graphkeeper-worker")["spec"]["selector"]["matchLabels"]
+    assert worker["podSelector"]["matchLabels"] == worker_pods
+    control = [r for r in worker["ingress"] if {"port": "control", "protocol": "TCP"} in r["ports"]]
+    assert control == [{"ports": [{"port": "control", "protocol": "TCP"}],
+                        "from": [{"podSelector": {"matchLabels": operator_pods}}]}]
+    served = {p["port"] for r in worker["ingress"] for p in r["ports"]}
+    assert served == {"control", "grpc", "metrics"}, "nothing else is reachable"
+    operator = one(docs, "NetworkPolicy", "gk-graphkeeper-operator")["spec"]
+    assert operator["podSelector"]["matchLabels"] == operator_pods
+
+
+def test_workers_can_follow_a_policy_applied_outside_the_chart(helm):
+    docs = render(helm, "-f", str(ROOT / "deploy" / "local" / "values-local-node.yaml"))
+    assert not [d for d in docs if d["kind"] == "GraphPolicy"]
+    pod = one(docs, "Deployment", "gk-graphkeeper-worker")["spec"]["template"]["spec"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["policy"]["configMap"]["name"] == "decode-graphpolicy"
+    assert pod["containers"][0]["imagePullPolicy"] == "Never"
