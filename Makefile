@@ -33,8 +33,8 @@ cluster-up: setup
 cluster-down:
 	deploy/local/cluster.sh down
 
-# Debian's packages the real node, the image build and Prometheus use (only what is missing).
-NODE_PACKAGES := containerd runc containernetworking-plugins buildah debootstrap iptables iproute2 prometheus
+# Debian's packages the real node and the image build use (only what is missing).
+NODE_PACKAGES := containerd runc containernetworking-plugins buildah debootstrap iptables iproute2
 node-deps:
 	@missing=$$(for p in $(NODE_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
 	if [ -n "$$missing" ]; then apt-get update -qq && apt-get install -y -qq --no-install-recommends $$missing; fi

@@ -87,10 +87,12 @@ pause() {
 
 graphkeeper_image() {
   local stamp
-  "$here/wheelhouse.sh" >/dev/null
+  "$here/wheelhouse.sh" >/dev/null 2>"$images/wheelhouse.log" || { cat "$images/wheelhouse.log" >&2; return 1; }
   # Rebuild when the wheelhouse or the Dockerfile changed (the wheel carries the source).
-  stamp=$( (cat "$here/Dockerfile"; cd "$root/.wheelhouse" && ls -l --time-style=+%s | sort; \
-            sha256sum "$root"/.wheelhouse/graphkeeper-*.whl) | sha256sum | cut -c1-16)
+  # (the wheel's contents, not its bytes: a rebuilt wheel carries new timestamps)
+  stamp=$( (cat "$here/Dockerfile" "$root/.wheelhouse/requirements.txt"; \
+            "$python" -c 'import sys, zipfile, hashlib; z = zipfile.ZipFile(sys.argv[1]); print(hashlib.sha256(b"".join(n.encode() + z.read(n) for n in sorted(z.namelist()))).hexdigest())' \
+              "$root"/.wheelhouse/graphkeeper-*.whl) | sha256sum | cut -c1-16)
   if [ -f "$images/graphkeeper.tar" ] && [ "$(cat "$images/graphkeeper.stamp" 2>/dev/null)" = "$stamp" ]; then
     return
   fi
@@ -106,10 +108,17 @@ graphkeeper_image() {
   bah rmi --prune >/dev/null 2>&1 || true
 }
 
-import() { # import TAR NAME
+import() { # import TAR NAME: once per archive and containerd store
   [ -S "$sock" ] || { log "no containerd at $sock: deploy/local/cluster.sh up --node first"; exit 1; }
+  local marker key
+  marker=$(dirname "$sock")/imported
+  key="$2 $(stat -c %Y-%s "$1")"
+  if grep -qxF "$key" "$marker" 2>/dev/null && ctr --address "$sock" -n k8s.io images ls -q | grep -qxF "$2"; then
+    return
+  fi
   log "loading $2 into the node's containerd"
   ctr --address "$sock" -n k8s.io images import "$1" >/dev/null
+  echo "$key" >>"$marker"
 }
 
 case "${1:-}" in

@@ -29,4 +29,24 @@ if [ ! -x "$bin/promtool" ]; then
     mv "$tmp/promtool" "$bin/promtool"
   fi
 fi
+# --server: the Prometheus server too, for the local cluster (deploy/local/prometheus.sh). Debian's
+# prometheus package is built without Kubernetes service discovery, which the dashboard's target
+# labels come from. No web UI assets (the API is all the scripts and tests use).
+if [ "${1:-}" = --server ] && [ ! -x "$bin/prometheus" ]; then
+  export CGO_ENABLED=0 GOTOOLCHAIN=local GOFLAGS=-mod=mod
+  exec 9>"$bin/.lock"
+  flock 9
+  if [ ! -x "$bin/prometheus" ]; then
+    echo "build-promtool: building prometheus $PROMETHEUS_VERSION into $bin" >&2
+    v=github.com/prometheus/common/version
+    tmp=$(mktemp -d "$bin/.build.XXXXXX")
+    trap 'rm -rf "$tmp"' EXIT
+    GOBIN="$tmp" go install -trimpath \
+      -ldflags "-s -w -X $v.Version=$PROMETHEUS_VERSION -X $v.Branch=HEAD -X $v.Revision=$MODULE_VERSION" \
+      "github.com/prometheus/prometheus/cmd/prometheus@$MODULE_VERSION"
+    mv "$tmp/prometheus" "$bin/prometheus"
+  fi
+  echo "$bin/prometheus"
+  exit 0
+fi
 echo "$bin/promtool"

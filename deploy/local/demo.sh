@@ -4,8 +4,8 @@
 #   2. the graphkeeper image built without Docker and loaded into the node (build-images.sh);
 #   3. `helm install` of the chart with two CPU workers (values-local-node.yaml);
 #   4. `kubectl apply` of deploy/examples/graphpolicy.yaml (tenant "batch" runs without graphs);
-#   5. Prometheus (Debian's package) scraping the pods through Kubernetes service discovery, with
-#      graphkeeper's recording and alerting rules loaded;
+#   5. Prometheus (built from the Go module proxy) scraping the pods through Kubernetes service
+#      discovery, with graphkeeper's recording and alerting rules loaded;
 #   6. traffic from two tenants, then what each part reports: pods and policies, the policy's
 #      conditions, each worker's `graphkeeper status`, and steps per tenant and eager steps by
 #      fallback reason from Prometheus.
@@ -13,7 +13,7 @@
 #   deploy/local/demo.sh up | down | status
 #
 # Needs root, Go 1.26, and Debian's containerd, runc, containernetworking-plugins, buildah,
-# debootstrap, iptables and prometheus (`make demo` installs them with apt-get when missing).
+# debootstrap and iptables (`make demo` installs them with apt-get when missing).
 set -euo pipefail
 
 here=$(cd "$(dirname "$0")" && pwd)
@@ -30,6 +30,7 @@ export GRAPHKEEPER_PROMETHEUS_PORT=${GRAPHKEEPER_PROMETHEUS_PORT:-29090}
 export GRAPHKEEPER_CONTAINERD_SOCK=$GRAPHKEEPER_CLUSTER_DIR/node/containerd/containerd.sock
 prom_port=$GRAPHKEEPER_PROMETHEUS_PORT
 ns=graphkeeper-demo
+chart=${GRAPHKEEPER_CHART:-$root/charts/graphkeeper}
 state=$GRAPHKEEPER_CLUSTER_DIR
 py=${PYTHON:-$root/.venv/bin/python}
 gk=$root/.venv/bin/graphkeeper
@@ -59,7 +60,7 @@ up() {
   PYTHON="$py" "$root/deploy/docker/build-images.sh"
 
   log "helm install graphkeeper charts/graphkeeper (two CPU workers)"
-  helm upgrade --install graphkeeper "$root/charts/graphkeeper" -n "$ns" --create-namespace \
+  helm upgrade --install graphkeeper "$chart" -n "$ns" --create-namespace \
     -f "$here/values-local-node.yaml" --wait=false >/dev/null
   kubectl -n "$ns" apply -f "$root/deploy/examples/graphpolicy.yaml"
   "$here/prometheus.sh" up "$ns" >/dev/null

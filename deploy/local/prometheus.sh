@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Prometheus (Debian's package) for the local cluster: scrapes every pod with a container port named
-# "metrics" through Kubernetes service discovery against the local API server, with graphkeeper's
-# recording and alerting rules loaded.
+# Prometheus for the local cluster: scrapes every pod with a container port named "metrics" through
+# Kubernetes service discovery against the local API server, with graphkeeper's recording and
+# alerting rules loaded. The binary is built from the Go module proxy by build-promtool.sh --server
+# (Debian's prometheus package leaves Kubernetes service discovery out).
 #
 #   deploy/local/prometheus.sh up NAMESPACE...   start (or reload) it, scraping those namespaces
 #   deploy/local/prometheus.sh down              stop it
@@ -19,7 +20,8 @@ pidfile=$state/run/prometheus.pid
 
 up() {
   [ "$#" -gt 0 ] || { echo "usage: $0 up NAMESPACE..." >&2; exit 2; }
-  command -v prometheus >/dev/null || { echo "prometheus: apt-get install prometheus" >&2; exit 1; }
+  local prometheus
+  prometheus=$("$here/build-promtool.sh" --server | tail -n 1)
   local pki=$state/pki names
   names=$(printf '%s, ' "$@"); names="[${names%, }]"
   mkdir -p "$state/prometheus" "$state/logs" "$state/run"
@@ -49,7 +51,7 @@ YAML
   if [ -f "$pidfile" ] && kill -0 "$(cat "$pidfile")" 2>/dev/null; then
     kill -HUP "$(cat "$pidfile")"
   else
-    setsid prometheus --config.file "$state/prometheus/prometheus.yml" \
+    setsid "$prometheus" --config.file "$state/prometheus/prometheus.yml" \
       --storage.tsdb.path "$state/prometheus/data" --storage.tsdb.retention.time 1d \
       --web.listen-address "127.0.0.1:$port" >"$state/logs/prometheus.log" 2>&1 </dev/null &
     echo $! >"$pidfile"

@@ -227,19 +227,10 @@ def test_the_operator_exports_no_created_series(prometheus: Prometheus):
 # ------------------------------------------------------------------------- lint and lifecycle ----
 
 
-#: kube-score checks the chart does not satisfy on purpose (see charts/graphkeeper/README.md).
+#: kube-score's critical checks the installed chart leaves out on purpose (charts/graphkeeper/README.md).
 KUBE_SCORE_IGNORED = [
-    # The local node's images are loaded into containerd and cannot be pulled: pullPolicy Never.
+    # The local node's image is loaded into containerd and cannot be pulled: pullPolicy Never.
     "container-image-pull-policy",
-    # One operator (kopf standalone, Recreate): a PodDisruptionBudget or anti-affinity adds nothing;
-    # workers are scheduled by GPU, and replicas: 2 on one node is the demo.
-    "deployment-has-poddisruptionbudget", "deployment-has-host-podantiaffinity",
-    # Tags are the chart's appVersion (or dev for the local image), never :latest; kube-score
-    # cannot tell a pinned tag from a moving one.
-    "container-image-tag",
-    # The operator's metrics Service selects the operator pod; kube-score's own heuristics on
-    # ephemeral storage requests and user/group ids above 10000 are advice, not restrictions.
-    "container-ephemeral-storage-request-and-limit", "container-security-context-user-group-id",
 ]
 
 
