@@ -110,6 +110,8 @@ def node() -> Iterator[Node]:
         "GRAPHKEEPER_PROMETHEUS_PORT": str(PROMETHEUS_PORT),
         "GRAPHKEEPER_CONTAINERD_SOCK": str(state / "node" / "containerd" / "containerd.sock"),
         "PYTHON": sys.executable,
+        # Every request's metadata in logs/audit.log: which RBAC rules the operator's pod uses.
+        "GRAPHKEEPER_AUDIT": "1",
     }
     up = subprocess.run([str(CLUSTER_SH), "up", "--node"], env=env, capture_output=True,
                         text=True, timeout=2400)

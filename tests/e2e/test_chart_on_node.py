@@ -246,6 +246,42 @@ def test_kube_score_passes_on_the_installed_chart(release: Node, tmp_path: Path)
     assert {d["kind"] for d in docs} >= {"Deployment", "NetworkPolicy", "Secret"}
 
 
+def _operator_requests(node: Node) -> set[tuple[str, str, str]]:
+    """(apiGroup, resource[/subresource], verb) of every request the operator's pod made."""
+    user = f"system:serviceaccount:{NAMESPACE}:{RELEASE}-operator"
+    seen = set()
+    for line in (node.state / "logs" / "audit.log").read_text().splitlines():
+        event = json.loads(line)
+        ref = event.get("objectRef") or {}
+        if event["user"]["username"] != user or not ref.get("resource"):
+            continue
+        resource = ref["resource"] + (f"/{ref['subresource']}" if ref.get("subresource") else "")
+        seen.add((ref.get("apiGroup", ""), resource, event["verb"]))
+    return seen
+
+
+def test_the_operator_uses_the_rbac_rules_it_holds(release: Node):
+    """Prints the closing note's table: each rule of the chart's ClusterRole and whether the
+    operator's pod made such a request during this suite."""
+    role = release.get("clusterrole", f"{RELEASE}-operator-cluster")
+    used = _operator_requests(release)
+    rows, unused = [], []
+    for rule in role["rules"]:
+        for group in rule["apiGroups"]:
+            for resource in rule["resources"]:
+                for verb in rule["verbs"]:
+                    hit = (group, resource, verb) in used
+                    rows.append(f"{group or 'core'} {resource} {verb}: {'used' if hit else 'NOT SEEN'}")
+                    if not hit:
+                        unused.append((group, resource, verb))
+    print("\n".join(rows))
+    assert used, "the audit log shows the operator's requests"
+    # Nothing outside the role: the pod's requests all fall under its rules.
+    granted = {(g, r, v) for rule in role["rules"] for g in rule["apiGroups"]
+               for r in rule["resources"] for v in rule["verbs"]}
+    assert used <= granted, used - granted
+
+
 def test_helm_upgrade_keeps_the_control_token_and_rolls_the_operator(release: Node):
     secret = f"{RELEASE}-control-token"
     token = release.get("secret", secret, "-n", NAMESPACE)["data"]["token"]
