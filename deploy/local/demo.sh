@@ -87,10 +87,14 @@ up() {
   log "the policy's conditions"
   kubectl -n "$ns" get graphpolicy decode \
     -o jsonpath='{range .status.conditions[*]}{.type}={.status} {.reason}: {.message}{"\n"}{end}'
+  # GraphControl (the worker's status) wants the chart's bearer token.
+  kubectl -n "$ns" get secret graphkeeper-control-token -o jsonpath='{.data.token}' | base64 -d \
+    >"$state/control-token"
+  chmod 600 "$state/control-token"
   for ip in $(kubectl -n "$ns" get pods -l app.kubernetes.io/component=inference-worker \
                 -o jsonpath='{.items[*].status.podIP}'); do
     log "graphkeeper status --target $ip:50051"
-    "$gk" status --target "$ip:50051"
+    "$gk" status --target "$ip:50051" --token-file "$state/control-token"
   done
   log "Prometheus: steps per tenant and execution (graphkeeper_tenant_steps_total)"
   promql 'sum by (tenant, execution) (graphkeeper_tenant_steps_total)'

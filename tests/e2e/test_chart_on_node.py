@@ -5,6 +5,7 @@ would go: install, policy Ready, change it, lose a pod, look at the metrics, lin
 
 from __future__ import annotations
 
+import base64
 import json
 import re
 import subprocess
@@ -136,7 +137,7 @@ def test_a_model_revision_change_rolls_through(release: Node):
     assert obj["status"]["capturedWorkers"] == 2
 
 
-def test_a_deleted_worker_pod_is_replaced_and_boots_from_the_configmap(release: Node):
+def test_a_deleted_worker_pod_is_replaced_and_boots_from_the_configmap(release: Node, tmp_path: Path):
     """With the operator away, the replacement can only get its policy from the ConfigMap."""
     gen = release.policy()["metadata"]["generation"]
     release.kubectl("scale", "deploy", f"{RELEASE}-operator", "-n", NAMESPACE, "--replicas=0")
@@ -153,9 +154,12 @@ def test_a_deleted_worker_pod_is_replaced_and_boots_from_the_configmap(release: 
         return None
 
     new = wait_until("a Ready replacement", replaced, timeout=600)
+    token = tmp_path / "token"
+    token.write_bytes(base64.b64decode(
+        release.get("secret", f"{RELEASE}-control-token", "-n", NAMESPACE)["data"]["token"]))
     status = json.loads(subprocess.run(
         [sys.executable, "-m", "graphkeeper.cli", "status", "--target",
-         f"{new['status']['podIP']}:50051", "--json"],
+         f"{new['status']['podIP']}:50051", "--token-file", str(token), "--json"],
         check=True, capture_output=True, text=True, timeout=60).stdout)
     assert str(status["graphs"].get("policy_generation")) == str(gen), status
     release.kubectl("scale", "deploy", f"{RELEASE}-operator", "-n", NAMESPACE, "--replicas=1")
