@@ -331,7 +331,7 @@ node_down() {
     # Let the kubelet stop every pod through the CRI (CNI DEL, unmounts, netns removal).
     "$bin/kubectl" --kubeconfig "$kubeconfig" delete pods -A --all --grace-period=1 --wait=false \
       >/dev/null 2>&1 || true
-    for i in $(seq 60); do
+    for i in $(seq 20); do
       [ -z "$(ctr --address "$containerd_sock" -n k8s.io tasks ls -q 2>/dev/null)" ] && break
       sleep 1
     done
@@ -350,6 +350,13 @@ node_down() {
     umount -l "$m" 2>/dev/null || true
   done
   rm -f /var/lib/cni/results/"$cni_name"-*
+  # Pod network namespaces whose teardown did not run: those with an address in this node's /24.
+  local n
+  for n in $(ip netns list 2>/dev/null | awk '/^cni-/ {print $1}'); do
+    if ip netns exec "$n" ip -4 -o addr show 2>/dev/null | grep -qF " $net."; then
+      ip netns delete "$n" 2>/dev/null || true
+    fi
+  done
   # shellcheck disable=SC2046
   while iptables -t nat -D $(dnat_rule) 2>/dev/null; do :; done
   if ip link show "$bridge" >/dev/null 2>&1; then
