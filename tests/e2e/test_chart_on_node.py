@@ -29,6 +29,9 @@ from .conftest import (
     wait_until,
 )
 
+#: The first test also brings up the node and builds the image (minutes on a cold cache).
+pytestmark = pytest.mark.timeout(2400)
+
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "deploy" / "grafana" / "graphkeeper-dashboard.json"
 RULES = ROOT / "deploy" / "prometheus" / "graphkeeper-alerts.yaml"
@@ -118,7 +121,8 @@ def test_the_example_policy_is_ready_with_every_worker_holding_its_generation(re
 def test_a_capture_size_change_rolls_through(release: Node):
     before = release.policy()["metadata"]["generation"]
     release.kubectl("patch", "graphpolicy", POLICY, "-n", NAMESPACE, "--type", "merge", "-p",
-                    json.dumps({"spec": {"captureSizes": {"sizes": [1, 2]}}}))
+                    json.dumps({"spec": {"captureSizes": {
+                        "sizes": [1, 2], "ladder": None, "maxCaptureSize": None}}}))
     obj = wait_until("generation+1 Ready", lambda: policy_ready(release, before + 1), timeout=300)
     assert [w["policyGeneration"] for w in obj["status"]["workers"]] == [before + 1] * 2
     cm = release.get("configmap", f"{POLICY}-graphpolicy", "-n", NAMESPACE)
