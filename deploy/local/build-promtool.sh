@@ -32,7 +32,8 @@ fi
 # --server: the Prometheus server too, for the local cluster (deploy/local/prometheus.sh). Debian's
 # prometheus package is built without Kubernetes service discovery, which the dashboard's target
 # labels come from. No web UI assets (the API is all the scripts and tests use).
-if [ "${1:-}" = --server ] && [ ! -x "$bin/prometheus" ]; then
+if [ "${1:-}" = --server ]; then
+  [ -x "$bin/prometheus" ] && { echo "$bin/prometheus"; exit 0; }
   export CGO_ENABLED=0 GOTOOLCHAIN=local GOFLAGS=-mod=mod
   exec 9>"$bin/.lock"
   flock 9

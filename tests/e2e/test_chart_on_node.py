@@ -283,6 +283,7 @@ def test_the_operator_uses_the_rbac_rules_it_holds(release: Node):
                     if not hit:
                         unused.append((group, resource, verb))
     print("\n".join(rows))
+    (release.state / "logs" / "operator-rbac-usage.txt").write_text("\n".join(rows) + "\n")
     assert used, "the audit log shows the operator's requests"
     # Nothing outside the role: the pod's requests all fall under its rules.
     granted = {(g, r, v) for rule in role["rules"] for g in rule["apiGroups"]
