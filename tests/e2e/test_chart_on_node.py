@@ -204,13 +204,14 @@ def _instantiate(expr: str) -> str:
 
 
 def test_prometheus_scrapes_every_pod_and_loads_the_rules(prometheus: Prometheus, release: Node):
-    for pod in workers(release):
-        generate(pod["status"]["podIP"], "chat")
-        generate(pod["status"]["podIP"], "batch")
     pods = {p["metadata"]["name"] for p in workers(release) + release.pods(OPERATOR_LABEL)}
     wait_until("every pod scraped and up", lambda: {
         r["metric"].get("pod") for r in prometheus.query('up{job="graphkeeper-pods"} == 1')} >= pods,
         timeout=120)
+    # Traffic after the first scrape, so rates and increases see it.
+    for pod in workers(release):
+        generate(pod["status"]["podIP"], "chat")
+        generate(pod["status"]["podIP"], "batch")
     groups = prometheus.api("/api/v1/rules")["groups"]
     assert {g["name"] for g in groups} == {
         "graphkeeper-worker.rules", "graphkeeper-worker", "graphkeeper-operator"} or len(groups) >= 3
