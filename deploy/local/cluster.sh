@@ -346,7 +346,7 @@ node_down() {
   stop containerd
   for i in $(containerd_pids); do kill -KILL "$i" 2>/dev/null || true; done
   # Whatever the kubelet or containerd left mounted under the node's directory, deepest first.
-  awk '{print $2}' /proc/self/mounts | grep -F "$node_dir/" | sort -r | while read -r m; do
+  awk -v d="$node_dir/" 'index($2, d) == 1 {print $2}' /proc/self/mounts | sort -r | while read -r m; do
     umount -l "$m" 2>/dev/null || true
   done
   rm -f /var/lib/cni/results/"$cni_name"-*

@@ -107,7 +107,8 @@ up() {
 
 case "${1:-}" in
   up) up ;;
-  down) "$here/prometheus.sh" down; "$here/cluster.sh" down ;;
+  # wipe: the node's image store is ~10 GB; the built image stays cached for the next `up`.
+  down) "$here/prometheus.sh" down; "$here/cluster.sh" wipe ;;
   env) "$here/cluster.sh" env ;;
   status) "$here/cluster.sh" status ;;
   *) echo "usage: $0 up|down|env|status" >&2; exit 2 ;;
