@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -113,6 +114,10 @@ def node() -> Iterator[Node]:
         # Every request's metadata in logs/audit.log: which RBAC rules the operator's pod uses.
         "GRAPHKEEPER_AUDIT": "1",
     }
+    # A clean API (no objects from an earlier run); the node's image store stays (its cache).
+    subprocess.run([str(CLUSTER_SH), "down"], env=env, capture_output=True, timeout=300)
+    shutil.rmtree(state / "etcd", ignore_errors=True)
+    (state / "logs" / "audit.log").unlink(missing_ok=True)
     up = subprocess.run([str(CLUSTER_SH), "up", "--node"], env=env, capture_output=True,
                         text=True, timeout=2400)
     if up.returncode != 0:
