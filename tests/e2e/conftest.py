@@ -14,6 +14,7 @@ the release, as a person trying the chart would.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
@@ -114,6 +115,13 @@ def node() -> Iterator[Node]:
         # Every request's metadata in logs/audit.log: which RBAC rules the operator's pod uses.
         "GRAPHKEEPER_AUDIT": "1",
     }
+    # One run at a time: a second would tear down the first one's node.
+    state.mkdir(parents=True, exist_ok=True)
+    lock = open(state / ".e2e.lock", "w")  # noqa: SIM115 (held for the session)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        pytest.fail(f"another end-to-end run holds {state}/.e2e.lock")
     # A clean API (no objects from an earlier run); the node's image store stays (its cache).
     subprocess.run([str(CLUSTER_SH), "down"], env=env, capture_output=True, timeout=300)
     shutil.rmtree(state / "etcd", ignore_errors=True)
