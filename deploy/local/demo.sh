@@ -99,9 +99,9 @@ up() {
   log "Prometheus: steps per tenant and execution (graphkeeper_tenant_steps_total)"
   promql 'sum by (tenant, execution) (graphkeeper_tenant_steps_total)'
   log "Prometheus: eager steps by fallback reason per pod (graphkeeper_eager_steps_total)"
-  promql 'sum by (pod, fallback_reason) (graphkeeper_eager_steps_total)'
+  promql 'sum by (pod, fallback_reason) (graphkeeper_eager_steps_total) > 0'
   log "Prometheus: targets up"
-  promql 'up'
+  promql 'up{job="graphkeeper-pods"}'
   log "done in $((SECONDS - start)) s. Prometheus: http://127.0.0.1:$prom_port; kubectl: eval \"\$(deploy/local/demo.sh env)\"; remove all: make demo-down"
 }
 
