@@ -232,7 +232,14 @@ def parse_quantity(value: str | int) -> int:
     if not match or match.group(2) in ("m", "u", "n"):
         raise PolicyError("memoryBudget", f"{value!r} is not a byte quantity such as 256Mi or 1G")
     number, suffix = match.groups()
-    return int(float(number) * _QUANTITY_FACTORS[suffix])
+    # Exact decimal arithmetic (never a float): 1.001k is 1001 bytes, and a quantity that is not
+    # a whole number of bytes (1.5 or 0.0001k) is refused rather than rounded.
+    whole, _, frac = number.partition(".")
+    scaled = int(whole + frac) * _QUANTITY_FACTORS[suffix]
+    bytes_, rest = divmod(scaled, 10 ** len(frac))
+    if rest:
+        raise PolicyError("memoryBudget", f"{value!r} is not a whole number of bytes")
+    return bytes_
 
 
 def policy_from_spec(

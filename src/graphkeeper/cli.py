@@ -7,6 +7,7 @@ Each subcommand imports its room lazily, so ``graphkeeper generate`` never loads
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -66,7 +67,11 @@ def _operator(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--namespace", action="append", default=[], help="watch only these (default: all)")
     p.add_argument("--metrics-port", type=int, default=9500, help="operator metrics and /healthz")
     p.add_argument("--status-interval", type=float, default=5.0, help="seconds between status reads")
-    p.add_argument("--rpc-timeout", type=float, default=5.0, help="deadline of a status read")
+    p.add_argument("--rpc-timeout", type=float, default=5.0,
+                   help="deadline of every GraphControl call but a model reload")
+    p.add_argument("--control-token-file", default=os.environ.get("GRAPHKEEPER_CONTROL_TOKEN_FILE", ""),
+                   help="bearer token sent on every GraphControl call "
+                        "(default: $GRAPHKEEPER_CONTROL_TOKEN_FILE)")
     p.add_argument("--log-level", default="INFO")
     p.set_defaults(func=lambda a: __import__("graphkeeper.operator.main", fromlist=["run"]).run(a))
 
