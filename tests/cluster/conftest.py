@@ -45,6 +45,9 @@ CRD = ROOT / "deploy" / "crds" / "graphpolicy.yaml"
 GROUP, VERSION, PLURAL = "graphkeeper.io", "v1alpha1", "graphpolicies"
 INFERENCE_SERVICE = "graphkeeper.worker.v1.InferenceWorker"
 WORKER_KIND = os.environ.get("GRAPHKEEPER_TEST_WORKER", "real")
+#: Whether ``graphkeeper worker`` serves GraphControl on its own port (``--control-port``,
+#: with ``--control-token-file``); older workers serve it beside inference on ``--port``.
+REAL_WORKER_HAS_CONTROL_PORT = False
 
 
 def free_port(span: int = 1) -> int:
@@ -194,6 +197,10 @@ class Worker:
     metrics_port: int
     log: Path
     args: list[str]
+    control_port: int = 0
+    token: str = ""
+    #: Lifecycle transitions the light stand-in reports (``<unix time> <STATE>`` lines).
+    lifecycle_log: Path | None = None
     process: subprocess.Popen | None = None
     restarts: int = 0
 
@@ -201,10 +208,25 @@ class Worker:
     def target(self) -> str:
         return f"127.0.0.1:{self.port}"
 
+    @property
+    def control_target(self) -> str:
+        return f"127.0.0.1:{self.control_port or self.port}"
+
     def graph_status(self) -> pb.GraphStatus:
-        with grpc.insecure_channel(self.target) as channel:
-            return pb_grpc.GraphControlStub(channel).GetGraphStatus(pb.GetGraphStatusRequest(),
-                                                                    timeout=5)
+        metadata = (("authorization", f"Bearer {self.token}"),) if self.token else ()
+        with grpc.insecure_channel(self.control_target) as channel:
+            return pb_grpc.GraphControlStub(channel).GetGraphStatus(
+                pb.GetGraphStatusRequest(), timeout=5, metadata=metadata)
+
+    def transitions(self) -> list[tuple[float, str]]:
+        """The stand-in's own lifecycle report: (unix time, state) at each change."""
+        if self.lifecycle_log is None or not self.lifecycle_log.exists():
+            return []
+        out = []
+        for line in self.lifecycle_log.read_text().splitlines():
+            stamp, _, state = line.partition(" ")
+            out.append((float(stamp), state))
+        return out
 
     def serving(self) -> bool:
         try:
@@ -217,55 +239,76 @@ class Worker:
 
 
 @dataclass
+class StandIn:
+    """Options for a light GraphControl stand-in (``graphkeeper.operator.testing``): no model,
+    the worker's policy contract, simulated capture and reload times and capture failures."""
+
+    capture_seconds: float = 0.0
+    load_seconds: float = 0.0
+    fail_sizes: tuple[int, ...] = ()
+
+
+@dataclass
 class Kubelet:
     """Starts a worker process per Pod a test creates, and writes the Pod's status."""
 
     cluster: Cluster
     logs: Path
+    token_file: Path | None = None
     workers: dict[str, Worker] = field(default_factory=dict)
 
     def create_worker(self, namespace: str, name: str, labels: dict[str, str],
                       annotations: dict[str, str] | None = None, policy_file: str = "",
-                      model_revision: str = "") -> Worker:
-        port, metrics_port = free_port(), free_port()
+                      model_revision: str = "", standin: StandIn | None = None,
+                      wait: bool = True) -> Worker:
+        """A pod and its process: the real worker, or a light stand-in when ``standin`` is
+        given (or GRAPHKEEPER_TEST_WORKER=fake)."""
+        port, metrics_port, control = free_port(), free_port(), free_port()
+        fake = standin is not None or WORKER_KIND == "fake"
+        standin = standin or StandIn()
+        separate_control = fake or REAL_WORKER_HAS_CONTROL_PORT
+        ports = [{"name": "grpc", "containerPort": port},
+                 {"name": "metrics", "containerPort": metrics_port}]
+        if separate_control:
+            ports.append({"name": "control", "containerPort": control})
         pod = {
             "apiVersion": "v1", "kind": "Pod",
             "metadata": {"name": name, "labels": labels, "annotations": annotations or {}},
-            "spec": {"containers": [{
-                "name": "worker", "image": "graphkeeper:dev",
-                "ports": [{"name": "grpc", "containerPort": port},
-                          {"name": "metrics", "containerPort": metrics_port}],
-            }]},
+            "spec": {"containers": [{"name": "worker", "image": "graphkeeper:dev",
+                                     "ports": ports}]},
         }
         self.cluster.core.create_namespaced_pod(namespace, pod)
-        if WORKER_KIND == "fake":
+        token_args = ["--control-token-file", str(self.token_file)] if self.token_file else []
+        lifecycle = self.logs / f"{namespace}-{name}.lifecycle" if fake else None
+        if fake:
             args = [sys.executable, "-m", "graphkeeper.operator.testing", "--port", str(port),
-                    "--max-num-batched-tokens", "64"]
-            if model_revision:
-                args += ["--model-revision", model_revision]
-            if policy_file:
-                args += ["--policy-file", policy_file]
+                    "--control-port", str(control), "--max-num-batched-tokens", "64",
+                    "--capture-seconds", str(standin.capture_seconds),
+                    "--load-seconds", str(standin.load_seconds),
+                    "--fail-sizes", ",".join(map(str, standin.fail_sizes)),
+                    "--lifecycle-log", str(lifecycle), *token_args]
         else:
             args = [sys.executable, "-m", "graphkeeper.cli", "worker", "--model", "random:tiny",
                     "--host", "127.0.0.1", "--port", str(port), "--metrics-port",
                     str(metrics_port), "--device", "cpu", "--max-num-seqs", "4",
                     "--max-seq-len", "128", "--max-num-batched-tokens", "64",
                     "--drain-seconds", "0"]
-            if model_revision:
-                args += ["--model-revision", model_revision]
-            if policy_file:
-                args += ["--policy-file", policy_file]
+            if REAL_WORKER_HAS_CONTROL_PORT:
+                args += ["--control-port", str(control), *token_args]
+        if model_revision:
+            args += ["--model-revision", model_revision]
+        if policy_file:
+            args += ["--policy-file", policy_file]
+        token = self.token_file.read_text().strip() if self.token_file and separate_control else ""
         worker = Worker(name=name, namespace=namespace, port=port, metrics_port=metrics_port,
-                        log=self.logs / f"{namespace}-{name}.log", args=args)
+                        log=self.logs / f"{namespace}-{name}.log", args=args,
+                        control_port=control if separate_control else 0, token=token,
+                        lifecycle_log=lifecycle)
         self.workers[f"{namespace}/{name}"] = worker
-        self._start(worker)
+        self._start(worker, wait=wait)
         return worker
 
-    def _start(self, worker: Worker) -> None:
-        with open(worker.log, "ab") as log:
-            worker.process = subprocess.Popen(worker.args, stdout=log, stderr=subprocess.STDOUT,
-                                              env=self.cluster.env, start_new_session=True)
-
+    def wait_ready(self, worker: Worker) -> None:
         def up() -> bool:
             if worker.process.poll() is not None:
                 raise AssertionError(f"worker {worker.name} exited: {worker.log.read_text()[-3000:]}")
@@ -273,6 +316,13 @@ class Kubelet:
 
         wait_until(f"worker {worker.name} to serve", up, timeout=180, interval=0.25)
         self.set_ready(worker, True)
+
+    def _start(self, worker: Worker, wait: bool = True) -> None:
+        with open(worker.log, "ab") as log:
+            worker.process = subprocess.Popen(worker.args, stdout=log, stderr=subprocess.STDOUT,
+                                              env=self.cluster.env, start_new_session=True)
+        if wait:
+            self.wait_ready(worker)
 
     def set_ready(self, worker: Worker, ready: bool) -> None:
         flag = "True" if ready else "False"
@@ -315,9 +365,17 @@ class Kubelet:
                 self.kill(worker)
 
 
+@pytest.fixture(scope="session")
+def control_token(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The bearer token the operator sends and the workers require (a Secret, in a cluster)."""
+    path = tmp_path_factory.mktemp("control") / "token"
+    path.write_text(uuid.uuid4().hex + "\n")
+    return path
+
+
 @pytest.fixture
-def kubelet(cluster: Cluster, tmp_path: Path) -> Iterator[Kubelet]:
-    k = Kubelet(cluster, tmp_path)
+def kubelet(cluster: Cluster, tmp_path: Path, control_token: Path) -> Iterator[Kubelet]:
+    k = Kubelet(cluster, tmp_path, token_file=control_token)
     yield k
     k.close()
 
@@ -397,8 +455,10 @@ class Operator:
 
 
 @pytest.fixture(scope="session")
-def operator(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Operator]:
-    op = Operator(cluster, tmp_path_factory.mktemp("operator") / "operator.log")
+def operator(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory,
+             control_token: Path) -> Iterator[Operator]:
+    op = Operator(cluster, tmp_path_factory.mktemp("operator") / "operator.log",
+                  extra_args=["--control-token-file", str(control_token)])
     op.start()
     yield op
     op.stop()
