@@ -15,6 +15,13 @@ API requests the operator made are counted from the kube-apiserver audit log by 
 (kopf's own ``kopf/*`` and the operator's ``graphkeeper-operator/*``).
 
     python bench/operator_reconcile.py --real 1,10 --simulated 200 --rounds 3
+
+``--rollout 10,200`` adds rollout durations: a SIMULATED fleet whose every capture takes
+``--capture-seconds``, a capture-size change at ``maxUnavailable: 25%`` beside the same change
+all at once (``100%``); duration from the API call until every worker reports the generation
+adopted and READY, and the most workers recapturing at once, from the workers' own reports.
+``--real '' --simulated 0 --rollout 10,200`` runs only that and replaces only the rollout
+section of the results file.
 """
 
 from __future__ import annotations
@@ -197,6 +204,117 @@ def run_simulated(cluster: Cluster, count: int, rounds: int, settle: float) -> d
             "idle": idle, "idle_seconds": settle}
 
 
+def run_rollout(cluster: Cluster, count: int, capture_seconds: float, rounds: int,
+                max_unavailable: str) -> dict:
+    """Rollout duration of a capture-size change on a simulated fleet at ``max_unavailable``."""
+    fleet = subprocess.Popen([sys.executable, str(ROOT / "bench" / "operator_fakefleet.py"),
+                              "--count", str(count), "--capture-seconds", str(capture_seconds)],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                             env=cluster.env)
+    ports = json.loads(fleet.stdout.readline())["ports"]
+    ready: dict[tuple[str, int], dict[str, float]] = {}
+    states: list[tuple[float, str, str]] = []
+    lock = threading.Lock()
+
+    def read() -> None:
+        for line in fleet.stdout:
+            parts = line.split()
+            with lock:
+                if parts and parts[0] == "ready":
+                    ready.setdefault((parts[2], int(parts[3])), {})[parts[1]] = float(parts[4])
+                elif parts and parts[0] == "state":
+                    states.append((float(parts[3]), parts[1], parts[2]))
+
+    threading.Thread(target=read, daemon=True).start()
+    ns = make_namespace(cluster)
+
+    def make_pod(i_port: tuple[int, int]) -> None:
+        i, port = i_port
+        name = f"sim-{i:03d}"
+        cluster.core.create_namespaced_pod(ns, {
+            "metadata": {"name": name, "labels": {"bench": "fleet"}},
+            "spec": {"containers": [{"name": "worker", "image": "simulated",
+                                     "ports": [{"name": "grpc", "containerPort": port}]}]}})
+        cluster.core.patch_namespaced_pod_status(name, ns, {"status": {
+            "phase": "Running", "podIP": "127.0.0.1", "podIPs": [{"ip": "127.0.0.1"}],
+            "conditions": [{"type": "Ready", "status": "True", "lastTransitionTime": now()}]}},
+            _content_type="application/merge-patch+json")
+
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        list(pool.map(make_pod, enumerate(ports)))
+    time.sleep(3.0)
+    policies = Policies(cluster, ns)
+    body = {**spec(0), "rollout": {"maxUnavailable": max_unavailable}}
+    obj = policies.create("bench", body)
+    uid = obj["metadata"]["uid"]
+    wait_until("generation 1 everywhere", lambda: len(ready.get((uid, 1), {})) >= count,
+               timeout=600, interval=0.05)
+    durations, most = [], []
+    for r in range(1, rounds + 1):
+        t0 = time.time()
+        obj = policies.patch_spec("bench", {"captureSizes": spec(r)["captureSizes"]})
+        key = (uid, obj["metadata"]["generation"])
+        wait_until("every simulated worker READY at the generation",
+                   lambda k=key: len(ready.get(k, {})) >= count, timeout=900, interval=0.02)
+        with lock:
+            durations.append(max(ready[key].values()) - t0)
+            changes = sorted(s for s in states if s[0] >= t0)
+        busy: set[str] = set()
+        peak = 0
+        for _, port, state in changes:
+            (busy.discard if state == "READY" else busy.add)(port)
+            peak = max(peak, len(busy))
+        most.append(peak)
+        time.sleep(1.0)
+    fleet.stdin.close()
+    fleet.wait(timeout=60)
+    return {"count": count, "max_unavailable": max_unavailable, "capture": capture_seconds,
+            "duration": durations, "most": most}
+
+
+ROLLOUT_BEGIN = "<!-- rollout: begin -->"
+ROLLOUT_END = "<!-- rollout: end -->"
+
+
+def rollout_report(results: list[dict], args: argparse.Namespace, commit: str) -> str:
+    lines = [
+        ROLLOUT_BEGIN,
+        "## Rollout duration (SIMULATION)",
+        "",
+        f"- Date: {datetime.now(UTC).strftime('%Y-%m-%d %H:%M UTC')}; commit {commit}",
+        "- Machine: 2-core CPU VM, no GPU; control plane, operator and the simulated fleet on "
+        "this machine over loopback",
+        f"- Command: `python bench/operator_reconcile.py --real '' --simulated 0 --rollout "
+        f"{args.rollout} --capture-seconds {args.capture_seconds:g} --rounds {args.rounds}`",
+        f"- Fleet: light in-process GraphControl servers (`bench/operator_fakefleet.py`), each "
+        f"capture simulated as {args.capture_seconds:g} s RECAPTURING; not the real worker.",
+        "- One capture-size change per round (a new generation). *duration*: from the API call "
+        "until every worker reports the generation adopted and READY (the workers' own "
+        "reports). *most at once*: the most workers not READY at one moment, from the same "
+        "reports.",
+        "",
+        "| Workers | maxUnavailable | duration | most at once |",
+        "|---|---|---|---|",
+    ]
+    for r in results:
+        label = "100% (all at once)" if r["max_unavailable"] == "100%" else r["max_unavailable"]
+        lines.append(f"| {r['count']} | {label} | {fmt(r['duration'])} | "
+                     f"{max(r['most'])} |")
+    lines.append(ROLLOUT_END)
+    return "\n".join(lines) + "\n"
+
+
+def merge_rollout(path: Path, section: str) -> None:
+    text = path.read_text() if path.exists() else ""
+    if ROLLOUT_BEGIN in text:
+        head, _, rest = text.partition(ROLLOUT_BEGIN)
+        _, _, tail = rest.partition(ROLLOUT_END)
+        text = head + section.rstrip("\n") + tail
+    else:
+        text = text.rstrip("\n") + "\n\n" + section
+    path.write_text(text)
+
+
 def fmt(values: list[float]) -> str:
     return (f"median {statistics.median(values):.2f} s (min {min(values):.2f}, "
             f"max {max(values):.2f}, n={len(values)})")
@@ -254,6 +372,8 @@ def main() -> int:
     parser.add_argument("--status-interval", type=float, default=5.0)
     parser.add_argument("--idle-seconds", type=float, default=20.0)
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "operator-reconcile.md"))
+    parser.add_argument("--rollout", default="", help="comma-separated simulated fleet sizes")
+    parser.add_argument("--capture-seconds", type=float, default=2.0)
     args = parser.parse_args()
 
     state = Path(tempfile.mkdtemp(prefix="gk-bench-"))
@@ -261,8 +381,14 @@ def main() -> int:
     operator = Operator(cluster, state / "operator.log", status_interval=args.status_interval)
     kubelet = Kubelet(cluster, state)
     results = []
+    rollouts = []
     try:
         operator.start()
+        for count in [int(c) for c in args.rollout.split(",") if c.strip()]:
+            for max_unavailable in ("25%", "100%"):
+                rollouts.append(run_rollout(cluster, count, args.capture_seconds, args.rounds,
+                                            max_unavailable))
+                print(rollouts[-1], flush=True)
         for count in [int(c) for c in args.real.split(",") if c.strip()]:
             results.append(run_real(cluster, kubelet, count, args.rounds))
             print(results[-1], flush=True)
@@ -273,9 +399,16 @@ def main() -> int:
         kubelet.close()
         operator.stop()
         stop_cluster(cluster)
-    text = report(results, args, args.status_interval)
-    Path(args.out).write_text(text)
-    print(text)
+    if results:
+        text = report(results, args, args.status_interval)
+        Path(args.out).write_text(text)
+        print(text)
+    if rollouts:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
+                                capture_output=True, text=True).stdout.strip()
+        section = rollout_report(rollouts, args, commit)
+        merge_rollout(Path(args.out), section)
+        print(section)
     return 0
 
 

@@ -13,6 +13,7 @@ from typing import Any
 import kubernetes
 
 from graphkeeper.operator import metrics, naming
+from graphkeeper.operator.outage import OUTAGE
 
 _MERGE_PATCH = "application/merge-patch+json"
 #: Seconds one API request may take (a server that went away must not hang a reconcile).
@@ -40,7 +41,14 @@ class Kube:
     async def _run(self, verb: str, resource: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
         metrics.API_REQUESTS.labels(verb=verb, resource=resource).inc()
         kwargs.setdefault("_request_timeout", REQUEST_TIMEOUT)
-        return await asyncio.to_thread(fn, *args, **kwargs)
+        try:
+            result = await asyncio.to_thread(fn, *args, **kwargs)
+        except kubernetes.client.ApiException as err:
+            if not api_unreachable(err):
+                OUTAGE.ok()  # an answer, even a refusal, means the server is back
+            raise
+        OUTAGE.ok()
+        return result
 
     async def patch_policy_status(self, namespace: str, name: str, patch: dict[str, Any]) -> None:
         """Merge-patches ``/status``; a policy deleted meanwhile is not an error."""

@@ -19,11 +19,19 @@ KOPF_API_LOGGERS = ("kopf._cogs.clients.api", "kopf._cogs.clients.watching",
 
 
 class Outage(logging.Filter):
-    """The state of the current outage, if any; also a filter for kopf's retry lines."""
+    """The state of the current outage, if any; also a filter for kopf's retry lines.
+
+    A server that is coming back answers some requests and refuses others ("storage is
+    initializing") for a few seconds; failures within ``GRACE_SECONDS`` of its return belong to
+    the same outage and log nothing new.
+    """
+
+    GRACE_SECONDS = 15.0
 
     def __init__(self) -> None:
         super().__init__()
         self.since: float | None = None
+        self.recovered_at: float | None = None
         self.suppressed = 0
 
     @property
@@ -32,22 +40,29 @@ class Outage(logging.Filter):
 
     def failed(self, err: object) -> None:
         """A request to the API failed for want of a server (not a 4xx answer)."""
-        if self.since is None:
-            self.since = time.monotonic()
-            self.suppressed = 0
-            logger.warning("Kubernetes API unreachable (%s); retrying every second, quietly "
-                           "until it answers", _short(err))
-        else:
+        now = time.monotonic()
+        if self.since is not None:
             self.suppressed += 1
+            return
+        if self.recovered_at is not None and now - self.recovered_at < self.GRACE_SECONDS:
+            self.since = now  # the same outage, flapping while the server starts
+            self.suppressed += 1
+            return
+        self.since, self.recovered_at, self.suppressed = now, None, 0
+        self._first = now
+        logger.warning("Kubernetes API unreachable (%s); retrying every second, quietly "
+                       "until it answers", _short(err))
 
     def ok(self) -> None:
         """The API answered."""
         if self.since is None:
             return
-        took = time.monotonic() - self.since
-        logger.warning("Kubernetes API answers again after %.1fs (%d failed requests not logged)",
-                       took, self.suppressed)
         self.since = None
+        if self.recovered_at is not None:
+            return  # already reported back once for this outage
+        self.recovered_at = time.monotonic()
+        logger.warning("Kubernetes API answers again after %.1fs (%d failed requests not logged)",
+                       self.recovered_at - self._first, self.suppressed)
 
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()
@@ -70,7 +85,7 @@ class Outage(logging.Filter):
 
 def _short(err: object) -> str:
     text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-    return text[:300]
+    return text[:200]
 
 
 OUTAGE = Outage()

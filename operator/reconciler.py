@@ -401,7 +401,6 @@ class Reconciler:
             rollout = rollout_status(plan, updated=updated, total=len(mine))
 
         await self._write_status(loop, ref, observations, invalid, rollout, plan)
-        OUTAGE.ok()
         self._post_events(loop, ref, observations, fired, invalid, plan)
         await self.client.prune(self._live_targets())
 
