@@ -247,3 +247,23 @@ def test_every_control_call_carries_the_bearer_token(tmp_path):
         return fleet.kube.status
     status = run(wrong, 2, token="s3cret")
     assert "UNAUTHENTICATED" in status["workers"][0]["message"]
+
+
+def test_a_worker_that_joins_mid_rollout_with_the_new_generation_is_not_pushed_again():
+    async def scenario(fleet: Fleet):
+        rollout = {"rollout": {"maxUnavailable": 1}}
+        fleet.apply(spec([1, 2], **rollout), 1)
+        await fleet.until("generation 1 everywhere", lambda: fleet.holding(1) == 4)
+        ref = fleet.apply(spec([1, 2, 4], **rollout), 2)
+        await fleet.until("the first batch", lambda: fleet.holding(2) >= 1)
+        # A new pod boots from the ConfigMap, which already carries generation 2.
+        from graphkeeper.proto.policy import policy_from_spec
+        booted = policy_from_spec(ref.spec, uid=ref.uid, name=ref.key, generation=2)
+        late = await FakeWorkerServer(FakeWorkerState(policy=booted, capture_seconds=1.0),
+                                      separate_control=True).start()
+        fleet.servers.append(late)
+        fleet.pods["ns"].append(fleet.pod(4))
+        fleet.reconciler.on_pod(fleet.pods["ns"][4], deleted=False)
+        await fleet.until("generation 2 everywhere", lambda: fleet.holding(2) == 5)
+        return late.state.calls["ApplyGraphPolicy"]
+    assert run(scenario, 4, capture_seconds=0.5) == 0
