@@ -302,6 +302,15 @@ class Reconciler:
     def _ref(self, loop: PolicyLoop) -> PolicyRef | None:
         return next((p for p in self.policies.get(loop.namespace, ()) if p.uid == loop.uid), None)
 
+    def _holder(self, pod: WorkerPod) -> str:
+        """The policy uid the worker behind ``pod`` last reported holding (through any pod)."""
+        track = self.tracks.get(pod.uid)
+        if track is None or track.status is None:
+            track = next((self.tracks[p.uid] for ps in self.pods.values() for p in ps
+                          if p.uid in self.tracks and p.control_target == pod.control_target
+                          and self.tracks[p.uid].status is not None), None)
+        return track.status.policy_uid if track is not None and track.status is not None else ""
+
     def _all_policies(self) -> list[PolicyRef]:
         return [p for refs in self.policies.values() for p in refs]
 
@@ -353,7 +362,8 @@ class Reconciler:
             everyone = self._all_policies()
             mine: list[WorkerPod] = []
             for pod in pods:
-                rival = senior_claimant(ref, pod, everyone, self.pods)
+                rival = senior_claimant(ref, pod, everyone, self.pods,
+                                        holder=self._holder(pod))
                 if rival is None:
                     mine.append(pod)
                     continue

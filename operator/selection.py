@@ -163,6 +163,12 @@ class PolicyRef:
         so the uid breaks ties: arbitrary, but the same answer for both rivals, every time."""
         return (self.created, self.uid)
 
+    def rank(self, holder: str = "") -> tuple[str, bool, str]:
+        """Seniority for one worker: within one creation second, the policy the worker already
+        holds (``holder``, its reported policy uid) comes first, so a policy created a few
+        milliseconds later never takes a worker over; then the uid."""
+        return (self.created, self.uid != holder, self.uid)
+
     def selects(self, pod: WorkerPod) -> bool:
         return pod.namespace == self.namespace and selector_matches(
             self.spec.get("selector"), pod.labels
@@ -210,6 +216,7 @@ def senior_claimant(
     pod: WorkerPod,
     policies: Iterable[PolicyRef],
     pods_by_namespace: Mapping[str, Iterable[WorkerPod]] | None = None,
+    holder: str = "",
 ) -> tuple[PolicyRef, WorkerPod] | None:
     """The most senior other policy that claims the worker behind ``pod``, if it is senior to
     ``policy``; with the pod through which it claims it.
@@ -217,7 +224,9 @@ def senior_claimant(
     A worker is claimed through any pod that points at its GraphControl address, in any
     namespace: two policies whose pods share an address push to one process, so only one may.
     ``pods_by_namespace`` (every pod the operator knows) finds those other pods; without it only
-    ``pod`` itself is considered. Which policy is senior never changes, so they never take turns.
+    ``pod`` itself is considered. ``holder`` is the policy uid the worker reports holding (see
+    ``PolicyRef.rank``). Which policy is senior does not change while the worker holds one of
+    them, so they never take turns.
     """
     same = [pod]
     if pods_by_namespace is not None and pod.address:
@@ -227,9 +236,9 @@ def senior_claimant(
     rivals = [
         (p, q) for p in policies for q in same
         if p.uid != policy.uid and not p.deleting
-        and p.seniority < policy.seniority and p.selects(q)
+        and p.rank(holder) < policy.rank(holder) and p.selects(q)
     ]
-    return min(rivals, key=lambda pq: pq[0].seniority, default=None)
+    return min(rivals, key=lambda pq: pq[0].rank(holder), default=None)
 
 
 # --- selector validation ----------------------------------------------------------------------

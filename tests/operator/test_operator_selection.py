@@ -92,6 +92,12 @@ def test_within_one_second_the_uid_breaks_the_tie_the_same_way_for_both_rivals()
     second = policy("aaa", "2026-11-29T11:00:00Z", {"app": "worker"}, uid="9f")
     assert senior_claimant(second, pod, [first, second]) == (first, pod)
     assert senior_claimant(first, pod, [first, second]) is None
+    # Unless the worker already holds the other one: no takeover within the same second.
+    assert senior_claimant(first, pod, [first, second], holder="9f") == (second, pod)
+    assert senior_claimant(second, pod, [first, second], holder="9f") is None
+    older = policy("old", "2026-11-29T10:59:59Z", {"app": "worker"}, uid="ff")
+    assert senior_claimant(second, pod, [older, second], holder="9f") == (older, pod), (
+        "a policy created in an earlier second is senior whatever the worker holds")
 
 
 def test_pods_in_two_namespaces_that_point_at_one_worker_address_conflict():
