@@ -68,6 +68,15 @@ def make_namespace(cluster: Cluster) -> str:
     return name
 
 
+def drop_namespace(cluster: Cluster, name: str) -> None:
+    """Deletes a fleet's namespace and waits for its pods to go: ports are reused by the next
+    fleet, and a stale pod at a reused address is (rightly) a conflict for the operator."""
+    cluster.core.delete_namespace(name)
+    wait_until(f"the pods of {name} to go",
+               lambda: not cluster.core.list_namespaced_pod(name).items, timeout=300,
+               interval=0.5)
+
+
 def spec(round_: int) -> dict:
     return {"selector": {"matchLabels": {"bench": "fleet"}}, "mode": "FullAndPiecewise",
             "captureSizes": {"sizes": SIZES[round_ % len(SIZES)]}}
@@ -145,6 +154,7 @@ def run_real(cluster: Cluster, kubelet: Kubelet, count: int, rounds: int) -> dic
         time.sleep(1.0)
     for w in workers:
         kubelet.kill(w)
+    drop_namespace(cluster, ns)
     return {"fleet": f"{count} real worker(s)", "count": count, "ack": acks, "status": statuses}
 
 
@@ -197,6 +207,7 @@ def run_simulated(cluster: Cluster, count: int, rounds: int, settle: float) -> d
     idle_start = time.time()
     time.sleep(settle)
     idle = audit_count(cluster, idle_start, time.time())
+    drop_namespace(cluster, ns)
     fleet.stdin.close()
     fleet.wait(timeout=60)
     return {"fleet": f"{count} simulated workers (SIMULATION: in-process GraphControl servers)",
@@ -266,6 +277,7 @@ def run_rollout(cluster: Cluster, count: int, capture_seconds: float, rounds: in
             peak = max(peak, len(busy))
         most.append(peak)
         time.sleep(1.0)
+    drop_namespace(cluster, ns)
     fleet.stdin.close()
     fleet.wait(timeout=60)
     return {"count": count, "max_unavailable": max_unavailable, "capture": capture_seconds,
