@@ -111,13 +111,13 @@ def served_metrics():
     done = threading.Event()
     events = []
 
-    def emit(kind, payload):
-        events.append((kind, payload))
-        if kind == "completion":
+    def stream(tokens, end):
+        events.append((tokens, end))
+        if end is not None:
             done.set()
 
     engine.submit(pb.GenerateRequest(prompt_token_ids=[5, 6, 7],
-                                      stopping=pb.StoppingCriteria(max_new_tokens=4, ignore_eos=True)), emit)
+                                      stopping=pb.StoppingCriteria(max_new_tokens=4, ignore_eos=True)), stream)
     assert done.wait(60)
     assert events[-1][1].finish_reason == pb.FINISH_REASON_LENGTH
     yield engine.metrics

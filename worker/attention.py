@@ -1,9 +1,11 @@
 """Attention over the static KV cache, and what the backend can record in a CUDA graph.
 
 A step's tokens are laid out flat: first one row per decoding sequence, then the prefill chunks,
-then padding. Decode rows are attended in one batched call whose shapes depend only on the row
-count, so it can be recorded in a FULL graph; prefill chunks are attended one sequence at a time
-with shapes that depend on the chunk, so they always run eagerly (between PIECEWISE graphs).
+then padding. A uniform decode step is attended by the decode kernel, whose shapes depend only on
+the row count, so it can be recorded in a FULL graph. A mixed or prefill step is attended, on
+CUDA, by one varlen kernel launch per layer over the whole batch (decode rows and every chunk),
+whose grid depends on the step's block table, so it runs eagerly between PIECEWISE graphs. On
+the CPU, SDPA is the reference: per decode batch and per prefill chunk.
 """
 
 from __future__ import annotations
@@ -15,9 +17,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from graphkeeper.worker import decode_kernel
+from graphkeeper.worker import decode_kernel, varlen_kernel
 from graphkeeper.worker.config import ModelConfig
 from graphkeeper.worker.kv_cache import KVCache
+from graphkeeper.worker.varlen_kernel import BLOCK_Q
+
+__all__ = ["BLOCK_Q", "AttentionMetadata", "GraphSupport", "PrefillChunk", "SlotAttention"]
 
 
 class GraphSupport(enum.IntEnum):
@@ -40,9 +45,10 @@ class PrefillChunk:
 class AttentionMetadata:
     """Device tensors and host facts describing one step's attention.
 
-    ``slots``, ``positions`` and ``kv_rows`` (where each row's keys go in the cache) cover every
-    row including padding (padded rows point at the dummy slot, position 0); ``lengths`` covers the
-    decode rows (context length including the new token).
+    ``slots``, ``positions``, ``lengths`` (context length including the row's token) and
+    ``kv_rows`` (where each row's keys go in the cache) cover every row including padding (padded
+    rows point at the dummy slot, position 0). The block table (``num_blocks`` entries of
+    ``block_*``) is the varlen kernel's work list for a mixed step.
     """
 
     slots: Tensor
@@ -51,6 +57,11 @@ class AttentionMetadata:
     kv_rows: Tensor
     num_decode: int
     prefill: list[PrefillChunk] = field(default_factory=list)
+    num_blocks: int = 0
+    block_row: Tensor | None = None
+    block_len: Tensor | None = None
+    block_slot: Tensor | None = None
+    block_pos: Tensor | None = None
 
 
 class SlotAttention:
@@ -70,7 +81,8 @@ class SlotAttention:
         self.key_positions = torch.arange(cache.max_seq_len, device=cache.k.device)
         self.meta: AttentionMetadata | None = None
         self.triton_decode = decode_kernel.available(cache.k.device)
-        self.name = "triton-decode+sdpa-prefill" if self.triton_decode else "sdpa"
+        self.triton_varlen = varlen_kernel.available(cache.k.device)
+        self.name = "triton-decode+triton-varlen" if self.triton_varlen else "sdpa"
 
     def bind(self, meta: AttentionMetadata) -> None:
         """Sets the metadata the next forward pass attends with."""
@@ -83,6 +95,10 @@ class SlotAttention:
         self.cache.write(layer, meta.kv_rows[:rows], k, v)
         if meta.num_decode == rows:
             return self._decode(layer, q, meta.slots[:rows], meta.lengths[:rows])
+        if self.triton_varlen:
+            return varlen_kernel.varlen_attention(
+                q, self.cache.k[layer], self.cache.v[layer], meta.block_row, meta.block_len, meta.block_slot,
+                meta.block_pos, meta.num_blocks)
         out = q.new_zeros(rows, self.n_heads * self.head_dim)
         nd = meta.num_decode
         if nd:

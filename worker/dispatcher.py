@@ -8,7 +8,6 @@ step's descriptor and the captured state, so every reason is testable without a 
 
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -100,13 +99,9 @@ def _candidate_modes(desc: BatchDescriptor, mode: int) -> list[int]:
 
 
 class Dispatcher:
-    """Holds the graph state and its padding table; counts every decision once."""
+    """Holds the graph state and its padding table (the step recorder counts what it decides)."""
 
     def __init__(self, state: GraphState | None = None) -> None:
-        self.graph_steps: Counter[tuple[int, int]] = Counter()
-        self.eager_steps: Counter[int] = Counter()
-        self.padded_tokens = 0
-        self.real_tokens = 0
         self.update(state or GraphState(backend_unsupported=True))
 
     def update(self, state: GraphState) -> None:
@@ -115,15 +110,7 @@ class Dispatcher:
         self.table = padding_table(list(state.ladder))
 
     def dispatch(self, desc: BatchDescriptor) -> Decision:
-        decision = decide(desc, self.state, self.table)
-        self.real_tokens += desc.num_tokens
-        if decision.eager:
-            self.eager_steps[decision.reason] += 1
-            self.padded_tokens += desc.num_tokens
-        else:
-            self.graph_steps[(decision.mode, decision.size)] += 1
-            self.padded_tokens += decision.size
-        return decision
+        return decide(desc, self.state, self.table)
 
 
 def full_sizes(ladder: list[int], max_num_seqs: int) -> list[int]:

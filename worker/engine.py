@@ -1,9 +1,15 @@
-"""The engine: one thread that owns the device and runs the step loop.
+"""The engine core: one thread that owns the device and runs the step loop.
 
-Everything that touches the model, the KV cache or the graphs happens on this thread: startup
-(load, allocate, warm up, capture), every step (schedule, dispatch, run, sample, stream back),
-policy changes and model reloads. Other threads (gRPC handlers) hand it work through a queue and
-read its counters; they never touch the device.
+A step is ``schedule -> run -> postprocess``: the scheduler picks rows, the runner executes them
+as the dispatcher decided and samples on the device, and postprocessing appends the tokens,
+stops and frees sequences, and publishes the step's outputs in one call. The loop launches step
+N+1 before it waits for step N's tokens, so the host prepares the next step while the device
+runs the current one, and the one host synchronisation per step overlaps device work.
+
+Other threads never write engine state: a policy, a reload, a submit or a cancel is a command or
+an inbox entry that the engine takes at the top of its loop. What ``status()`` reports is what the
+engine has adopted, read under one lock together with the lifecycle state; a pushed policy the
+engine has not taken yet is reported as pending.
 """
 
 from __future__ import annotations
@@ -17,48 +23,36 @@ import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
 
 from graphkeeper.proto import worker_pb2 as pb
-from graphkeeper.proto.policy import (
-    effective_requested_mode,
-    mode_name,
-    reason_name,
-    resolve_capture_sizes,
-    tenant_allows_graphs,
-    validate_policy,
-)
+from graphkeeper.proto.policy import mode_name, tenant_allows_graphs, validate_policy
 from graphkeeper.worker.admission import Limits, validate_request
-from graphkeeper.worker.attention import SlotAttention
-from graphkeeper.worker.dispatcher import (
-    FULL,
-    PIECEWISE,
-    BatchDescriptor,
-    Decision,
-    Dispatcher,
-    GraphState,
-    downgrade_mode,
-    full_sizes,
-    mode_has_full,
-    mode_has_piecewise,
-)
-from graphkeeper.worker.graphs import CaptureJob, GraphSet
+from graphkeeper.worker.capture import CaptureController
+from graphkeeper.worker.dispatcher import BatchDescriptor, Decision, Dispatcher
 from graphkeeper.worker.kv_cache import KVCache
 from graphkeeper.worker.ledger import Ledger
 from graphkeeper.worker.lifecycle import Lifecycle
 from graphkeeper.worker.loader import LoadedModel, load_model
 from graphkeeper.worker.metrics import WorkerMetrics
-from graphkeeper.worker.runner import ModelRunner
-from graphkeeper.worker.sampling import SamplingSpec, sample
+from graphkeeper.worker.recorder import StepRecorder
+from graphkeeper.worker.runner import Launched, ModelRunner
+from graphkeeper.worker.sampling import SamplingSpec
 from graphkeeper.worker.scheduler import ScheduledStep, Scheduler, Sequence
+from graphkeeper.worker.tokenizer import Tokenizer, load_tokenizer
 
 log = logging.getLogger(__name__)
 S = pb.LifecycleState
 L = pb.LedgerStage
 STEADY_AFTER_STEPS = 16
-_EXECUTION = {pb.GRAPH_MODE_NONE: "eager", FULL: "full", PIECEWISE: "piecewise"}
+#: Tenants whose graph permission is remembered; beyond this the memo starts over.
+TENANT_MEMO_LIMIT = 4096
+#: Policy uids whose highest generation is remembered, so generations never go backwards.
+GENERATION_MEMORY = 1024
 
 
 class QueueFull(RuntimeError):
@@ -73,6 +67,14 @@ class StalePolicy(RuntimeError):
     pass
 
 
+class ReloadRefused(RuntimeError):
+    """A LoadModelRevision source outside the configured model roots."""
+
+
+class StepFailed(RuntimeError):
+    """A step raised; the requests in it fail with this, the engine keeps serving."""
+
+
 @dataclass
 class EngineSettings:
     model: str = "random:tiny"
@@ -84,8 +86,9 @@ class EngineSettings:
     max_num_batched_tokens: int = 256
     max_queue: int = 256
     prefill_chunk: int = 0
-    policy: pb.GraphPolicy = field(default_factory=pb.GraphPolicy)
+    policy: pb.GraphPolicy | None = None
     inject_capture_failures: frozenset[int] = frozenset()
+    model_roots: tuple[str, ...] = ()
 
 
 def default_policy(mode: int = pb.GRAPH_MODE_FULL_AND_PIECEWISE) -> pb.GraphPolicy:
@@ -96,6 +99,24 @@ def default_policy(mode: int = pb.GRAPH_MODE_FULL_AND_PIECEWISE) -> pb.GraphPoli
     )
 
 
+def direct_publish(updates: list[tuple[Any, list[int], Any]]) -> None:
+    """Without an API layer (tests, benchmarks): each stream is a callable ``(tokens, end)``."""
+    for stream, tokens, end in updates:
+        if stream is not None:
+            stream(tokens, end)
+
+
+@dataclass
+class InFlight:
+    """A launched step whose tokens the host has not read yet."""
+
+    step: ScheduledStep
+    decision: Decision
+    desc: BatchDescriptor
+    launched: Launched
+    started: float
+
+
 class Engine:
     def __init__(self, settings: EngineSettings, metrics: WorkerMetrics | None = None) -> None:
         self.settings = settings
@@ -104,24 +125,24 @@ class Engine:
         self.lifecycle.subscribe(self.metrics.set_lifecycle)
         self.ledger = Ledger()
         self.device = torch.device(settings.device)
-        self.scheduler = Scheduler(settings.max_num_seqs, settings.max_num_batched_tokens,
-                                   settings.prefill_chunk)
+        self.scheduler = Scheduler(settings.max_num_seqs, settings.max_num_batched_tokens, settings.prefill_chunk)
         self.dispatcher = Dispatcher()
+        self.recorder = StepRecorder(self.metrics)
+        self.capture = CaptureController(self.dispatcher, self.metrics, settings.max_num_seqs,
+                                         settings.max_num_batched_tokens, settings.inject_capture_failures)
+        self.publish: Callable[[list[tuple[Any, list[int], Any]]], None] = direct_publish
         self.loaded: LoadedModel | None = None
+        self.tokenizer: Tokenizer | None = None
         self.runner: ModelRunner | None = None
-        self.graph_set: GraphSet | None = None
-        self.capture_job: CaptureJob | None = None
-        self.policy = settings.policy if settings.policy.policy_uid else default_policy(
-            settings.policy.mode or pb.GRAPH_MODE_FULL_AND_PIECEWISE)
-        self.requested_mode = effective_requested_mode(self.policy)
-        self.effective_mode = pb.GRAPH_MODE_NONE
-        self.downgrade_reason = ""
-        self.ladder: list[int] = []
+        self.policy = settings.policy if settings.policy and settings.policy.policy_uid else default_policy(
+            (settings.policy.mode if settings.policy else 0) or pb.GRAPH_MODE_FULL_AND_PIECEWISE)
+        self.pending_policy: pb.GraphPolicy | None = None
+        self._generations: dict[str, int] = {self.policy.policy_uid: self.policy.generation}
         self._adopt_tenants(self.policy)
         self.last_error = ""
-        self.total_capture_seconds = 0.0
         self.failed: BaseException | None = None
         self.steps_since_ready = 0
+        self._status_lock = threading.Lock()  # lifecycle moves and adopted state change together
         self._policy_lock = threading.Lock()
         self._inbox: deque[Sequence] = deque()
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
@@ -129,6 +150,7 @@ class Engine:
         self._stop = threading.Event()
         self._draining = False
         self._pending_reload: tuple[str, str, Future] | None = None
+        self._last_finish = 0.0
         self.ready = threading.Event()
         self.thread = threading.Thread(target=self._main, name="engine", daemon=True)
 
@@ -141,14 +163,19 @@ class Engine:
         assert self.loaded is not None
         return Limits(self.loaded.config.vocab_size, self.settings.max_seq_len)
 
-    def submit(self, req: pb.GenerateRequest, emit: Callable[[str, object], None]) -> Sequence:
-        """Validates and queues a request; raises AdmissionError, QueueFull or NotServing."""
-        if self._draining or not self.lifecycle.serving or self.loaded is None:
+    def submit(self, req: pb.GenerateRequest, stream: Any, prompt: list[int] | None = None) -> Sequence:
+        """Validates and queues a request; raises AdmissionError, QueueFull or NotServing.
+
+        ``prompt`` is the tokenized ``prompt_text`` when the request had one.
+        """
+        if self._draining or self.failed is not None or not self.lifecycle.serving or self.loaded is None:
             raise NotServing(f"worker is {pb.LifecycleState.Name(self.lifecycle.state)}")
+        if prompt is not None and req.prompt_text:
+            req = _with_prompt(req, prompt)
         validate_request(req, self.limits())
         if len(self._inbox) + len(self.scheduler.waiting) >= self.settings.max_queue:
             raise QueueFull(f"queue is full ({self.settings.max_queue} requests waiting)")
-        seq = self._new_sequence(req, emit)
+        seq = self._new_sequence(req, stream)
         self.metrics.prompt_tokens.inc(len(seq.prompt))
         self._inbox.append(seq)
         self._wake.set()
@@ -159,43 +186,54 @@ class Engine:
         self._wake.set()
 
     def apply_policy(self, policy: pb.GraphPolicy) -> pb.ApplyGraphPolicyResponse:
-        """Idempotent by (uid, generation); raises PolicyError or StalePolicy."""
+        """Idempotent by (uid, generation); raises PolicyError or StalePolicy.
+
+        The policy becomes pending here and adopted on the engine thread; a generation older than
+        any this worker has seen for the same uid is refused, held or pending.
+        """
         with self._policy_lock:
-            current = self.policy
-            if policy.policy_uid == current.policy_uid:
-                if policy.generation < current.generation:
-                    raise StalePolicy(f"generation {policy.generation} is older than the held "
-                                      f"generation {current.generation} of policy {policy.policy_uid}")
-                if policy.generation == current.generation:
-                    return pb.ApplyGraphPolicyResponse(applied_generation=current.generation, unchanged=True)
+            held = self._generations.get(policy.policy_uid)
+            if held is not None and policy.generation < held:
+                raise StalePolicy(f"generation {policy.generation} is older than generation {held} of policy "
+                                  f"{policy.policy_uid[:64]!r}, which this worker already holds or was sent")
+            if held is not None and policy.generation == held:
+                return pb.ApplyGraphPolicyResponse(applied_generation=held, unchanged=True)
             validate_policy(policy, self.settings.max_num_batched_tokens)
-            recapture = self._capture_config(policy) != self._capture_config(current)
-            self.policy = policy
-            self._commands.put(lambda: self._adopt_policy(policy, recapture))
+            recapture = self.capture.config(policy) != self.capture.config(self.pending_policy or self.policy)
+            self._remember_generation(policy)
+            self.pending_policy = policy
+            self._commands.put(lambda: self._adopt_policy(policy))
             self._wake.set()
             return pb.ApplyGraphPolicyResponse(
-                applied_generation=policy.generation,
-                recapture_started=recapture and self.device.type == "cuda",
-            )
+                applied_generation=policy.generation, recapture_started=recapture and self.device.type == "cuda")
 
     def load_revision(self, source: str, revision: str) -> Future:
-        """Schedules a model reload; the future resolves to the new revision once it serves."""
+        """Schedules a model reload; the future resolves to the new revision once it serves.
+
+        Raises ReloadRefused for a source outside the model roots.
+        """
+        self._check_model_root(source)
         future: Future = Future()
         self._commands.put(lambda: self._request_reload(source, revision, future))
         self._wake.set()
         return future
 
     def drain_and_stop(self, timeout: float) -> None:
-        """Graceful shutdown: refuse new requests, finish running ones, then stop the loop."""
+        """Graceful shutdown within ``timeout`` seconds: refuse new requests, let running ones
+        finish, then end whatever is left (its streams get UNAVAILABLE) and stop the loop."""
         self._draining = True
-        if self.lifecycle.state != S.LIFECYCLE_STATE_DRAINING:
-            self.lifecycle.move(S.LIFECYCLE_STATE_DRAINING)
+        with self._status_lock:
+            if self.lifecycle.state != S.LIFECYCLE_STATE_DRAINING:
+                self.lifecycle.move(S.LIFECYCLE_STATE_DRAINING)
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and (self.scheduler.running or self.scheduler.waiting or self._inbox):
+        while time.monotonic() < deadline and self.busy():
             time.sleep(0.05)
         self._stop.set()
         self._wake.set()
         self.thread.join(timeout=10)
+
+    def busy(self) -> bool:
+        return bool(self.scheduler.running or self.scheduler.waiting or self._inbox)
 
     # --- the engine thread ----------------------------------------------------------------
 
@@ -207,7 +245,13 @@ class Engine:
         except BaseException as err:  # noqa: BLE001 - reported through self.failed and the log
             log.exception("engine stopped: %s", err)
             self.failed = err
+            with self._status_lock:
+                if self.lifecycle.state != S.LIFECYCLE_STATE_DRAINING:
+                    self.lifecycle.move(S.LIFECYCLE_STATE_DRAINING)  # health NOT_SERVING at once
             self.ready.set()
+        finally:
+            self._end_all(NotServing("the worker is shutting down" if self.failed is None
+                                     else f"engine stopped: {type(self.failed).__name__}"))
 
     def _startup(self) -> None:
         s = self.settings
@@ -216,58 +260,67 @@ class Engine:
             torch.cuda.init()
             torch.zeros(1, device=self.device)  # creates the context before the first ledger entry
         self.ledger.record(L.LEDGER_STAGE_CONTEXT, self.device)
-        self._load(s.model, s.model_revision)
-        self.lifecycle.move(S.LIFECYCLE_STATE_MODEL_LOADED)
+        self._install(self._load(s.model, s.model_revision))
+        self._move(S.LIFECYCLE_STATE_MODEL_LOADED)
         self.runner.warm_up(min(s.max_num_seqs, s.max_num_batched_tokens))
         self.ledger.record(L.LEDGER_STAGE_WARMUP, self.device)
-        self.lifecycle.move(S.LIFECYCLE_STATE_WARMED)
-        self._begin_capture()
-        if self.capture_job is not None:
-            self.capture_job.run_all()
-        self._finish_capture()
-        self.lifecycle.move(S.LIFECYCLE_STATE_CAPTURED)
-        self.lifecycle.move(S.LIFECYCLE_STATE_READY)
+        self._move(S.LIFECYCLE_STATE_WARMED)
+        self.capture.begin(self.policy, self.runner)
+        self.capture.run_all()
+        self._captured()
+        self._move(S.LIFECYCLE_STATE_CAPTURED)
+        self._move(S.LIFECYCLE_STATE_READY)
         self._log_ready()
         self.ready.set()
 
-    def _load(self, source: str, revision: str) -> None:
+    def _load(self, source: str, revision: str) -> tuple[LoadedModel, KVCache]:
+        """New weights (and a KV cache for their shapes); nothing the engine serves is touched."""
         s = self.settings
         cache_len = 16 * math.ceil(s.max_seq_len / 16)  # aligned rows for the attention kernels
-        loaded = load_model(source, device=self.device, dtype=s.dtype, max_positions=cache_len,
-                            revision=revision)
+        loaded = load_model(source, device=self.device, dtype=s.dtype, max_positions=cache_len, revision=revision)
         self.ledger.record(L.LEDGER_STAGE_WEIGHTS, self.device)
         old = self.runner
         if old is not None and old.loaded.config == loaded.config and old.loaded.dtype == loaded.dtype:
             cache = old.cache  # same shapes: keep the allocation, only the weights move
         else:
-            self.runner = None
             scratch = math.ceil(s.max_num_batched_tokens / cache_len)
-            cache = KVCache(loaded.config, s.max_num_seqs, cache_len, device=self.device,
-                            dtype=loaded.dtype, scratch_slots=scratch)
+            cache = KVCache(loaded.config, s.max_num_seqs, cache_len, device=self.device, dtype=loaded.dtype,
+                            scratch_slots=scratch)
         self.ledger.record(L.LEDGER_STAGE_KV_CACHE, self.device)
+        return loaded, cache
+
+    def _install(self, loaded_cache: tuple[LoadedModel, KVCache]) -> None:
+        loaded, cache = loaded_cache
+        self.runner = ModelRunner(loaded, cache, self.settings.max_num_batched_tokens)
         self.loaded = loaded
-        self.runner = ModelRunner(loaded, cache, s.max_num_batched_tokens)
+        self.tokenizer = load_tokenizer(loaded.source)
         self.metrics.set_model(loaded.revision, loaded.source, str(loaded.dtype).removeprefix("torch."),
                                str(self.device))
-        log.info("model %s revision %s loaded: %d parameters, %s on %s", loaded.source, loaded.revision,
-                 loaded.parameter_count, loaded.dtype, self.device)
+        log.info("model %s revision %s loaded: %d parameters, %s on %s%s", loaded.source, loaded.revision,
+                 loaded.parameter_count, loaded.dtype, self.device, ", with tokenizer" if self.tokenizer else "")
 
     def _loop(self) -> None:
+        inflight: InFlight | None = None
         while not self._stop.is_set():
             self._run_commands()
-            self._maybe_reload()
+            if self._pending_reload is not None and inflight is None:
+                self._maybe_reload()
             self._admit_inbox()
             for seq in self.scheduler.reap_cancelled():
                 self._complete(seq, pb.FINISH_REASON_CANCELLED)
-            if self.capture_job is not None:
-                self._capture_step()
+            if self.capture.active:
+                inflight = self._finish(inflight)
+                if self.capture.step():
+                    self._captured()
             step = self.scheduler.schedule()
+            launched = self._launch(step) if step is not None else None
+            inflight = self._finish(inflight)
+            inflight = launched
             self._update_gauges()
-            if step is None:
-                self._wake.wait(0.05 if self.capture_job is None else 0)
+            if inflight is None and step is None:
+                self._wake.wait(0.05 if not self.capture.active else 0)
                 self._wake.clear()
-                continue
-            self._execute(step)
+        self._finish(inflight)
 
     def _run_commands(self) -> None:
         while True:
@@ -281,69 +334,52 @@ class Engine:
         while self._inbox:
             self.scheduler.add(self._inbox.popleft())
 
-    # --- one step -------------------------------------------------------------------------
+    # --- one step: run, then postprocess ---------------------------------------------------
 
-    def _execute(self, step: ScheduledStep) -> None:
-        plan, runner = step.plan, self.runner
+    def _launch(self, step: ScheduledStep) -> InFlight | None:
+        """Dispatches and launches a step; its tokens are read by ``_finish`` after the next launch."""
+        plan = step.plan
         desc = BatchDescriptor(plan.num_tokens, len(step.sequences), plan.uniform_decode,
-                               self._graphs_allowed(step.sequences))
+                               all(self._tenant_allows(s.tenant) for s in step.sequences))
         decision = self.dispatcher.dispatch(desc)
         started = time.perf_counter()
-        if decision.eager:
-            hidden = runner.forward_eager(runner.prepare(plan, plan.num_tokens), plan.num_tokens)
-        else:
-            self.graph_set.check_fresh()
-            hidden = self.graph_set.replay(decision.mode, decision.size, runner.prepare(plan, decision.size))
-        tokens = sample(runner.logits(hidden, plan), [s.sampling for s in step.samplers],
-                        [s.generator for s in step.samplers])
-        elapsed = time.perf_counter() - started
-        self.scheduler.advance(step)
-        self._record(decision, desc, step, elapsed)
+        try:
+            hidden = self.runner.execute(plan, decision, self.capture.graph_set)
+            launched = self.runner.sample_and_send(hidden, plan)
+        except Exception as err:  # noqa: BLE001 - the step's requests fail, the engine keeps serving
+            self._fail_step(step, err)
+            return None
+        return InFlight(step, decision, desc, launched, started)
+
+    def _finish(self, inflight: InFlight | None) -> None:
+        """Reads a launched step's tokens, counts it once, and publishes its outputs in one call."""
+        if inflight is None:
+            return None
+        step = inflight.step
+        try:
+            tokens = inflight.launched.tokens().tolist()
+        except Exception as err:  # noqa: BLE001
+            self._fail_step(step, err)
+            return None
         now = time.perf_counter()
-        self.metrics.generated_tokens.inc(len(tokens))
+        elapsed = now - max(inflight.started, self._last_finish)
+        self._last_finish = now
+        self.recorder.record(inflight.decision, inflight.desc, step.sequences,
+                             {s.tenant for s in step.sequences}, elapsed)
+        updates = []
         for seq, token in zip(step.samplers, tokens, strict=True):
-            self._append(seq, token, now)
+            if seq.finished:
+                continue  # cancelled, or stopped a step ago: this token was never wanted
+            updates.append((seq.stream, [token], self._append(seq, token, now)))
+        self.metrics.generated_tokens.inc(len(updates))
+        self.publish(updates)
         self.steps_since_ready += 1
         if self.steps_since_ready == STEADY_AFTER_STEPS:
             self.ledger.record(L.LEDGER_STAGE_STEADY, self.device)
             self._export_ledger()
+        return None
 
-    def _graphs_allowed(self, sequences: list[Sequence]) -> bool:
-        return all(self._tenant_allows(s.tenant) for s in sequences)
-
-    def _tenant_allows(self, tenant: str) -> bool:
-        """The shared policy rule, memoised per tenant until the next policy is adopted."""
-        allowed = self._tenant_allowed.get(tenant)
-        if allowed is None:
-            allowed = self._tenant_allowed[tenant] = tenant_allows_graphs(self._tenant_policy, tenant)
-        return allowed
-
-    def _adopt_tenants(self, policy: pb.GraphPolicy) -> None:
-        """Tenant toggles take effect at the next step; only the adopted policy's rules apply."""
-        self._tenant_policy = policy
-        self._tenant_allowed: dict[str, bool] = {}
-        self.listed_tenants = frozenset(t.tenant for t in policy.tenants)
-
-    def _record(self, decision: Decision, desc: BatchDescriptor, step: ScheduledStep, elapsed: float) -> None:
-        m = self.metrics
-        m.step_duration.labels(_EXECUTION[decision.mode]).observe(elapsed)
-        m.real_tokens.inc(desc.num_tokens)
-        if decision.eager:
-            m.eager_steps.labels(reason_name(decision.reason)).inc()
-            m.padded_tokens.inc(desc.num_tokens)
-        else:
-            m.graph_replays.labels(mode_name(decision.mode), str(decision.size)).inc()
-            m.padded_tokens.inc(decision.size)
-        execution = "eager" if decision.eager else "graph"
-        for tenant in {s.tenant for s in step.sequences} & self.listed_tenants:
-            m.tenant_steps.labels(tenant, execution).inc()  # bounded: only tenants the policy lists
-        for seq in step.sequences:
-            if decision.eager:
-                seq.eager_steps[decision.reason] += 1
-            else:
-                seq.graph_steps[(decision.mode, decision.size)] += 1
-
-    def _append(self, seq: Sequence, token: int, now: float) -> None:
+    def _append(self, seq: Sequence, token: int, now: float) -> pb.Completion | None:
         seq.output.append(token)
         if seq.first_token_at is None:
             seq.first_token_at = now
@@ -351,129 +387,131 @@ class Engine:
         else:
             self.metrics.inter_token_latency.observe(now - seq.last_token_at)
         seq.last_token_at = now
-        seq.emit("tokens", [token])
         reason = seq.stop_reason()
-        if reason != pb.FINISH_REASON_UNSPECIFIED:
-            self.scheduler.finish(seq)
-            self._complete(seq, reason)
+        if reason == pb.FINISH_REASON_UNSPECIFIED:
+            return None
+        self.scheduler.finish(seq)
+        return self._completion(seq, reason)
+
+    def _fail_step(self, step: ScheduledStep, err: Exception) -> None:
+        """A step that raised fails its own requests; a broken device stops the engine."""
+        if _device_broken(err):
+            raise err
+        log.error("step of %d tokens failed: %s: %s", step.plan.num_tokens, type(err).__name__, err)
+        failure = StepFailed(f"the step running this request failed: {type(err).__name__}")
+        updates = []
+        for seq in step.sequences:
+            if not seq.finished:
+                self.scheduler.finish(seq)
+                self.metrics.requests.labels("error").inc()
+                updates.append((seq.stream, [], failure))
+        self.publish(updates)
 
     def _complete(self, seq: Sequence, reason: int) -> None:
+        """Ends a sequence outside a step (cancelled) and tells its stream."""
+        self.publish([(seq.stream, [], self._completion(seq, reason))])
+
+    def _completion(self, seq: Sequence, reason: int) -> pb.Completion:
         outcome = pb.FinishReason.Name(reason).removeprefix("FINISH_REASON_").lower()
         self.metrics.requests.labels(outcome).inc()
-        end = time.perf_counter()
         summary = pb.ExecutionSummary(
             graph_steps=[pb.GraphStepCount(mode=m, size=s, steps=n) for (m, s), n in sorted(seq.graph_steps.items())],
             eager_steps=[pb.FallbackCount(reason=r, steps=n) for r, n in sorted(seq.eager_steps.items())],
         )
-        seq.emit("completion", pb.Completion(
+        return pb.Completion(
             request_id=seq.request_id, finish_reason=reason, prompt_tokens=len(seq.prompt),
             generated_tokens=len(seq.output),
             time_to_first_token_seconds=(seq.first_token_at - seq.arrived) if seq.first_token_at else 0.0,
-            total_seconds=end - seq.arrived, execution=summary,
-        ))
+            total_seconds=time.perf_counter() - seq.arrived, execution=summary,
+        )
 
-    def _new_sequence(self, req: pb.GenerateRequest, emit: Callable[[str, object], None]) -> Sequence:
+    def _end_all(self, err: Exception) -> None:
+        """Every request still held gets ``err`` (shutdown past the drain deadline, or a dead engine)."""
+        leftover = [*self.scheduler.running, *self.scheduler.waiting, *self._inbox]
+        self._inbox.clear()
+        updates = []
+        for seq in leftover:
+            if not seq.finished:
+                self.scheduler.finish(seq)
+                updates.append((seq.stream, [], err))
+        self.publish(updates)
+
+    def _new_sequence(self, req: pb.GenerateRequest, stream: Any) -> Sequence:
         sp = req.sampling
         spec = SamplingSpec(temperature=sp.temperature, top_k=sp.top_k, top_p=sp.top_p or 1.0)
-        generator = None
-        if not spec.greedy:
-            seed = sp.seed if sp.HasField("seed") else random.getrandbits(63)
-            generator = torch.Generator(device=self.device).manual_seed(seed)
+        seed = sp.seed if sp.HasField("seed") else random.getrandbits(63)
         eos = None if req.stopping.ignore_eos else self.loaded.config.eos_token_id
         return Sequence(
             request_id=req.request_id or f"req-{random.getrandbits(48):012x}", tenant=req.tenant,
             prompt=list(req.prompt_token_ids), max_new_tokens=req.stopping.max_new_tokens,
-            sampling=spec, emit=emit, stop_ids=frozenset(req.stopping.stop_token_ids), eos_id=eos,
-            generator=generator,
+            sampling=spec, stream=stream, stop_ids=frozenset(req.stopping.stop_token_ids), eos_id=eos,
+            seed=seed & (2**63 - 1),
         )
 
     def _update_gauges(self) -> None:
         self.metrics.queue_depth.set(len(self.scheduler.waiting) + len(self._inbox))
         self.metrics.running_sequences.set(len(self.scheduler.running))
 
-    # --- graphs ---------------------------------------------------------------------------
+    # --- tenants --------------------------------------------------------------------------
 
-    def _capture_config(self, policy: pb.GraphPolicy) -> tuple:
-        s = self.settings
-        sizes = resolve_capture_sizes(policy.capture_sizes, s.max_num_seqs, s.max_num_batched_tokens)
-        return effective_requested_mode(policy), tuple(sizes), policy.memory_budget_bytes
+    def _tenant_allows(self, tenant: str) -> bool:
+        """The shared policy rule, memoised per tenant until the next policy is adopted."""
+        allowed = self._tenant_allowed.get(tenant)
+        if allowed is None:
+            if len(self._tenant_allowed) >= TENANT_MEMO_LIMIT:
+                self._tenant_allowed.clear()  # bounded: any number of tenant names may arrive
+            allowed = self._tenant_allowed[tenant] = tenant_allows_graphs(self._tenant_policy, tenant)
+        return allowed
 
-    def _adopt_policy(self, policy: pb.GraphPolicy, recapture: bool) -> None:
+    def _adopt_tenants(self, policy: pb.GraphPolicy) -> None:
+        """Tenant toggles take effect at the next step; only the adopted policy's rules apply."""
+        self._tenant_policy = policy
+        self._tenant_allowed: dict[str, bool] = {}
+        self.recorder.listed_tenants = frozenset(t.tenant for t in policy.tenants)
+
+    # --- policies and graphs --------------------------------------------------------------
+
+    def _remember_generation(self, policy: pb.GraphPolicy) -> None:
+        if len(self._generations) >= GENERATION_MEMORY and policy.policy_uid not in self._generations:
+            self._generations.pop(next(iter(self._generations)))
+        self._generations[policy.policy_uid] = policy.generation
+
+    def _adopt_policy(self, policy: pb.GraphPolicy) -> None:
         """Engine thread: tenant toggles now; a capture config change recaptures."""
-        self._adopt_tenants(policy)
+        recapture = self.capture.config(policy) != self.capture.config(self.policy)
+        with self._status_lock:
+            if recapture and self.device.type == "cuda" and self.lifecycle.state == S.LIFECYCLE_STATE_READY:
+                self._move(S.LIFECYCLE_STATE_RECAPTURING)
+            self.policy = policy
+            if self.pending_policy is policy:
+                self.pending_policy = None
+            self._adopt_tenants(policy)
         self.metrics.policy_generation.set(policy.generation)
-        log.info("policy %s generation %d adopted (recapture: %s)", policy.policy_name or policy.policy_uid,
+        log.info("policy %s generation %d adopted (recapture: %s)", (policy.policy_name or policy.policy_uid)[:64],
                  policy.generation, recapture)
         if recapture:
             self.metrics.recaptures.labels("policy").inc()
             self._recapture()
 
     def _recapture(self) -> None:
-        self._release_graphs()
-        if self.lifecycle.state == S.LIFECYCLE_STATE_READY:
-            self.lifecycle.move(S.LIFECYCLE_STATE_RECAPTURING)
-        self._begin_capture()
-        if self.capture_job is None:
-            self._finish_capture()
+        self.capture.release()
+        self.capture.begin(self.policy, self.runner)
+        if not self.capture.active:
+            self._captured()
 
-    def _begin_capture(self) -> None:
-        """Resolves modes and sizes for the held policy and plans the capture (largest first)."""
-        s, policy = self.settings, self.policy
-        cuda = self.device.type == "cuda"
-        self.requested_mode = effective_requested_mode(policy)
-        self.effective_mode, self.downgrade_reason = downgrade_mode(
-            self.requested_mode, int(SlotAttention.graph_support), cuda)
-        self.metrics.set_modes(self.requested_mode, self.effective_mode)
-        self.metrics.policy_generation.set(policy.generation)
-        self.metrics.graph_memory_budget.set(policy.memory_budget_bytes)
-        self.ladder = resolve_capture_sizes(policy.capture_sizes, s.max_num_seqs, s.max_num_batched_tokens)
-        if not cuda or self.effective_mode == pb.GRAPH_MODE_NONE:
-            self.capture_job = None
-            self.dispatcher.update(GraphState(effective_mode=self.effective_mode, ladder=tuple(self.ladder),
-                                              backend_unsupported=not cuda))
-            return
-        plan = []
-        if mode_has_full(self.effective_mode):
-            plan += [(FULL, n) for n in reversed(full_sizes(self.ladder, s.max_num_seqs))]
-        if mode_has_piecewise(self.effective_mode):
-            plan += [(PIECEWISE, n) for n in reversed(self.ladder)]
-        self.graph_set = GraphSet(self.runner)
-        tolerance = 1e-4 if self.loaded.dtype == torch.float32 else 2e-2
-        self.capture_job = CaptureJob(self.graph_set, plan, policy.memory_budget_bytes,
-                                      s.inject_capture_failures, tolerance)
-        self.dispatcher.update(GraphState(effective_mode=self.effective_mode, ladder=tuple(self.ladder),
-                                          recapturing=True))
-        log.info("capturing %d graphs (%s, sizes %s..%s, budget %s B)", len(plan), mode_name(self.effective_mode),
-                 self.ladder[0], self.ladder[-1], policy.memory_budget_bytes or "unlimited")
-
-    def _capture_step(self) -> None:
-        job = self.capture_job
-        if not job.done:
-            job.step()
-        if job.done:
-            self._finish_capture()
-
-    def _finish_capture(self) -> None:
-        """Swaps the completed graph set in, at once, and records what it cost."""
-        job, graphs = self.capture_job, self.graph_set
-        self.capture_job = None
-        if job is not None:
-            job.finish()
-            self.total_capture_seconds = job.total_seconds
-            self.dispatcher.update(GraphState(
-                effective_mode=self.effective_mode, ladder=tuple(self.ladder),
-                captured=frozenset(graphs.captured), skipped={k: v.reason for k, v in graphs.skipped.items()},
-            ))
-            failures = [v.message for v in graphs.skipped.values()
-                        if v.reason == pb.FALLBACK_REASON_SIZE_CAPTURE_FAILED]
-            if failures:
-                self.last_error = failures[-1]
-            self._export_graphs()
+    def _captured(self) -> None:
+        """A capture phase ended: ledger, errors, and READY again after a recapture."""
         self.ledger.record(L.LEDGER_STAGE_CAPTURE, self.device)
         self._export_ledger()
-        if self.lifecycle.state == S.LIFECYCLE_STATE_RECAPTURING:
-            self.lifecycle.move(S.LIFECYCLE_STATE_READY)
-            self._log_ready()
+        self.metrics.policy_generation.set(self.policy.generation)
+        with self._status_lock:
+            self.last_error = self.capture.last_failure
+            if self.lifecycle.state == S.LIFECYCLE_STATE_RECAPTURING:
+                self._move(S.LIFECYCLE_STATE_READY)
+                self._log_ready()
+
+    def _move(self, state: int) -> None:
+        self.lifecycle.move(state)
 
     def _export_ledger(self) -> None:
         for entry in list(self.ledger.entries.values()):
@@ -482,36 +520,29 @@ class Engine:
                                 ("torch_reserved", entry.torch_reserved), ("residual", entry.residual)):
                 self.metrics.ledger.labels(stage, kind).set(value)
 
-    def _export_graphs(self) -> None:
-        m, graphs = self.metrics, self.graph_set
-        m.captured.clear()
-        m.skipped.clear()
-        m.capture_duration.clear()
-        for (mode, size), entry in graphs.captured.items():
-            m.captured.labels(mode_name(mode), str(size)).set(1)
-            m.capture_duration.labels(mode_name(mode), str(size)).set(entry.seconds)
-        for (mode, size), skipped in graphs.skipped.items():
-            m.skipped.labels(mode_name(mode), str(size), reason_name(skipped.reason)).set(1)
-        m.capture_phase.set(self.total_capture_seconds)
-        m.graph_memory.set(graphs.memory_bytes)
-
-    def _release_graphs(self) -> None:
-        """Graphs are dropped before anything that could move their addresses."""
-        if self.graph_set is not None:
-            self.graph_set.release()
-            self.graph_set = None
-        self.capture_job = None
-        self.metrics.captured.clear()
-        self.metrics.graph_memory.set(0)
-
     def _log_ready(self) -> None:
-        captured = len(self.graph_set.captured) if self.graph_set else 0
+        c = self.capture
         log.info("READY: requested %s, effective %s%s; %d graphs captured in %.2f s",
-                 mode_name(self.requested_mode), mode_name(self.effective_mode),
-                 f" ({self.downgrade_reason})" if self.downgrade_reason else "", captured,
-                 self.total_capture_seconds)
+                 mode_name(c.requested_mode), mode_name(c.effective_mode),
+                 f" ({c.downgrade_reason})" if c.downgrade_reason else "", c.captured_count(), c.total_seconds)
 
     # --- model revisions ------------------------------------------------------------------
+
+    def _check_model_root(self, source: str) -> None:
+        """Reloads come only from the model roots (random presets only on a random-model worker)."""
+        if source.startswith("random:"):
+            if not self.settings.model.startswith("random:"):
+                raise ReloadRefused("source: random presets are only served by workers started with one")
+            return
+        roots = self.settings.model_roots or (
+            (str(Path(self.settings.model).resolve().parent),) if not self.settings.model.startswith("random:")
+            else ())
+        try:
+            resolved = Path(source).resolve()
+        except (OSError, ValueError):
+            raise ReloadRefused("source: not a usable path") from None
+        if not any(resolved.is_relative_to(Path(r).resolve()) for r in roots):
+            raise ReloadRefused("source: not under any --model-root of this worker")
 
     def _request_reload(self, source: str, revision: str, future: Future) -> None:
         if self._pending_reload is not None:
@@ -521,60 +552,97 @@ class Engine:
         self._pending_reload = (source, revision, future)
 
     def _maybe_reload(self) -> None:
-        if self._pending_reload is None or self.scheduler.running:
+        """Loads the new weights beside the old ones; only a complete load replaces anything."""
+        if self.scheduler.running:
             return
         source, revision, future = self._pending_reload
-        self._pending_reload = None
         try:
-            self._release_graphs()  # before the new weights exist: stale graphs can never replay
-            self.dispatcher.update(GraphState(effective_mode=self.effective_mode, ladder=tuple(self.ladder),
-                                              recapturing=True))
-            if self.lifecycle.state == S.LIFECYCLE_STATE_READY:
-                self.lifecycle.move(S.LIFECYCLE_STATE_RECAPTURING)
-            self._load(source, revision)
-            self.metrics.recaptures.labels("model_revision").inc()
-            self._begin_capture()
-            if self.capture_job is None:
-                self._finish_capture()
-            future.set_result(self.loaded.revision)
-        except Exception as err:  # noqa: BLE001 - the old model keeps serving when it can
-            self.last_error = f"model reload failed: {err}"
+            fresh = self._load(source, revision)
+        except Exception as err:  # noqa: BLE001 - the old model keeps serving, graphs and all
+            with self._status_lock:
+                self.last_error = f"model reload failed: {str(err)[:256]}"
+                self._pending_reload = None
             log.error(self.last_error)
-            if self.lifecycle.state == S.LIFECYCLE_STATE_RECAPTURING:
-                self._begin_capture()
-                if self.capture_job is None:
-                    self._finish_capture()
-            future.set_exception(err)
-        finally:
             self.scheduler.admitting = True
+            future.set_exception(err)
+            return
+        with self._status_lock:
+            if self.device.type == "cuda" and self.lifecycle.state == S.LIFECYCLE_STATE_READY:
+                self._move(S.LIFECYCLE_STATE_RECAPTURING)
+            self.capture.release()  # before the new weights serve: stale graphs can never replay
+            self.capture.hold_eager()
+            self._install(fresh)
+            self.last_error = ""
+            self._pending_reload = None
+        self.metrics.recaptures.labels("model_revision").inc()
+        self.capture.begin(self.policy, self.runner)
+        if not self.capture.active:
+            self._captured()
+        self.scheduler.admitting = True
+        future.set_result(self.loaded.revision)
 
     # --- status (any thread) --------------------------------------------------------------
 
+    def model_info(self) -> pb.GetModelInfoResponse | None:
+        loaded, s = self.loaded, self.settings
+        if loaded is None:
+            return None
+        c = loaded.config
+        return pb.GetModelInfoResponse(
+            source=loaded.source, revision=loaded.revision, architecture="LlamaForCausalLM",
+            dtype=str(loaded.dtype).removeprefix("torch."), vocab_size=c.vocab_size, hidden_size=c.dim,
+            num_layers=c.n_layers, num_attention_heads=c.n_heads, num_key_value_heads=c.n_kv_heads,
+            max_seq_len=s.max_seq_len, max_num_seqs=s.max_num_seqs, eos_token_id=c.eos_token_id,
+            device=str(loaded.device), parameter_count=loaded.parameter_count,
+        )
+
     def status(self) -> pb.GraphStatus:
-        graphs = self.graph_set
+        with self._status_lock:
+            c, policy, pending = self.capture, self.policy, self.pending_policy
+            state, last_error = self.lifecycle.state, self.last_error
+            reload = self._pending_reload
+        graphs = c.graph_set
         captured = dict(graphs.captured) if graphs else {}
         skipped = dict(graphs.skipped) if graphs else {}
-        eager = dict(self.dispatcher.eager_steps)
+        eager = dict(self.recorder.eager_steps)
         return pb.GraphStatus(
-            state=self.lifecycle.state,
-            requested_mode=self.requested_mode,
-            effective_mode=self.effective_mode,
-            mode_downgrade_reason=self.downgrade_reason,
-            policy_uid=self.policy.policy_uid,
-            policy_generation=self.policy.generation,
+            state=state,
+            requested_mode=c.requested_mode,
+            effective_mode=c.effective_mode,
+            mode_downgrade_reason=c.downgrade_reason,
+            policy_uid=policy.policy_uid,
+            policy_generation=policy.generation,
+            pending_policy_uid=pending.policy_uid if pending else "",
+            pending_policy_generation=pending.generation if pending else 0,
+            pending_model_revision=(reload[1] or reload[0])[:128] if reload else "",
             model_revision=self.loaded.revision if self.loaded else "",
             captured=[pb.CapturedSize(size=s, mode=m, capture_seconds=e.seconds, device_bytes=e.device_bytes,
                                       reserved_bytes=e.reserved_bytes) for (m, s), e in sorted(captured.items())],
             skipped=[pb.SkippedSize(size=s, mode=m, reason=v.reason, message=v.message)
                      for (m, s), v in sorted(skipped.items())],
             fallbacks=[pb.FallbackCount(reason=r, steps=n) for r, n in sorted(eager.items())],
-            graph_steps=sum(dict(self.dispatcher.graph_steps).values()),
+            graph_steps=sum(dict(self.recorder.graph_steps).values()),
             eager_steps=sum(eager.values()),
             graph_memory_bytes=graphs.memory_bytes if graphs else 0,
-            total_capture_seconds=self.total_capture_seconds,
+            total_capture_seconds=c.total_seconds,
             ledger=self.ledger.to_proto(),
             running_sequences=len(self.scheduler.running),
             queued_requests=len(self.scheduler.waiting) + len(self._inbox),
-            last_error=self.last_error,
+            last_error=last_error,
         )
 
+
+def _with_prompt(req: pb.GenerateRequest, prompt: list[int]) -> pb.GenerateRequest:
+    out = pb.GenerateRequest()
+    out.CopyFrom(req)
+    out.ClearField("prompt_text")
+    out.prompt_token_ids.extend(prompt)
+    return out
+
+
+def _device_broken(err: BaseException) -> bool:
+    """CUDA errors other than out-of-memory leave the context unusable: the engine must stop."""
+    if isinstance(err, torch.cuda.OutOfMemoryError):
+        return False
+    text = str(err)
+    return "CUDA error" in text or "cudaError" in text or "CUBLAS_STATUS" in text

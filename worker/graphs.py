@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -302,10 +303,10 @@ class CaptureJob:
 def probe_plan(runner: ModelRunner, size: int) -> StepPlan:
     """A deterministic decode batch over scratch slots: every row writes its own position."""
     generator = torch.Generator().manual_seed(size)
-    tokens = torch.randint(0, runner.loaded.config.vocab_size, (size,), generator=generator).tolist()
-    where = [runner.cache.probe_slot_position(r) for r in range(size)]
-    return StepPlan(tokens=tokens, positions=[p for _, p in where], slots=[s for s, _ in where],
-                    num_decode=size, sample_rows=list(range(size)))
+    tokens = torch.randint(0, runner.loaded.config.vocab_size, (size,), generator=generator).numpy()
+    where = np.array([runner.cache.probe_slot_position(r) for r in range(size)], dtype=np.int64).reshape(-1, 2)
+    return StepPlan(prompt_tokens=[], positions=where[:, 1], slots=where[:, 0], num_decode=size,
+                    sample_rows=np.arange(size), sample_slots=where[:, 0], decode_tokens=tokens.astype(np.int64))
 
 
 #: Rows of the probe whose logits are compared (hidden states are compared for every row).

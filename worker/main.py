@@ -5,10 +5,13 @@ graph status are answered during startup."""
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
+import ipaddress
 import logging
 import os
 import signal
-import threading
+import sys
 from pathlib import Path
 
 from graphkeeper.proto import worker_pb2 as pb
@@ -16,10 +19,12 @@ from graphkeeper.proto.policy import MODE_BY_NAME, PolicyError, policy_from_json
 from graphkeeper.worker.engine import Engine, EngineSettings
 from graphkeeper.worker.http import serve_http
 from graphkeeper.worker.lifecycle import state_name
-from graphkeeper.worker.server import build_server
+from graphkeeper.worker.server import StreamHub, build_servers, track_health
 
 log = logging.getLogger("graphkeeper.worker")
 INJECT_ENV = "GRAPHKEEPER_INJECT_CAPTURE_FAILURE"
+SWITCH_INTERVAL_SECONDS = 0.0005
+STOP_GRACE_SECONDS = 2.0
 
 
 def settings_from_args(args: argparse.Namespace) -> EngineSettings:
@@ -45,30 +50,76 @@ def settings_from_args(args: argparse.Namespace) -> EngineSettings:
         max_num_seqs=args.max_num_seqs, max_seq_len=args.max_seq_len,
         max_num_batched_tokens=args.max_num_batched_tokens, max_queue=args.max_queue,
         prefill_chunk=args.prefill_chunk, policy=policy, inject_capture_failures=inject,
+        model_roots=tuple(args.model_root),
     )
 
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings = settings_from_args(args)
+    try:
+        token = _read_token(args.control_token_file)
+    except OSError as err:
+        raise SystemExit(f"--control-token-file: {err}") from None
+    # The engine thread must get the interpreter back quickly from the API layer's thread.
+    sys.setswitchinterval(SWITCH_INTERVAL_SECONDS)
+    try:
+        return asyncio.run(_serve(args, settings, token))
+    except OSError as err:
+        raise SystemExit(f"graphkeeper worker: {err}") from None
+
+
+async def _serve(args: argparse.Namespace, settings: EngineSettings, token: str) -> int:
+    """Runs the servers and the engine until SIGTERM/SIGINT (drain) or an engine failure (exit 1)."""
+    loop = asyncio.get_running_loop()
     engine = Engine(settings)
+    engine.publish = StreamHub(loop).publish
     engine.lifecycle.subscribe(lambda s: log.info("lifecycle: %s", state_name(s)))
+    control_host = args.control_host or args.host
+    if not token and not _is_loopback(control_host):
+        log.warning("no --control-token-file: GraphControl listens on 127.0.0.1 only, not %s", control_host)
+        control_host = "127.0.0.1"
+    servers = build_servers(engine, args.host, args.port, control_host, args.control_port, token)
+    track_health(engine, servers.health, loop)
     if args.metrics_port:
         serve_http(engine, args.host, args.metrics_port)
-    server, port = build_server(engine, args.host, args.port)
-    server.start()
-    log.info("gRPC on %s:%d, metrics on %s:%s", args.host, port, args.host, args.metrics_port or "-")
+    await servers.inference.start()
+    await servers.control.start()
+    log.info("gRPC inference on %s:%d, control on %s:%d%s, metrics on %s:%s", args.host, servers.inference_port,
+             control_host, servers.control_port, " (bearer token)" if token else "", args.host,
+             args.metrics_port or "-")
     engine.start()
-    stop = threading.Event()
+    stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-    while not stop.wait(0.5):
+        loop.add_signal_handler(sig, stop.set)
+    code = 0
+    while not stop.is_set():
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), 0.25)
         if engine.failed is not None:
             log.error("engine failed: %s", engine.failed)
-            server.stop(grace=1)
-            return 1
-    log.info("draining (up to %.0f s)", args.drain_seconds)
-    engine.drain_and_stop(args.drain_seconds)
-    server.stop(grace=5).wait()
+            code = 1
+            break
+    if code == 0:
+        log.info("draining (up to %.0f s)", args.drain_seconds)
+        await asyncio.to_thread(engine.drain_and_stop, args.drain_seconds)
+    # The drain deadline is a deadline: whatever is still open ends now.
+    await asyncio.gather(servers.inference.stop(STOP_GRACE_SECONDS), servers.control.stop(STOP_GRACE_SECONDS))
     log.info("stopped")
-    return 0
+    return code
+
+
+def _read_token(path: str) -> str:
+    if not path:
+        return ""
+    token = Path(path).read_text().strip()
+    if not token:
+        raise OSError(f"{path} is empty")
+    return token
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"

@@ -1,9 +1,13 @@
-"""Runs one step of the model: fills the static input buffers, then executes the step eagerly,
-as a FULL graph replay, or as PIECEWISE graph replays around eager attention.
+"""Runs one step of the model: fills the static input buffers, executes the step (eagerly, as a
+FULL graph replay, or as PIECEWISE graph replays around eager attention), samples on the device
+and starts one asynchronous copy of the sampled tokens back to the host.
 
 The runner owns every buffer a graph reads or writes, allocated once at the largest size, so
-their addresses never move: step inputs (tokens, positions, KV slots, context lengths) in one
-device tensor filled by a single host-to-device copy, and the hidden states the step produces.
+their addresses never move: step inputs (tokens, positions, KV slots, context lengths, the
+attention's block table, sample rows) in one device tensor filled by a single host-to-device
+copy, the hidden states the step produces, and ``last_tokens``, each slot's latest sampled
+token. A decoding row's input token is read from ``last_tokens`` on the device, so the host can
+prepare and launch step N+1 before step N's tokens have reached it.
 """
 
 from __future__ import annotations
@@ -14,39 +18,67 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from graphkeeper.worker.attention import AttentionMetadata, PrefillChunk, SlotAttention
+from graphkeeper.worker.attention import BLOCK_Q, AttentionMetadata, PrefillChunk, SlotAttention
+from graphkeeper.worker.dispatcher import Decision
 from graphkeeper.worker.kv_cache import KVCache
 from graphkeeper.worker.loader import LoadedModel
+from graphkeeper.worker.sampling import SamplingBatch, sample
 
 
 @dataclass
 class StepPlan:
     """A scheduled step, flat: decode rows first, then prefill chunks.
 
-    ``sample_rows`` are the rows whose next token is needed: every decode row, and the last row
-    of a prefill chunk that completes its prompt.
+    Decode rows carry no token here: each reads its slot's latest sampled token on the device.
+    ``sample_rows`` are the rows whose next token is needed (every decode row, and the last row
+    of a prefill chunk that completes its prompt); ``sample_slots`` their slots.
     """
 
-    tokens: list[int]
-    positions: list[int]
-    slots: list[int]
+    prompt_tokens: list[int]
+    positions: np.ndarray
+    slots: np.ndarray
     num_decode: int
     prefill: list[PrefillChunk] = field(default_factory=list)
-    sample_rows: list[int] = field(default_factory=list)
+    sample_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    sample_slots: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    sampling: SamplingBatch | None = None
+    decode_tokens: np.ndarray | None = None  # given only by probes and warm-up, which have no history
 
     @property
     def num_tokens(self) -> int:
-        return len(self.tokens)
+        return len(self.positions)
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.sample_rows)
 
     @property
     def uniform_decode(self) -> bool:
-        return not self.prefill and self.num_decode == len(self.tokens)
+        return not self.prefill and self.num_decode == self.num_tokens
+
+
+@dataclass
+class Launched:
+    """A step on its way: its tokens land in ``host`` once ``done`` has completed."""
+
+    host: Tensor
+    done: torch.cuda.Event | None
+    count: int
+
+    def tokens(self) -> np.ndarray:
+        """Waits for the step's copy (the one host synchronisation of a step) and returns its tokens."""
+        if self.done is not None:
+            self.done.synchronize()
+        return self.host[: self.count].numpy()
 
 
 class ModelRunner:
     """Executes steps for one loaded model and one KV cache."""
 
-    TOKENS, POSITIONS, SLOTS, LENGTHS, KV_ROWS = range(5)
+    ROWS = ("tokens", "positions", "slots", "lengths", "kv_rows",
+            "block_row", "block_len", "block_slot", "block_pos", "sample_rows", "sample_slots")
+    (TOKENS, POSITIONS, SLOTS, LENGTHS, KV_ROWS,
+     BLOCK_ROW, BLOCK_LEN, BLOCK_SLOT, BLOCK_POS, SAMPLE_ROWS, SAMPLE_SLOTS) = range(11)
 
     def __init__(self, loaded: LoadedModel, cache: KVCache, max_tokens: int) -> None:
         self.loaded = loaded
@@ -55,39 +87,68 @@ class ModelRunner:
         self.device = loaded.device
         self.max_tokens = max_tokens
         self.attention = SlotAttention(loaded.config, cache)
-        self.inputs = torch.zeros(5, max_tokens, dtype=torch.long, device=self.device)
+        self.inputs = torch.zeros(len(self.ROWS), max_tokens, dtype=torch.long, device=self.device)
         self.hidden = torch.zeros(max_tokens, loaded.config.dim, dtype=loaded.dtype, device=self.device)
+        self.last_tokens = torch.zeros(cache.num_slots + cache.scratch_slots, dtype=torch.long, device=self.device)
+        cuda = self.device.type == "cuda"
+        # Two pinned buffers: step N's tokens are read while step N+1's copy may be under way.
+        self._host = [torch.zeros(max_tokens, dtype=torch.long, pin_memory=cuda) for _ in range(2)]
+        self._turn = 0
 
     # --- inputs ---------------------------------------------------------------------------
 
     def prepare(self, plan: StepPlan, rows: int) -> AttentionMetadata:
-        """Copies the plan into the static buffers, padded to ``rows`` with inert rows."""
+        """Copies the plan into the static buffers, padded to ``rows`` with inert rows.
+
+        Decode rows' tokens are then gathered on the device from ``last_tokens``.
+        """
         n, nd = plan.num_tokens, plan.num_decode
-        # Built with numpy: a handful of host operations per step instead of a dozen torch ones.
-        host = np.empty((5, rows), dtype=np.int64)
-        host[self.TOKENS, :n] = plan.tokens
+        host = np.zeros((len(self.ROWS), rows), dtype=np.int64)
+        host[self.TOKENS, nd:n] = plan.prompt_tokens
+        if plan.decode_tokens is not None:
+            host[self.TOKENS, :nd] = plan.decode_tokens
         host[self.POSITIONS, :n] = plan.positions
         host[self.SLOTS, :n] = plan.slots
         # Padded rows: token 0 at position 0 in the dummy slot, attending to a length of 1.
-        host[self.TOKENS, n:] = 0
-        host[self.POSITIONS, n:] = 0
         host[self.SLOTS, n:] = self.cache.dummy_slot
-        host[self.LENGTHS, :nd] = host[self.POSITIONS, :nd] + 1
-        host[self.LENGTHS, nd:] = 1
+        host[self.LENGTHS] = host[self.POSITIONS] + 1
         host[self.KV_ROWS] = self.cache.row_index(host[self.SLOTS], host[self.POSITIONS])
-        # Pageable and synchronous: the previous step already synced (its tokens went to the
-        # host), and pinned staging buffers interfere with graph capture's host allocator.
-        self.inputs[:, :rows].copy_(torch.from_numpy(host))
-        return self.metadata(rows, nd, plan.prefill)
+        blocks = 0 if plan.uniform_decode else self._block_table(host, plan)
+        ns = plan.num_samples
+        host[self.SAMPLE_ROWS, :ns] = plan.sample_rows
+        host[self.SAMPLE_SLOTS, :ns] = plan.sample_slots
+        # Pageable: the copy is staged at once and ordered after the step still running.
+        self.inputs[:, :rows].copy_(torch.from_numpy(host), non_blocking=True)
+        if nd and plan.decode_tokens is None:
+            self.inputs[self.TOKENS, :nd] = self.last_tokens[self.inputs[self.SLOTS, :nd]]
+        return self.metadata(rows, nd, plan.prefill, blocks)
 
-    def metadata(self, rows: int, num_decode: int, prefill: list[PrefillChunk]) -> AttentionMetadata:
+    def _block_table(self, host: np.ndarray, plan: StepPlan) -> int:
+        """The varlen attention's work list: one block per decode row, and each prefill chunk cut
+        into blocks of ``BLOCK_Q`` tokens: (first row, rows, slot, position of the first row)."""
+        nd = plan.num_decode
+        host[self.BLOCK_ROW, :nd] = np.arange(nd)
+        host[self.BLOCK_LEN, :nd] = 1
+        host[self.BLOCK_SLOT, :nd] = host[self.SLOTS, :nd]
+        host[self.BLOCK_POS, :nd] = host[self.POSITIONS, :nd]
+        b = nd
+        for chunk in plan.prefill:
+            starts = np.arange(0, chunk.length, BLOCK_Q)
+            k = len(starts)
+            host[self.BLOCK_ROW, b:b + k] = chunk.row + starts
+            host[self.BLOCK_LEN, b:b + k] = np.minimum(BLOCK_Q, chunk.length - starts)
+            host[self.BLOCK_SLOT, b:b + k] = chunk.slot
+            host[self.BLOCK_POS, b:b + k] = chunk.start + starts
+            b += k
+        return b
+
+    def metadata(self, rows: int, num_decode: int, prefill: list[PrefillChunk], blocks: int = 0) -> AttentionMetadata:
+        i = self.inputs
         return AttentionMetadata(
-            slots=self.inputs[self.SLOTS, :rows],
-            positions=self.inputs[self.POSITIONS, :rows],
-            lengths=self.inputs[self.LENGTHS, :rows],
-            kv_rows=self.inputs[self.KV_ROWS, :rows],
-            num_decode=num_decode,
-            prefill=prefill,
+            slots=i[self.SLOTS, :rows], positions=i[self.POSITIONS, :rows], lengths=i[self.LENGTHS, :rows],
+            kv_rows=i[self.KV_ROWS, :rows], num_decode=num_decode, prefill=prefill, num_blocks=blocks,
+            block_row=i[self.BLOCK_ROW], block_len=i[self.BLOCK_LEN], block_slot=i[self.BLOCK_SLOT],
+            block_pos=i[self.BLOCK_POS],
         )
 
     def tokens(self, rows: int) -> Tensor:
@@ -98,6 +159,14 @@ class ModelRunner:
 
     # --- execution ------------------------------------------------------------------------
 
+    def execute(self, plan: StepPlan, decision: Decision, graphs) -> Tensor:
+        """Hidden states of the step's rows, by the dispatcher's decision (the one place a step runs)."""
+        if decision.eager:
+            return self.forward_eager(self.prepare(plan, plan.num_tokens), plan.num_tokens)
+        graphs.check_fresh()
+        meta = self.prepare(plan, decision.size)
+        return graphs.replay(decision.mode, decision.size, meta)
+
     def forward_eager(self, meta: AttentionMetadata, rows: int) -> Tensor:
         """Hidden states for ``rows`` rows, computed eagerly (also the capture-time reference)."""
         self.attention.bind(meta)
@@ -105,15 +174,30 @@ class ModelRunner:
 
     def logits(self, hidden: Tensor, plan: StepPlan) -> Tensor:
         """Float32 logits for the plan's sample rows; decode rows come first, so usually a slice."""
-        rows = plan.sample_rows
-        if rows == list(range(len(rows))):
-            return self.model.logits(hidden[: len(rows)])
-        index = torch.tensor(rows, device=hidden.device)
-        return self.model.logits(hidden.index_select(0, index))
+        ns = plan.num_samples
+        if not plan.prefill:
+            return self.model.logits(hidden[:ns])
+        return self.model.logits(hidden.index_select(0, self.inputs[self.SAMPLE_ROWS, :ns]))
+
+    def sample_and_send(self, hidden: Tensor, plan: StepPlan) -> Launched:
+        """Samples on the device, records each slot's new token, and starts the copy back."""
+        ns = plan.num_samples
+        tokens = sample(self.logits(hidden, plan), plan.sampling)
+        self.last_tokens.index_copy_(0, self.inputs[self.SAMPLE_SLOTS, :ns], tokens)
+        host = self._host[self._turn]
+        self._turn ^= 1
+        host[:ns].copy_(tokens, non_blocking=True)
+        done = None
+        if self.device.type == "cuda":
+            done = torch.cuda.Event()
+            done.record()
+        return Launched(host, done, ns)
 
     def warm_up(self, rows: int) -> None:
         """One eager step on inert rows: loads kernels and libraries before capture or serving."""
-        plan = StepPlan(tokens=[0] * rows, positions=[0] * rows, slots=[self.cache.dummy_slot] * rows,
-                        num_decode=rows)
+        plan = StepPlan(prompt_tokens=[], positions=np.zeros(rows, dtype=np.int64),
+                        slots=np.full(rows, self.cache.dummy_slot, dtype=np.int64), num_decode=rows,
+                        sample_rows=np.arange(rows), sample_slots=np.full(rows, self.cache.dummy_slot),
+                        decode_tokens=np.zeros(rows, dtype=np.int64))
         meta = self.prepare(plan, rows)
-        self.model.logits(self.forward_eager(meta, rows))
+        self.sample_and_send(self.forward_eager(meta, rows), plan).tokens()

@@ -4,6 +4,17 @@ Requests join and leave between steps. Each step takes every decoding sequence (
 first, then prefill chunks, within ``max_num_seqs`` running sequences and a token budget per
 step; long prompts are prefilled in chunks. A sequence holds one KV slot from admission until it
 finishes or is cancelled.
+
+Scheduling never waits for the previous step's tokens: the step loop schedules step N+1 while
+step N still runs on the device. A decoding row's input token is the one its sequence sampled
+last, which the runner takes from a device buffer indexed by slot, so the scheduler only needs
+positions, which it knows ahead. What it learns late is an end-of-sequence or stop token: such a
+sequence may be scheduled for one more step, whose token is discarded. Length limits are known
+ahead and cost nothing.
+
+The decode batch is kept as arrays (slots, positions) that change only when a sequence joins or
+leaves it; a step advances every position with one vector operation, so the per-step Python work
+grows with the sequences that changed, not with the batch.
 """
 
 from __future__ import annotations
@@ -11,35 +22,35 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
+import numpy as np
 
 from graphkeeper.proto import worker_pb2 as pb
 from graphkeeper.worker.attention import PrefillChunk
 from graphkeeper.worker.runner import StepPlan
-from graphkeeper.worker.sampling import SamplingSpec
+from graphkeeper.worker.sampling import SamplingBatch, SamplingSpec
 
 
 @dataclass(eq=False)
 class Sequence:
-    """One request's state in the engine. ``emit`` is called from the engine thread only."""
+    """One request's state in the engine. ``stream`` is the API layer's handle for its outputs."""
 
     request_id: str
     tenant: str
     prompt: list[int]
     max_new_tokens: int
     sampling: SamplingSpec
-    emit: Callable[[str, Any], None]  # ("tokens", [ids]) or ("completion", pb.Completion)
+    stream: Any = None
     stop_ids: frozenset[int] = frozenset()
     eos_id: int | None = None
-    seed: int | None = None
-    output: list[int] = field(default_factory=list)
+    seed: int = 0
+    output: list[int] = field(default_factory=list)  # tokens the host has received
     slot: int | None = None
-    computed: int = 0  # tokens whose keys and values are in the cache
-    generator: torch.Generator | None = None
+    computed: int = 0  # tokens whose keys and values are in the cache or being written by a launched step
+    samples_scheduled: int = 0  # tokens sampled or being sampled by a launched step
+    finished: bool = False
     cancelled: threading.Event = field(default_factory=threading.Event)
     graph_steps: Counter = field(default_factory=Counter)  # (mode, size) -> steps
     eager_steps: Counter = field(default_factory=Counter)  # reason -> steps
@@ -52,11 +63,11 @@ class Sequence:
         return self.computed < len(self.prompt)
 
     @property
-    def length(self) -> int:
-        return len(self.prompt) + len(self.output)
+    def wants_samples(self) -> bool:
+        return self.samples_scheduled < self.max_new_tokens
 
     def stop_reason(self) -> int:
-        """The finish reason after the latest token, or UNSPECIFIED to continue."""
+        """The finish reason after the latest received token, or UNSPECIFIED to continue."""
         last = self.output[-1]
         if last in self.stop_ids:
             return pb.FINISH_REASON_STOP
@@ -74,6 +85,48 @@ class ScheduledStep:
     samplers: list[Sequence]  # the sequence of each sample row, in row order
 
 
+class DecodeBatch:
+    """The decoding sequences in a stable order, with their slots, next positions, next sample
+    indices and remaining samples as arrays: a step advances them all with vector operations,
+    and a sequence's own counters are written back only when it leaves."""
+
+    def __init__(self) -> None:
+        self.seqs: list[Sequence] = []
+        self.slots = np.zeros(0, dtype=np.int64)
+        self.positions = np.zeros(0, dtype=np.int64)
+        self.sample_index = np.zeros(0, dtype=np.int64)
+        self.remaining = np.zeros(0, dtype=np.int64)
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    def join(self, seq: Sequence) -> None:
+        self.seqs.append(seq)
+        self.slots = np.append(self.slots, seq.slot)
+        self.positions = np.append(self.positions, seq.computed)
+        self.sample_index = np.append(self.sample_index, seq.samples_scheduled)
+        self.remaining = np.append(self.remaining, seq.max_new_tokens - seq.samples_scheduled)
+
+    def advance(self) -> None:
+        """Every row's token was launched: one position and one sample on."""
+        self.positions += 1
+        self.sample_index += 1
+        self.remaining -= 1
+
+    def leave(self, gone: set[Sequence]) -> None:
+        keep = np.array([s not in gone for s in self.seqs], dtype=bool)
+        for i in np.flatnonzero(~keep):
+            seq = self.seqs[i]
+            seq.computed, seq.samples_scheduled = int(self.positions[i]), int(self.sample_index[i])
+        self.seqs = [s for s, k in zip(self.seqs, keep, strict=True) if k]
+        self.slots, self.positions = self.slots[keep], self.positions[keep]
+        self.sample_index, self.remaining = self.sample_index[keep], self.remaining[keep]
+
+    def sampled_out(self) -> set[Sequence]:
+        """Sequences whose last sample is already launched."""
+        return {self.seqs[i] for i in np.flatnonzero(self.remaining <= 0)}
+
+
 class Scheduler:
     def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, prefill_chunk: int) -> None:
         if max_num_batched_tokens < max_num_seqs:
@@ -83,8 +136,11 @@ class Scheduler:
         self.prefill_chunk = prefill_chunk or max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.prefilling: list[Sequence] = []
+        self.decode = DecodeBatch()
         self.free_slots = list(range(max_num_seqs - 1, -1, -1))
         self.admitting = True  # False while the engine drains for a model change
+        self.sampled_running = 0  # running sequences that sample (not greedy)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -98,46 +154,90 @@ class Scheduler:
         return gone
 
     def finish(self, seq: Sequence) -> None:
-        if seq in self.running:
+        """Ends a sequence: it leaves every list and its slot is free for the next admission.
+
+        A step already launched may still write the slot; the next one to use it is launched
+        after that step on the same stream, so its own writes come later.
+        """
+        seq.finished = True
+        if seq.slot is not None:
             self.running.remove(seq)
+            if seq in self.prefilling:
+                self.prefilling.remove(seq)
+            else:
+                self._leave_decode({seq})
             self.free_slots.append(seq.slot)
+            self.sampled_running -= not seq.sampling.greedy
             seq.slot = None
         elif seq in self.waiting:
             self.waiting.remove(seq)
 
+    def _leave_decode(self, gone: set[Sequence]) -> None:
+        if any(s in gone for s in self.decode.seqs):
+            self.decode.leave(gone)
+
     def schedule(self) -> ScheduledStep | None:
-        """The next step, or None when there is nothing to run."""
+        """The next step, or None when there is nothing to run. Marks its work as launched."""
         self._admit()
-        budget = self.token_budget
-        tokens, positions, slots, samplers, sequences = [], [], [], [], []
-        for seq in self.running:
-            if not seq.prefilling:
-                tokens.append(seq.output[-1])
-                positions.append(seq.length - 1)
-                slots.append(seq.slot)
-                samplers.append(seq)
-                sequences.append(seq)
-        num_decode = len(tokens)
-        budget -= num_decode
-        sample_rows = list(range(num_decode))
+        self._retire_sampled_out()
+        batch = self.decode
+        nd = len(batch)
+        budget = self.token_budget - nd
+        prompt_tokens: list[int] = []
+        positions: list[np.ndarray] = [batch.positions]
+        slots: list[np.ndarray] = [batch.slots]
         chunks: list[PrefillChunk] = []
-        for seq in self.running:
-            if not seq.prefilling or budget <= 0:
-                continue
+        sample_rows: list[int] = list(range(nd))
+        samplers: list[Sequence] = list(batch.seqs)
+        sample_index: list[int] = []
+        sequences: list[Sequence] = list(batch.seqs)
+        completed: list[Sequence] = []
+        for seq in self.prefilling:
+            if budget <= 0:
+                break
             n = min(budget, self.prefill_chunk, len(seq.prompt) - seq.computed)
-            chunks.append(PrefillChunk(row=len(tokens), length=n, slot=seq.slot, start=seq.computed))
-            tokens.extend(seq.prompt[seq.computed:seq.computed + n])
-            positions.extend(range(seq.computed, seq.computed + n))
-            slots.extend([seq.slot] * n)
+            row = nd + len(prompt_tokens)
+            chunks.append(PrefillChunk(row=row, length=n, slot=seq.slot, start=seq.computed))
+            prompt_tokens.extend(seq.prompt[seq.computed:seq.computed + n])
+            positions.append(np.arange(seq.computed, seq.computed + n, dtype=np.int64))
+            slots.append(np.full(n, seq.slot, dtype=np.int64))
             sequences.append(seq)
+            seq.computed += n
             budget -= n
-            if seq.computed + n == len(seq.prompt):
-                sample_rows.append(len(tokens) - 1)
+            if not seq.prefilling:
+                sample_rows.append(row + n - 1)
                 samplers.append(seq)
-        if not tokens:
+                sample_index.append(seq.samples_scheduled)
+                seq.samples_scheduled += 1
+                completed.append(seq)
+        if not sequences:
             return None
-        plan = StepPlan(tokens, positions, slots, num_decode, chunks, sample_rows)
+        plan = StepPlan(
+            prompt_tokens=prompt_tokens, positions=np.concatenate(positions), slots=np.concatenate(slots),
+            num_decode=nd, prefill=chunks, sample_rows=np.asarray(sample_rows, dtype=np.int64),
+            sample_slots=np.array([s.slot for s in samplers], dtype=np.int64),
+            sampling=self._sampling(samplers, np.concatenate([batch.sample_index, np.asarray(sample_index, np.int64)])),
+        )
+        # Launched: decoding sequences move one position on, and finished prefills join the batch.
+        batch.advance()
+        for seq in completed:
+            self.prefilling.remove(seq)
+            if seq.wants_samples:
+                batch.join(seq)
         return ScheduledStep(plan, sequences, samplers)
+
+    def _sampling(self, samplers: list[Sequence], sample_index: np.ndarray) -> SamplingBatch | None:
+        """Per-row sampling parameters, built only while some running sequence samples."""
+        if not self.sampled_running:
+            return None
+        return SamplingBatch.build([s.sampling for s in samplers], [s.seed for s in samplers], sample_index)
+
+    def _retire_sampled_out(self) -> None:
+        """Sequences whose last token is already on its way leave the decode batch (they still hold
+        their slot until that token arrives and finishes them)."""
+        done = self.decode.sampled_out()
+        if done:
+            self.decode.leave(done)
 
     def _admit(self) -> None:
         while self.admitting and self.waiting and self.free_slots and len(self.running) < self.max_num_seqs:
@@ -145,10 +245,5 @@ class Scheduler:
             seq.slot = self.free_slots.pop()
             seq.computed = 0
             self.running.append(seq)
-
-    def advance(self, step: ScheduledStep) -> None:
-        """Marks the step's tokens as computed (their keys and values are now in the cache)."""
-        for chunk, seq in zip(step.plan.prefill, [s for s in step.sequences if s.prefilling], strict=True):
-            seq.computed += chunk.length
-        for seq in step.sequences[: step.plan.num_decode]:
-            seq.computed = seq.length
+            self.prefilling.append(seq)
+            self.sampled_running += not seq.sampling.greedy

@@ -22,7 +22,7 @@ def _worker(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--control-token-file", default="",
                    help="bearer token every GraphControl call must carry; without it control binds loopback only")
     p.add_argument("--model-root", action="append", default=[],
-                   help="directory LoadModelRevision may load from (repeatable; default: the --model directory's parent)")
+                   help="where LoadModelRevision may load from (repeatable; default: --model's parent)")
     p.add_argument("--metrics-port", type=int, default=9400, help="0 disables /metrics")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
@@ -41,7 +41,8 @@ def _worker(sub: argparse._SubParsersAction) -> None:
 def _generate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="stream tokens from a worker")
     p.add_argument("--target", default="127.0.0.1:50051")
-    p.add_argument("--prompt-ids", required=True, help="comma-separated token ids")
+    p.add_argument("--prompt-ids", default="", help="comma-separated token ids")
+    p.add_argument("--prompt", default="", help="text prompt (the model directory must carry tokenizer.json)")
     p.add_argument("--max-new-tokens", type=int, default=16)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-k", type=int, default=0)
@@ -56,7 +57,9 @@ def _generate(sub: argparse._SubParsersAction) -> None:
 
 def _status(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("status", help="print a worker's model info and graph status")
-    p.add_argument("--target", default="127.0.0.1:50051")
+    p.add_argument("--target", default="127.0.0.1:50051", help="the worker's inference address")
+    p.add_argument("--control-target", default="", help="its GraphControl address (default: same host, :50052)")
+    p.add_argument("--token-file", default="", help="GraphControl bearer token (or $GRAPHKEEPER_CONTROL_TOKEN_FILE)")
     p.add_argument("--json", action="store_true")
     p.add_argument("--timeout", type=float, default=10.0)
     p.set_defaults(func=lambda a: __import__("graphkeeper.client", fromlist=["status_cmd"]).status_cmd(a))

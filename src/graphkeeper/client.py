@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Any
 
@@ -16,6 +17,8 @@ from google.protobuf import json_format
 from graphkeeper.proto import worker_pb2 as pb
 from graphkeeper.proto import worker_pb2_grpc as pb_grpc
 from graphkeeper.proto.policy import mode_name, reason_name
+
+DEFAULT_CONTROL_PORT = 50052
 
 
 def _ids(text: str) -> list[int]:
@@ -27,7 +30,8 @@ def build_request(args: argparse.Namespace) -> pb.GenerateRequest:
     if args.seed is not None:
         sampling.seed = args.seed
     return pb.GenerateRequest(
-        tenant=args.tenant, prompt_token_ids=_ids(args.prompt_ids), sampling=sampling,
+        tenant=args.tenant, prompt_token_ids=_ids(args.prompt_ids or ""), prompt_text=args.prompt or "",
+        sampling=sampling,
         stopping=pb.StoppingCriteria(max_new_tokens=args.max_new_tokens, stop_token_ids=_ids(args.stop_ids)),
     )
 
@@ -42,16 +46,26 @@ def summary_dict(summary: pb.ExecutionSummary) -> dict[str, Any]:
 
 def generate_cmd(args: argparse.Namespace) -> int:
     request = build_request(args)
+    if bool(args.prompt) == bool(args.prompt_ids):
+        print("error: give exactly one of --prompt and --prompt-ids", file=sys.stderr)
+        return 2
     tokens: list[int] = []
+    text: list[str] = []
     completion = pb.Completion()
     with grpc.insecure_channel(args.target) as channel:
         stub = pb_grpc.InferenceWorkerStub(channel)
         try:
             for response in stub.Generate(request, timeout=args.timeout):
                 if response.HasField("tokens"):
-                    tokens.extend(response.tokens.token_ids)
-                    if not args.json:
-                        print(" ".join(map(str, response.tokens.token_ids)), end=" ", flush=True)
+                    chunk = response.tokens
+                    tokens.extend(chunk.token_ids)
+                    text.append(chunk.text)
+                    if args.json:
+                        continue
+                    if args.prompt:
+                        print(chunk.text, end="", flush=True)
+                    else:
+                        print(" ".join(map(str, chunk.token_ids)), end=" ", flush=True)
                 else:
                     completion = response.completion
         except grpc.RpcError as err:
@@ -60,6 +74,7 @@ def generate_cmd(args: argparse.Namespace) -> int:
     result = {
         "request_id": completion.request_id,
         "token_ids": tokens,
+        **({"text": "".join(text)} if args.prompt else {}),
         "finish_reason": pb.FinishReason.Name(completion.finish_reason).removeprefix("FINISH_REASON_").lower(),
         "prompt_tokens": completion.prompt_tokens,
         "generated_tokens": completion.generated_tokens,
@@ -74,11 +89,32 @@ def generate_cmd(args: argparse.Namespace) -> int:
     return 0
 
 
+def control_target(target: str, control: str) -> str:
+    """The control address: ``control`` when given, else the inference host on the default control port."""
+    if control:
+        return control
+    host = target.rsplit(":", 1)[0] if ":" in target else target
+    return f"{host}:{DEFAULT_CONTROL_PORT}"
+
+
+def read_token(path: str) -> str:
+    path = path or os.environ.get("GRAPHKEEPER_CONTROL_TOKEN_FILE", "")
+    return open(path).read().strip() if path else ""  # noqa: SIM115 - tiny file, read once
+
+
 def status_cmd(args: argparse.Namespace) -> int:
-    with grpc.insecure_channel(args.target) as channel:
+    try:
+        token = read_token(args.token_file)
+    except OSError as err:
+        print(f"error: --token-file: {err}", file=sys.stderr)
+        return 2
+    metadata = (("authorization", f"Bearer {token}"),) if token else ()
+    with grpc.insecure_channel(args.target) as channel, \
+            grpc.insecure_channel(control_target(args.target, args.control_target)) as control:
         try:
             info = pb_grpc.InferenceWorkerStub(channel).GetModelInfo(pb.GetModelInfoRequest(), timeout=args.timeout)
-            status = pb_grpc.GraphControlStub(channel).GetGraphStatus(pb.GetGraphStatusRequest(), timeout=args.timeout)
+            status = pb_grpc.GraphControlStub(control).GetGraphStatus(
+                pb.GetGraphStatusRequest(), timeout=args.timeout, metadata=metadata)
         except grpc.RpcError as err:
             print(f"error: {err.code().name}: {err.details()}", file=sys.stderr)
             return 2
@@ -93,7 +129,8 @@ def status_cmd(args: argparse.Namespace) -> int:
     downgrade = f" ({status.mode_downgrade_reason})" if status.mode_downgrade_reason else ""
     print(f"mode      requested {mode_name(status.requested_mode)}, effective {mode_name(status.effective_mode)}"
           f"{downgrade}")
-    print(f"policy    {status.policy_uid or '(worker default)'} generation {status.policy_generation}")
+    print(f"policy    {status.policy_uid or '(worker default)'} generation {status.policy_generation}"
+          + (f" (pending: generation {status.pending_policy_generation})" if status.pending_policy_uid else ""))
     sizes = ", ".join(f"{mode_name(c.mode)}:{c.size}" for c in status.captured) or "none"
     print(f"captured  {sizes}; {status.graph_memory_bytes} B graph memory, {status.total_capture_seconds:.2f} s")
     for s in status.skipped:

@@ -9,6 +9,7 @@ from worker_harness import eager_reasons, generate, make_request, wait_until
 
 from graphkeeper.proto import worker_pb2 as pb
 from graphkeeper.proto.policy import policy_to_json
+from graphkeeper.worker.loader import load_model, save_hf_directory
 
 PROMPTS = [[3, 14, 15, 92, 65], [35, 89, 79], [323, 84, 62, 64, 33, 83, 27]]
 
@@ -179,11 +180,42 @@ def test_load_model_revision_serves_the_new_weights(fresh_workers):
 def test_load_model_revision_refuses_bad_sources_and_keeps_serving(worker):
     before = greedy(worker)
     revision = worker.model_info().revision
-    for source, needle in (("", "source"), ("random:nope", "nope"), ("/no/such/dir", "config.json")):
+    refusals = (("", "source", grpc.StatusCode.INVALID_ARGUMENT),
+                ("random:nope", "nope", grpc.StatusCode.INVALID_ARGUMENT),
+                # A random-model worker has no model roots: no directory may be loaded into it.
+                ("/no/such/dir", "model-root", grpc.StatusCode.PERMISSION_DENIED),
+                ("/etc", "model-root", grpc.StatusCode.PERMISSION_DENIED))
+    for source, needle, code in refusals:
         with pytest.raises(grpc.RpcError) as err:
             worker.control.LoadModelRevision(pb.LoadModelRevisionRequest(source=source), timeout=60)
-        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert err.value.code() == code
         assert err.value.details().startswith("source:") and needle in err.value.details()
+    status = worker.status()
     assert worker.model_info().revision == revision
-    assert worker.status().state == pb.LIFECYCLE_STATE_READY
+    assert status.state == pb.LIFECYCLE_STATE_READY
+    assert "nope" in status.last_error  # the failed load is reported...
     assert greedy(worker) == before
+
+
+def test_a_failed_reload_changes_nothing_and_the_next_success_clears_the_error(fresh_workers, tmp_path):
+    root = tmp_path / "models"
+    (root / "broken").mkdir(parents=True)
+    (root / "broken" / "config.json").write_text("{not json")
+    good = root / "good"
+    save_hf_directory(load_model("random:tiny@3", device="cpu", max_positions=128).model, good)
+    worker = fresh_workers("--model-root", str(root), model=str(good))
+    before, revision = greedy(worker), worker.model_info().revision
+    for source in (root / "broken", root / "missing"):
+        with pytest.raises(grpc.RpcError) as err:
+            worker.control.LoadModelRevision(pb.LoadModelRevisionRequest(source=str(source)), timeout=60)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert worker.status().last_error.startswith("model reload failed")
+    assert (worker.model_info().revision, greedy(worker)) == (revision, before)
+    outside = tmp_path / "elsewhere"
+    save_hf_directory(load_model("random:tiny@4", device="cpu", max_positions=128).model, outside)
+    with pytest.raises(grpc.RpcError) as err:
+        worker.control.LoadModelRevision(pb.LoadModelRevisionRequest(source=str(outside)), timeout=60)
+    assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    worker.control.LoadModelRevision(pb.LoadModelRevisionRequest(source=str(good), revision="again"), timeout=120)
+    status = worker.status()
+    assert (status.model_revision, status.last_error) == ("again", "")

@@ -29,6 +29,7 @@ from worker_harness import (
 )
 
 from graphkeeper.proto import worker_pb2 as pb
+from graphkeeper.proto import worker_pb2_grpc as pb_grpc
 from graphkeeper.worker.loader import load_model, save_hf_directory
 
 transformers = pytest.importorskip("transformers")
@@ -256,11 +257,12 @@ def test_health_and_probes(worker):
 def test_reflection_lists_the_services(worker):
     db = ProtoReflectionDescriptorDatabase(worker.channel)
     services = set(db.get_services())
-    assert {INFERENCE_SERVICE, CONTROL_SERVICE, "grpc.health.v1.Health"} <= services
+    assert {INFERENCE_SERVICE, "grpc.health.v1.Health"} <= services
+    assert CONTROL_SERVICE not in services  # the control plane has its own port
     pool = DescriptorPool(db)
     methods = {m.name for m in pool.FindServiceByName(INFERENCE_SERVICE).methods}
     assert methods == {"Generate", "GetModelInfo"}
-    control = {m.name for m in pool.FindServiceByName(CONTROL_SERVICE).methods}
+    control = {m.name for m in pool.FindFileContainingSymbol(CONTROL_SERVICE).services_by_name["GraphControl"].methods}
     assert control == {"ApplyGraphPolicy", "GetGraphStatus", "LoadModelRevision"}
     reason = pool.FindEnumTypeByName("graphkeeper.worker.v1.FallbackReason")
     assert "FALLBACK_REASON_BACKEND_UNSUPPORTED" in reason.values_by_name
@@ -290,6 +292,11 @@ def test_cpu_steps_are_eager_backend_unsupported_in_metrics_and_status(worker, a
 
 
 # --- the CLI ------------------------------------------------------------------------------------
+
+
+def _control_args(worker) -> tuple[str, ...]:
+    token = worker.log_path.parent / f"token-{worker.target.rsplit(':', 1)[1]}"
+    return ("--control-target", worker.control_target, "--token-file", str(token))
 
 
 def _cli(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -332,7 +339,7 @@ def test_cli_generate_reports_bad_input(worker):
 
 def test_cli_status(worker):
     generate(worker, make_request(PROMPTS[0], 2))
-    doc = json.loads(_cli("status", "--target", worker.target, "--json").stdout)
+    doc = json.loads(_cli("status", "--target", worker.target, *_control_args(worker), "--json").stdout)
     assert doc["model"]["revision"] == worker.model_info().revision
     assert doc["model"]["vocab_size"] == 512
     graphs = doc["graphs"]
@@ -341,8 +348,35 @@ def test_cli_status(worker):
     assert graphs["effective_mode"] == "GRAPH_MODE_NONE"
     assert [f["reason"] for f in graphs["fallbacks"]] == ["FALLBACK_REASON_BACKEND_UNSUPPORTED"]
     assert int(graphs["fallbacks"][0]["steps"]) > 0
-    plain = _cli("status", "--target", worker.target).stdout
+    plain = _cli("status", "--target", worker.target, *_control_args(worker)).stdout
     assert "state     READY" in plain
     assert "effective none" in plain
     assert "backend_unsupported=" in plain
     assert worker.model_info().revision in plain
+
+
+def test_graph_control_is_only_on_its_port_and_only_with_the_token(worker):
+    request = pb.GetGraphStatusRequest()
+    with pytest.raises(grpc.RpcError) as err:
+        pb_grpc.GraphControlStub(worker.channel).GetGraphStatus(request, timeout=10)
+    assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    with grpc.insecure_channel(worker.control_target) as channel:
+        stub = pb_grpc.GraphControlStub(channel)
+        for metadata in ((), (("authorization", "Bearer wrong"),), (("authorization", worker.token),)):
+            with pytest.raises(grpc.RpcError) as err:
+                stub.ApplyGraphPolicy(pb.ApplyGraphPolicyRequest(), timeout=10, metadata=metadata)
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        status = stub.GetGraphStatus(request, timeout=10, metadata=(("authorization", f"Bearer {worker.token}"),))
+        assert status.state == pb.LIFECYCLE_STATE_READY
+        health = health_pb2_grpc.HealthStub(channel)  # probes need no token
+        assert health.Check(health_pb2.HealthCheckRequest(service=CONTROL_SERVICE), timeout=10).status == \
+            health_pb2.HealthCheckResponse.SERVING
+
+
+def test_a_second_worker_on_a_port_in_use_exits_with_one_line(worker, tmp_path):
+    port = worker.target.rsplit(":", 1)[1]
+    proc = subprocess.run([str(GRAPHKEEPER), "worker", "--port", port, "--metrics-port", "0", "--control-port", "0"],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr
+    assert f"127.0.0.1:{port}" in proc.stderr.strip().splitlines()[-1]

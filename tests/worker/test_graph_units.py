@@ -3,6 +3,9 @@ the lifecycle state machine and policy validation, as pure functions."""
 
 from __future__ import annotations
 
+from collections import Counter
+from types import SimpleNamespace
+
 import pytest
 
 from graphkeeper.proto import worker_pb2 as pb
@@ -42,6 +45,8 @@ from graphkeeper.worker.lifecycle import (
     Lifecycle,
     check_transition,
 )
+from graphkeeper.worker.metrics import WorkerMetrics
+from graphkeeper.worker.recorder import StepRecorder
 
 R = pb.FallbackReason
 S = pb.LifecycleState
@@ -222,17 +227,25 @@ def test_graph_decisions_pad_to_the_captured_size():
         assert decision.reason == R.FALLBACK_REASON_UNSPECIFIED
 
 
-def test_dispatcher_counts_every_decision_once():
-    dispatcher = Dispatcher(READY)
+def test_recorder_counts_every_decision_once_for_status_metrics_and_requests():
+    dispatcher, recorder = Dispatcher(READY), StepRecorder(WorkerMetrics())
+    recorder.listed_tenants = frozenset({"gold"})
     steps = [DECODE3, DECODE3, MIXED5, MIXED5._replace(num_tokens=40),
              DECODE3._replace(graphs_allowed=False)]
+    seq = SimpleNamespace(graph_steps=Counter(), eager_steps=Counter())
     decisions = [dispatcher.dispatch(d) for d in steps]
+    for desc, decision in zip(steps, decisions, strict=True):
+        recorder.record(decision, desc, [seq], {"gold", "other"}, 0.001)
     assert [d.mode for d in decisions] == [FULL, FULL, PIECEWISE, NONE, NONE]
-    assert dispatcher.graph_steps == {(FULL, 4): 2, (PIECEWISE, 8): 1}
-    assert dispatcher.eager_steps == {R.FALLBACK_REASON_EXCEEDS_MAX_CAPTURE_SIZE: 1,
-                                      R.FALLBACK_REASON_TENANT_DISABLED: 1}
-    assert dispatcher.real_tokens == 3 + 3 + 5 + 40 + 3
-    assert dispatcher.padded_tokens == 4 + 4 + 8 + 40 + 3
+    assert recorder.graph_steps == seq.graph_steps == {(FULL, 4): 2, (PIECEWISE, 8): 1}
+    assert recorder.eager_steps == seq.eager_steps == {R.FALLBACK_REASON_EXCEEDS_MAX_CAPTURE_SIZE: 1,
+                                                       R.FALLBACK_REASON_TENANT_DISABLED: 1}
+    assert recorder.real_tokens == 3 + 3 + 5 + 40 + 3
+    assert recorder.padded_tokens == 4 + 4 + 8 + 40 + 3
+    m = recorder.metrics
+    assert m.padded_tokens._value.get() == recorder.padded_tokens
+    assert m.tenant_steps.labels("gold", "graph")._value.get() == 3
+    assert m.tenant_steps.labels("gold", "eager")._value.get() == 2
 
 
 def test_dispatcher_default_state_is_backend_unsupported():

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+import secrets
 import signal
 import socket
 import subprocess
@@ -43,16 +44,48 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class BearerToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
+    """Adds ``authorization: Bearer <token>`` to every call, as the operator does."""
+
+    def __init__(self, token: str) -> None:
+        self.token = token
+
+    def _with_token(self, details: grpc.ClientCallDetails) -> grpc.ClientCallDetails:
+        metadata = [*(details.metadata or ()), ("authorization", f"Bearer {self.token}")]
+        return details._replace(metadata=metadata) if hasattr(details, "_replace") else _Details(
+            details.method, details.timeout, metadata, details.credentials, details.wait_for_ready,
+            details.compression)
+
+    def intercept_unary_unary(self, continuation, details, request):
+        return continuation(self._with_token(details), request)
+
+    def intercept_unary_stream(self, continuation, details, request):
+        return continuation(self._with_token(details), request)
+
+
+@dataclass(frozen=True)
+class _Details(grpc.ClientCallDetails):
+    method: str
+    timeout: float | None
+    metadata: list
+    credentials: object
+    wait_for_ready: bool | None
+    compression: object
+
+
 @dataclass
 class Worker:
-    """A running worker process and its addresses."""
+    """A running worker process and its addresses: inference, control (with its token), metrics."""
 
     proc: subprocess.Popen
     target: str
     metrics_url: str
     log_path: Path
+    control_target: str = ""
+    token: str = ""
     health_seen: list[int] = field(default_factory=list)
     _channel: grpc.Channel | None = None
+    _control_channel: grpc.Channel | None = None
 
     @property
     def channel(self) -> grpc.Channel:
@@ -61,12 +94,20 @@ class Worker:
         return self._channel
 
     @property
+    def control_channel(self) -> grpc.Channel:
+        """The control port's channel, carrying the bearer token on every call."""
+        if self._control_channel is None:
+            self._control_channel = grpc.intercept_channel(
+                grpc.insecure_channel(self.control_target), BearerToken(self.token))
+        return self._control_channel
+
+    @property
     def inference(self) -> pb_grpc.InferenceWorkerStub:
         return pb_grpc.InferenceWorkerStub(self.channel)
 
     @property
     def control(self) -> pb_grpc.GraphControlStub:
-        return pb_grpc.GraphControlStub(self.channel)
+        return pb_grpc.GraphControlStub(self.control_channel)
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
@@ -97,9 +138,10 @@ class Worker:
 
     def stop(self, timeout: float = 30.0) -> int:
         """SIGTERM, then SIGKILL after ``timeout``; returns the exit code."""
-        if self._channel is not None:
-            self._channel.close()
-            self._channel = None
+        for channel in (self._channel, self._control_channel):
+            if channel is not None:
+                channel.close()
+        self._channel = self._control_channel = None
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
@@ -114,13 +156,18 @@ def start_worker(
     log_dir: Path, *extra: str, model: str = "random:tiny", env: dict[str, str] | None = None,
     wait: bool = True,
 ) -> Worker:
-    """Starts ``graphkeeper worker`` on free loopback ports and waits for health SERVING."""
-    port, metrics_port = free_port(), free_port()
+    """Starts ``graphkeeper worker`` on free loopback ports, its control port guarded by a token
+    file, and waits for health SERVING."""
+    port, metrics_port, control_port = free_port(), free_port(), free_port()
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"worker-{port}.log"
+    token = secrets.token_hex(16)
+    token_file = log_dir / f"token-{port}"
+    token_file.write_text(token + "\n")
     args = [
         str(GRAPHKEEPER), "worker", "--model", model, "--host", "127.0.0.1", "--port", str(port),
-        "--metrics-port", str(metrics_port), "--device", "cpu", "--drain-seconds", "60", *extra,
+        "--metrics-port", str(metrics_port), "--device", "cpu", "--drain-seconds", "60",
+        "--control-port", str(control_port), "--control-token-file", str(token_file), *extra,
     ]
     if not any(a == "--max-num-seqs" for a in extra):
         args += BASE_ARGS
@@ -129,7 +176,8 @@ def start_worker(
             args, stdout=log_file, stderr=subprocess.STDOUT, cwd=log_dir,
             env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
         )
-    worker = Worker(proc, f"127.0.0.1:{port}", f"http://127.0.0.1:{metrics_port}", log_path)
+    worker = Worker(proc, f"127.0.0.1:{port}", f"http://127.0.0.1:{metrics_port}", log_path,
+                    control_target=f"127.0.0.1:{control_port}", token=token)
     if wait:
         try:
             wait_serving(worker)
