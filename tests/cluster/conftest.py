@@ -3,7 +3,9 @@
 - ``cluster`` (session): ``deploy/local/cluster.sh up`` on free loopback ports in a fresh state
   directory, the GraphPolicy CRD applied, and ``down`` at the end.
 - ``kubelet``: plays the kubelet's part for worker pods a test creates. It starts a real
-  ``graphkeeper worker`` process on loopback (CPU, tiny random model) and writes the Pod's status
+  ``graphkeeper worker`` process on loopback (CPU, tiny random model; inference on the port
+  named ``grpc``, GraphControl on the port named ``control`` with the session's bearer token
+  from ``control_token``, which the operator gets too) and writes the Pod's status
   (IP, phase, Ready) through the status subresource, so the operator sees running pods.
 - ``operator`` (session): ``graphkeeper operator`` as a subprocess that tests can stop and start.
 
@@ -45,9 +47,6 @@ CRD = ROOT / "deploy" / "crds" / "graphpolicy.yaml"
 GROUP, VERSION, PLURAL = "graphkeeper.io", "v1alpha1", "graphpolicies"
 INFERENCE_SERVICE = "graphkeeper.worker.v1.InferenceWorker"
 WORKER_KIND = os.environ.get("GRAPHKEEPER_TEST_WORKER", "real")
-#: Whether ``graphkeeper worker`` serves GraphControl on its own port (``--control-port``,
-#: with ``--control-token-file``); older workers serve it beside inference on ``--port``.
-REAL_WORKER_HAS_CONTROL_PORT = False
 
 
 def free_port(span: int = 1) -> int:
@@ -266,11 +265,11 @@ class Kubelet:
         port, metrics_port, control = free_port(), free_port(), free_port()
         fake = standin is not None or WORKER_KIND == "fake"
         standin = standin or StandIn()
-        separate_control = fake or REAL_WORKER_HAS_CONTROL_PORT
+        # Inference on the port named grpc, GraphControl on the port named control (with the
+        # bearer token), as the chart's worker pods declare them.
         ports = [{"name": "grpc", "containerPort": port},
+                 {"name": "control", "containerPort": control},
                  {"name": "metrics", "containerPort": metrics_port}]
-        if separate_control:
-            ports.append({"name": "control", "containerPort": control})
         pod = {
             "apiVersion": "v1", "kind": "Pod",
             "metadata": {"name": name, "labels": labels, "annotations": annotations or {}},
@@ -293,16 +292,15 @@ class Kubelet:
                     str(metrics_port), "--device", "cpu", "--max-num-seqs", "4",
                     "--max-seq-len", "128", "--max-num-batched-tokens", "64",
                     "--drain-seconds", "0"]
-            if REAL_WORKER_HAS_CONTROL_PORT:
-                args += ["--control-port", str(control), *token_args]
+            args += ["--control-port", str(control), *token_args]
         if model_revision:
             args += ["--model-revision", model_revision]
         if policy_file:
             args += ["--policy-file", policy_file]
-        token = self.token_file.read_text().strip() if self.token_file and separate_control else ""
+        token = self.token_file.read_text().strip() if self.token_file else ""
         worker = Worker(name=name, namespace=namespace, port=port, metrics_port=metrics_port,
                         log=self.logs / f"{namespace}-{name}.log", args=args,
-                        control_port=control if separate_control else 0, token=token,
+                        control_port=control, token=token,
                         lifecycle_log=lifecycle)
         self.workers[f"{namespace}/{name}"] = worker
         self._start(worker, wait=wait)
