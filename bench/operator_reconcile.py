@@ -305,6 +305,11 @@ def rollout_report(results: list[dict], args: argparse.Namespace, commit: str) -
         "reports). *most at once*: the most workers not READY at one moment, from the same "
         "reports.",
         "",
+        "- 25% of 10 rounds down to 2 (5 batches); 25% of 200 is 50 (4 batches). A batch "
+        "costs the capture plus the time to see its workers READY (status reads every 0.5 s "
+        "while a rollout is under way). The sections above this one are not re-run by "
+        "`--rollout` alone.",
+        "",
         "| Workers | maxUnavailable | duration | most at once |",
         "|---|---|---|---|",
     ]
