@@ -284,6 +284,11 @@ def run_rollout(cluster: Cluster, count: int, capture_seconds: float, rounds: in
             "duration": durations, "most": most}
 
 
+def head_commit() -> str:
+    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
+                          capture_output=True, text=True).stdout.strip()
+
+
 ROLLOUT_BEGIN = "<!-- rollout: begin -->"
 ROLLOUT_END = "<!-- rollout: end -->"
 
@@ -296,8 +301,9 @@ def rollout_report(results: list[dict], args: argparse.Namespace, commit: str) -
         f"- Date: {datetime.now(UTC).strftime('%Y-%m-%d %H:%M UTC')}; commit {commit}",
         "- Machine: 2-core CPU VM, no GPU; control plane, operator and the simulated fleet on "
         "this machine over loopback",
-        f"- Command: `python bench/operator_reconcile.py --real '' --simulated 0 --rollout "
-        f"{args.rollout} --capture-seconds {args.capture_seconds:g} --rounds {args.rounds}`",
+        f"- Command: `python bench/operator_reconcile.py --real '{args.real}' --simulated "
+        f"{args.simulated} --rollout {args.rollout} --capture-seconds {args.capture_seconds:g} "
+        f"--rounds {args.rounds}`",
         f"- Fleet: light in-process GraphControl servers (`bench/operator_fakefleet.py`), each "
         f"capture simulated as {args.capture_seconds:g} s RECAPTURING; not the real worker.",
         "- One capture-size change per round (a new generation). *duration*: from the API call "
@@ -307,8 +313,8 @@ def rollout_report(results: list[dict], args: argparse.Namespace, commit: str) -
         "",
         "- 25% of 10 rounds down to 2 (5 batches); 25% of 200 is 50 (4 batches). A batch "
         "costs the capture plus the time to see its workers READY (status reads every 0.5 s "
-        "while a rollout is under way). The sections above this one are not re-run by "
-        "`--rollout` alone.",
+        "while a rollout is under way). With `--real '' --simulated 0` only this section is "
+        "run and rewritten.",
         "",
         "| Workers | maxUnavailable | duration | most at once |",
         "|---|---|---|---|",
@@ -342,14 +348,16 @@ def report(results: list[dict], args: argparse.Namespace, interval: float) -> st
     lines = [
         "# Operator reconcile latency",
         "",
-        f"- Date: {datetime.now(UTC).strftime('%Y-%m-%d %H:%M UTC')}",
+        f"- Date: {datetime.now(UTC).strftime('%Y-%m-%d %H:%M UTC')}; commit {head_commit()}",
         f"- Machine: 2-core CPU VM ({cpu}, Python {platform.python_version()}), no GPU; "
         "control plane, operator and workers all on this machine over loopback",
         "- Control plane: `deploy/local/cluster.sh` (etcd 3.5.1, kube-apiserver and "
         "kube-controller-manager v1.36.3), audit log on",
         f"- Operator: `graphkeeper operator --status-interval {interval}` (kopf 1.45.2)",
         f"- Command: `python bench/operator_reconcile.py --real {args.real} "
-        f"--simulated {args.simulated} --rounds {args.rounds}`",
+        f"--simulated {args.simulated} --rounds {args.rounds}"
+        + (f" --rollout {args.rollout} --capture-seconds {args.capture_seconds:g}"
+           if args.rollout else "") + "`",
         "- Round 1 creates the GraphPolicy, later rounds change `captureSizes` (a new generation).",
         "- *ack*: from the API call until every selected worker reports the generation "
         "(real workers: their GetGraphStatus polled every 10 ms; simulated: the time each "
@@ -367,7 +375,9 @@ def report(results: list[dict], args: argparse.Namespace, interval: float) -> st
                   "", "Counted from the kube-apiserver audit log by user agent (kopf and the "
                   "operator's own client), from the apply until 2 s after status Ready. The watch "
                   "streams the operator opened at start (pods, GraphPolicies, CRDs) are "
-                  "long-running requests outside this window.", "",
+                  "long-running requests outside this window. The change reaches the fleet in "
+                  "batches (the default maxUnavailable 25%), and status and a PolicyPushed "
+                  "Event are written as each batch goes out.", "",
                   "| Round | requests | by verb and resource |", "|---|---|---|"]
         for i, counts in enumerate(sim["requests"], 1):
             detail = ", ".join(f"{k}: {v}" for k, v in sorted(counts.items()))
@@ -421,9 +431,7 @@ def main() -> int:
         Path(args.out).write_text(text)
         print(text)
     if rollouts:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
-                                capture_output=True, text=True).stdout.strip()
-        section = rollout_report(rollouts, args, commit)
+        section = rollout_report(rollouts, args, head_commit())
         merge_rollout(Path(args.out), section)
         print(section)
     return 0

@@ -173,3 +173,27 @@ def test_the_crd_declares_the_rollout_section():
     rollout = spec_schema()["properties"]["rollout"]["properties"]
     assert rollout["maxUnavailable"]["x-kubernetes-int-or-string"] is True
     assert rollout["maxUnavailable"]["x-kubernetes-validations"]
+
+
+def test_notes_print_real_commands_for_this_release(tmp_path):
+    # helm template skips NOTES.txt; render it through a ConfigMap in a copy of the chart.
+    chart = tmp_path / "graphkeeper"
+    shutil.copytree(CHART, chart)
+    notes = (chart / "templates" / "NOTES.txt").read_text()
+    (chart / "templates" / "NOTES.txt").unlink()
+    (chart / "templates" / "_notes.tpl").write_text('{{- define "notes" -}}' + notes + "{{- end -}}")
+    (chart / "templates" / "notes.yaml").write_text(
+        'apiVersion: v1\nkind: ConfigMap\nmetadata: {name: notes}\n'
+        'data:\n  notes: {{ include "notes" . | quote }}\n')
+    out = subprocess.run([helm(), "template", "gk", str(chart), "--namespace", "gk-system",
+                          "--kube-version", "1.36.3", "--show-only", "templates/notes.yaml"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    text = yaml.safe_load(out.stdout)["data"]["notes"]
+    assert "https://..." not in text and "<" not in text, text
+    commands = [line.strip() for line in text.splitlines() if line.startswith("  ")]
+    assert "kubectl logs -n gk-system deploy/gk-graphkeeper-operator" in commands
+    assert "helm show crds charts/graphkeeper | kubectl apply --server-side -f -" in commands
+    assert all(c.split()[0] in ("kubectl", "helm", "curl") for c in commands), commands
+    rendered = {d["metadata"]["name"] for d in render()}
+    assert "gk-graphkeeper-operator" in rendered and "gk-graphkeeper-operator-metrics" in rendered
