@@ -63,9 +63,12 @@ class PolicyError(ValueError):
 # --- capture-size ladders ---------------------------------------------------------------------
 
 
-def default_max_capture_size(max_num_seqs: int) -> int:
-    """vLLM's default: twice the running-sequence limit, at most 512."""
-    return max(1, min(2 * max_num_seqs, DEFAULT_MAX_CAPTURE_CEILING))
+def default_max_capture_size(max_num_batched_tokens: int) -> int:
+    """The token budget per step, at most 512: PIECEWISE graphs then cover every mixed or prefill
+    step the scheduler can make (vLLM stops at twice the sequence limit, so its larger prefill
+    steps run eager). Beyond 512 each extra size costs capture time for steps that are
+    compute-bound anyway."""
+    return max(1, min(max_num_batched_tokens, DEFAULT_MAX_CAPTURE_CEILING))
 
 
 def default_ladder(max_size: int) -> list[int]:
@@ -90,7 +93,7 @@ def resolve_capture_sizes(
 ) -> list[int]:
     """The ascending capture sizes a worker with these limits captures for ``sizes``."""
     limit = max_num_batched_tokens
-    max_size = sizes.max_capture_size or default_max_capture_size(max_num_seqs)
+    max_size = sizes.max_capture_size or default_max_capture_size(max_num_batched_tokens)
     which = sizes.WhichOneof("sizes")
     if which == "explicit":
         chosen = sorted(set(sizes.explicit.sizes))

@@ -27,7 +27,7 @@ def _worker(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
     p.add_argument("--max-num-seqs", type=int, default=16)
     p.add_argument("--max-seq-len", type=int, default=512)
-    p.add_argument("--max-num-batched-tokens", type=int, default=256, help="token budget per step")
+    p.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget per step")
     p.add_argument("--max-queue", type=int, default=256, help="queued requests before RESOURCE_EXHAUSTED")
     p.add_argument("--prefill-chunk", type=int, default=0, help="longest prefill chunk (0: token budget)")
     p.add_argument("--policy-file", default="", help="GraphPolicy JSON to capture before ready")
