@@ -38,7 +38,7 @@ from graphkeeper.worker.kv_cache import KVCache
 from graphkeeper.worker.ledger import Ledger
 from graphkeeper.worker.lifecycle import Lifecycle
 from graphkeeper.worker.loader import LoadedModel, load_model
-from graphkeeper.worker.metrics import WorkerMetrics
+from graphkeeper.worker.metrics import WorkerMetrics, observe_many
 from graphkeeper.worker.recorder import StepRecorder
 from graphkeeper.worker.runner import Launched, ModelRunner
 from graphkeeper.worker.sampling import SamplingSpec
@@ -366,12 +366,21 @@ class Engine:
         self._last_finish = now
         self.recorder.record(inflight.decision, inflight.desc, step.sequences,
                              {s.tenant for s in step.sequences}, elapsed)
-        updates = []
+        updates, first, gaps = [], [], []
         for seq, token in zip(step.samplers, tokens, strict=True):
             if seq.finished:
                 continue  # cancelled, or stopped a step ago: this token was never wanted
-            updates.append((seq.stream, [token], self._append(seq, token, now)))
-        self.metrics.generated_tokens.inc(len(updates))
+            if seq.first_token_at is None:
+                seq.first_token_at = now
+                first.append(now - seq.arrived)
+            else:
+                gaps.append(now - seq.last_token_at)
+            seq.last_token_at = now
+            updates.append((seq.stream, [token], self._append(seq, token)))
+        m = self.metrics
+        m.generated_tokens.inc(len(updates))
+        observe_many(m.time_to_first_token, first)
+        observe_many(m.inter_token_latency, gaps)
         self.publish(updates)
         self.steps_since_ready += 1
         if self.steps_since_ready == STEADY_AFTER_STEPS:
@@ -379,14 +388,8 @@ class Engine:
             self._export_ledger()
         return None
 
-    def _append(self, seq: Sequence, token: int, now: float) -> pb.Completion | None:
+    def _append(self, seq: Sequence, token: int) -> pb.Completion | None:
         seq.output.append(token)
-        if seq.first_token_at is None:
-            seq.first_token_at = now
-            self.metrics.time_to_first_token.observe(now - seq.arrived)
-        else:
-            self.metrics.inter_token_latency.observe(now - seq.last_token_at)
-        seq.last_token_at = now
         reason = seq.stop_reason()
         if reason == pb.FINISH_REASON_UNSPECIFIED:
             return None

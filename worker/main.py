@@ -73,13 +73,14 @@ async def _serve(args: argparse.Namespace, settings: EngineSettings, token: str)
     """Runs the servers and the engine until SIGTERM/SIGINT (drain) or an engine failure (exit 1)."""
     loop = asyncio.get_running_loop()
     engine = Engine(settings)
-    engine.publish = StreamHub(loop).publish
+    hub = StreamHub(loop)
+    engine.publish = hub.publish
     engine.lifecycle.subscribe(lambda s: log.info("lifecycle: %s", state_name(s)))
     control_host = args.control_host or args.host
     if not token and not _is_loopback(control_host):
         log.warning("no --control-token-file: GraphControl listens on 127.0.0.1 only, not %s", control_host)
         control_host = "127.0.0.1"
-    servers = build_servers(engine, args.host, args.port, control_host, args.control_port, token)
+    servers = build_servers(engine, args.host, args.port, control_host, args.control_port, token, hub)
     track_health(engine, servers.health, loop)
     if args.metrics_port:
         serve_http(engine, args.host, args.metrics_port)

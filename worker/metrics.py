@@ -8,6 +8,7 @@ alert rules and the docs use the names in ``METRIC_NAMES``; a test keeps them in
 
 from __future__ import annotations
 
+import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, disable_created_metrics
 
 from graphkeeper.proto import worker_pb2 as pb
@@ -164,3 +165,15 @@ METRIC_NAMES = frozenset({
     "graphkeeper_recaptures_total",
     "graphkeeper_tenant_steps_total",
 })
+
+
+def observe_many(histogram: Histogram, values: list[float]) -> None:
+    """Observes a whole step's values at once: one pass over the buckets instead of one call per
+    value (a 64-row step observes 64 inter-token latencies)."""
+    if not values:
+        return
+    bounds = histogram._upper_bounds
+    counts = np.bincount(np.searchsorted(bounds, np.asarray(values), side="left"), minlength=len(bounds))
+    for i in np.flatnonzero(counts):
+        histogram._buckets[i].inc(int(counts[i]))
+    histogram._sum.inc(float(sum(values)))
