@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from torch import Tensor
 
 from graphkeeper.worker.config import PRESETS, ModelConfig
@@ -66,6 +66,23 @@ def load_model(
     return LoadedModel(model, config, source, revision, torch_dtype, device)
 
 
+def check_source(source: str) -> None:
+    """Raises ModelSourceError when ``source`` cannot be loaded, without reading any weights.
+
+    A random preset must exist and its seed parse; a directory must hold a readable, valid
+    ``config.json`` and at least one ``*.safetensors`` file. Cheap, so the worker can refuse a
+    bad ``--model`` before it starts serving anything.
+    """
+    if source.startswith("random:"):
+        _parse_random(source)
+        return
+    path = Path(source)
+    if not path.is_dir():
+        raise ModelSourceError(f"{source}: not a directory, and not random:<preset>[@seed]")
+    _read_config(path)
+    _weight_files(path)
+
+
 def _parse_random(source: str) -> tuple[str, int]:
     spec = source.removeprefix("random:")
     preset, _, seed_text = spec.partition("@")
@@ -89,9 +106,14 @@ def _pick_dtype(dtype: str, device: torch.device, hf_dtype: str | None) -> torch
 
 
 def _empty_model(config: ModelConfig, max_positions: int, device: torch.device, dtype: torch.dtype) -> Transformer:
+    """The module with uninitialised parameters allocated once, directly in ``dtype`` on ``device``.
+
+    Built on the meta device and cast there (free), so no float32 copy ever exists: the
+    parameters take exactly the weights' size, which is what loading fills in place.
+    """
     with torch.device("meta"):
-        model = Transformer(config, max_positions)
-    model = model.to_empty(device=device).to(dtype)
+        model = Transformer(config, max_positions).to(dtype)
+    model = model.to_empty(device=device).requires_grad_(False)
     if config.tie_word_embeddings:
         model.output.weight = model.tok_embeddings.weight
     cos, sin = rope_tables(config, max_positions)
@@ -114,50 +136,167 @@ def _read_config(path: Path) -> tuple[ModelConfig, str | None]:
     config_file = path / "config.json"
     if not config_file.is_file():
         raise ModelSourceError(f"{path}: no config.json (expected a Hugging Face style directory)")
-    hf = json.loads(config_file.read_text())
+    try:
+        hf = json.loads(config_file.read_bytes().decode("utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        raise ModelSourceError(f"{config_file}: not a readable JSON document: {err}") from None
+    if not isinstance(hf, dict):
+        raise ModelSourceError(f"{config_file}: not a JSON object")
     try:
         config = ModelConfig.from_hf(hf)
-    except (KeyError, ValueError) as err:
-        raise ModelSourceError(f"{config_file}: {err}") from None
+    except (KeyError, ValueError, TypeError) as err:
+        raise ModelSourceError(f"{config_file}: {err!r}") from None
     return config, hf.get("torch_dtype") or hf.get("dtype")
 
 
-def _hf_tensors(path: Path) -> dict[str, Tensor]:
+# --- safetensors, one tensor at a time -------------------------------------------------------
+#
+# The format is an 8-byte little-endian header length, a JSON header mapping each name to its
+# dtype, shape and byte range, then the data. The loader reads each tensor's bytes with plain
+# file reads straight into its parameter (or into a staging buffer of that one tensor when the
+# dtype or the device differs) instead of memory-mapping whole files: mapped pages count
+# towards the process's resident memory for as long as the file stays open, which would double
+# the host peak while loading.
+
+_ST_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+_MAX_HEADER_BYTES = 100 << 20
+INDEX_FILE = "model.safetensors.index.json"
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """Where one checkpoint tensor lives: its file, byte range, dtype and shape."""
+
+    file: Path
+    start: int
+    end: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+def read_safetensors_header(file: Path) -> dict[str, TensorEntry]:
+    """The tensors of one safetensors file, by checkpoint name, without reading their data."""
+    try:
+        with file.open("rb") as f:
+            raw = f.read(8)
+            if len(raw) != 8:
+                raise ModelSourceError(f"{file}: not a safetensors file (too short)")
+            size = int.from_bytes(raw, "little")
+            if size > _MAX_HEADER_BYTES:
+                raise ModelSourceError(f"{file}: safetensors header of {size} bytes is implausible")
+            header = json.loads(f.read(size).decode("utf-8"))
+        base = 8 + size
+        out = {}
+        for name, meta in header.items():
+            if name == "__metadata__":
+                continue
+            if meta["dtype"] not in _ST_DTYPES:
+                raise ModelSourceError(f"{file}: tensor {name!r} has unsupported dtype {meta['dtype']}")
+            start, end = meta["data_offsets"]
+            out[name] = TensorEntry(file, base + start, base + end, _ST_DTYPES[meta["dtype"]], tuple(meta["shape"]))
+        return out
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as err:
+        raise ModelSourceError(f"{file}: unreadable safetensors header: {err!r}") from None
+
+
+def _weight_files(path: Path) -> list[Path]:
+    """The checkpoint's files: those ``model.safetensors.index.json`` names, else every ``*.safetensors``."""
+    index = path / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_bytes().decode("utf-8"))["weight_map"]
+            names = sorted(set(weight_map.values()))
+        except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as err:
+            raise ModelSourceError(f"{index}: not a safetensors index: {err!r}") from None
+        files = [path / name for name in names]
+        missing = [f.name for f in files if not f.is_file() or f.parent != path]
+        if missing:
+            raise ModelSourceError(f"{index}: names files that are not in {path}: {', '.join(missing[:4])}")
+        return files
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ModelSourceError(f"{path}: no *.safetensors files")
-    tensors: dict[str, Tensor] = {}
-    for file in files:
-        with safe_open(file, framework="pt") as f:
-            for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                tensors[key.removeprefix("model.")] = f.get_tensor(key)
-    return tensors
+    return files
+
+
+def checkpoint_index(path: Path) -> dict[str, TensorEntry]:
+    """Every tensor of the checkpoint by its name without the ``model.`` prefix (headers only)."""
+    entries: dict[str, TensorEntry] = {}
+    for file in _weight_files(path):
+        for key, entry in read_safetensors_header(file).items():
+            entries[key.removeprefix("model.")] = entry
+    return entries
+
+
+class _TensorReader:
+    """Reads checkpoint tensors into destination tensors, one at a time, files kept open."""
+
+    def __init__(self, path: Path, entries: dict[str, TensorEntry]) -> None:
+        self.path = path
+        self.entries = entries
+        self._files: dict[Path, object] = {}
+
+    def close(self) -> None:
+        for f in self._files.values():
+            f.close()
+        self._files.clear()
+
+    def entry(self, name: str, shape: tuple[int, ...]) -> TensorEntry:
+        entry = self.entries.get(name)
+        if entry is None:
+            raise ModelSourceError(f"{self.path}: tensor {name!r} missing from the checkpoint")
+        if entry.shape != shape:
+            raise ModelSourceError(
+                f"{self.path}: tensor {name!r} has shape {list(entry.shape)}, expected {list(shape)}")
+        if entry.end - entry.start != math.prod(shape) * entry.dtype.itemsize:
+            raise ModelSourceError(f"{self.path}: tensor {name!r} has a byte range that does not match its shape")
+        return entry
+
+    def read_into(self, name: str, dest: Tensor) -> None:
+        """Fills ``dest`` (contiguous) with the checkpoint tensor ``name``, converting its dtype."""
+        entry = self.entry(name, tuple(dest.shape))
+        f = self._files.get(entry.file)
+        if f is None:
+            f = self._files[entry.file] = entry.file.open("rb", buffering=0)
+        direct = dest.device.type == "cpu" and dest.dtype == entry.dtype and dest.is_contiguous()
+        staging = dest if direct else torch.empty(entry.shape, dtype=entry.dtype)
+        buffer = memoryview(staging.view(-1).view(torch.uint8).numpy())
+        f.seek(entry.start)
+        done = 0
+        while done < len(buffer):
+            n = f.readinto(buffer[done:])
+            if not n:
+                raise ModelSourceError(f"{entry.file}: truncated while reading {name!r}")
+            done += n
+        if not direct:
+            dest.copy_(staging)
 
 
 @torch.no_grad()
 def _load_safetensors(model: Transformer, config: ModelConfig, path: Path) -> None:
-    hf = _hf_tensors(path)
-
-    def take(name: str) -> Tensor:
-        if name not in hf:
-            raise ModelSourceError(f"{path}: tensor {name!r} missing from the checkpoint")
-        return hf[name]
-
-    model.tok_embeddings.weight.copy_(take("embed_tokens.weight"))
-    model.norm.weight.copy_(take("norm.weight"))
-    if not config.tie_word_embeddings:
-        model.output.weight.copy_(take("lm_head.weight"))
-    for i, layer in enumerate(model.layers):
-        p = f"layers.{i}."
-        attn, mlp = p + "self_attn.", p + "mlp."
-        qkv = [take(attn + f"{n}_proj.weight") for n in "qkv"]
-        layer.attention.wqkv.weight.copy_(torch.cat(qkv, dim=0))
-        layer.attention.wo.weight.copy_(take(attn + "o_proj.weight"))
-        w13 = [take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight")]
-        layer.feed_forward.w13.weight.copy_(torch.cat(w13, dim=0))
-        layer.feed_forward.w2.weight.copy_(take(mlp + "down_proj.weight"))
-        layer.attention_norm.weight.copy_(take(p + "input_layernorm.weight"))
-        layer.ffn_norm.weight.copy_(take(p + "post_attention_layernorm.weight"))
+    """Fills every parameter in place; fused Q/K/V and gate/up rows are written slice by slice."""
+    reader = _TensorReader(path, checkpoint_index(path))
+    try:
+        reader.read_into("embed_tokens.weight", model.tok_embeddings.weight)
+        reader.read_into("norm.weight", model.norm.weight)
+        if not config.tie_word_embeddings:
+            reader.read_into("lm_head.weight", model.output.weight)
+        q_size, kv_size = config.n_heads * config.head_dim, config.n_kv_heads * config.head_dim
+        for i, layer in enumerate(model.layers):
+            p = f"layers.{i}."
+            attn, mlp = p + "self_attn.", p + "mlp."
+            q, k, v = layer.attention.wqkv.weight.split([q_size, kv_size, kv_size])
+            for name, rows in zip("qkv", (q, k, v), strict=True):
+                reader.read_into(attn + f"{name}_proj.weight", rows)
+            reader.read_into(attn + "o_proj.weight", layer.attention.wo.weight)
+            gate, up = layer.feed_forward.w13.weight.split(config.intermediate_size)
+            reader.read_into(mlp + "gate_proj.weight", gate)
+            reader.read_into(mlp + "up_proj.weight", up)
+            reader.read_into(mlp + "down_proj.weight", layer.feed_forward.w2.weight)
+            reader.read_into(p + "input_layernorm.weight", layer.attention_norm.weight)
+            reader.read_into(p + "post_attention_layernorm.weight", layer.ffn_norm.weight)
+    finally:
+        reader.close()
 
 
 def _hash_text(text: str) -> str:
@@ -167,7 +306,8 @@ def _hash_text(text: str) -> str:
 def _hash_directory(path: Path) -> str:
     """A content hash of config.json and the weights: a changed file is a new revision."""
     digest = hashlib.sha256()
-    for file in [path / "config.json", *sorted(path.glob("*.safetensors"))]:
+    index = [path / INDEX_FILE] if (path / INDEX_FILE).is_file() else []
+    for file in [path / "config.json", *index, *_weight_files(path)]:
         digest.update(file.name.encode())
         with file.open("rb") as f:
             while chunk := f.read(1 << 24):
