@@ -304,14 +304,19 @@ def _hash_text(text: str) -> str:
 
 
 def _hash_directory(path: Path) -> str:
-    """A content hash of config.json and the weights: a changed file is a new revision."""
+    """A content hash of config.json and the weights: a changed file is a new revision.
+
+    Read through one reused 1 MiB buffer, so hashing adds nothing noticeable to the load's peak.
+    """
     digest = hashlib.sha256()
+    buffer = bytearray(1 << 20)
+    view = memoryview(buffer)
     index = [path / INDEX_FILE] if (path / INDEX_FILE).is_file() else []
     for file in [path / "config.json", *index, *_weight_files(path)]:
         digest.update(file.name.encode())
-        with file.open("rb") as f:
-            while chunk := f.read(1 << 24):
-                digest.update(chunk)
+        with file.open("rb", buffering=0) as f:
+            while n := f.readinto(buffer):
+                digest.update(view[:n])
     return "sha256:" + digest.hexdigest()[:16]
 
 
