@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from graphkeeper.proto.policy import clipped_repr
 from graphkeeper.worker.config import PRESETS, ModelConfig
 from graphkeeper.worker.model import Transformer, rope_tables
 
@@ -26,6 +27,17 @@ INIT_STD = 0.02
 
 class ModelSourceError(ValueError):
     """The model source cannot be loaded (missing files, unknown preset, bad config)."""
+
+
+#: The longest path a loader error repeats; the tail is kept, since it names the model.
+SHOWN_PATH_CHARS = 96
+
+
+def shown(path: str | Path) -> str:
+    """``path`` for an error message: a source comes from LoadModelRevision callers and may be
+    4 KiB long; the message keeps its last characters, which name the model and the file."""
+    text = str(path)
+    return text if len(text) <= SHOWN_PATH_CHARS else "…" + text[-(SHOWN_PATH_CHARS - 1):]
 
 
 @dataclass
@@ -78,7 +90,7 @@ def check_source(source: str) -> None:
         return
     path = Path(source)
     if not path.is_dir():
-        raise ModelSourceError(f"{source}: not a directory, and not random:<preset>[@seed]")
+        raise ModelSourceError(f"{shown(source)}: not a directory, and not random:<preset>[@seed]")
     _read_config(path)
     _weight_files(path)
 
@@ -87,18 +99,18 @@ def _parse_random(source: str) -> tuple[str, int]:
     spec = source.removeprefix("random:")
     preset, _, seed_text = spec.partition("@")
     if preset not in PRESETS:
-        raise ModelSourceError(f"unknown preset {preset!r}; known: {', '.join(sorted(PRESETS))}")
+        raise ModelSourceError(f"unknown preset {clipped_repr(preset)}; known: {', '.join(sorted(PRESETS))}")
     try:
         seed = int(seed_text) if seed_text else DEFAULT_SEED
     except ValueError:
-        raise ModelSourceError(f"seed {seed_text!r} in {source!r} is not an integer") from None
+        raise ModelSourceError(f"seed {clipped_repr(seed_text)} in {clipped_repr(source)} is not an integer") from None
     return preset, seed
 
 
 def _pick_dtype(dtype: str, device: torch.device, hf_dtype: str | None) -> torch.dtype:
     if dtype != "auto":
         if dtype not in DTYPES:
-            raise ModelSourceError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+            raise ModelSourceError(f"dtype {clipped_repr(dtype)} is not one of {', '.join(DTYPES)}")
         return DTYPES[dtype]
     if device.type == "cpu":
         return torch.float32  # CPU bf16 matmuls are slow and not what tests compare against
@@ -135,17 +147,17 @@ def _fill_random(model: Transformer, seed: int, device: torch.device) -> None:
 def _read_config(path: Path) -> tuple[ModelConfig, str | None]:
     config_file = path / "config.json"
     if not config_file.is_file():
-        raise ModelSourceError(f"{path}: no config.json (expected a Hugging Face style directory)")
+        raise ModelSourceError(f"{shown(path)}: no config.json (expected a Hugging Face style directory)")
     try:
         hf = json.loads(config_file.read_bytes().decode("utf-8"))
     except (OSError, UnicodeDecodeError, ValueError) as err:
-        raise ModelSourceError(f"{config_file}: not a readable JSON document: {err}") from None
+        raise ModelSourceError(f"{shown(config_file)}: not a readable JSON document: {err}") from None
     if not isinstance(hf, dict):
-        raise ModelSourceError(f"{config_file}: not a JSON object")
+        raise ModelSourceError(f"{shown(config_file)}: not a JSON object")
     try:
         config = ModelConfig.from_hf(hf)
     except (KeyError, ValueError, TypeError) as err:
-        raise ModelSourceError(f"{config_file}: {err!r}") from None
+        raise ModelSourceError(f"{shown(config_file)}: {err!r}") from None
     return config, hf.get("torch_dtype") or hf.get("dtype")
 
 
@@ -180,10 +192,10 @@ def read_safetensors_header(file: Path) -> dict[str, TensorEntry]:
         with file.open("rb") as f:
             raw = f.read(8)
             if len(raw) != 8:
-                raise ModelSourceError(f"{file}: not a safetensors file (too short)")
+                raise ModelSourceError(f"{shown(file)}: not a safetensors file (too short)")
             size = int.from_bytes(raw, "little")
             if size > _MAX_HEADER_BYTES:
-                raise ModelSourceError(f"{file}: safetensors header of {size} bytes is implausible")
+                raise ModelSourceError(f"{shown(file)}: safetensors header of {size} bytes is implausible")
             header = json.loads(f.read(size).decode("utf-8"))
         base = 8 + size
         out = {}
@@ -191,12 +203,13 @@ def read_safetensors_header(file: Path) -> dict[str, TensorEntry]:
             if name == "__metadata__":
                 continue
             if meta["dtype"] not in _ST_DTYPES:
-                raise ModelSourceError(f"{file}: tensor {name!r} has unsupported dtype {meta['dtype']}")
+                raise ModelSourceError(f"{shown(file)}: tensor {clipped_repr(name)} has unsupported dtype "
+                                       f"{clipped_repr(str(meta['dtype']))}")
             start, end = meta["data_offsets"]
             out[name] = TensorEntry(file, base + start, base + end, _ST_DTYPES[meta["dtype"]], tuple(meta["shape"]))
         return out
     except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as err:
-        raise ModelSourceError(f"{file}: unreadable safetensors header: {err!r}") from None
+        raise ModelSourceError(f"{shown(file)}: unreadable safetensors header: {err!r}") from None
 
 
 def _weight_files(path: Path) -> list[Path]:
@@ -207,15 +220,16 @@ def _weight_files(path: Path) -> list[Path]:
             weight_map = json.loads(index.read_bytes().decode("utf-8"))["weight_map"]
             names = sorted(set(weight_map.values()))
         except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as err:
-            raise ModelSourceError(f"{index}: not a safetensors index: {err!r}") from None
+            raise ModelSourceError(f"{shown(index)}: not a safetensors index: {err!r}") from None
         files = [path / name for name in names]
         missing = [f.name for f in files if not f.is_file() or f.parent != path]
         if missing:
-            raise ModelSourceError(f"{index}: names files that are not in {path}: {', '.join(missing[:4])}")
+            listed = ", ".join(clipped_repr(name) for name in missing[:4])
+            raise ModelSourceError(f"{shown(index)}: names files that are not in {shown(path)}: {listed}")
         return files
     files = sorted(path.glob("*.safetensors"))
     if not files:
-        raise ModelSourceError(f"{path}: no *.safetensors files")
+        raise ModelSourceError(f"{shown(path)}: no *.safetensors files")
     return files
 
 
@@ -244,12 +258,13 @@ class _TensorReader:
     def entry(self, name: str, shape: tuple[int, ...]) -> TensorEntry:
         entry = self.entries.get(name)
         if entry is None:
-            raise ModelSourceError(f"{self.path}: tensor {name!r} missing from the checkpoint")
+            raise ModelSourceError(f"{shown(self.path)}: tensor {clipped_repr(name)} missing from the checkpoint")
         if entry.shape != shape:
-            raise ModelSourceError(
-                f"{self.path}: tensor {name!r} has shape {list(entry.shape)}, expected {list(shape)}")
+            raise ModelSourceError(f"{shown(self.path)}: tensor {clipped_repr(name)} has shape "
+                                   f"{clipped_repr(str(list(entry.shape)))}, expected {list(shape)}")
         if entry.end - entry.start != math.prod(shape) * entry.dtype.itemsize:
-            raise ModelSourceError(f"{self.path}: tensor {name!r} has a byte range that does not match its shape")
+            raise ModelSourceError(
+                f"{shown(self.path)}: tensor {clipped_repr(name)} has a byte range that does not match its shape")
         return entry
 
     def read_into(self, name: str, dest: Tensor) -> None:
@@ -266,7 +281,7 @@ class _TensorReader:
         while done < len(buffer):
             n = f.readinto(buffer[done:])
             if not n:
-                raise ModelSourceError(f"{entry.file}: truncated while reading {name!r}")
+                raise ModelSourceError(f"{shown(entry.file)}: truncated while reading {clipped_repr(name)}")
             done += n
         if not direct:
             dest.copy_(staging)
