@@ -136,3 +136,11 @@ def test_fp16_checkpoint_converts_on_the_fly(tmp_path):
     q_rows = SMALL.n_heads * SMALL.head_dim
     assert torch.equal(loaded.model.layers[2].attention.wqkv.weight[q_rows:q_rows + SMALL.n_kv_heads * SMALL.head_dim],
                        ref["model.layers.2.self_attn.k_proj.weight"].to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("source", ["/" + "a" * 5000, "/models/a\x00b", "/tmp/" + "d/" * 3000])
+def test_sources_the_os_refuses_are_model_source_errors_with_short_messages(source):
+    for attempt in (lambda: check_source(source), lambda: load_model(source, device="cpu", max_positions=16)):
+        with pytest.raises(ModelSourceError) as err:
+            attempt()
+        assert len(str(err.value)) < 200

@@ -10,6 +10,8 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -68,12 +70,13 @@ def load_model(
         _fill_random(model, seed, device)
         revision = revision or _hash_text(f"{source}|{seed}|{json.dumps(config.as_dict(), sort_keys=True)}")
     else:
-        path = Path(source)
-        config, hf_dtype = _read_config(path)
-        torch_dtype = _pick_dtype(dtype, device, hf_dtype)
-        model = _empty_model(config, max_positions, device, torch_dtype)
-        _load_safetensors(model, config, path)
-        revision = revision or _hash_directory(path)
+        with _filesystem_errors(source):
+            path = Path(source)
+            config, hf_dtype = _read_config(path)
+            torch_dtype = _pick_dtype(dtype, device, hf_dtype)
+            model = _empty_model(config, max_positions, device, torch_dtype)
+            _load_safetensors(model, config, path)
+            revision = revision or _hash_directory(path)
     model.eval().requires_grad_(False)
     return LoadedModel(model, config, source, revision, torch_dtype, device)
 
@@ -88,11 +91,26 @@ def check_source(source: str) -> None:
     if source.startswith("random:"):
         _parse_random(source)
         return
-    path = Path(source)
-    if not path.is_dir():
-        raise ModelSourceError(f"{shown(source)}: not a directory, and not random:<preset>[@seed]")
-    _read_config(path)
-    _weight_files(path)
+    with _filesystem_errors(source):
+        path = Path(source)
+        if not path.is_dir():
+            raise ModelSourceError(f"{shown(source)}: not a directory, and not random:<preset>[@seed]")
+        _read_config(path)
+        _weight_files(path)
+
+
+@contextmanager
+def _filesystem_errors(source: str) -> Iterator[None]:
+    """An OSError (name too long, permission denied, I/O error) or a path the OS refuses (a NUL
+    byte) while reading ``source`` is a ModelSourceError naming the source, clipped."""
+    try:
+        yield
+    except ModelSourceError:
+        raise
+    except OSError as err:
+        raise ModelSourceError(f"{shown(source)}: {err.strerror or type(err).__name__}") from None
+    except ValueError as err:
+        raise ModelSourceError(f"{shown(source)}: {clipped_repr(str(err))}") from None
 
 
 def _parse_random(source: str) -> tuple[str, int]:

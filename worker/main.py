@@ -120,7 +120,15 @@ def control_token_error(path: str) -> str | None:
 
 
 def model_root_errors(roots: list[str]) -> list[str]:
-    return [f"--model-root {root}: not a directory" for root in roots if not Path(root).is_dir()]
+    return [f"--model-root {root}: not a directory" for root in roots if not _is_dir(root)]
+
+
+def _is_dir(path: str) -> bool:
+    """``Path.is_dir`` that says no, rather than raising, for a name the OS refuses outright."""
+    try:
+        return Path(path).is_dir()
+    except (OSError, ValueError):
+        return False
 
 
 def read_policy_file(path: str, max_num_batched_tokens: int) -> tuple[pb.GraphPolicy | None, str | None]:
