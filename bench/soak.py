@@ -27,6 +27,7 @@ import json
 import os
 import platform
 import random
+import shlex
 import signal
 import socket
 import subprocess
@@ -319,9 +320,9 @@ def soak(args: argparse.Namespace) -> dict:
     return {
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "machine": args.machine or f"{platform.node()} ({os.cpu_count()} CPUs)",
-        "command": " ".join(["python", *sys.argv]),
+        "command": shlex.join(["python", *sys.argv]),
         "commit": git_commit(),
-        "worker_command": " ".join(cmd[1:]).replace(str(token_file), "<token-file>"),
+        "worker_command": shlex.join(cmd[1:]).replace(str(token_file), "<token-file>"),
         "duration_seconds": args.duration, "concurrency": args.concurrency,
         "requests": requests,
         "outcomes": dict(tally.outcomes.most_common()),
