@@ -161,7 +161,7 @@ class Engine:
 
     def limits(self) -> Limits:
         assert self.loaded is not None
-        return Limits(self.loaded.config.vocab_size, self.settings.max_seq_len)
+        return Limits(self.loaded.config.vocab_size, self.settings.max_seq_len, text_prompts=self.tokenizer is not None)
 
     def submit(self, req: pb.GenerateRequest, stream: Any, prompt: list[int] | None = None) -> Sequence:
         """Validates and queues a request; raises AdmissionError, QueueFull or NotServing.
@@ -171,7 +171,7 @@ class Engine:
         if self._draining or self.failed is not None or not self.lifecycle.serving or self.loaded is None:
             raise NotServing(f"worker is {pb.LifecycleState.Name(self.lifecycle.state)}")
         if prompt is not None and req.prompt_text:
-            req = _with_prompt(req, prompt)
+            req = _with_prompt(req, prompt)  # the text's rules were checked before it was tokenized
         validate_request(req, self.limits())
         if len(self._inbox) + len(self.scheduler.waiting) >= self.settings.max_queue:
             raise QueueFull(f"queue is full ({self.settings.max_queue} requests waiting)")

@@ -28,10 +28,11 @@ from grpc_reflection.v1alpha import reflection
 from graphkeeper.proto import worker_pb2 as pb
 from graphkeeper.proto import worker_pb2_grpc as pb_grpc
 from graphkeeper.proto.policy import PolicyError
-from graphkeeper.worker.admission import AdmissionError
+from graphkeeper.worker.admission import AdmissionError, validate_reload_request, validate_request
 from graphkeeper.worker.engine import Engine, NotServing, QueueFull, ReloadRefused, StalePolicy, StepFailed
 from graphkeeper.worker.lifecycle import SERVING_STATES
 from graphkeeper.worker.tokenizer import IncrementalDetokenizer
+from graphkeeper.worker.wire import tolerant
 
 log = logging.getLogger(__name__)
 
@@ -141,11 +142,11 @@ class InferenceServicer(pb_grpc.InferenceWorkerServicer):
         """The prompt as token ids; a text prompt is tokenized here, off the engine's path."""
         if not request.prompt_text:
             return list(request.prompt_token_ids)
-        if request.prompt_token_ids:
-            raise AdmissionError("prompt_text", "set either prompt_token_ids or prompt_text, not both")
+        loaded = self.engine.loaded
+        if loaded is None:
+            raise NotServing("model not loaded yet")
+        validate_request(request, self.engine.limits())  # sizes and rules before any tokenizing
         tokenizer = self.engine.tokenizer
-        if tokenizer is None:
-            raise AdmissionError("prompt_text", "this model has no tokenizer (tokenizer.json): send prompt_token_ids")
         if len(request.prompt_text) > INLINE_TOKENIZE_CHARS:
             return await asyncio.to_thread(tokenizer.encode_ids, request.prompt_text)
         return tokenizer.encode_ids(request.prompt_text)
@@ -173,9 +174,8 @@ class GraphControlServicer(pb_grpc.GraphControlServicer):
         return self.engine.status()
 
     async def LoadModelRevision(self, request: pb.LoadModelRevisionRequest, context: grpc.aio.ServicerContext):  # noqa: N802
-        if not request.source:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "source: must name a directory or random:<preset>")
         try:
+            validate_reload_request(request)
             future = self.engine.load_revision(request.source, request.revision)
         except AdmissionError as err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
@@ -234,13 +234,13 @@ def build_servers(engine: Engine, host: str, port: int, control_host: str, contr
     Raises OSError naming the address when a port cannot be bound (in use, or not an address here).
     """
     inference = grpc.aio.server(options=SERVER_OPTIONS)
-    pb_grpc.add_InferenceWorkerServicer_to_server(InferenceServicer(engine, hub), inference)
+    pb_grpc.add_InferenceWorkerServicer_to_server(InferenceServicer(engine, hub), tolerant(inference))
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, inference)
     reflection.enable_server_reflection((INFERENCE_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), inference)
     interceptors = (BearerTokenInterceptor(token),) if token else ()
     control = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors)
-    pb_grpc.add_GraphControlServicer_to_server(GraphControlServicer(engine), control)
+    pb_grpc.add_GraphControlServicer_to_server(GraphControlServicer(engine), tolerant(control))
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, control)
     bound = _bind(inference, host, port)
     bound_control = _bind(control, control_host, control_port)
