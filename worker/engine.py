@@ -71,6 +71,10 @@ class ReloadRefused(RuntimeError):
     """A LoadModelRevision source outside the configured model roots."""
 
 
+class InjectedFailure(RuntimeError):
+    """Raised only by the fault injection that tests ask for."""
+
+
 class StepFailed(RuntimeError):
     """A step raised; the requests in it fail with this, the engine keeps serving."""
 
@@ -89,6 +93,8 @@ class EngineSettings:
     policy: pb.GraphPolicy | None = None
     inject_capture_failures: frozenset[int] = frozenset()
     model_roots: tuple[str, ...] = ()
+    #: Fault injection for tests: a step holding this prompt token raises (fatally: as a broken device).
+    inject_step_failure: tuple[int, bool] | None = None
 
 
 def default_policy(mode: int = pb.GRAPH_MODE_FULL_AND_PIECEWISE) -> pb.GraphPolicy:
@@ -344,6 +350,7 @@ class Engine:
         decision = self.dispatcher.dispatch(desc)
         started = time.perf_counter()
         try:
+            self._maybe_inject_failure(plan)
             hidden = self.runner.execute(plan, decision, self.capture.graph_set)
             launched = self.runner.sample_and_send(hidden, plan)
         except Exception as err:  # noqa: BLE001 - the step's requests fail, the engine keeps serving
@@ -395,6 +402,12 @@ class Engine:
             return None
         self.scheduler.finish(seq)
         return self._completion(seq, reason)
+
+    def _maybe_inject_failure(self, plan) -> None:
+        inject = self.settings.inject_step_failure
+        if inject is not None and inject[0] in plan.prompt_tokens:
+            raise InjectedFailure(f"CUDA error: injected device failure (token {inject[0]})" if inject[1]
+                                  else f"injected step failure (token {inject[0]})")
 
     def _fail_step(self, step: ScheduledStep, err: Exception) -> None:
         """A step that raised fails its own requests; a broken device stops the engine."""

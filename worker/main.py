@@ -27,6 +27,8 @@ from graphkeeper.worker.server import StreamHub, build_servers, track_health
 
 log = logging.getLogger("graphkeeper.worker")
 INJECT_ENV = "GRAPHKEEPER_INJECT_CAPTURE_FAILURE"
+#: ``<token>`` or ``<token>:fatal``: a step holding that prompt token fails (tests only).
+INJECT_STEP_ENV = "GRAPHKEEPER_INJECT_STEP_FAILURE"
 SWITCH_INTERVAL_SECONDS = 0.0005
 STOP_GRACE_SECONDS = 2.0
 
@@ -211,6 +213,7 @@ def settings_from_args(args: argparse.Namespace) -> EngineSettings:
         max_num_seqs=args.max_num_seqs, max_seq_len=args.max_seq_len,
         max_num_batched_tokens=args.max_num_batched_tokens, max_queue=args.max_queue,
         prefill_chunk=args.prefill_chunk, policy=policy, inject_capture_failures=inject,
+        inject_step_failure=_step_injection(os.environ.get(INJECT_STEP_ENV, "")),
         model_roots=tuple(args.model_root),
     )
 
@@ -269,6 +272,16 @@ async def _serve(args: argparse.Namespace, settings: EngineSettings, token: str)
     await asyncio.gather(servers.inference.stop(STOP_GRACE_SECONDS), servers.control.stop(STOP_GRACE_SECONDS))
     log.info("stopped")
     return code
+
+
+def _step_injection(value: str) -> tuple[int, bool] | None:
+    if not value:
+        return None
+    token, _, kind = value.partition(":")
+    try:
+        return int(token), kind == "fatal"
+    except ValueError:
+        raise SystemExit(f"graphkeeper worker: {INJECT_STEP_ENV} must be <token> or <token>:fatal") from None
 
 
 def _read_token(path: str) -> str:
