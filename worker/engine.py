@@ -38,7 +38,7 @@ from graphkeeper.worker.kv_cache import KVCache
 from graphkeeper.worker.ledger import Ledger
 from graphkeeper.worker.lifecycle import Lifecycle
 from graphkeeper.worker.loader import LoadedModel, load_model
-from graphkeeper.worker.metrics import WorkerMetrics
+from graphkeeper.worker.metrics import WorkerMetrics, observe_many
 from graphkeeper.worker.recorder import StepRecorder
 from graphkeeper.worker.runner import Launched, ModelRunner
 from graphkeeper.worker.sampling import SamplingSpec
@@ -71,6 +71,10 @@ class ReloadRefused(RuntimeError):
     """A LoadModelRevision source outside the configured model roots."""
 
 
+class InjectedFailure(RuntimeError):
+    """Raised only by the fault injection that tests ask for."""
+
+
 class StepFailed(RuntimeError):
     """A step raised; the requests in it fail with this, the engine keeps serving."""
 
@@ -89,6 +93,8 @@ class EngineSettings:
     policy: pb.GraphPolicy | None = None
     inject_capture_failures: frozenset[int] = frozenset()
     model_roots: tuple[str, ...] = ()
+    #: Fault injection for tests: a step holding this prompt token raises (fatally: as a broken device).
+    inject_step_failure: tuple[int, bool] | None = None
 
 
 def default_policy(mode: int = pb.GRAPH_MODE_FULL_AND_PIECEWISE) -> pb.GraphPolicy:
@@ -161,7 +167,7 @@ class Engine:
 
     def limits(self) -> Limits:
         assert self.loaded is not None
-        return Limits(self.loaded.config.vocab_size, self.settings.max_seq_len)
+        return Limits(self.loaded.config.vocab_size, self.settings.max_seq_len, text_prompts=self.tokenizer is not None)
 
     def submit(self, req: pb.GenerateRequest, stream: Any, prompt: list[int] | None = None) -> Sequence:
         """Validates and queues a request; raises AdmissionError, QueueFull or NotServing.
@@ -171,7 +177,7 @@ class Engine:
         if self._draining or self.failed is not None or not self.lifecycle.serving or self.loaded is None:
             raise NotServing(f"worker is {pb.LifecycleState.Name(self.lifecycle.state)}")
         if prompt is not None and req.prompt_text:
-            req = _with_prompt(req, prompt)
+            req = _with_prompt(req, prompt)  # the text's rules were checked before it was tokenized
         validate_request(req, self.limits())
         if len(self._inbox) + len(self.scheduler.waiting) >= self.settings.max_queue:
             raise QueueFull(f"queue is full ({self.settings.max_queue} requests waiting)")
@@ -344,6 +350,7 @@ class Engine:
         decision = self.dispatcher.dispatch(desc)
         started = time.perf_counter()
         try:
+            self._maybe_inject_failure(plan)
             hidden = self.runner.execute(plan, decision, self.capture.graph_set)
             launched = self.runner.sample_and_send(hidden, plan)
         except Exception as err:  # noqa: BLE001 - the step's requests fail, the engine keeps serving
@@ -366,12 +373,21 @@ class Engine:
         self._last_finish = now
         self.recorder.record(inflight.decision, inflight.desc, step.sequences,
                              {s.tenant for s in step.sequences}, elapsed)
-        updates = []
+        updates, first, gaps = [], [], []
         for seq, token in zip(step.samplers, tokens, strict=True):
             if seq.finished:
                 continue  # cancelled, or stopped a step ago: this token was never wanted
-            updates.append((seq.stream, [token], self._append(seq, token, now)))
-        self.metrics.generated_tokens.inc(len(updates))
+            if seq.first_token_at is None:
+                seq.first_token_at = now
+                first.append(now - seq.arrived)
+            else:
+                gaps.append(now - seq.last_token_at)
+            seq.last_token_at = now
+            updates.append((seq.stream, [token], self._append(seq, token)))
+        m = self.metrics
+        m.generated_tokens.inc(len(updates))
+        observe_many(m.time_to_first_token, first)
+        observe_many(m.inter_token_latency, gaps)
         self.publish(updates)
         self.steps_since_ready += 1
         if self.steps_since_ready == STEADY_AFTER_STEPS:
@@ -379,19 +395,19 @@ class Engine:
             self._export_ledger()
         return None
 
-    def _append(self, seq: Sequence, token: int, now: float) -> pb.Completion | None:
+    def _append(self, seq: Sequence, token: int) -> pb.Completion | None:
         seq.output.append(token)
-        if seq.first_token_at is None:
-            seq.first_token_at = now
-            self.metrics.time_to_first_token.observe(now - seq.arrived)
-        else:
-            self.metrics.inter_token_latency.observe(now - seq.last_token_at)
-        seq.last_token_at = now
         reason = seq.stop_reason()
         if reason == pb.FINISH_REASON_UNSPECIFIED:
             return None
         self.scheduler.finish(seq)
         return self._completion(seq, reason)
+
+    def _maybe_inject_failure(self, plan) -> None:
+        inject = self.settings.inject_step_failure
+        if inject is not None and inject[0] in plan.prompt_tokens:
+            raise InjectedFailure(f"CUDA error: injected device failure (token {inject[0]})" if inject[1]
+                                  else f"injected step failure (token {inject[0]})")
 
     def _fail_step(self, step: ScheduledStep, err: Exception) -> None:
         """A step that raised fails its own requests; a broken device stops the engine."""
