@@ -29,8 +29,9 @@ from graphkeeper.proto import worker_pb2 as pb
 from graphkeeper.proto import worker_pb2_grpc as pb_grpc
 from graphkeeper.proto.policy import PolicyError
 from graphkeeper.worker.admission import AdmissionError, validate_reload_request, validate_request
-from graphkeeper.worker.engine import Engine, NotServing, QueueFull, ReloadRefused, StalePolicy, StepFailed
+from graphkeeper.worker.engine import Engine, NotServing, QueueFull, StalePolicy, StepFailed
 from graphkeeper.worker.lifecycle import SERVING_STATES
+from graphkeeper.worker.reload import ReloadRefused
 from graphkeeper.worker.tokenizer import IncrementalDetokenizer
 from graphkeeper.worker.wire import tolerant
 
