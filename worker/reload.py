@@ -16,6 +16,8 @@ def check_model_root(source: str, model: str, roots: tuple[str, ...]) -> None:
     if source.startswith("random:"):
         if not model.startswith("random:"):
             raise ReloadRefused("source: random presets are only served by workers started with one")
+        if _preset(source) != _preset(model):
+            raise ReloadRefused("source: a random-model worker reloads only its own preset (another seed)")
         return
     if not roots and not model.startswith("random:"):
         roots = (str(Path(model).resolve().parent),)
@@ -25,3 +27,8 @@ def check_model_root(source: str, model: str, roots: tuple[str, ...]) -> None:
         raise ReloadRefused("source: not a usable path") from None
     if not any(resolved.is_relative_to(Path(r).resolve()) for r in roots):
         raise ReloadRefused("source: not under any --model-root of this worker")
+
+
+def _preset(source: str) -> str:
+    """``random:<preset>[@seed]`` -> ``<preset>``: the shape, which decides the memory it takes."""
+    return source.removeprefix("random:").split("@", 1)[0]

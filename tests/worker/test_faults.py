@@ -6,12 +6,14 @@ the drain deadline holds whatever clients do."""
 from __future__ import annotations
 
 import signal
+import threading
 import time
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from test_control import apply, policy
-from worker_harness import collect, generate, make_request, wait_until
+from worker_harness import INFERENCE_SERVICE, collect, generate, make_request, wait_until
 
 from graphkeeper.proto import worker_pb2 as pb
 
@@ -115,3 +117,36 @@ def test_the_drain_deadline_holds_when_clients_stop_reading(fresh_workers):
     assert code == 0
     for call in calls:
         call.cancel()
+
+
+def test_a_burst_past_the_queue_is_refused_counted_and_health_keeps_answering(fresh_workers):
+    worker = fresh_workers("--max-num-seqs", "2", "--max-queue", "4", "--max-seq-len", "512",
+                           "--max-num-batched-tokens", "64")
+    codes: list[grpc.StatusCode] = []
+    details: list[str] = []
+    health_ok: list[bool] = []
+
+    def one(i: int) -> None:
+        try:
+            generate(worker, make_request([40 + i, 41], 64))
+            codes.append(grpc.StatusCode.OK)
+        except grpc.RpcError as err:
+            codes.append(err.code())
+            details.append(err.details())
+
+    def probe() -> None:
+        stub = health_pb2_grpc.HealthStub(worker.channel)
+        for _ in range(20):
+            reply = stub.Check(health_pb2.HealthCheckRequest(service=INFERENCE_SERVICE), timeout=10)
+            health_ok.append(reply.status == health_pb2.HealthCheckResponse.SERVING)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(40)] + [threading.Thread(target=probe)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    refused = codes.count(grpc.StatusCode.RESOURCE_EXHAUSTED)
+    assert set(codes) <= {grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED} and refused > 0
+    assert all("queue is full" in d for d in details)  # our admission answered, not a transport cap
+    assert worker.metric("graphkeeper_requests_total", outcome="queue_full") == refused
+    assert len(health_ok) == 20 and all(health_ok)
