@@ -8,7 +8,9 @@ Modules, one concern each:
 - ``main``: kopf settings and handler registration; ``run()`` for ``graphkeeper operator``.
 - ``policy_handlers`` / ``pod_handlers``: thin kopf handlers and the two in-memory indices.
 - ``reconciler``: one loop per policy (read workers, push what they lack, write status).
-- ``sync``: one worker brought to a policy (read before write, so nothing is pushed twice).
+- ``sync``: one worker's track (last status, calls under way) and what it means, pure.
+- ``rollout``: which workers may recapture or reload now (``maxUnavailable``), pure.
+- ``outage``: one log line per Kubernetes API outage.
 - ``selection``: pods and policies as plain values, label selectors, who owns a contested pod.
 - ``status``: ``build_status``, the pure aggregation of what was observed into ``.status``.
 - ``render``: the objects the operator writes (the policy ConfigMap, the status patch).

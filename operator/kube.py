@@ -13,8 +13,11 @@ from typing import Any
 import kubernetes
 
 from graphkeeper.operator import metrics, naming
+from graphkeeper.operator.outage import OUTAGE
 
 _MERGE_PATCH = "application/merge-patch+json"
+#: Seconds one API request may take (a server that went away must not hang a reconcile).
+REQUEST_TIMEOUT = 10
 
 
 def load_client_config() -> kubernetes.client.ApiClient:
@@ -37,7 +40,15 @@ class Kube:
 
     async def _run(self, verb: str, resource: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
         metrics.API_REQUESTS.labels(verb=verb, resource=resource).inc()
-        return await asyncio.to_thread(fn, *args, **kwargs)
+        kwargs.setdefault("_request_timeout", REQUEST_TIMEOUT)
+        try:
+            result = await asyncio.to_thread(fn, *args, **kwargs)
+        except kubernetes.client.ApiException as err:
+            if not api_unreachable(err):
+                OUTAGE.ok()  # an answer, even a refusal, means the server is back
+            raise
+        OUTAGE.ok()
+        return result
 
     async def patch_policy_status(self, namespace: str, name: str, patch: dict[str, Any]) -> None:
         """Merge-patches ``/status``; a policy deleted meanwhile is not an error."""
@@ -80,6 +91,15 @@ class Kube:
             meta["name"], meta["namespace"], body,
             field_manager=naming.FIELD_MANAGER, _content_type=_MERGE_PATCH,
         )
+
+
+def api_unreachable(err: BaseException) -> bool:
+    """Whether ``err`` means the API server is away (no answer, or a 5xx), not a refusal."""
+    import urllib3
+
+    if isinstance(err, kubernetes.client.ApiException):
+        return err.status == 0 or err.status >= 500
+    return isinstance(err, urllib3.exceptions.HTTPError | ConnectionError | TimeoutError)
 
 
 def _namespace_terminating(err: kubernetes.client.ApiException) -> bool:

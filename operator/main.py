@@ -14,6 +14,7 @@ import kopf
 
 from graphkeeper.operator import metrics, naming, pod_handlers, policy_handlers
 from graphkeeper.operator.kube import Kube, load_client_config
+from graphkeeper.operator.outage import OUTAGE
 from graphkeeper.operator.reconciler import Reconciler
 from graphkeeper.operator.workerclient import GraphControlClient
 
@@ -34,7 +35,14 @@ async def startup(
     settings.watching.server_timeout = 300
     settings.watching.client_timeout = 330
     settings.watching.connect_timeout = 30
-    settings.watching.reconnect_backoff = 1.0
+    settings.watching.reconnect_backoff = 0.5
+    # After an API outage the next spec change must be seen within a few seconds of the
+    # server's return: retry every second (kopf's default backs off to 13 s and more), for up to
+    # an hour before a request escalates. OUTAGE folds the retry lines into one per outage.
+    settings.networking.error_backoffs = (0.5,) + (1.0,) * 3600
+    settings.networking.request_timeout = 30
+    settings.networking.connect_timeout = 5
+    OUTAGE.install()
     settings.peering.standalone = True
     # Our Events are posted explicitly (kopf.event); kopf's own "handler succeeded" chatter is not.
     settings.posting.level = logging.WARNING
@@ -43,7 +51,7 @@ async def startup(
     api = load_client_config()
     memo.kube = Kube(api)
     memo.reconciler = Reconciler(
-        client=GraphControlClient(timeout=memo.rpc_timeout),
+        client=GraphControlClient(timeout=memo.rpc_timeout, token_file=memo.control_token_file),
         kube=memo.kube,
         pods=worker_pods,
         policies=graph_policies,
@@ -91,6 +99,7 @@ def run(args: argparse.Namespace) -> int:
         status_interval=float(args.status_interval),
         metrics_port=int(args.metrics_port),
         rpc_timeout=float(getattr(args, "rpc_timeout", 5.0)),
+        control_token_file=str(getattr(args, "control_token_file", "") or ""),
     )
     kopf.run(
         registry=register(),

@@ -24,6 +24,8 @@ MODEL_REVISION_ANNOTATION = f"{GROUP}/model-revision"
 #: Pod annotation for the gRPC port when no container port is named ``grpc``.
 GRPC_PORT_ANNOTATION = f"{GROUP}/grpc-port"
 GRPC_PORT_NAME = "grpc"
+#: The container port on which a worker serves GraphControl (never the inference port).
+CONTROL_PORT_NAME = "control"
 DEFAULT_GRPC_PORT = 50051
 
 #: The ConfigMap key worker pods read at boot (``--policy-file``).

@@ -6,9 +6,17 @@ asyncio tasks started and stopped from watch events; nothing blocks deletion, an
 simply keep their last policy.
 
 A loop runs every ``interval`` seconds and at once when woken: by a spec change, by a selected
-pod's event (a new, restarted or re-annotated worker), or by a rival policy going away. Each run
-is level-triggered (it compares what each worker reports with what the policy says), so a missed
-event costs at most one interval, and a restarted operator repeats no push.
+pod's event (a new, restarted or re-annotated worker), by a rival policy going away, or by a
+worker call that ended. Each run is level-triggered (it compares what each worker reports with
+what the policy says), so a missed event costs at most one interval, and a restarted operator
+repeats no push.
+
+A run never waits on a worker for long: it starts a status read per worker (each on its own
+deadline), waits at most ``READ_WAIT_SECONDS`` for them, and uses the last known status of any
+worker that has not answered yet (its late answer wakes the loop). Pushes and model reloads run
+as tasks of their own, handed out by the rollout planner (``rollout.plan_rollout``) at most
+``maxUnavailable`` at a time; their end wakes the loop. Status is written on every run with what
+is known.
 """
 
 from __future__ import annotations
@@ -25,17 +33,36 @@ from typing import Any
 import kopf
 
 from graphkeeper.operator import metrics
-from graphkeeper.operator.kube import Kube
+from graphkeeper.operator.kube import Kube, api_unreachable
+from graphkeeper.operator.outage import OUTAGE
 from graphkeeper.operator.render import build_status_patch
+from graphkeeper.operator.rollout import (
+    RolloutPlan,
+    capture_key,
+    plan_rollout,
+    rollout_settings,
+    rollout_status,
+)
 from graphkeeper.operator.selection import (
     PolicyRef,
     WorkerPod,
     selected_workers,
+    selector_error,
     senior_claimant,
 )
 from graphkeeper.operator.status import WorkerObservation, WorkerState, build_status
-from graphkeeper.operator.sync import SyncResult, sync_worker
-from graphkeeper.operator.workerclient import GraphControlClient
+from graphkeeper.operator.sync import (
+    PUSH,
+    RELOAD,
+    Track,
+    classify,
+    finish_action,
+    goal_of,
+    record_action,
+    settle,
+)
+from graphkeeper.operator.workerclient import GraphControlClient, WorkerError
+from graphkeeper.proto import worker_pb2 as pb
 from graphkeeper.proto.policy import PolicyError, policy_from_spec
 
 logger = logging.getLogger("graphkeeper.operator")
@@ -44,6 +71,12 @@ logger = logging.getLogger("graphkeeper.operator")
 FOLLOW_UP_SECONDS = 0.5
 #: Events arriving this close together are handled by one run.
 COALESCE_SECONDS = 0.02
+#: How long a run waits for status reads before it uses what it knows (late answers wake it).
+READ_WAIT_SECONDS = 0.5
+#: Retry delay while the Kubernetes API does not answer.
+API_RETRY_SECONDS = 1.0
+#: Capture keys remembered per policy (generations a worker may still hold).
+MAX_CAPTURE_KEYS = 64
 
 _STATES = [str(s) for s in WorkerState]
 _EVENT_FOR_STATE = {
@@ -63,7 +96,9 @@ class PolicyLoop:
         self.last_status: dict[str, Any] | None = None
         self.worker_states: dict[str, WorkerState] = {}
         self.seen_pods: set[str] = set()
+        self.seen_targets: set[str] = set()
         self.invalid: str | None = None
+        self.paused: tuple[str, ...] = ()
         self._reconciler = reconciler
         self._woken = asyncio.Event()
         self._woken.set()
@@ -83,13 +118,17 @@ class PolicyLoop:
                 delay = await self._reconciler.reconcile(self)
             except asyncio.CancelledError:
                 raise
-            except Exception:  # a bad run must never end the loop
+            except Exception as err:  # a bad run must never end the loop
+                if api_unreachable(err):
+                    OUTAGE.failed(err)  # one line per outage, not a traceback per policy
+                    delay = API_RETRY_SECONDS
+                    continue
                 logger.exception("reconcile of %s/%s failed", self.namespace, self.name)
                 delay = self._reconciler.interval
 
 
 class Reconciler:
-    """Owns the loops, the worker client and the bookkeeping shared between them."""
+    """Owns the loops, the worker client and the per-worker tracks shared between them."""
 
     def __init__(
         self,
@@ -99,17 +138,17 @@ class Reconciler:
         pods: Mapping[str, Iterable[WorkerPod]],
         policies: Mapping[str, Iterable[PolicyRef]],
         interval: float = 5.0,
-        concurrency: int = 64,
         post_event: Callable[..., None] = kopf.event,
+        read_wait: float = READ_WAIT_SECONDS,
     ) -> None:
         self.client, self.kube = client, kube
         self.pods, self.policies = pods, policies
         self.interval = interval
+        self.read_wait = read_wait
         self.loops: dict[str, PolicyLoop] = {}
+        self.tracks: dict[str, Track] = {}
         self._fingerprints: dict[str, tuple] = {}
-        self._load_attempts: dict[str, tuple[str, float]] = {}
-        self._rejections: dict[str, tuple[str, int, str, float]] = {}
-        self._limit = asyncio.Semaphore(concurrency)
+        self._capture_keys: dict[tuple[str, int], bytes] = {}
         self._post_event = post_event
         self.runs = 0
 
@@ -117,35 +156,48 @@ class Reconciler:
 
     def on_policy(self, ref: PolicyRef, deleted: bool) -> None:
         """A GraphPolicy watch event: start, wake or stop its loop."""
+        OUTAGE.ok()
         loop = self.loops.get(ref.uid)
         if deleted or ref.deleting:
             if loop is not None:
                 loop.task.cancel()
                 del self.loops[ref.uid]
                 metrics.forget_policy(ref.namespace, ref.name, _STATES)
-                self.wake_namespace(ref.namespace)  # a younger rival may own its pods now
+                self.wake_all()  # a younger rival (here or at the same address) may own its pods
             return
         if loop is None:
             self.loops[ref.uid] = PolicyLoop(self, ref)
         elif loop.generation != ref.generation:
             loop.generation = ref.generation
-            self.wake_namespace(ref.namespace)  # its selector may have moved
+            self.wake_all()  # its selector may have moved
 
     def on_pod(self, pod: WorkerPod, deleted: bool) -> None:
         """A Pod watch event: wake the loops of policies that select (or selected) it."""
+        OUTAGE.ok()
         fingerprint = None if deleted else pod.fingerprint()
         if self._fingerprints.get(pod.uid) == fingerprint:
             return
-        self._rejections.pop(pod.uid, None)  # a changed pod (restarted, re-annotated) is asked again
+        track = self.tracks.get(pod.uid)
+        if track is not None:
+            track.rejected = None  # a changed pod (restarted, re-annotated) is asked again
         if deleted:
             self._fingerprints.pop(pod.uid, None)
-            self._load_attempts.pop(pod.uid, None)
+            track = self.tracks.pop(pod.uid, None)
+            if track is not None:
+                for task in (track.read, track.action):
+                    if task is not None:
+                        task.cancel()
         else:
             self._fingerprints[pod.uid] = fingerprint
-        for ref in self.policies.get(pod.namespace, ()):
-            loop = self.loops.get(ref.uid)
-            if loop is not None and (ref.selects(pod) or pod.uid in loop.seen_pods):
+        for loop in self.loops.values():
+            if pod.uid in loop.seen_pods:
                 loop.wake()
+                continue
+            ref = self._ref(loop)
+            if ref is not None and ref.selects(pod):
+                loop.wake()
+            elif pod.address and pod.control_target in loop.seen_targets:
+                loop.wake()  # it shares an address with a pod this policy selects
 
     def wake(self, uid: str) -> None:
         loop = self.loops.get(uid)
@@ -155,6 +207,15 @@ class Reconciler:
     def wake_namespace(self, namespace: str) -> None:
         for loop in self.loops.values():
             if loop.namespace == namespace:
+                loop.wake()
+
+    def wake_all(self) -> None:
+        for loop in self.loops.values():
+            loop.wake()
+
+    def _wake_pod(self, pod_uid: str) -> None:
+        for loop in self.loops.values():
+            if pod_uid in loop.seen_pods:
                 loop.wake()
 
     def health(self) -> dict[str, Any]:
@@ -167,15 +228,108 @@ class Reconciler:
             loop.task.cancel()
         await asyncio.gather(*(lp.task for lp in self.loops.values()), return_exceptions=True)
         self.loops.clear()
+        tasks = [t for tr in self.tracks.values() for t in (tr.read, tr.action) if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         await self.client.close()
+
+    # --- worker calls, each a task with its own deadline ----------------------------------------
+
+    def _track(self, pod: WorkerPod) -> Track:
+        track = self.tracks.get(pod.uid)
+        if track is None:
+            track = self.tracks[pod.uid] = Track()
+        return track
+
+    def _start_read(self, pod: WorkerPod, track: Track) -> asyncio.Task | None:
+        if track.read is not None and not track.read.done():
+            return track.read
+        track.read_orphaned = False
+
+        async def read() -> None:
+            started = time.monotonic()
+            try:
+                status = await self.client.get_status(pod.control_target)
+            except WorkerError as err:
+                metrics.STATUS_READS.labels(outcome=str(err.kind).lower()).inc()
+                track.error = err
+            else:
+                metrics.STATUS_READS.labels(outcome="ok").inc()
+                track.status, track.error = status, None
+            track.read_at = started
+            if track.read_orphaned:
+                self._wake_pod(pod.uid)
+
+        track.read = asyncio.create_task(read(), name=f"read {pod.key}")
+        return track.read
+
+    def _start_push(self, pod: WorkerPod, track: Track, wire: pb.GraphPolicy) -> None:
+        record_action(track, PUSH, goal_of(wire), time.monotonic())
+
+        async def push() -> None:
+            error = None
+            try:
+                reply = await self.client.apply_policy(pod.control_target, wire)
+                outcome = "unchanged" if reply.unchanged else "applied"
+            except WorkerError as err:
+                error = err
+            label = finish_action(track, wire, error, time.monotonic())
+            metrics.PUSHES.labels(outcome=outcome if error is None else label).inc()
+            self._wake_pod(pod.uid)
+
+        track.action = asyncio.create_task(push(), name=f"push {pod.key}")
+
+    def _start_reload(self, pod: WorkerPod, track: Track, revision: str) -> None:
+        record_action(track, RELOAD, revision, time.monotonic())
+
+        async def reload() -> None:
+            error = None
+            try:
+                source = pod.model_source or (await self.client.model_info(pod.target)).source
+                # Blocks on the worker until the revision serves; observed through status reads.
+                await self.client.load_model_revision(pod.control_target, source, revision)
+            except WorkerError as err:
+                error = err
+            label = finish_action(track, None, error, time.monotonic())
+            metrics.MODEL_LOADS.labels(outcome=label).inc()
+            self._wake_pod(pod.uid)
+
+        track.action = asyncio.create_task(reload(), name=f"reload {pod.key}")
 
     # --- one run -------------------------------------------------------------------------------
 
     def _ref(self, loop: PolicyLoop) -> PolicyRef | None:
         return next((p for p in self.policies.get(loop.namespace, ()) if p.uid == loop.uid), None)
 
+    def _holder(self, pod: WorkerPod) -> str:
+        """The policy uid the worker behind ``pod`` last reported holding (through any pod)."""
+        track = self.tracks.get(pod.uid)
+        if track is None or track.status is None:
+            track = next((self.tracks[p.uid] for ps in self.pods.values() for p in ps
+                          if p.uid in self.tracks and p.control_target == pod.control_target
+                          and self.tracks[p.uid].status is not None), None)
+        return track.status.policy_uid if track is not None and track.status is not None else ""
+
+    def _all_policies(self) -> list[PolicyRef]:
+        return [p for refs in self.policies.values() for p in refs]
+
+    def _recaptures(self, status: pb.GraphStatus | None, wire: pb.GraphPolicy) -> bool:
+        """Whether moving a worker from what it holds to ``wire`` recaptures graphs. Unknown
+        (a generation from before this operator started) counts as yes: the safe answer."""
+        if status is None or not status.policy_uid:
+            return True
+        held = self._capture_keys.get((status.policy_uid, status.policy_generation))
+        return held is None or held != capture_key(wire)
+
+    def _remember_capture_key(self, wire: pb.GraphPolicy) -> None:
+        self._capture_keys[(wire.policy_uid, wire.generation)] = capture_key(wire)
+        if len(self._capture_keys) > MAX_CAPTURE_KEYS * max(1, len(self.loops)):
+            for key in list(self._capture_keys)[: len(self._capture_keys) // 2]:
+                del self._capture_keys[key]
+
     async def reconcile(self, loop: PolicyLoop) -> float:
-        """Brings every selected worker to the policy and writes status; returns the next delay."""
+        """Reads the selected workers, hands out what the rollout allows, writes status."""
         ref = self._ref(loop)
         if ref is None or ref.deleting:
             return self.interval
@@ -183,50 +337,101 @@ class Reconciler:
         self.runs += 1
         pods = selected_workers(ref, self.pods.get(ref.namespace, ()))
         loop.seen_pods = {p.uid for p in pods}
-        try:
-            wire = policy_from_spec(ref.spec, uid=ref.uid, name=ref.key, generation=ref.generation)
-            invalid = None
-        except PolicyError as err:
-            wire, invalid = None, f"{err.field}: {err.message}"
+        loop.seen_targets = {p.control_target for p in pods if p.address}
+        invalid = selector_error(ref.spec.get("selector"))
+        wire = None
+        if invalid is None:
+            try:
+                wire = policy_from_spec(ref.spec, uid=ref.uid, name=ref.key,
+                                        generation=ref.generation)
+                max_unavailable, deadline = rollout_settings(ref.spec, len(pods))
+            except PolicyError as err:
+                wire, invalid = None, f"{err.field}: {err.message}"
+            except ValueError as err:
+                wire, invalid = None, f"spec.rollout: {err}"
 
+        observations: list[WorkerObservation] = []
+        plan: RolloutPlan | None = None
+        rollout: dict[str, Any] | None = None
+        fired: dict[str, list[str]] = {PUSH: [], RELOAD: []}
         if wire is None:
-            results = [SyncResult(WorkerObservation(p.key, WorkerState.PENDING, "not pushed"))
-                       for p in pods]
+            observations = [WorkerObservation(p.key, WorkerState.PENDING, "not pushed")
+                            for p in pods]
         else:
-            rivals = list(self.policies.get(ref.namespace, ()))
+            self._remember_capture_key(wire)
+            everyone = self._all_policies()
+            mine: list[WorkerPod] = []
+            for pod in pods:
+                rival = senior_claimant(ref, pod, everyone, self.pods,
+                                        holder=self._holder(pod))
+                if rival is None:
+                    mine.append(pod)
+                    continue
+                other, via = rival
+                where = "" if via.uid == pod.uid else f" through pod {via.key} at {pod.control_target}"
+                observations.append(WorkerObservation(
+                    pod.key, WorkerState.CONFLICT,
+                    f"also claimed by the older policy {other.key}{where}, which keeps it; "
+                    "not pushed"))
+            reads = [t for p in mine if p.running
+                     and (t := self._start_read(p, self._track(p))) is not None]
+            if reads:
+                _, late = await asyncio.wait(reads, timeout=self.read_wait)
+                for pod in mine:
+                    track = self.tracks.get(pod.uid)
+                    if track is not None and track.read in late:
+                        track.read_orphaned = True
+            now = time.monotonic()
             recapture = ref.spec.get("onModelRevisionChange", "Recapture") == "Recapture"
-            results = await asyncio.gather(
-                *(self._sync(ref, wire, pod, rivals, recapture) for pod in pods)
-            )
-        observations = [r.observation for r in results]
-        await self._write_status(loop, ref, observations, invalid)
-        self._post_events(loop, ref, results, invalid)
+            views = {}
+            for pod in mine:
+                track = self._track(pod)
+                settle(track)
+                obs, view = classify(
+                    pod, track, wire, want_revision=pod.model_revision if recapture else "",
+                    recaptures=self._recaptures(track.status, wire), now=now, deadline=deadline)
+                observations.append(obs)
+                views[pod.key] = (pod, track, view)
+            plan = plan_rollout([v for _, _, v in views.values()], max_unavailable)
+            for name in plan.push:
+                pod, track, _ = views[name]
+                self._start_push(pod, track, wire)
+                fired[PUSH].append(name)
+            for name in plan.reload:
+                pod, track, _ = views[name]
+                self._start_reload(pod, track, pod.model_revision)
+                fired[RELOAD].append(f"{name} ({pod.model_revision})")
+            waiting = set(plan.waiting)
+            observations = [
+                WorkerObservation(**{**o.__dict__, "message": (
+                    f"waiting for its turn in the rollout ({o.message})")})
+                if o.name in waiting and o.state == WorkerState.PENDING else o
+                for o in observations]
+            updated = sum(1 for o in observations if o.state == WorkerState.CAPTURED)
+            rollout = rollout_status(plan, updated=updated, total=len(mine))
+
+        await self._write_status(loop, ref, observations, invalid, rollout, plan)
+        self._post_events(loop, ref, observations, fired, invalid, plan)
         await self.client.prune(self._live_targets())
 
         counts = Counter(str(o.state) for o in observations)
         metrics.set_worker_states(ref.namespace, ref.name, dict(counts), _STATES)
         metrics.RECONCILE_SECONDS.observe(time.monotonic() - started)
-        pending = any(o.state == WorkerState.PENDING for o in observations)
-        if pending and invalid is None:
+        busy = any(not t.settled or t.busy() for p in pods
+                   if (t := self.tracks.get(p.uid)) is not None)
+        pending = any(o.state in (WorkerState.PENDING, WorkerState.STARTING)
+                      for o in observations)
+        if (pending or busy) and invalid is None:
             return min(self.interval, FOLLOW_UP_SECONDS)
         return self.interval
 
-    async def _sync(self, ref: PolicyRef, wire: Any, pod: WorkerPod,
-                    rivals: list[PolicyRef], recapture: bool) -> SyncResult:
-        rival = senior_claimant(ref, pod, rivals)
-        if rival is not None:
-            return SyncResult(WorkerObservation(
-                pod.key, WorkerState.CONFLICT,
-                f"also selected by the older policy {rival.name}, which keeps it; not pushed"))
-        async with self._limit:
-            return await sync_worker(self.client, pod, wire, recapture_on_revision=recapture,
-                                     load_attempts=self._load_attempts, rejections=self._rejections)
-
     async def _write_status(self, loop: PolicyLoop, ref: PolicyRef,
-                            observations: list[WorkerObservation], invalid: str | None) -> None:
+                            observations: list[WorkerObservation], invalid: str | None,
+                            rollout: dict[str, Any] | None, plan: RolloutPlan | None) -> None:
         previous = loop.last_status if loop.last_status is not None else dict(ref.status)
         status = build_status(generation=ref.generation, observations=observations,
-                              previous=previous, now=datetime.now(UTC), invalid=invalid)
+                              previous=previous, now=datetime.now(UTC), invalid=invalid,
+                              rollout=rollout)
         if status == previous:
             return
         await self.kube.patch_policy_status(ref.namespace, ref.name,
@@ -234,22 +439,20 @@ class Reconciler:
         metrics.STATUS_WRITES.inc()
         loop.last_status = status
 
-    def _post_events(self, loop: PolicyLoop, ref: PolicyRef, results: list[SyncResult],
-                     invalid: str | None) -> None:
+    def _post_events(self, loop: PolicyLoop, ref: PolicyRef,
+                     observations: list[WorkerObservation], fired: dict[str, list[str]],
+                     invalid: str | None, plan: RolloutPlan | None) -> None:
         """Events for what a person wants to see, one per kind per run (never one per worker)."""
         body = ref.body()
-        pushed = [r.observation.name for r in results if r.pushed == "applied"]
-        if pushed:
+        if fired[PUSH]:
             self._event(body, "Normal", "PolicyPushed",
-                        f"pushed generation {ref.generation} to {_names(pushed)}")
-        loaded = [f"{r.observation.name} ({r.loaded})" for r in results if r.loaded]
-        if loaded:
+                        f"pushed generation {ref.generation} to {_names(fired[PUSH])}")
+        if fired[RELOAD]:
             self._event(body, "Normal", "ModelRevisionLoad",
-                        f"asked to load a new model revision: {_names(loaded)}")
+                        f"asked to load a new model revision: {_names(fired[RELOAD])}")
         fresh: dict[WorkerState, list[WorkerObservation]] = {}
         states: dict[str, WorkerState] = {}
-        for r in results:
-            o = r.observation
+        for o in observations:
             states[o.name] = o.state
             if o.state in _EVENT_FOR_STATE and loop.worker_states.get(o.name) != o.state:
                 fresh.setdefault(o.state, []).append(o)
@@ -257,6 +460,14 @@ class Reconciler:
             detail = "; ".join(f"{o.name}: {o.message}" for o in obs[:3])
             more = f"; and {len(obs) - 3} more" if len(obs) > 3 else ""
             self._event(body, "Warning", _EVENT_FOR_STATE[state], detail + more)
+        paused = plan.failed if plan is not None and plan.paused else ()
+        if paused and not loop.paused:
+            self._event(body, "Warning", "RolloutPaused",
+                        f"generation {ref.generation}: not handed to more workers until "
+                        f"{_names(list(paused))} recover(s) or the spec changes")
+        elif loop.paused and not paused and plan is not None:
+            self._event(body, "Normal", "RolloutResumed", f"generation {ref.generation}")
+        loop.paused = paused
         if invalid is not None and loop.invalid != invalid:
             self._event(body, "Warning", "InvalidPolicy", invalid)
         loop.invalid = invalid
@@ -272,7 +483,8 @@ class Reconciler:
             logger.debug("could not post an Event", exc_info=True)
 
     def _live_targets(self) -> set[str]:
-        return {p.target for pods in self.pods.values() for p in pods if p.running}
+        return {t for pods in self.pods.values() for p in pods if p.running
+                for t in (p.control_target, p.target)}
 
 
 def _names(names: list[str]) -> str:

@@ -7,6 +7,7 @@ instead of listing pods per event.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,6 +31,9 @@ class WorkerPod:
     deleting: bool = False
     model_source: str = ""
     model_revision: str = ""
+    #: The GraphControl port: the container port named ``control``, else the gRPC port (old
+    #: workers served GraphControl beside inference).
+    control_port: int = 0
 
     @property
     def key(self) -> str:
@@ -38,7 +42,13 @@ class WorkerPod:
 
     @property
     def target(self) -> str:
+        """The inference address (``grpc`` port)."""
         return f"{self.address}:{self.port}"
+
+    @property
+    def control_target(self) -> str:
+        """Where GraphControl answers; two pods with the same one are the same worker."""
+        return f"{self.address}:{self.control_port or self.port}"
 
     @property
     def running(self) -> bool:
@@ -47,7 +57,7 @@ class WorkerPod:
 
     def fingerprint(self) -> tuple:
         """What, when it changes, may need the policy pushed again or a model reloaded."""
-        return (self.address, self.port, self.phase, self.ready, self.restarts, self.deleting,
+        return (self.address, self.port, self.control_port, self.phase, self.ready, self.restarts, self.deleting,
                 self.model_source, self.model_revision, tuple(sorted(self.labels.items())))
 
 
@@ -63,6 +73,15 @@ def grpc_port(pod: Mapping[str, Any]) -> int:
     if value.isdigit() and 0 < int(value) < 65536:
         return int(value)
     return naming.DEFAULT_GRPC_PORT
+
+
+def control_port(pod: Mapping[str, Any]) -> int:
+    """The container port named ``control``; 0 when none is declared (an old worker)."""
+    for container in (pod.get("spec") or {}).get("containers") or []:
+        for port in container.get("ports") or []:
+            if port.get("name") == naming.CONTROL_PORT_NAME and port.get("containerPort"):
+                return int(port["containerPort"])
+    return 0
 
 
 def worker_from_pod(pod: Mapping[str, Any]) -> WorkerPod:
@@ -86,6 +105,7 @@ def worker_from_pod(pod: Mapping[str, Any]) -> WorkerPod:
         deleting=bool(meta.get("deletionTimestamp")),
         model_source=str(annotations.get(naming.MODEL_SOURCE_ANNOTATION, "")),
         model_revision=str(annotations.get(naming.MODEL_REVISION_ANNOTATION, "")),
+        control_port=control_port(pod),
     )
 
 
@@ -139,8 +159,15 @@ class PolicyRef:
 
     @property
     def seniority(self) -> tuple[str, str]:
-        """Older policies win contested pods; the name breaks ties within one second."""
-        return (self.created, self.name)
+        """Older policies win contested workers. ``creationTimestamp`` has one-second resolution,
+        so the uid breaks ties: arbitrary, but the same answer for both rivals, every time."""
+        return (self.created, self.uid)
+
+    def rank(self, holder: str = "") -> tuple[str, bool, str]:
+        """Seniority for one worker: within one creation second, the policy the worker already
+        holds (``holder``, its reported policy uid) comes first, so a policy created a few
+        milliseconds later never takes a worker over; then the uid."""
+        return (self.created, self.uid != holder, self.uid)
 
     def selects(self, pod: WorkerPod) -> bool:
         return pod.namespace == self.namespace and selector_matches(
@@ -185,16 +212,92 @@ def selected_workers(policy: PolicyRef, pods: Iterable[WorkerPod]) -> list[Worke
 
 
 def senior_claimant(
-    policy: PolicyRef, pod: WorkerPod, policies: Iterable[PolicyRef]
-) -> PolicyRef | None:
-    """The oldest other policy that also selects ``pod`` and is older than ``policy``, if any.
+    policy: PolicyRef,
+    pod: WorkerPod,
+    policies: Iterable[PolicyRef],
+    pods_by_namespace: Mapping[str, Iterable[WorkerPod]] | None = None,
+    holder: str = "",
+) -> tuple[PolicyRef, WorkerPod] | None:
+    """The most senior other policy that claims the worker behind ``pod``, if it is senior to
+    ``policy``; with the pod through which it claims it.
 
-    When two policies select one pod, the older keeps it and the younger is Degraded/Conflict
-    for that pod; which one is older never changes, so the two never take turns.
+    A worker is claimed through any pod that points at its GraphControl address, in any
+    namespace: two policies whose pods share an address push to one process, so only one may.
+    ``pods_by_namespace`` (every pod the operator knows) finds those other pods; without it only
+    ``pod`` itself is considered. ``holder`` is the policy uid the worker reports holding (see
+    ``PolicyRef.rank``). Which policy is senior does not change while the worker holds one of
+    them, so they never take turns.
     """
+    same = [pod]
+    if pods_by_namespace is not None and pod.address:
+        same += [p for ps in pods_by_namespace.values() for p in ps
+                 if p.uid != pod.uid and p.address and not p.deleting
+                 and p.control_target == pod.control_target]
     rivals = [
-        p for p in policies
+        (p, q) for p in policies for q in same
         if p.uid != policy.uid and not p.deleting
-        and p.seniority < policy.seniority and p.selects(pod)
+        and p.rank(holder) < policy.rank(holder) and p.selects(q)
     ]
-    return min(rivals, key=lambda p: p.seniority, default=None)
+    return min(rivals, key=lambda pq: pq[0].rank(holder), default=None)
+
+
+# --- selector validation ----------------------------------------------------------------------
+
+_NAME_RE = re.compile(r"^([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]$")
+_DNS_SUBDOMAIN_RE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+_OPERATORS = ("In", "NotIn", "Exists", "DoesNotExist")
+
+
+def label_key_error(key: Any) -> str | None:
+    """Why ``key`` is not a valid label key (``[prefix/]name``), or None."""
+    if not isinstance(key, str) or not key:
+        return "a label key must be a non-empty string"
+    prefix, slash, name = key.rpartition("/")
+    if slash and (not prefix or len(prefix) > 253 or not _DNS_SUBDOMAIN_RE.match(prefix)):
+        return f"label key {key!r}: the prefix must be a DNS subdomain of at most 253 characters"
+    if len(name) > 63 or not _NAME_RE.match(name):
+        return (f"label key {key!r}: the name must be at most 63 characters of [A-Za-z0-9-_.], "
+                "starting and ending with a letter or digit")
+    return None
+
+
+def label_value_error(value: Any) -> str | None:
+    """Why ``value`` is not a valid label value (empty is valid), or None."""
+    if not isinstance(value, str):
+        return f"label value {value!r} must be a string"
+    if value and (len(value) > 63 or not _NAME_RE.match(value)):
+        return (f"label value {value!r} must be at most 63 characters of [A-Za-z0-9-_.], "
+                "starting and ending with a letter or digit")
+    return None
+
+
+def selector_error(selector: Mapping[str, Any] | None) -> str | None:
+    """Why a policy's selector can never select anything (a message naming the field), or None.
+
+    The API server checks a selector's shape; label syntax it leaves to us, and a selector with
+    an invalid key would otherwise select nothing, silently.
+    """
+    if not selector:
+        return "spec.selector: must not be empty"
+    for key, value in (selector.get("matchLabels") or {}).items():
+        why = label_key_error(key) or label_value_error(value)
+        if why:
+            return f"spec.selector.matchLabels: {why}"
+    for i, expr in enumerate(selector.get("matchExpressions") or []):
+        field = f"spec.selector.matchExpressions[{i}]"
+        why = label_key_error(expr.get("key"))
+        if why:
+            return f"{field}.key: {why}"
+        op = expr.get("operator")
+        if op not in _OPERATORS:
+            return f"{field}.operator: {op!r} is not one of {', '.join(_OPERATORS)}"
+        values = expr.get("values") or []
+        if op in ("In", "NotIn") and not values:
+            return f"{field}.values: operator {op} needs at least one value"
+        if op in ("Exists", "DoesNotExist") and values:
+            return f"{field}.values: operator {op} takes no values"
+        for j, value in enumerate(values):
+            why = label_value_error(value)
+            if why:
+                return f"{field}.values[{j}]: {why}"
+    return None

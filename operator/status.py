@@ -78,11 +78,13 @@ def build_status(
     previous: Mapping[str, Any] | None,
     now: datetime,
     invalid: str | None = None,
+    rollout: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The whole ``.status`` for a policy at ``generation``.
 
     ``previous`` is the status as last written (for transition times and the last failure);
-    ``invalid`` is the operator's own validation message when the spec cannot be pushed.
+    ``invalid`` is the operator's own validation message when the spec cannot be pushed;
+    ``rollout`` is ``rollout.rollout_status`` (counts, and whether a failure paused it).
     """
     previous = previous or {}
     workers = sorted(observations, key=lambda o: (not o.failed, o.state != WorkerState.PENDING,
@@ -92,7 +94,7 @@ def build_status(
     waiting = [o for o in workers if o.state in (WorkerState.PENDING, WorkerState.STARTING)]
     selected = len(workers)
 
-    conditions = _conditions(generation, selected, captured, waiting, failed, invalid)
+    conditions = _conditions(generation, selected, captured, waiting, failed, invalid, rollout)
     old = {c.get("type"): c for c in previous.get("conditions") or []}
     stamp = rfc3339(now)
     for cond in conditions:
@@ -111,6 +113,8 @@ def build_status(
         "workers": [_summary(o) for o in workers[:MAX_WORKER_SUMMARIES]],
         "conditions": conditions,
     }
+    if rollout is not None and invalid is None:
+        status["rollout"] = dict(rollout)
     last = _last_failure(failed, invalid, previous.get("lastFailure"), stamp)
     if last is not None:
         status["lastFailure"] = last
@@ -124,6 +128,7 @@ def _conditions(
     waiting: list[WorkerObservation],
     failed: list[WorkerObservation],
     invalid: str | None,
+    rollout: Mapping[str, Any] | None = None,
 ) -> list[dict[str, Any]]:
     def cond(kind: str, ok: bool, reason: str, message: str) -> dict[str, Any]:
         return {"type": kind, "status": "True" if ok else "False", "reason": reason,
@@ -146,9 +151,17 @@ def _conditions(
         ready = cond("Ready", True, "AllWorkersCaptured", done)
     else:
         ready = cond("Ready", False, "WorkersNotCaptured", done)
-    if waiting:
+    paused = bool(rollout and rollout.get("paused"))
+    if paused:
+        stuck = [o for o in failed if o.state == WorkerState.CAPTURE_FAILED] or failed
+        progressing = cond("Progressing", False, "RolloutPaused",
+                           f"rollout paused: {_names(stuck)} failed to capture or load; no "
+                           f"further worker is changed until it recovers or the spec changes "
+                           f"({done})")
+    elif waiting:
+        unavailable = f", at most {rollout['maxUnavailable']} at a time" if rollout else ""
         progressing = cond("Progressing", True, "WaitingForWorkers",
-                           f"waiting for {_names(waiting)} ({done})")
+                           f"waiting for {_names(waiting)} ({done}{unavailable})")
     elif failed:
         progressing = cond("Progressing", False, "Blocked",
                            f"no progress possible until the failing workers recover ({done})")

@@ -1,21 +1,26 @@
-"""Bringing one worker to a policy: read its status, push only what it lacks, then classify it.
+"""One worker as the operator knows it: its last status, the calls under way, and what it means.
 
 Reading before writing is what makes the operator safe to restart: a worker that already holds
-the policy's generation is never pushed again, so a resumed operator repeats nothing. The same
-rule makes a restarted worker (which lost its in-memory policy, or booted from the ConfigMap)
-get exactly one push.
+the policy's generation (or has it pending) is never pushed again, so a resumed operator
+repeats nothing, and a restarted worker gets exactly one push.
+
+Each worker has its own ``Track``: status reads, pushes and model reloads run as tasks of their
+own with their own deadlines, so a slow or dead worker delays only itself. ``classify`` (pure)
+turns a track into the worker's observation for ``.status`` and its view for the rollout
+planner. A worker holds a generation only when it reports it adopted (``policy_uid`` and
+``policy_generation``) and is READY; a revision only when ``model_revision`` matches and it is
+READY.
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import MutableMapping
+import asyncio
 from dataclasses import dataclass, field
 
-from graphkeeper.operator import metrics
+from graphkeeper.operator.rollout import RolloutWorker
 from graphkeeper.operator.selection import WorkerPod
 from graphkeeper.operator.status import WorkerObservation, WorkerState
-from graphkeeper.operator.workerclient import ErrorKind, GraphControlClient, WorkerError
+from graphkeeper.operator.workerclient import ErrorKind, WorkerError
 from graphkeeper.proto import worker_pb2 as pb
 from graphkeeper.proto.policy import MODE_BY_NAME
 
@@ -27,31 +32,78 @@ REJECTED_RETRY_SECONDS = 60.0
 _MODE_NAME = {v: k for k, v in MODE_BY_NAME.items()}
 _BUSY = (pb.LIFECYCLE_STATE_LOADING, pb.LIFECYCLE_STATE_RECAPTURING)
 
+PUSH, RELOAD = "push", "reload"
+
 
 @dataclass
-class SyncResult:
-    observation: WorkerObservation
-    pushed: str = ""  # ApplyGraphPolicy outcome when a push was made: applied, unchanged, ...
-    loaded: str = ""  # the revision a LoadModelRevision was asked for
+class Track:
+    """What the operator knows of one worker between runs (kept per pod uid)."""
+
+    status: pb.GraphStatus | None = None
+    #: The last read's failure, when it is newer than ``status``.
+    error: WorkerError | None = None
+    #: Monotonic time the last completed read was started.
+    read_at: float = 0.0
+    read: asyncio.Task | None = None
+    #: Set when the run that started ``read`` stopped waiting for it: its end wakes the loops.
+    read_orphaned: bool = False
+    #: The last push or reload: kind, goal ("uid/generation" or a revision), start and end.
+    action: asyncio.Task | None = None
+    action_kind: str = ""
+    action_goal: str = ""
+    action_started: float = 0.0
+    action_done_at: float = 0.0
+    action_error: WorkerError | None = None
+    #: False from an action's start until a later read shows the worker READY with nothing
+    #: pending: until then the worker counts as unavailable in the rollout.
+    settled: bool = True
+    #: (policy uid, generation, message, time) of the last push the worker refused.
+    rejected: tuple[str, int, str, float] | None = None
+    #: (revision, time) of the last reload asked for, and its failure message if it failed.
+    load_attempt: tuple[str, float] | None = None
+    load_failure: tuple[str, str] | None = None
     notes: list[str] = field(default_factory=list)
+
+    def busy(self) -> bool:
+        return self.action is not None and not self.action.done()
+
+
+def goal_of(policy: pb.GraphPolicy) -> str:
+    return f"{policy.policy_uid}/{policy.generation}"
 
 
 def holds(status: pb.GraphStatus, policy: pb.GraphPolicy) -> bool:
-    """Whether the worker holds exactly this policy generation."""
+    """Whether the worker has adopted exactly this policy generation (READY or not)."""
     return status.policy_uid == policy.policy_uid and status.policy_generation == policy.generation
+
+
+def has_pending(status: pb.GraphStatus, policy: pb.GraphPolicy) -> bool:
+    return (status.pending_policy_uid == policy.policy_uid
+            and status.pending_policy_generation == policy.generation)
 
 
 def lifecycle_name(state: int) -> str:
     return pb.LifecycleState.Name(state).removeprefix("LIFECYCLE_STATE_")
 
 
+def settle(track: Track) -> None:
+    """Marks an action settled once a read started after it ended shows nothing under way."""
+    if track.settled or track.busy() or track.status is None:
+        return
+    s = track.status
+    if (track.read_at >= track.action_done_at and s.state == pb.LIFECYCLE_STATE_READY
+            and not s.pending_policy_uid and not s.pending_model_revision):
+        track.settled = True
+
+
 def observe(pod: WorkerPod, status: pb.GraphStatus, policy: pb.GraphPolicy,
             want_revision: str = "", message: str = "") -> WorkerObservation:
-    """Classifies a worker from its GraphStatus (pure)."""
+    """Classifies a worker from its GraphStatus alone (pure)."""
     state = WorkerState.PENDING
+    ready = status.state == pb.LIFECYCLE_STATE_READY
     failed_sizes = [s for s in status.skipped
                     if s.reason == pb.FALLBACK_REASON_SIZE_CAPTURE_FAILED]
-    if holds(status, policy) and status.state == pb.LIFECYCLE_STATE_READY:
+    if holds(status, policy) and ready:
         if failed_sizes:
             state = WorkerState.CAPTURE_FAILED
             message = message or "capture failed for sizes " + ", ".join(
@@ -61,14 +113,20 @@ def observe(pod: WorkerPod, status: pb.GraphStatus, policy: pb.GraphPolicy,
                                   f"pod asks for {want_revision!r}")
         else:
             state = WorkerState.CAPTURED
-    elif holds(status, policy) and status.last_error and status.state not in _BUSY:
+    elif (holds(status, policy) and status.last_error and status.state not in _BUSY
+          and not status.pending_policy_uid):
         state = WorkerState.CAPTURE_FAILED
         message = message or status.last_error
     elif not message:
-        message = (f"{lifecycle_name(status.state)}, holds generation {status.policy_generation}"
-                   if status.policy_uid == policy.policy_uid
-                   else f"{lifecycle_name(status.state)}, holds another policy"
-                   if status.policy_uid else f"{lifecycle_name(status.state)}, holds no policy")
+        if has_pending(status, policy):
+            message = f"{lifecycle_name(status.state)}, capturing generation {policy.generation}"
+        elif status.policy_uid == policy.policy_uid:
+            message = (f"{lifecycle_name(status.state)}, holds generation "
+                       f"{status.policy_generation}")
+        elif status.policy_uid:
+            message = f"{lifecycle_name(status.state)}, holds another policy"
+        else:
+            message = f"{lifecycle_name(status.state)}, holds no policy"
     steps = status.graph_steps + status.eager_steps
     return WorkerObservation(
         name=pod.key,
@@ -84,108 +142,129 @@ def observe(pod: WorkerPod, status: pb.GraphStatus, policy: pb.GraphPolicy,
     )
 
 
-async def sync_worker(
-    client: GraphControlClient,
+def classify(
     pod: WorkerPod,
+    track: Track,
     policy: pb.GraphPolicy,
     *,
-    recapture_on_revision: bool,
-    load_attempts: MutableMapping[str, tuple[str, float]],
-    rejections: MutableMapping[str, tuple[str, int, str, float]] | None = None,
-) -> SyncResult:
-    """Reads the worker, pushes the policy if it lacks it, reloads the model if asked to.
+    want_revision: str,
+    recaptures: bool,
+    now: float,
+    deadline: float,
+) -> tuple[WorkerObservation, RolloutWorker]:
+    """The worker's observation for ``.status`` and its view for ``plan_rollout`` (pure).
 
-    ``rejections`` remembers, per pod uid, the (policy uid, generation, message, time) a worker
-    refused, so a worker that keeps refusing is not pushed the same generation every interval.
+    ``recaptures``: whether moving from what the worker holds to ``policy`` recaptures graphs
+    (False when only tenant toggles differ). ``deadline``: seconds a push or reload may take to
+    settle before the worker counts as failed.
     """
     if not pod.running:
         why = "is being deleted" if pod.deleting else f"is {pod.phase or 'Pending'}"
-        return SyncResult(WorkerObservation(pod.key, WorkerState.STARTING, f"pod {why}"))
-    try:
-        status = await _read(client, pod)
-    except WorkerError as err:
-        return SyncResult(_unreachable(pod, err))
-    result = SyncResult(WorkerObservation(pod.key, WorkerState.PENDING))
+        return (WorkerObservation(pod.key, WorkerState.STARTING, f"pod {why}"),
+                RolloutWorker(pod.key, available=False, blocked=True))
+    s = track.status
+    if track.error is not None or s is None:
+        if track.error is None:
+            obs = WorkerObservation(pod.key, WorkerState.PENDING, "status not read yet")
+        else:
+            obs = _unreachable(pod, track.error)
+        return obs, RolloutWorker(pod.key, available=False, blocked=True)
 
-    if not holds(status, policy):
-        if status.policy_uid == policy.policy_uid and status.policy_generation > policy.generation:
-            # Our watch has not caught up with a newer generation the worker already holds.
-            result.observation = observe(pod, status, policy, message="operator view is stale")
-            return result
-        refused = (rejections or {}).get(pod.uid)
-        if (refused is not None and refused[:2] == (policy.policy_uid, policy.generation)
-                and time.monotonic() - refused[3] < REJECTED_RETRY_SECONDS):
-            result.observation = _rejected(observe(pod, status, policy), refused[2])
-            return result
-        try:
-            reply = await client.apply_policy(pod.target, policy)
-        except WorkerError as err:
-            outcome = {ErrorKind.REJECTED: "rejected", ErrorKind.STALE: "stale",
-                       ErrorKind.UNREACHABLE: "unreachable"}.get(err.kind, "error")
-            metrics.PUSHES.labels(outcome=outcome).inc()
-            result.pushed = outcome
-            if err.kind is ErrorKind.UNREACHABLE:
-                result.observation = _unreachable(pod, err)
-            elif err.kind is ErrorKind.STALE:
-                result.observation = observe(pod, status, policy, message=err.message)
-            else:
-                if rejections is not None and err.kind is ErrorKind.REJECTED:
-                    rejections[pod.uid] = (policy.policy_uid, policy.generation, err.message, time.monotonic())
-                result.observation = _rejected(observe(pod, status, policy), err.message)
-            return result
-        if rejections is not None:
-            rejections.pop(pod.uid, None)
-        result.pushed = "unchanged" if reply.unchanged else "applied"
-        metrics.PUSHES.labels(outcome=result.pushed).inc()
-        try:
-            status = await _read(client, pod)
-        except WorkerError as err:
-            result.observation = _unreachable(pod, err)
-            return result
+    goal = goal_of(policy)
+    in_flight = not track.settled
+    adopted = holds(s, policy)
+    ready = s.state == pb.LIFECYCLE_STATE_READY
+    stale = s.policy_uid == policy.policy_uid and s.policy_generation > policy.generation
+    pushing = (has_pending(s, policy)
+               or (in_flight and track.action_kind == PUSH and track.action_goal == goal))
+    needs_push = not adopted and not pushing and not stale
+    reloading = (s.pending_model_revision == want_revision
+                 or (in_flight and track.action_kind == RELOAD
+                     and track.action_goal == want_revision))
+    needs_reload = bool(want_revision) and s.model_revision != want_revision and not reloading
+    observation = observe(pod, s, policy, want_revision,
+                          message="operator view is stale" if stale else "")
+    failed = observation.state == WorkerState.CAPTURE_FAILED
+    blocked = False
 
-    want = pod.model_revision if recapture_on_revision else ""
-    if want and status.model_revision != want and status.state not in _BUSY:
-        last = load_attempts.get(pod.uid)
-        if last is None or last[0] != want or time.monotonic() - last[1] > MODEL_LOAD_RETRY_SECONDS:
-            load_attempts[pod.uid] = (want, time.monotonic())
-            result.loaded = want
-            try:
-                source = pod.model_source or await _current_source(client, pod)
-                await client.load_model_revision(pod.target, source, want)
-                metrics.MODEL_LOADS.labels(outcome="ok").inc()
-                status = await _read(client, pod)
-            except WorkerError as err:
-                metrics.MODEL_LOADS.labels(outcome=str(err.kind).lower()).inc()
-                failed = observe(pod, status, policy, want)
-                result.observation = WorkerObservation(**{
-                    **failed.__dict__, "state": WorkerState.CAPTURE_FAILED,
-                    "message": f"loading model revision {want!r} failed: {err.message}"})
-                return result
-    result.observation = observe(pod, status, policy, want)
-    return result
-
-
-async def _read(client: GraphControlClient, pod: WorkerPod) -> pb.GraphStatus:
-    try:
-        status = await client.get_status(pod.target)
-    except WorkerError as err:
-        metrics.STATUS_READS.labels(outcome=str(err.kind).lower()).inc()
-        raise
-    metrics.STATUS_READS.labels(outcome="ok").inc()
-    return status
+    refused = track.rejected
+    if (needs_push and refused is not None
+            and refused[:2] == (policy.policy_uid, policy.generation)
+            and now - refused[3] < REJECTED_RETRY_SECONDS):
+        observation = _with(observation, WorkerState.REJECTED, refused[2])
+        blocked = True
+    if (not failed and not in_flight and track.action_kind == PUSH and track.action_goal == goal
+            and not adopted and ready and s.last_error):
+        # Pushed, settled, and the worker kept what it had: the capture of ``goal`` failed.
+        failed = True
+        observation = _with(observation, WorkerState.CAPTURE_FAILED,
+                            f"capturing generation {policy.generation} failed: {s.last_error}")
+    if want_revision and s.model_revision != want_revision:
+        attempt = track.load_attempt
+        recent = (attempt is not None and attempt[0] == want_revision
+                  and now - attempt[1] < MODEL_LOAD_RETRY_SECONDS)
+        if recent and not reloading:
+            needs_reload = False  # asked recently; not again so soon
+        if (track.load_failure is not None and track.load_failure[0] == want_revision
+                and not reloading):
+            failed = True
+            observation = _with(observation, WorkerState.CAPTURE_FAILED,
+                                f"loading model revision {want_revision!r} failed: "
+                                f"{track.load_failure[1]}")
+    if in_flight and now - track.action_started > deadline and (
+            track.action_goal in (goal, want_revision)):
+        failed = True
+        what = (f"generation {policy.generation}" if track.action_kind == PUSH
+                else f"model revision {track.action_goal!r}")
+        observation = _with(observation, WorkerState.CAPTURE_FAILED,
+                            f"did not report READY with {what} within {deadline:g}s "
+                            f"({lifecycle_name(s.state)})")
+    view = RolloutWorker(
+        name=pod.key,
+        available=ready and not in_flight,
+        needs_push=needs_push and not failed,
+        push_recaptures=recaptures,
+        needs_reload=needs_reload and not failed,
+        failed=failed,
+        blocked=blocked,
+    )
+    return observation, view
 
 
-async def _current_source(client: GraphControlClient, pod: WorkerPod) -> str:
-    """The model source the worker serves now (for a pod that names only a revision)."""
-    info = await client.model_info(pod.target)
-    return info.source
+def record_action(track: Track, kind: str, goal: str, now: float) -> None:
+    """Bookkeeping when a push or reload is started."""
+    track.action_kind, track.action_goal = kind, goal
+    track.action_started, track.action_done_at = now, 0.0
+    track.action_error = None
+    track.settled = False
+    if kind == RELOAD:
+        track.load_attempt = (goal, now)
+        track.load_failure = None
 
 
-def _rejected(observation: WorkerObservation, message: str) -> WorkerObservation:
-    return WorkerObservation(**{**observation.__dict__, "state": WorkerState.REJECTED, "message": message})
+def finish_action(track: Track, policy: pb.GraphPolicy | None, error: WorkerError | None,
+                  now: float) -> str:
+    """Bookkeeping when a push or reload ended; returns its outcome label for metrics."""
+    track.action_done_at = now
+    track.action_error = error
+    if error is None:
+        if track.action_kind == PUSH:
+            track.rejected = None
+        return "ok"
+    if track.action_kind == RELOAD:
+        track.load_failure = (track.action_goal, error.message)
+        return str(error.kind).lower()
+    if error.kind is ErrorKind.REJECTED and policy is not None:
+        track.rejected = (policy.policy_uid, policy.generation, error.message, now)
+    return {ErrorKind.REJECTED: "rejected", ErrorKind.STALE: "stale",
+            ErrorKind.UNREACHABLE: "unreachable"}.get(error.kind, "error")
+
+
+def _with(observation: WorkerObservation, state: WorkerState, message: str) -> WorkerObservation:
+    return WorkerObservation(**{**observation.__dict__, "state": state, "message": message})
 
 
 def _unreachable(pod: WorkerPod, err: WorkerError) -> WorkerObservation:
     # A pod that is not ready yet is expected not to answer; a ready one is failing.
     state = WorkerState.UNREACHABLE if pod.ready else WorkerState.STARTING
-    return WorkerObservation(pod.key, state, f"{pod.target}: {err.message}")
+    return WorkerObservation(pod.key, state, f"{pod.control_target}: {err.message}")

@@ -10,7 +10,9 @@ simulation, never a substitute for the real worker in a claim about the worker.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -22,37 +24,87 @@ from graphkeeper.proto.policy import PolicyError, validate_policy
 
 @dataclass
 class FakeWorkerState:
-    policy: pb.GraphPolicy | None = None
+    policy: pb.GraphPolicy | None = None  # adopted
+    pending_policy: pb.GraphPolicy | None = None
     model_source: str = "random:tiny"
     model_revision: str = "rev-0"
+    pending_revision: str = ""
     state: int = pb.LIFECYCLE_STATE_READY
     max_num_batched_tokens: int | None = 64
     capture_seconds: float = 0.0
+    load_seconds: float = 0.0
+    #: A policy listing any of these sizes "fails" to capture them (SIZE_CAPTURE_FAILED).
+    fail_sizes: frozenset[int] = frozenset()
+    last_error: str = ""
+    skipped: list = field(default_factory=list)
+    #: When set, every GraphControl call must carry ``authorization: Bearer <token>``.
+    token: str = ""
     calls: Counter = field(default_factory=Counter)
+    #: (unix time, lifecycle state name) at each change: the stand-in's own lifecycle report.
+    transitions: list = field(default_factory=list)
+    on_transition: Callable[[float, str], None] | None = None
+
+    def set_state(self, state: int) -> None:
+        if state == self.state:
+            return
+        self.state = state
+        stamp, name = time.time(), pb.LifecycleState.Name(state).removeprefix("LIFECYCLE_STATE_")
+        self.transitions.append((stamp, name))
+        if self.on_transition is not None:
+            self.on_transition(stamp, name)
+
+
+def _capture_key(policy: pb.GraphPolicy | None) -> bytes:
+    if policy is None:
+        return b""
+    return b"|".join((str(policy.mode).encode(),
+                      policy.capture_sizes.SerializeToString(deterministic=True),
+                      str(policy.memory_budget_bytes).encode()))
 
 
 class FakeGraphControl(pb_grpc.GraphControlServicer, pb_grpc.InferenceWorkerServicer):
-    """GraphControl (and GetModelInfo) with the worker's semantics and no model."""
+    """GraphControl (and GetModelInfo) with the worker's semantics and no model.
+
+    Like the worker, a pushed policy is pending until its capture ends (``capture_seconds``,
+    RECAPTURING meanwhile), and only then adopted; a policy that differs from the adopted one
+    only in tenant toggles is adopted at once. A reload is LOADING for ``load_seconds``, then
+    recaptures, and LoadModelRevision answers only when the revision serves.
+    """
 
     def __init__(self, state: FakeWorkerState | None = None) -> None:
         self.state = state or FakeWorkerState()
         self._capture: asyncio.Task | None = None
 
-    async def _recapture(self) -> None:
-        if self.state.capture_seconds <= 0:
-            self.state.state = pb.LIFECYCLE_STATE_READY
+    async def _authorize(self, context) -> None:
+        if not self.state.token:
             return
-        self.state.state = pb.LIFECYCLE_STATE_RECAPTURING
+        metadata = dict(context.invocation_metadata() or ())
+        if metadata.get("authorization") != f"Bearer {self.state.token}":
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
 
-        async def finish() -> None:
+    def _adopt(self, policy: pb.GraphPolicy) -> None:
+        self.state.policy = policy
+        self.state.pending_policy = None
+        sizes = set(policy.capture_sizes.explicit.sizes)
+        failed = sorted(sizes & self.state.fail_sizes)
+        self.state.skipped = [pb.SkippedSize(size=s, reason=pb.FALLBACK_REASON_SIZE_CAPTURE_FAILED,
+                                             message="simulated capture failure")
+                              for s in failed]
+        self.state.last_error = f"capture failed for sizes {failed}" if failed else ""
+
+    async def _recapture(self) -> None:
+        if self.state.capture_seconds > 0:
+            self.state.set_state(pb.LIFECYCLE_STATE_RECAPTURING)
             await asyncio.sleep(self.state.capture_seconds)
-            self.state.state = pb.LIFECYCLE_STATE_READY
-
-        self._capture = asyncio.create_task(finish())
+        if self.state.pending_policy is not None:
+            self._adopt(self.state.pending_policy)
+        self.state.set_state(pb.LIFECYCLE_STATE_READY)
 
     async def ApplyGraphPolicy(self, request, context):  # noqa: N802 (gRPC method name)
+        await self._authorize(context)
         self.state.calls["ApplyGraphPolicy"] += 1
-        policy, held = request.policy, self.state.policy
+        policy = request.policy
+        held = self.state.pending_policy or self.state.policy
         try:
             validate_policy(policy, self.state.max_num_batched_tokens)
         except PolicyError as err:
@@ -64,28 +116,47 @@ class FakeGraphControl(pb_grpc.GraphControlServicer, pb_grpc.InferenceWorkerServ
             if policy.generation == held.generation:
                 return pb.ApplyGraphPolicyResponse(applied_generation=held.generation,
                                                    unchanged=True)
-        self.state.policy = pb.GraphPolicy()
-        self.state.policy.CopyFrom(policy)
-        await self._recapture()
+        copy = pb.GraphPolicy()
+        copy.CopyFrom(policy)
+        if (self.state.pending_policy is None and self.state.policy is not None
+                and _capture_key(self.state.policy) == _capture_key(copy)):
+            self._adopt(copy)  # tenant toggles only: nothing to recapture
+            return pb.ApplyGraphPolicyResponse(applied_generation=policy.generation)
+        self.state.pending_policy = copy
+        if self._capture is None or self._capture.done():
+            self._capture = asyncio.create_task(self._recapture())
         return pb.ApplyGraphPolicyResponse(applied_generation=policy.generation,
                                            recapture_started=True)
 
     async def GetGraphStatus(self, request, context):  # noqa: N802
+        await self._authorize(context)
         self.state.calls["GetGraphStatus"] += 1
-        held = self.state.policy
+        held, pending = self.state.policy, self.state.pending_policy
         return pb.GraphStatus(
             state=self.state.state,
             requested_mode=held.mode if held else pb.GRAPH_MODE_UNSPECIFIED,
             effective_mode=pb.GRAPH_MODE_NONE,
             policy_uid=held.policy_uid if held else "",
             policy_generation=held.generation if held else 0,
+            pending_policy_uid=pending.policy_uid if pending else "",
+            pending_policy_generation=pending.generation if pending else 0,
             model_revision=self.state.model_revision,
+            pending_model_revision=self.state.pending_revision,
+            skipped=self.state.skipped,
+            last_error=self.state.last_error,
         )
 
     async def LoadModelRevision(self, request, context):  # noqa: N802
+        await self._authorize(context)
         self.state.calls["LoadModelRevision"] += 1
+        revision = request.revision or "derived"
+        self.state.pending_revision = revision
+        self.state.set_state(pb.LIFECYCLE_STATE_LOADING)
+        if self.state.load_seconds > 0:
+            await asyncio.sleep(self.state.load_seconds)
         self.state.model_source = request.source or self.state.model_source
-        self.state.model_revision = request.revision or "derived"
+        self.state.model_revision = revision
+        self.state.pending_revision = ""
         await self._recapture()
         return pb.LoadModelRevisionResponse(revision=self.state.model_revision,
                                             recapture_started=True)
@@ -97,15 +168,21 @@ class FakeGraphControl(pb_grpc.GraphControlServicer, pb_grpc.InferenceWorkerServ
 
 
 class FakeWorkerServer:
-    """One fake worker listening on ``127.0.0.1:<port>`` (port 0 picks a free one)."""
+    """One fake worker on ``127.0.0.1``: inference (GetModelInfo) on ``port`` and GraphControl
+    on ``control_port`` when ``separate_control`` (the worker's shape), else both on ``port``
+    (port 0 picks a free one)."""
 
     def __init__(self, state: FakeWorkerState | None = None, port: int = 0,
-                 servicer: type[FakeGraphControl] = FakeGraphControl) -> None:
+                 servicer: type[FakeGraphControl] = FakeGraphControl,
+                 separate_control: bool = False, control_port: int = 0) -> None:
         self.servicer = servicer(state)
         self._server = grpc.aio.server()
-        pb_grpc.add_GraphControlServicer_to_server(self.servicer, self._server)
         pb_grpc.add_InferenceWorkerServicer_to_server(self.servicer, self._server)
         self.port = self._server.add_insecure_port(f"127.0.0.1:{port}")
+        self._control = grpc.aio.server() if separate_control else self._server
+        pb_grpc.add_GraphControlServicer_to_server(self.servicer, self._control)
+        self.control_port = (self._control.add_insecure_port(f"127.0.0.1:{control_port}")
+                             if separate_control else self.port)
 
     @property
     def state(self) -> FakeWorkerState:
@@ -115,26 +192,43 @@ class FakeWorkerServer:
     def target(self) -> str:
         return f"127.0.0.1:{self.port}"
 
+    @property
+    def control_target(self) -> str:
+        return f"127.0.0.1:{self.control_port}"
+
     async def start(self) -> FakeWorkerServer:
         await self._server.start()
+        if self._control is not self._server:
+            await self._control.start()
         return self
 
     async def stop(self) -> None:
         await self._server.stop(grace=None)
+        if self._control is not self._server:
+            await self._control.stop(grace=None)
 
 
-async def serve_forever(port: int, max_num_batched_tokens: int, revision: str,
-                        policy_file: str = "") -> None:
-    """A fake worker process: GraphControl, GetModelInfo and gRPC health (SERVING at once)."""
+async def serve_forever(args) -> None:
+    """A fake worker process: GraphControl (on --control-port when given), GetModelInfo and
+    gRPC health (SERVING at once) on --port. Lifecycle changes are appended to
+    --lifecycle-log as ``<unix time> <STATE>`` lines: the stand-in's own report."""
     from pathlib import Path
 
     from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
     from graphkeeper.proto.policy import policy_from_json
 
-    policy = policy_from_json(Path(policy_file).read_text()) if policy_file else None
-    server = FakeWorkerServer(FakeWorkerState(max_num_batched_tokens=max_num_batched_tokens,
-                                              model_revision=revision, policy=policy), port=port)
+    policy = policy_from_json(Path(args.policy_file).read_text()) if args.policy_file else None
+    token = Path(args.control_token_file).read_text().strip() if args.control_token_file else ""
+    log = open(args.lifecycle_log, "a", buffering=1) if args.lifecycle_log else None  # noqa: SIM115
+    state = FakeWorkerState(
+        max_num_batched_tokens=args.max_num_batched_tokens, model_revision=args.model_revision,
+        policy=policy, capture_seconds=args.capture_seconds, load_seconds=args.load_seconds,
+        fail_sizes=frozenset(int(s) for s in args.fail_sizes.split(",") if s.strip()),
+        token=token,
+        on_transition=(lambda t, name: log.write(f"{t:.6f} {name}\n")) if log else None)
+    server = FakeWorkerServer(state, port=args.port, separate_control=bool(args.control_port),
+                              control_port=args.control_port)
     checker = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(checker, server._server)
     for name in ("", "graphkeeper.worker.v1.InferenceWorker"):
@@ -148,12 +242,16 @@ def main() -> None:
 
     parser = argparse.ArgumentParser(description="a fake graphkeeper worker (GraphControl only)")
     parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--control-port", type=int, default=0)
+    parser.add_argument("--control-token-file", default="")
     parser.add_argument("--max-num-batched-tokens", type=int, default=64)
     parser.add_argument("--model-revision", default="rev-0")
     parser.add_argument("--policy-file", default="")
-    args = parser.parse_args()
-    asyncio.run(serve_forever(args.port, args.max_num_batched_tokens, args.model_revision,
-                              args.policy_file))
+    parser.add_argument("--capture-seconds", type=float, default=0.0)
+    parser.add_argument("--load-seconds", type=float, default=0.0)
+    parser.add_argument("--fail-sizes", default="")
+    parser.add_argument("--lifecycle-log", default="")
+    asyncio.run(serve_forever(parser.parse_args()))
 
 
 if __name__ == "__main__":

@@ -4,11 +4,17 @@ It owns one channel per worker address and turns gRPC failures into a ``WorkerEr
 ``kind`` says what the operator should conclude: the worker is unreachable, it rejected the
 policy, it already holds a newer generation, or something else went wrong. Every call has a
 deadline, so a hung worker costs one deadline, never a stuck reconcile.
+
+GraphControl calls go to the worker's control port and carry ``authorization: Bearer <token>``
+when the operator has a token (``--control-token-file``); the token file is read again when it
+changes, so a rotated Secret needs no restart.
 """
 
 from __future__ import annotations
 
 import enum
+import os
+from pathlib import Path
 
 import grpc
 
@@ -50,12 +56,41 @@ class WorkerError(Exception):
         self.code = code
 
 
-class GraphControlClient:
-    """Calls ``GraphControl`` on workers by ``host:port``; channels are cached per address."""
+class TokenFile:
+    """The bearer token from a file, re-read when the file changes (a rotated Secret)."""
 
-    def __init__(self, timeout: float = 5.0, load_timeout: float = 300.0) -> None:
+    def __init__(self, path: str) -> None:
+        self.path = Path(path) if path else None
+        self._stamp: tuple[int, int] | None = None
+        self._token = ""
+
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        if self.path is None:
+            return ()
+        try:
+            st = os.stat(self.path)
+            stamp = (st.st_mtime_ns, st.st_size)
+            if stamp != self._stamp:
+                self._token = self.path.read_text().strip()
+                self._stamp = stamp
+        except OSError:
+            pass  # keep the last token read; the call fails UNAUTHENTICATED if it is wrong
+        return (("authorization", f"Bearer {self._token}"),) if self._token else ()
+
+
+class GraphControlClient:
+    """Calls ``GraphControl`` on workers by ``host:port``; channels are cached per address.
+
+    ``timeout`` is the deadline of every control call (status reads and pushes); a model reload
+    blocks on the worker until the new revision serves, so it gets ``load_timeout`` and callers
+    run it in the background.
+    """
+
+    def __init__(self, timeout: float = 5.0, load_timeout: float = 300.0,
+                 token_file: str = "") -> None:
         self.timeout = timeout
         self.load_timeout = load_timeout
+        self.token = TokenFile(token_file)
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._stubs: dict[str, pb_grpc.GraphControlStub] = {}
 
@@ -69,7 +104,8 @@ class GraphControlClient:
 
     async def _call(self, target: str, method: str, request: object, timeout: float) -> object:
         try:
-            return await getattr(self._stub(target), method)(request, timeout=timeout)
+            return await getattr(self._stub(target), method)(
+                request, timeout=timeout, metadata=self.token.metadata())
         except grpc.aio.AioRpcError as err:
             kind = _KIND_BY_CODE.get(err.code(), ErrorKind.ERROR)
             if kind is ErrorKind.UNREACHABLE:
@@ -85,8 +121,8 @@ class GraphControlClient:
         self, target: str, policy: pb.GraphPolicy
     ) -> pb.ApplyGraphPolicyResponse:
         request = pb.ApplyGraphPolicyRequest(policy=policy)
-        # Applying may recapture every size before it answers; give it the load deadline.
-        return await self._call(target, "ApplyGraphPolicy", request, self.load_timeout)
+        # The worker answers once the policy is pending; the recapture is observed afterwards.
+        return await self._call(target, "ApplyGraphPolicy", request, self.timeout)
 
     async def load_model_revision(
         self, target: str, source: str, revision: str
@@ -95,7 +131,7 @@ class GraphControlClient:
         return await self._call(target, "LoadModelRevision", request, self.load_timeout)
 
     async def model_info(self, target: str) -> pb.GetModelInfoResponse:
-        """The worker's model (its InferenceWorker service shares the port)."""
+        """The worker's model (``target`` is the inference port: InferenceWorker lives there)."""
         self._stub(target)  # opens the channel if needed
         stub = pb_grpc.InferenceWorkerStub(self._channels[target])
         try:

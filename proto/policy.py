@@ -23,6 +23,12 @@ MAX_CAPTURE_SIZE_LIMIT = 8192
 DEFAULT_MAX_CAPTURE_CEILING = 512
 MAX_EXPLICIT_SIZES = 256
 MAX_TENANTS = 256
+#: Kubernetes object UIDs are 36-character UUIDs; 128 bytes leaves room and nothing more.
+MAX_POLICY_UID_BYTES = 128
+#: ``namespace/name``: a namespace label (63) + ``/`` + an object name (253).
+MAX_POLICY_NAME_BYTES = 63 + 1 + 253
+#: How much of a refused value an error message repeats (the rest is elided).
+ECHO_CHARS = 64
 
 TENANT_RE = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 
@@ -63,9 +69,12 @@ class PolicyError(ValueError):
 # --- capture-size ladders ---------------------------------------------------------------------
 
 
-def default_max_capture_size(max_num_seqs: int) -> int:
-    """vLLM's default: twice the running-sequence limit, at most 512."""
-    return max(1, min(2 * max_num_seqs, DEFAULT_MAX_CAPTURE_CEILING))
+def default_max_capture_size(max_num_batched_tokens: int) -> int:
+    """The token budget per step, at most 512: PIECEWISE graphs then cover every mixed or prefill
+    step the scheduler can make (vLLM stops at twice the sequence limit, so its larger prefill
+    steps run eager). Beyond 512 each extra size costs capture time for steps that are
+    compute-bound anyway."""
+    return max(1, min(max_num_batched_tokens, DEFAULT_MAX_CAPTURE_CEILING))
 
 
 def default_ladder(max_size: int) -> list[int]:
@@ -90,7 +99,7 @@ def resolve_capture_sizes(
 ) -> list[int]:
     """The ascending capture sizes a worker with these limits captures for ``sizes``."""
     limit = max_num_batched_tokens
-    max_size = sizes.max_capture_size or default_max_capture_size(max_num_seqs)
+    max_size = sizes.max_capture_size or default_max_capture_size(max_num_batched_tokens)
     which = sizes.WhichOneof("sizes")
     if which == "explicit":
         chosen = sorted(set(sizes.explicit.sizes))
@@ -123,6 +132,32 @@ def padding_table(capture_sizes: list[int]) -> list[int]:
 # --- validation -------------------------------------------------------------------------------
 
 
+def clipped_repr(value: str, limit: int = ECHO_CHARS) -> str:
+    """``repr`` of at most ``limit`` characters of ``value``, with an ellipsis when cut.
+
+    Error messages travel back to the caller, into logs and into the operator's status: a
+    refused megabyte-long string must not be echoed whole, and ``repr`` keeps control
+    characters from forging log lines.
+    """
+    if len(value) <= limit:
+        return repr(value)
+    return repr(value[:limit]) + f"... ({len(value)} characters)"
+
+
+def utf8_len(value: str) -> int:
+    """The length of ``value`` on the wire (proto strings are UTF-8)."""
+    return len(value.encode("utf-8", "surrogatepass"))
+
+
+def check_string(field: str, value: str, max_bytes: int, error: type[ValueError]) -> None:
+    """Raises ``error(field, message)`` when ``value`` exceeds ``max_bytes`` or holds control characters."""
+    size = utf8_len(value)
+    if size > max_bytes:
+        raise error(field, f"at most {max_bytes} bytes, got {size}: {clipped_repr(value)}")
+    if any(ch < " " or ch == "\x7f" for ch in value):
+        raise error(field, f"must not contain control characters: {clipped_repr(value)}")
+
+
 def validate_policy(
     policy: pb.GraphPolicy, max_num_batched_tokens: int | None = None
 ) -> None:
@@ -132,6 +167,8 @@ def validate_policy(
     """
     if not policy.policy_uid:
         raise PolicyError("policy_uid", "must not be empty")
+    check_string("policy_uid", policy.policy_uid, MAX_POLICY_UID_BYTES, PolicyError)
+    check_string("policy_name", policy.policy_name, MAX_POLICY_NAME_BYTES, PolicyError)
     if policy.generation < 1:
         raise PolicyError("generation", f"must be at least 1, got {policy.generation}")
     if policy.mode not in MODE_BY_NAME.values() and policy.mode != pb.GRAPH_MODE_UNSPECIFIED:
@@ -181,21 +218,24 @@ def _validate_tenants(policy: pb.GraphPolicy) -> None:
         raise PolicyError("tenants", f"at most {MAX_TENANTS} entries")
     seen: set[str] = set()
     for i, toggle in enumerate(policy.tenants):
-        if not TENANT_RE.match(toggle.tenant):
+        if not valid_tenant(toggle.tenant) or not toggle.tenant:
             raise PolicyError(
                 f"tenants[{i}].tenant",
-                f"{toggle.tenant!r} is not a DNS-1123 label ([a-z0-9-], at most 63 characters)",
+                f"{clipped_repr(toggle.tenant)} is not a DNS-1123 label ([a-z0-9-], at most 63 characters)",
             )
         if toggle.tenant in seen:
-            raise PolicyError(f"tenants[{i}].tenant", f"duplicate tenant {toggle.tenant!r}")
+            raise PolicyError(f"tenants[{i}].tenant", f"duplicate tenant {clipped_repr(toggle.tenant)}")
         seen.add(toggle.tenant)
         if toggle.graphs not in TENANT_GRAPHS_BY_NAME.values():
             raise PolicyError(f"tenants[{i}].graphs", "must be ENABLED or DISABLED")
 
 
 def valid_tenant(name: str) -> bool:
-    """Empty is the default tenant; anything else must be a DNS-1123 label."""
-    return name == "" or bool(TENANT_RE.match(name))
+    """Empty is the default tenant; anything else must be a DNS-1123 label.
+
+    The length is checked before the regular expression, so a huge string costs nothing.
+    """
+    return name == "" or (len(name) <= 63 and bool(TENANT_RE.fullmatch(name)))
 
 
 # --- tenants ----------------------------------------------------------------------------------
@@ -232,7 +272,14 @@ def parse_quantity(value: str | int) -> int:
     if not match or match.group(2) in ("m", "u", "n"):
         raise PolicyError("memoryBudget", f"{value!r} is not a byte quantity such as 256Mi or 1G")
     number, suffix = match.groups()
-    return int(float(number) * _QUANTITY_FACTORS[suffix])
+    # Exact decimal arithmetic (never a float): 1.001k is 1001 bytes, and a quantity that is not
+    # a whole number of bytes (1.5 or 0.0001k) is refused rather than rounded.
+    whole, _, frac = number.partition(".")
+    scaled = int(whole + frac) * _QUANTITY_FACTORS[suffix]
+    bytes_, rest = divmod(scaled, 10 ** len(frac))
+    if rest:
+        raise PolicyError("memoryBudget", f"{value!r} is not a whole number of bytes")
+    return bytes_
 
 
 def policy_from_spec(

@@ -1,7 +1,9 @@
-"""Admission: checks a Generate request before it may take a place in the queue.
+"""Admission: checks a request before it may take a place in the queue or reach the engine.
 
 Pure, so every rejection is testable without a model. Each error names the request field, and
-the gRPC layer turns it into INVALID_ARGUMENT; the worker keeps serving everyone else.
+the gRPC layer turns it into INVALID_ARGUMENT; the worker keeps serving everyone else. Every
+string is bounded before anything else looks at it, and a refused value is echoed clipped
+(``clipped_repr``), never whole: error details travel back to the caller and into the logs.
 """
 
 from __future__ import annotations
@@ -10,13 +12,23 @@ import math
 from dataclasses import dataclass
 
 from graphkeeper.proto import worker_pb2 as pb
-from graphkeeper.proto.policy import valid_tenant
+from graphkeeper.proto.policy import check_string, clipped_repr, utf8_len, valid_tenant
 
 MAX_TEMPERATURE = 100.0
 MAX_STOP_IDS = 64
+#: Client-chosen trace ids: a UUID is 36 bytes, a W3C trace id 32 hex digits.
+MAX_REQUEST_ID_BYTES = 128
+#: A text prompt is tokenized on the worker; more than this is refused before tokenization.
+MAX_PROMPT_TEXT_BYTES = 1 << 20
+#: A model revision is a label value and a status field: a content hash, a git sha, a tag.
+MAX_REVISION_BYTES = 128
+#: A model source is a directory path (PATH_MAX on Linux) or ``random:<preset>[@seed]``.
+MAX_SOURCE_BYTES = 4096
 
 
 class AdmissionError(ValueError):
+    """A request refused before it reaches the engine; ``field`` names the offending field."""
+
     def __init__(self, field: str, message: str) -> None:
         super().__init__(f"{field}: {message}")
         self.field = field
@@ -26,36 +38,70 @@ class AdmissionError(ValueError):
 class Limits:
     vocab_size: int
     max_seq_len: int
+    #: Whether the served model carries a tokenizer, so that ``prompt_text`` can be served.
+    text_prompts: bool = False
 
 
 def validate_request(req: pb.GenerateRequest, limits: Limits) -> None:
-    """Raises AdmissionError naming the first invalid field."""
-    prompt = req.prompt_token_ids
-    if not prompt:
-        raise AdmissionError("prompt_token_ids", "must not be empty")
-    for i, token in enumerate(prompt):
-        if not 0 <= token < limits.vocab_size:
-            raise AdmissionError(
-                f"prompt_token_ids[{i}]", f"token id {token} is outside the vocabulary [0, {limits.vocab_size})"
-            )
+    """Raises AdmissionError naming the first invalid field.
+
+    Cheap checks come first (sizes before per-element loops), so a hostile request is refused
+    in time proportional to the limits, not to its own size.
+    """
+    check_string("request_id", req.request_id, MAX_REQUEST_ID_BYTES, AdmissionError)
+    if not valid_tenant(req.tenant):
+        raise AdmissionError(
+            "tenant", f"{clipped_repr(req.tenant)} is not a DNS-1123 label ([a-z0-9-], at most 63 characters)"
+        )
+    _validate_prompt_source(req, limits)
     max_new = req.stopping.max_new_tokens
     if max_new < 1:
         raise AdmissionError("stopping.max_new_tokens", f"must be at least 1, got {max_new}")
-    if len(prompt) + max_new > limits.max_seq_len:
-        raise AdmissionError(
-            "stopping.max_new_tokens",
-            f"prompt ({len(prompt)} tokens) plus max_new_tokens ({max_new}) exceeds the context of "
-            f"{limits.max_seq_len} tokens",
-        )
+    if req.prompt_token_ids:
+        validate_prompt_length(len(req.prompt_token_ids), max_new, limits)
+        for i, token in enumerate(req.prompt_token_ids):
+            if not 0 <= token < limits.vocab_size:
+                raise AdmissionError(
+                    f"prompt_token_ids[{i}]", f"token id {token} is outside the vocabulary [0, {limits.vocab_size})"
+                )
+    elif max_new >= limits.max_seq_len:
+        # The text's token count is known only after tokenization; at least one token must fit.
+        validate_prompt_length(1, max_new, limits)
     if len(req.stopping.stop_token_ids) > MAX_STOP_IDS:
         raise AdmissionError("stopping.stop_token_ids", f"at most {MAX_STOP_IDS} stop ids")
     for i, token in enumerate(req.stopping.stop_token_ids):
         if not 0 <= token < limits.vocab_size:
             raise AdmissionError(f"stopping.stop_token_ids[{i}]", f"token id {token} is outside the vocabulary")
     _validate_sampling(req.sampling)
-    if not valid_tenant(req.tenant):
+
+
+def _validate_prompt_source(req: pb.GenerateRequest, limits: Limits) -> None:
+    """Exactly one of ``prompt_token_ids`` and ``prompt_text``; text only where a tokenizer exists."""
+    has_ids, has_text = bool(req.prompt_token_ids), bool(req.prompt_text)
+    if has_ids and has_text:
+        raise AdmissionError("prompt_text", "set either prompt_token_ids or prompt_text, not both")
+    if not has_ids and not has_text:
+        raise AdmissionError("prompt_token_ids", "must not be empty (or set prompt_text)")
+    if has_text:
+        size = utf8_len(req.prompt_text)
+        if size > MAX_PROMPT_TEXT_BYTES:
+            raise AdmissionError("prompt_text", f"at most {MAX_PROMPT_TEXT_BYTES} bytes, got {size}")
+        if not limits.text_prompts:
+            raise AdmissionError(
+                "prompt_text", "this model has no tokenizer (tokenizer.json): send prompt_token_ids"
+            )
+
+
+def validate_prompt_length(prompt_tokens: int, max_new_tokens: int, limits: Limits) -> None:
+    """The prompt plus the tokens to generate must fit the context.
+
+    Called again by the engine after it tokenizes a ``prompt_text``, when the count is known.
+    """
+    if prompt_tokens + max_new_tokens > limits.max_seq_len:
         raise AdmissionError(
-            "tenant", f"{req.tenant!r} is not a DNS-1123 label ([a-z0-9-], at most 63 characters)"
+            "stopping.max_new_tokens",
+            f"prompt ({prompt_tokens} tokens) plus max_new_tokens ({max_new_tokens}) exceeds the context of "
+            f"{limits.max_seq_len} tokens",
         )
 
 
@@ -66,3 +112,15 @@ def _validate_sampling(s: pb.SamplingParams) -> None:
         raise AdmissionError("sampling.top_p", f"must be in (0, 1] (0 means 1), got {s.top_p}")
     if s.top_k < 0:
         raise AdmissionError("sampling.top_k", f"must not be negative, got {s.top_k}")
+
+
+def validate_reload_request(req: pb.LoadModelRevisionRequest) -> None:
+    """Raises AdmissionError naming ``source`` or ``revision`` when a reload request is malformed.
+
+    Only the shape is checked here (pure, no filesystem): the server then applies the
+    ``--model-root`` restriction and the loader finds out whether the source really loads.
+    """
+    if not req.source:
+        raise AdmissionError("source", "must name a directory or random:<preset>[@seed]")
+    check_string("source", req.source, MAX_SOURCE_BYTES, AdmissionError)
+    check_string("revision", req.revision, MAX_REVISION_BYTES, AdmissionError)

@@ -28,6 +28,27 @@ def available(device: torch.device) -> bool:
 if triton is not None:
 
     @triton.jit
+    def online_softmax_step(q, k, v, visible, scale, m_i, l_i, acc, IEEE: tl.constexpr):
+        """One key tile of flash attention: scores, the running maximum and sum, the weighted values.
+
+        Shared by the decode and the varlen kernels; ``visible`` masks keys a query row may not see.
+        """
+        if IEEE:  # noqa: SIM108 - constexpr branch, resolved at compile time
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = tl.where(visible, s * scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if IEEE:  # noqa: SIM108 - constexpr branch, resolved at compile time
+            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        return m_new, l_i, acc * alpha[:, None] + pv
+
+    @triton.jit
     def _decode_kernel(
         q_ptr, k_ptr, v_ptr, out_ptr, slots_ptr, lengths_ptr, scale,
         stride_qb, stride_qh, stride_ks, stride_kh, stride_kl, stride_ob, stride_oh,
@@ -53,22 +74,8 @@ if triton is not None:
             key_ok = keys < length
             offsets = keys[:, None] * stride_kl + dims[None, :]
             k = tl.load(k_base + offsets, mask=key_ok[:, None], other=0.0)
-            if IEEE:  # noqa: SIM108 - constexpr branch, resolved at compile time
-                s = tl.dot(q, tl.trans(k), input_precision="ieee")
-            else:
-                s = tl.dot(q, tl.trans(k))
-            s = tl.where(key_ok[None, :], s * scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp(m_i - m_new)
-            p = tl.exp(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(v_base + offsets, mask=key_ok[:, None], other=0.0)
-            if IEEE:  # noqa: SIM108 - constexpr branch, resolved at compile time
-                pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
-            else:
-                pv = tl.dot(p.to(v.dtype), v)
-            acc = acc * alpha[:, None] + pv
-            m_i = m_new
+            m_i, l_i, acc = online_softmax_step(q, k, v, key_ok[None, :], scale, m_i, l_i, acc, IEEE)
         acc = acc / l_i[:, None]
         tl.store(out_ptr + row * stride_ob + heads[:, None] * stride_oh + dims[None, :],
                  acc.to(out_ptr.dtype.element_ty), mask=head_ok[:, None])

@@ -24,7 +24,6 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -39,10 +38,13 @@ from graphkeeper.worker.ledger import Ledger
 from graphkeeper.worker.lifecycle import Lifecycle
 from graphkeeper.worker.loader import LoadedModel, load_model
 from graphkeeper.worker.metrics import WorkerMetrics
+from graphkeeper.worker.outputs import OutputProcessor
 from graphkeeper.worker.recorder import StepRecorder
+from graphkeeper.worker.reload import check_model_root
 from graphkeeper.worker.runner import Launched, ModelRunner
 from graphkeeper.worker.sampling import SamplingSpec
 from graphkeeper.worker.scheduler import ScheduledStep, Scheduler, Sequence
+from graphkeeper.worker.status import graph_status, model_info
 from graphkeeper.worker.tokenizer import Tokenizer, load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -67,8 +69,8 @@ class StalePolicy(RuntimeError):
     pass
 
 
-class ReloadRefused(RuntimeError):
-    """A LoadModelRevision source outside the configured model roots."""
+class InjectedFailure(RuntimeError):
+    """Raised only by the fault injection that tests ask for."""
 
 
 class StepFailed(RuntimeError):
@@ -89,6 +91,8 @@ class EngineSettings:
     policy: pb.GraphPolicy | None = None
     inject_capture_failures: frozenset[int] = frozenset()
     model_roots: tuple[str, ...] = ()
+    #: Fault injection for tests: a step holding this prompt token raises (fatally: as a broken device).
+    inject_step_failure: tuple[int, bool] | None = None
 
 
 def default_policy(mode: int = pb.GRAPH_MODE_FULL_AND_PIECEWISE) -> pb.GraphPolicy:
@@ -128,6 +132,7 @@ class Engine:
         self.scheduler = Scheduler(settings.max_num_seqs, settings.max_num_batched_tokens, settings.prefill_chunk)
         self.dispatcher = Dispatcher()
         self.recorder = StepRecorder(self.metrics)
+        self.outputs = OutputProcessor(self.scheduler, self.metrics)
         self.capture = CaptureController(self.dispatcher, self.metrics, settings.max_num_seqs,
                                          settings.max_num_batched_tokens, settings.inject_capture_failures)
         self.publish: Callable[[list[tuple[Any, list[int], Any]]], None] = direct_publish
@@ -161,7 +166,7 @@ class Engine:
 
     def limits(self) -> Limits:
         assert self.loaded is not None
-        return Limits(self.loaded.config.vocab_size, self.settings.max_seq_len)
+        return Limits(self.loaded.config.vocab_size, self.settings.max_seq_len, text_prompts=self.tokenizer is not None)
 
     def submit(self, req: pb.GenerateRequest, stream: Any, prompt: list[int] | None = None) -> Sequence:
         """Validates and queues a request; raises AdmissionError, QueueFull or NotServing.
@@ -171,7 +176,7 @@ class Engine:
         if self._draining or self.failed is not None or not self.lifecycle.serving or self.loaded is None:
             raise NotServing(f"worker is {pb.LifecycleState.Name(self.lifecycle.state)}")
         if prompt is not None and req.prompt_text:
-            req = _with_prompt(req, prompt)
+            req = _with_prompt(req, prompt)  # the text's rules were checked before it was tokenized
         validate_request(req, self.limits())
         if len(self._inbox) + len(self.scheduler.waiting) >= self.settings.max_queue:
             raise QueueFull(f"queue is full ({self.settings.max_queue} requests waiting)")
@@ -212,7 +217,7 @@ class Engine:
 
         Raises ReloadRefused for a source outside the model roots.
         """
-        self._check_model_root(source)
+        check_model_root(source, self.settings.model, self.settings.model_roots)
         future: Future = Future()
         self._commands.put(lambda: self._request_reload(source, revision, future))
         self._wake.set()
@@ -344,6 +349,7 @@ class Engine:
         decision = self.dispatcher.dispatch(desc)
         started = time.perf_counter()
         try:
+            self._maybe_inject_failure(plan)
             hidden = self.runner.execute(plan, decision, self.capture.graph_set)
             launched = self.runner.sample_and_send(hidden, plan)
         except Exception as err:  # noqa: BLE001 - the step's requests fail, the engine keeps serving
@@ -366,32 +372,18 @@ class Engine:
         self._last_finish = now
         self.recorder.record(inflight.decision, inflight.desc, step.sequences,
                              {s.tenant for s in step.sequences}, elapsed)
-        updates = []
-        for seq, token in zip(step.samplers, tokens, strict=True):
-            if seq.finished:
-                continue  # cancelled, or stopped a step ago: this token was never wanted
-            updates.append((seq.stream, [token], self._append(seq, token, now)))
-        self.metrics.generated_tokens.inc(len(updates))
-        self.publish(updates)
+        self.publish(self.outputs.step_outputs(step.samplers, tokens, now))
         self.steps_since_ready += 1
         if self.steps_since_ready == STEADY_AFTER_STEPS:
             self.ledger.record(L.LEDGER_STAGE_STEADY, self.device)
             self._export_ledger()
         return None
 
-    def _append(self, seq: Sequence, token: int, now: float) -> pb.Completion | None:
-        seq.output.append(token)
-        if seq.first_token_at is None:
-            seq.first_token_at = now
-            self.metrics.time_to_first_token.observe(now - seq.arrived)
-        else:
-            self.metrics.inter_token_latency.observe(now - seq.last_token_at)
-        seq.last_token_at = now
-        reason = seq.stop_reason()
-        if reason == pb.FINISH_REASON_UNSPECIFIED:
-            return None
-        self.scheduler.finish(seq)
-        return self._completion(seq, reason)
+    def _maybe_inject_failure(self, plan) -> None:
+        inject = self.settings.inject_step_failure
+        if inject is not None and inject[0] in plan.prompt_tokens:
+            raise InjectedFailure(f"CUDA error: injected device failure (token {inject[0]})" if inject[1]
+                                  else f"injected step failure (token {inject[0]})")
 
     def _fail_step(self, step: ScheduledStep, err: Exception) -> None:
         """A step that raised fails its own requests; a broken device stops the engine."""
@@ -399,42 +391,17 @@ class Engine:
             raise err
         log.error("step of %d tokens failed: %s: %s", step.plan.num_tokens, type(err).__name__, err)
         failure = StepFailed(f"the step running this request failed: {type(err).__name__}")
-        updates = []
-        for seq in step.sequences:
-            if not seq.finished:
-                self.scheduler.finish(seq)
-                self.metrics.requests.labels("error").inc()
-                updates.append((seq.stream, [], failure))
-        self.publish(updates)
+        self.publish(self.outputs.end(step.sequences, failure, outcome="error"))
 
     def _complete(self, seq: Sequence, reason: int) -> None:
         """Ends a sequence outside a step (cancelled) and tells its stream."""
-        self.publish([(seq.stream, [], self._completion(seq, reason))])
-
-    def _completion(self, seq: Sequence, reason: int) -> pb.Completion:
-        outcome = pb.FinishReason.Name(reason).removeprefix("FINISH_REASON_").lower()
-        self.metrics.requests.labels(outcome).inc()
-        summary = pb.ExecutionSummary(
-            graph_steps=[pb.GraphStepCount(mode=m, size=s, steps=n) for (m, s), n in sorted(seq.graph_steps.items())],
-            eager_steps=[pb.FallbackCount(reason=r, steps=n) for r, n in sorted(seq.eager_steps.items())],
-        )
-        return pb.Completion(
-            request_id=seq.request_id, finish_reason=reason, prompt_tokens=len(seq.prompt),
-            generated_tokens=len(seq.output),
-            time_to_first_token_seconds=(seq.first_token_at - seq.arrived) if seq.first_token_at else 0.0,
-            total_seconds=time.perf_counter() - seq.arrived, execution=summary,
-        )
+        self.publish([(seq.stream, [], self.outputs.completion(seq, reason))])
 
     def _end_all(self, err: Exception) -> None:
         """Every request still held gets ``err`` (shutdown past the drain deadline, or a dead engine)."""
         leftover = [*self.scheduler.running, *self.scheduler.waiting, *self._inbox]
         self._inbox.clear()
-        updates = []
-        for seq in leftover:
-            if not seq.finished:
-                self.scheduler.finish(seq)
-                updates.append((seq.stream, [], err))
-        self.publish(updates)
+        self.publish(self.outputs.end(leftover, err))
 
     def _new_sequence(self, req: pb.GenerateRequest, stream: Any) -> Sequence:
         sp = req.sampling
@@ -528,22 +495,6 @@ class Engine:
 
     # --- model revisions ------------------------------------------------------------------
 
-    def _check_model_root(self, source: str) -> None:
-        """Reloads come only from the model roots (random presets only on a random-model worker)."""
-        if source.startswith("random:"):
-            if not self.settings.model.startswith("random:"):
-                raise ReloadRefused("source: random presets are only served by workers started with one")
-            return
-        roots = self.settings.model_roots or (
-            (str(Path(self.settings.model).resolve().parent),) if not self.settings.model.startswith("random:")
-            else ())
-        try:
-            resolved = Path(source).resolve()
-        except (OSError, ValueError):
-            raise ReloadRefused("source: not a usable path") from None
-        if not any(resolved.is_relative_to(Path(r).resolve()) for r in roots):
-            raise ReloadRefused("source: not under any --model-root of this worker")
-
     def _request_reload(self, source: str, revision: str, future: Future) -> None:
         if self._pending_reload is not None:
             future.set_exception(RuntimeError("a model reload is already in progress"))
@@ -584,51 +535,18 @@ class Engine:
     # --- status (any thread) --------------------------------------------------------------
 
     def model_info(self) -> pb.GetModelInfoResponse | None:
-        loaded, s = self.loaded, self.settings
-        if loaded is None:
-            return None
-        c = loaded.config
-        return pb.GetModelInfoResponse(
-            source=loaded.source, revision=loaded.revision, architecture="LlamaForCausalLM",
-            dtype=str(loaded.dtype).removeprefix("torch."), vocab_size=c.vocab_size, hidden_size=c.dim,
-            num_layers=c.n_layers, num_attention_heads=c.n_heads, num_key_value_heads=c.n_kv_heads,
-            max_seq_len=s.max_seq_len, max_num_seqs=s.max_num_seqs, eos_token_id=c.eos_token_id,
-            device=str(loaded.device), parameter_count=loaded.parameter_count,
-        )
+        return model_info(self.loaded, self.settings.max_seq_len, self.settings.max_num_seqs)
 
     def status(self) -> pb.GraphStatus:
+        """What the engine has adopted, read under the same lock its changes are made under."""
         with self._status_lock:
-            c, policy, pending = self.capture, self.policy, self.pending_policy
-            state, last_error = self.lifecycle.state, self.last_error
+            policy, pending, state, last_error = self.policy, self.pending_policy, self.lifecycle.state, self.last_error
             reload = self._pending_reload
-        graphs = c.graph_set
-        captured = dict(graphs.captured) if graphs else {}
-        skipped = dict(graphs.skipped) if graphs else {}
-        eager = dict(self.recorder.eager_steps)
-        return pb.GraphStatus(
-            state=state,
-            requested_mode=c.requested_mode,
-            effective_mode=c.effective_mode,
-            mode_downgrade_reason=c.downgrade_reason,
-            policy_uid=policy.policy_uid,
-            policy_generation=policy.generation,
-            pending_policy_uid=pending.policy_uid if pending else "",
-            pending_policy_generation=pending.generation if pending else 0,
-            pending_model_revision=(reload[1] or reload[0])[:128] if reload else "",
-            model_revision=self.loaded.revision if self.loaded else "",
-            captured=[pb.CapturedSize(size=s, mode=m, capture_seconds=e.seconds, device_bytes=e.device_bytes,
-                                      reserved_bytes=e.reserved_bytes) for (m, s), e in sorted(captured.items())],
-            skipped=[pb.SkippedSize(size=s, mode=m, reason=v.reason, message=v.message)
-                     for (m, s), v in sorted(skipped.items())],
-            fallbacks=[pb.FallbackCount(reason=r, steps=n) for r, n in sorted(eager.items())],
-            graph_steps=sum(dict(self.recorder.graph_steps).values()),
-            eager_steps=sum(eager.values()),
-            graph_memory_bytes=graphs.memory_bytes if graphs else 0,
-            total_capture_seconds=c.total_seconds,
-            ledger=self.ledger.to_proto(),
-            running_sequences=len(self.scheduler.running),
-            queued_requests=len(self.scheduler.waiting) + len(self._inbox),
-            last_error=last_error,
+        return graph_status(
+            state=state, capture=self.capture, recorder=self.recorder, ledger=self.ledger, policy=policy,
+            pending=pending, pending_revision=(reload[1] or reload[0]) if reload else "",
+            model_revision=self.loaded.revision if self.loaded else "", last_error=last_error,
+            running=len(self.scheduler.running), queued=len(self.scheduler.waiting) + len(self._inbox),
         )
 
 

@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from torch import Tensor
 
+from graphkeeper.proto.policy import clipped_repr
 from graphkeeper.worker.config import PRESETS, ModelConfig
 from graphkeeper.worker.model import Transformer, rope_tables
 
@@ -26,6 +29,17 @@ INIT_STD = 0.02
 
 class ModelSourceError(ValueError):
     """The model source cannot be loaded (missing files, unknown preset, bad config)."""
+
+
+#: The longest path a loader error repeats; the tail is kept, since it names the model.
+SHOWN_PATH_CHARS = 96
+
+
+def shown(path: str | Path) -> str:
+    """``path`` for an error message: a source comes from LoadModelRevision callers and may be
+    4 KiB long; the message keeps its last characters, which name the model and the file."""
+    text = str(path)
+    return text if len(text) <= SHOWN_PATH_CHARS else "…" + text[-(SHOWN_PATH_CHARS - 1):]
 
 
 @dataclass
@@ -56,32 +70,65 @@ def load_model(
         _fill_random(model, seed, device)
         revision = revision or _hash_text(f"{source}|{seed}|{json.dumps(config.as_dict(), sort_keys=True)}")
     else:
-        path = Path(source)
-        config, hf_dtype = _read_config(path)
-        torch_dtype = _pick_dtype(dtype, device, hf_dtype)
-        model = _empty_model(config, max_positions, device, torch_dtype)
-        _load_safetensors(model, config, path)
-        revision = revision or _hash_directory(path)
+        with _filesystem_errors(source):
+            path = Path(source)
+            config, hf_dtype = _read_config(path)
+            torch_dtype = _pick_dtype(dtype, device, hf_dtype)
+            model = _empty_model(config, max_positions, device, torch_dtype)
+            _load_safetensors(model, config, path)
+            revision = revision or _hash_directory(path)
     model.eval().requires_grad_(False)
     return LoadedModel(model, config, source, revision, torch_dtype, device)
+
+
+def check_source(source: str) -> None:
+    """Raises ModelSourceError when ``source`` cannot be loaded, without reading any weights.
+
+    A random preset must exist and its seed parse; a directory must hold a readable, valid
+    ``config.json`` and at least one ``*.safetensors`` file. Cheap, so the worker can refuse a
+    bad ``--model`` before it starts serving anything.
+    """
+    if source.startswith("random:"):
+        _parse_random(source)
+        return
+    with _filesystem_errors(source):
+        path = Path(source)
+        if not path.is_dir():
+            raise ModelSourceError(f"{shown(source)}: not a directory, and not random:<preset>[@seed]")
+        _read_config(path)
+        _weight_files(path)
+
+
+@contextmanager
+def _filesystem_errors(source: str) -> Iterator[None]:
+    """An OSError (name too long, permission denied, I/O error) or a path the OS refuses (a NUL
+    byte) while reading ``source`` is a ModelSourceError naming the source, clipped."""
+    try:
+        yield
+    except ModelSourceError:
+        raise
+    except OSError as err:
+        raise ModelSourceError(f"{shown(source)}: {err.strerror or type(err).__name__}") from None
+    except ValueError as err:
+        raise ModelSourceError(f"{shown(source)}: {clipped_repr(str(err))}") from None
 
 
 def _parse_random(source: str) -> tuple[str, int]:
     spec = source.removeprefix("random:")
     preset, _, seed_text = spec.partition("@")
     if preset not in PRESETS:
-        raise ModelSourceError(f"unknown preset {preset!r}; known: {', '.join(sorted(PRESETS))}")
+        raise ModelSourceError(f"unknown preset {clipped_repr(preset)}; known: {', '.join(sorted(PRESETS))}")
     try:
         seed = int(seed_text) if seed_text else DEFAULT_SEED
     except ValueError:
-        raise ModelSourceError(f"seed {seed_text!r} in {source!r} is not an integer") from None
+        raise ModelSourceError(f"seed {clipped_repr(seed_text)} in {clipped_repr(source)} is not an integer") from None
     return preset, seed
 
 
 def _pick_dtype(dtype: str, device: torch.device, hf_dtype: str | None) -> torch.dtype:
     if dtype != "auto":
         if dtype not in DTYPES:
-            raise ModelSourceError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+            raise ModelSourceError(f"dtype {clipped_repr(dtype)} is not one of {', '.join(DTYPES)}")
         return DTYPES[dtype]
     if device.type == "cpu":
         return torch.float32  # CPU bf16 matmuls are slow and not what tests compare against
@@ -89,9 +136,14 @@ def _pick_dtype(dtype: str, device: torch.device, hf_dtype: str | None) -> torch
 
 
 def _empty_model(config: ModelConfig, max_positions: int, device: torch.device, dtype: torch.dtype) -> Transformer:
+    """The module with uninitialised parameters allocated once, directly in ``dtype`` on ``device``.
+
+    Built on the meta device and cast there (free), so no float32 copy ever exists: the
+    parameters take exactly the weights' size, which is what loading fills in place.
+    """
     with torch.device("meta"):
-        model = Transformer(config, max_positions)
-    model = model.to_empty(device=device).to(dtype)
+        model = Transformer(config, max_positions).to(dtype)
+    model = model.to_empty(device=device).requires_grad_(False)
     if config.tie_word_embeddings:
         model.output.weight = model.tok_embeddings.weight
     cos, sin = rope_tables(config, max_positions)
@@ -113,51 +165,171 @@ def _fill_random(model: Transformer, seed: int, device: torch.device) -> None:
 def _read_config(path: Path) -> tuple[ModelConfig, str | None]:
     config_file = path / "config.json"
     if not config_file.is_file():
-        raise ModelSourceError(f"{path}: no config.json (expected a Hugging Face style directory)")
-    hf = json.loads(config_file.read_text())
+        raise ModelSourceError(f"{shown(path)}: no config.json (expected a Hugging Face style directory)")
+    try:
+        hf = json.loads(config_file.read_bytes().decode("utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        raise ModelSourceError(f"{shown(config_file)}: not a readable JSON document: {err}") from None
+    if not isinstance(hf, dict):
+        raise ModelSourceError(f"{shown(config_file)}: not a JSON object")
     try:
         config = ModelConfig.from_hf(hf)
-    except (KeyError, ValueError) as err:
-        raise ModelSourceError(f"{config_file}: {err}") from None
+    except (KeyError, ValueError, TypeError) as err:
+        raise ModelSourceError(f"{shown(config_file)}: {err!r}") from None
     return config, hf.get("torch_dtype") or hf.get("dtype")
 
 
-def _hf_tensors(path: Path) -> dict[str, Tensor]:
+# --- safetensors, one tensor at a time -------------------------------------------------------
+#
+# The format is an 8-byte little-endian header length, a JSON header mapping each name to its
+# dtype, shape and byte range, then the data. The loader reads each tensor's bytes with plain
+# file reads straight into its parameter (or into a staging buffer of that one tensor when the
+# dtype or the device differs) instead of memory-mapping whole files: mapped pages count
+# towards the process's resident memory for as long as the file stays open, which would double
+# the host peak while loading.
+
+_ST_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+_MAX_HEADER_BYTES = 100 << 20
+INDEX_FILE = "model.safetensors.index.json"
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """Where one checkpoint tensor lives: its file, byte range, dtype and shape."""
+
+    file: Path
+    start: int
+    end: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+def read_safetensors_header(file: Path) -> dict[str, TensorEntry]:
+    """The tensors of one safetensors file, by checkpoint name, without reading their data."""
+    try:
+        with file.open("rb") as f:
+            raw = f.read(8)
+            if len(raw) != 8:
+                raise ModelSourceError(f"{shown(file)}: not a safetensors file (too short)")
+            size = int.from_bytes(raw, "little")
+            if size > _MAX_HEADER_BYTES:
+                raise ModelSourceError(f"{shown(file)}: safetensors header of {size} bytes is implausible")
+            header = json.loads(f.read(size).decode("utf-8"))
+        base = 8 + size
+        out = {}
+        for name, meta in header.items():
+            if name == "__metadata__":
+                continue
+            if meta["dtype"] not in _ST_DTYPES:
+                raise ModelSourceError(f"{shown(file)}: tensor {clipped_repr(name)} has unsupported dtype "
+                                       f"{clipped_repr(str(meta['dtype']))}")
+            start, end = meta["data_offsets"]
+            out[name] = TensorEntry(file, base + start, base + end, _ST_DTYPES[meta["dtype"]], tuple(meta["shape"]))
+        return out
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as err:
+        raise ModelSourceError(f"{shown(file)}: unreadable safetensors header: {err!r}") from None
+
+
+def _weight_files(path: Path) -> list[Path]:
+    """The checkpoint's files: those ``model.safetensors.index.json`` names, else every ``*.safetensors``."""
+    index = path / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_bytes().decode("utf-8"))["weight_map"]
+            names = sorted(set(weight_map.values()))
+        except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as err:
+            raise ModelSourceError(f"{shown(index)}: not a safetensors index: {err!r}") from None
+        files = [path / name for name in names]
+        missing = [f.name for f in files if not f.is_file() or f.parent != path]
+        if missing:
+            listed = ", ".join(clipped_repr(name) for name in missing[:4])
+            raise ModelSourceError(f"{shown(index)}: names files that are not in {shown(path)}: {listed}")
+        return files
     files = sorted(path.glob("*.safetensors"))
     if not files:
-        raise ModelSourceError(f"{path}: no *.safetensors files")
-    tensors: dict[str, Tensor] = {}
-    for file in files:
-        with safe_open(file, framework="pt") as f:
-            for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                tensors[key.removeprefix("model.")] = f.get_tensor(key)
-    return tensors
+        raise ModelSourceError(f"{shown(path)}: no *.safetensors files")
+    return files
+
+
+def checkpoint_index(path: Path) -> dict[str, TensorEntry]:
+    """Every tensor of the checkpoint by its name without the ``model.`` prefix (headers only)."""
+    entries: dict[str, TensorEntry] = {}
+    for file in _weight_files(path):
+        for key, entry in read_safetensors_header(file).items():
+            entries[key.removeprefix("model.")] = entry
+    return entries
+
+
+class _TensorReader:
+    """Reads checkpoint tensors into destination tensors, one at a time, files kept open."""
+
+    def __init__(self, path: Path, entries: dict[str, TensorEntry]) -> None:
+        self.path = path
+        self.entries = entries
+        self._files: dict[Path, object] = {}
+
+    def close(self) -> None:
+        for f in self._files.values():
+            f.close()
+        self._files.clear()
+
+    def entry(self, name: str, shape: tuple[int, ...]) -> TensorEntry:
+        entry = self.entries.get(name)
+        if entry is None:
+            raise ModelSourceError(f"{shown(self.path)}: tensor {clipped_repr(name)} missing from the checkpoint")
+        if entry.shape != shape:
+            raise ModelSourceError(f"{shown(self.path)}: tensor {clipped_repr(name)} has shape "
+                                   f"{clipped_repr(str(list(entry.shape)))}, expected {list(shape)}")
+        if entry.end - entry.start != math.prod(shape) * entry.dtype.itemsize:
+            raise ModelSourceError(
+                f"{shown(self.path)}: tensor {clipped_repr(name)} has a byte range that does not match its shape")
+        return entry
+
+    def read_into(self, name: str, dest: Tensor) -> None:
+        """Fills ``dest`` (contiguous) with the checkpoint tensor ``name``, converting its dtype."""
+        entry = self.entry(name, tuple(dest.shape))
+        f = self._files.get(entry.file)
+        if f is None:
+            f = self._files[entry.file] = entry.file.open("rb", buffering=0)
+        direct = dest.device.type == "cpu" and dest.dtype == entry.dtype and dest.is_contiguous()
+        staging = dest if direct else torch.empty(entry.shape, dtype=entry.dtype)
+        buffer = memoryview(staging.view(-1).view(torch.uint8).numpy())
+        f.seek(entry.start)
+        done = 0
+        while done < len(buffer):
+            n = f.readinto(buffer[done:])
+            if not n:
+                raise ModelSourceError(f"{shown(entry.file)}: truncated while reading {clipped_repr(name)}")
+            done += n
+        if not direct:
+            dest.copy_(staging)
 
 
 @torch.no_grad()
 def _load_safetensors(model: Transformer, config: ModelConfig, path: Path) -> None:
-    hf = _hf_tensors(path)
-
-    def take(name: str) -> Tensor:
-        if name not in hf:
-            raise ModelSourceError(f"{path}: tensor {name!r} missing from the checkpoint")
-        return hf[name]
-
-    model.tok_embeddings.weight.copy_(take("embed_tokens.weight"))
-    model.norm.weight.copy_(take("norm.weight"))
-    if not config.tie_word_embeddings:
-        model.output.weight.copy_(take("lm_head.weight"))
-    for i, layer in enumerate(model.layers):
-        p = f"layers.{i}."
-        attn, mlp = p + "self_attn.", p + "mlp."
-        qkv = [take(attn + f"{n}_proj.weight") for n in "qkv"]
-        layer.attention.wqkv.weight.copy_(torch.cat(qkv, dim=0))
-        layer.attention.wo.weight.copy_(take(attn + "o_proj.weight"))
-        w13 = [take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight")]
-        layer.feed_forward.w13.weight.copy_(torch.cat(w13, dim=0))
-        layer.feed_forward.w2.weight.copy_(take(mlp + "down_proj.weight"))
-        layer.attention_norm.weight.copy_(take(p + "input_layernorm.weight"))
-        layer.ffn_norm.weight.copy_(take(p + "post_attention_layernorm.weight"))
+    """Fills every parameter in place; fused Q/K/V and gate/up rows are written slice by slice."""
+    reader = _TensorReader(path, checkpoint_index(path))
+    try:
+        reader.read_into("embed_tokens.weight", model.tok_embeddings.weight)
+        reader.read_into("norm.weight", model.norm.weight)
+        if not config.tie_word_embeddings:
+            reader.read_into("lm_head.weight", model.output.weight)
+        q_size, kv_size = config.n_heads * config.head_dim, config.n_kv_heads * config.head_dim
+        for i, layer in enumerate(model.layers):
+            p = f"layers.{i}."
+            attn, mlp = p + "self_attn.", p + "mlp."
+            q, k, v = layer.attention.wqkv.weight.split([q_size, kv_size, kv_size])
+            for name, rows in zip("qkv", (q, k, v), strict=True):
+                reader.read_into(attn + f"{name}_proj.weight", rows)
+            reader.read_into(attn + "o_proj.weight", layer.attention.wo.weight)
+            gate, up = layer.feed_forward.w13.weight.split(config.intermediate_size)
+            reader.read_into(mlp + "gate_proj.weight", gate)
+            reader.read_into(mlp + "up_proj.weight", up)
+            reader.read_into(mlp + "down_proj.weight", layer.feed_forward.w2.weight)
+            reader.read_into(p + "input_layernorm.weight", layer.attention_norm.weight)
+            reader.read_into(p + "post_attention_layernorm.weight", layer.ffn_norm.weight)
+    finally:
+        reader.close()
 
 
 def _hash_text(text: str) -> str:
@@ -165,13 +337,19 @@ def _hash_text(text: str) -> str:
 
 
 def _hash_directory(path: Path) -> str:
-    """A content hash of config.json and the weights: a changed file is a new revision."""
+    """A content hash of config.json and the weights: a changed file is a new revision.
+
+    Read through one reused 1 MiB buffer, so hashing adds nothing noticeable to the load's peak.
+    """
     digest = hashlib.sha256()
-    for file in [path / "config.json", *sorted(path.glob("*.safetensors"))]:
+    buffer = bytearray(1 << 20)
+    view = memoryview(buffer)
+    index = [path / INDEX_FILE] if (path / INDEX_FILE).is_file() else []
+    for file in [path / "config.json", *index, *_weight_files(path)]:
         digest.update(file.name.encode())
-        with file.open("rb") as f:
-            while chunk := f.read(1 << 24):
-                digest.update(chunk)
+        with file.open("rb", buffering=0) as f:
+            while n := f.readinto(buffer):
+                digest.update(view[:n])
     return "sha256:" + digest.hexdigest()[:16]
 
 

@@ -9,47 +9,211 @@ import asyncio
 import contextlib
 import ipaddress
 import logging
+import math
 import os
 import signal
 import sys
 from pathlib import Path
+
+import torch
 
 from graphkeeper.proto import worker_pb2 as pb
 from graphkeeper.proto.policy import MODE_BY_NAME, PolicyError, policy_from_json, validate_policy
 from graphkeeper.worker.engine import Engine, EngineSettings
 from graphkeeper.worker.http import serve_http
 from graphkeeper.worker.lifecycle import state_name
+from graphkeeper.worker.loader import ModelSourceError, check_source
 from graphkeeper.worker.server import StreamHub, build_servers, track_health
 
 log = logging.getLogger("graphkeeper.worker")
 INJECT_ENV = "GRAPHKEEPER_INJECT_CAPTURE_FAILURE"
+#: ``<token>`` or ``<token>:fatal``: a step holding that prompt token fails (tests only).
+INJECT_STEP_ENV = "GRAPHKEEPER_INJECT_STEP_FAILURE"
 SWITCH_INTERVAL_SECONDS = 0.0005
 STOP_GRACE_SECONDS = 2.0
 
 
+#: A GraphPolicy JSON is a ConfigMap value, and ConfigMaps hold at most 1 MiB.
+MAX_POLICY_FILE_BYTES = 1 << 20
+MAX_TOKEN_FILE_BYTES = 64 << 10
+DTYPE_FLAGS = ("auto", "float32", "bfloat16", "float16")
+PORT_FLAGS = ("port", "control_port", "metrics_port")
+
+
+# --- boot checks: pure functions that return one line per problem (empty when all is well) ---
+
+
+def limit_errors(max_num_seqs: int, max_seq_len: int, max_num_batched_tokens: int, max_queue: int,
+                 prefill_chunk: int = 0) -> list[str]:
+    """The engine's size limits: each must leave the worker able to serve at least one request."""
+    errors = []
+    if max_num_seqs < 1:
+        errors.append(f"--max-num-seqs must be at least 1, got {max_num_seqs}")
+    if max_seq_len < 2:
+        errors.append(f"--max-seq-len must be at least 2 (one prompt token and one new token), got {max_seq_len}")
+    if max_num_batched_tokens < max(1, max_num_seqs):
+        errors.append(f"--max-num-batched-tokens ({max_num_batched_tokens}) must be at least "
+                      f"--max-num-seqs ({max_num_seqs}): every running sequence needs a token per step")
+    if max_queue < 1:
+        errors.append(f"--max-queue must be at least 1 (0 would report ready and refuse everything), got {max_queue}")
+    if prefill_chunk < 0:
+        errors.append(f"--prefill-chunk must not be negative, got {prefill_chunk}")
+    return errors
+
+
+def port_error(flag: str, port: int) -> str | None:
+    """0 is allowed (ephemeral, or disabled for --metrics-port); otherwise a TCP port."""
+    if not 0 <= port <= 65535:
+        return f"--{flag.replace('_', '-')} must be in [0, 65535], got {port}"
+    return None
+
+
+def dtype_error(dtype: str) -> str | None:
+    if dtype not in DTYPE_FLAGS:
+        return f"--dtype {dtype!r} is not one of {', '.join(DTYPE_FLAGS)}"
+    return None
+
+
+def device_error(device: str, cuda_available: bool, cuda_devices: int) -> str | None:
+    """Only ``cpu`` and ``cuda[:N]`` serve; a CUDA device must exist on this machine."""
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, ValueError):
+        return f"--device {device!r} is not a device (cpu, cuda or cuda:N)"
+    if parsed.type == "cpu":
+        return None
+    if parsed.type != "cuda":
+        return f"--device {device!r}: only cpu and cuda are supported"
+    if not cuda_available:
+        return f"--device {device}: CUDA is not available on this machine"
+    if parsed.index is not None and parsed.index >= cuda_devices:
+        return f"--device {device}: this machine has {cuda_devices} CUDA device(s)"
+    return None
+
+
+def drain_error(seconds: float) -> str | None:
+    if not math.isfinite(seconds) or seconds < 0:
+        return f"--drain-seconds must be a non-negative number, got {seconds}"
+    return None
+
+
+def model_error(model: str) -> str | None:
+    """A --model that cannot load (missing directory, no config.json, unknown preset), weights unread."""
+    try:
+        check_source(model)
+    except ModelSourceError as err:
+        return f"--model {err}"
+    return None
+
+
+def control_token_error(path: str) -> str | None:
+    """``--control-token-file``, when given, must be a readable, non-empty UTF-8 file."""
+    if not path:
+        return None
+    file = Path(path)
+    try:
+        if not file.is_file():
+            return f"--control-token-file {path}: not a file"
+        if file.stat().st_size > MAX_TOKEN_FILE_BYTES:
+            return f"--control-token-file {path}: larger than {MAX_TOKEN_FILE_BYTES} bytes"
+        token = file.read_bytes().decode("utf-8").strip()
+    except OSError as err:
+        return f"--control-token-file {path}: cannot read it ({err.strerror or err})"
+    except UnicodeDecodeError:
+        return f"--control-token-file {path}: not UTF-8 text"
+    if not token:
+        return f"--control-token-file {path}: empty (an empty token would let anyone in)"
+    return None
+
+
+def model_root_errors(roots: list[str]) -> list[str]:
+    return [f"--model-root {root}: not a directory" for root in roots if not _is_dir(root)]
+
+
+def _is_dir(path: str) -> bool:
+    """``Path.is_dir`` that says no, rather than raising, for a name the OS refuses outright."""
+    try:
+        return Path(path).is_dir()
+    except (OSError, ValueError):
+        return False
+
+
+def read_policy_file(path: str, max_num_batched_tokens: int) -> tuple[pb.GraphPolicy | None, str | None]:
+    """(policy, None), or (None, error), or (None, None) when the file does not exist yet.
+
+    A missing file is not an error (the ConfigMap may appear later); a directory, unreadable
+    bytes, text that is not UTF-8 JSON or an invalid policy is.
+    """
+    file = Path(path)
+    try:
+        if not file.exists():
+            return None, None
+        if not file.is_file():
+            return None, f"--policy-file {path}: not a regular file"
+        if file.stat().st_size > MAX_POLICY_FILE_BYTES:
+            return None, f"--policy-file {path}: larger than {MAX_POLICY_FILE_BYTES} bytes"
+        text = file.read_bytes().decode("utf-8")
+    except OSError as err:
+        return None, f"--policy-file {path}: cannot read it ({err.strerror or err})"
+    except UnicodeDecodeError as err:
+        return None, f"--policy-file {path}: not UTF-8 ({err.reason} at byte {err.start})"
+    try:
+        policy = policy_from_json(text)
+        validate_policy(policy, max_num_batched_tokens)
+    except PolicyError as err:
+        return None, f"--policy-file {path}: {err}"
+    return policy, None
+
+
+def boot_errors(args: argparse.Namespace) -> list[str]:
+    """Every problem with the worker's flags, cheapest first, each one line."""
+    errors = limit_errors(args.max_num_seqs, args.max_seq_len, args.max_num_batched_tokens, args.max_queue,
+                          getattr(args, "prefill_chunk", 0))
+    errors += [e for flag in PORT_FLAGS if hasattr(args, flag) and (e := port_error(flag, getattr(args, flag)))]
+    errors += [e for e in (dtype_error(args.dtype), drain_error(args.drain_seconds),
+                           control_token_error(getattr(args, "control_token_file", ""))) if e]
+    errors += model_root_errors(getattr(args, "model_root", None) or [])
+    if not errors:  # the costlier checks only once the flags themselves make sense
+        cuda = torch.cuda.is_available()
+        errors += [e for e in (device_error(args.device, cuda, torch.cuda.device_count() if cuda else 0),
+                               model_error(args.model)) if e]
+    return errors
+
+
+def one_line(message: str) -> str:
+    """Error text as a single line: a refusal is one line on stderr, whatever the cause said."""
+    return " ".join(message.split())
+
+
 def settings_from_args(args: argparse.Namespace) -> EngineSettings:
-    """Builds engine settings; raises SystemExit with a clear message on a bad flag or policy file."""
+    """Builds engine settings; raises SystemExit with one clear line on a bad flag or policy file."""
+    errors = boot_errors(args)
+    if errors:
+        raise SystemExit(f"graphkeeper worker: {one_line(errors[0])}")
     policy = pb.GraphPolicy()
     if args.policy_file:
-        path = Path(args.policy_file)
-        if path.is_file():
-            try:
-                policy = policy_from_json(path.read_text())
-                validate_policy(policy, args.max_num_batched_tokens)
-            except PolicyError as err:
-                raise SystemExit(f"--policy-file {path}: {err}") from None
+        loaded, error = read_policy_file(args.policy_file, args.max_num_batched_tokens)
+        if error:
+            raise SystemExit(f"graphkeeper worker: {one_line(error)}")
+        if loaded is None:
+            log.warning("policy file %s does not exist (yet): starting with the default policy", args.policy_file)
         else:
-            log.warning("policy file %s does not exist (yet): starting with the default policy", path)
+            policy = loaded
     if args.graph_mode and not policy.policy_uid:
         if args.graph_mode not in MODE_BY_NAME:
-            raise SystemExit(f"--graph-mode {args.graph_mode!r} is not one of {', '.join(MODE_BY_NAME)}")
+            raise SystemExit(f"graphkeeper worker: --graph-mode {args.graph_mode!r} is not one of "
+                             f"{', '.join(MODE_BY_NAME)}")
         policy.mode = MODE_BY_NAME[args.graph_mode]
-    inject = frozenset(int(x) for x in os.environ.get(INJECT_ENV, "").split(",") if x.strip())
+    try:
+        inject = frozenset(int(x) for x in os.environ.get(INJECT_ENV, "").split(",") if x.strip())
+    except ValueError:
+        raise SystemExit(f"graphkeeper worker: {INJECT_ENV} must be comma-separated integers") from None
     return EngineSettings(
         model=args.model, model_revision=args.model_revision, device=args.device, dtype=args.dtype,
         max_num_seqs=args.max_num_seqs, max_seq_len=args.max_seq_len,
         max_num_batched_tokens=args.max_num_batched_tokens, max_queue=args.max_queue,
         prefill_chunk=args.prefill_chunk, policy=policy, inject_capture_failures=inject,
+        inject_step_failure=_step_injection(os.environ.get(INJECT_STEP_ENV, "")),
         model_roots=tuple(args.model_root),
     )
 
@@ -73,13 +237,14 @@ async def _serve(args: argparse.Namespace, settings: EngineSettings, token: str)
     """Runs the servers and the engine until SIGTERM/SIGINT (drain) or an engine failure (exit 1)."""
     loop = asyncio.get_running_loop()
     engine = Engine(settings)
-    engine.publish = StreamHub(loop).publish
+    hub = StreamHub(loop)
+    engine.publish = hub.publish
     engine.lifecycle.subscribe(lambda s: log.info("lifecycle: %s", state_name(s)))
     control_host = args.control_host or args.host
     if not token and not _is_loopback(control_host):
         log.warning("no --control-token-file: GraphControl listens on 127.0.0.1 only, not %s", control_host)
         control_host = "127.0.0.1"
-    servers = build_servers(engine, args.host, args.port, control_host, args.control_port, token)
+    servers = build_servers(engine, args.host, args.port, control_host, args.control_port, token, hub)
     track_health(engine, servers.health, loop)
     if args.metrics_port:
         serve_http(engine, args.host, args.metrics_port)
@@ -107,6 +272,16 @@ async def _serve(args: argparse.Namespace, settings: EngineSettings, token: str)
     await asyncio.gather(servers.inference.stop(STOP_GRACE_SECONDS), servers.control.stop(STOP_GRACE_SECONDS))
     log.info("stopped")
     return code
+
+
+def _step_injection(value: str) -> tuple[int, bool] | None:
+    if not value:
+        return None
+    token, _, kind = value.partition(":")
+    try:
+        return int(token), kind == "fatal"
+    except ValueError:
+        raise SystemExit(f"graphkeeper worker: {INJECT_STEP_ENV} must be <token> or <token>:fatal") from None
 
 
 def _read_token(path: str) -> str:

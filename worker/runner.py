@@ -113,7 +113,7 @@ class ModelRunner:
         host[self.SLOTS, n:] = self.cache.dummy_slot
         host[self.LENGTHS] = host[self.POSITIONS] + 1
         host[self.KV_ROWS] = self.cache.row_index(host[self.SLOTS], host[self.POSITIONS])
-        blocks = 0 if plan.uniform_decode else self._block_table(host, plan)
+        blocks = self._block_table(host, plan)
         ns = plan.num_samples
         host[self.SAMPLE_ROWS, :ns] = plan.sample_rows
         host[self.SAMPLE_SLOTS, :ns] = plan.sample_slots

@@ -28,10 +28,12 @@ from grpc_reflection.v1alpha import reflection
 from graphkeeper.proto import worker_pb2 as pb
 from graphkeeper.proto import worker_pb2_grpc as pb_grpc
 from graphkeeper.proto.policy import PolicyError
-from graphkeeper.worker.admission import AdmissionError
-from graphkeeper.worker.engine import Engine, NotServing, QueueFull, ReloadRefused, StalePolicy, StepFailed
+from graphkeeper.worker.admission import AdmissionError, validate_reload_request, validate_request
+from graphkeeper.worker.engine import Engine, NotServing, QueueFull, StalePolicy, StepFailed
 from graphkeeper.worker.lifecycle import SERVING_STATES
+from graphkeeper.worker.reload import ReloadRefused
 from graphkeeper.worker.tokenizer import IncrementalDetokenizer
+from graphkeeper.worker.wire import tolerant
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +42,11 @@ CONTROL_SERVICE = pb.DESCRIPTOR.services_by_name["GraphControl"].full_name
 RELOAD_TIMEOUT_SECONDS = 600.0
 #: Prompts longer than this are tokenized off the event loop.
 INLINE_TOKENIZE_CHARS = 4096
+#: Pacing under load: a stream writes at most once per (this many seconds x open streams), at most
+#: MAX_FLUSH_GAP, so the API layer's share of the interpreter stays bounded while the engine runs at
+#: the GPU's pace; tokens that arrive in between go out together in the next message.
+FLUSH_GAP_PER_STREAM = 0.0001
+MAX_FLUSH_GAP = 0.008
 #: gRPC options for every server: a second worker on the same port must fail, not share it.
 SERVER_OPTIONS = (("grpc.so_reuseport", 0),)
 
@@ -58,6 +65,11 @@ class StreamHub:
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
+        self.open_streams = 0
+
+    def flush_gap(self) -> float:
+        """Seconds a stream waits after a write before its next one (0 with a single stream)."""
+        return 0.0 if self.open_streams <= 1 else min(MAX_FLUSH_GAP, FLUSH_GAP_PER_STREAM * self.open_streams)
 
     def publish(self, updates: list[tuple[Any, list[int], Any]]) -> None:
         """Engine thread: ``(stream, new tokens, end)`` for each stream; ``end`` is a Completion, an
@@ -76,8 +88,9 @@ class StreamHub:
 
 
 class InferenceServicer(pb_grpc.InferenceWorkerServicer):
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, hub: StreamHub | None = None) -> None:
         self.engine = engine
+        self.hub = hub
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):  # noqa: N802
         stream = TokenStream()
@@ -95,6 +108,9 @@ class InferenceServicer(pb_grpc.InferenceWorkerServicer):
             engine.metrics.requests.labels("unavailable").inc()
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(err))
         detok = IncrementalDetokenizer(engine.tokenizer, prompt) if request.prompt_text else None
+        hub = self.hub
+        if hub is not None:
+            hub.open_streams += 1
         try:
             while True:
                 await stream.wake.wait()
@@ -113,20 +129,25 @@ class InferenceServicer(pb_grpc.InferenceWorkerServicer):
                     await context.abort(grpc.StatusCode.INTERNAL, str(end))
                 if isinstance(end, NotServing):
                     await context.abort(grpc.StatusCode.UNAVAILABLE, str(end))
+                if hub is not None and (gap := hub.flush_gap()):
+                    await asyncio.sleep(gap)
         except asyncio.CancelledError:
             # The client cancelled or went away, or the server is stopping: free the slot.
             engine.cancel(seq)
             raise
+        finally:
+            if hub is not None:
+                hub.open_streams -= 1
 
     async def _prompt_ids(self, request: pb.GenerateRequest) -> list[int]:
         """The prompt as token ids; a text prompt is tokenized here, off the engine's path."""
         if not request.prompt_text:
             return list(request.prompt_token_ids)
-        if request.prompt_token_ids:
-            raise AdmissionError("prompt_text", "set either prompt_token_ids or prompt_text, not both")
+        loaded = self.engine.loaded
+        if loaded is None:
+            raise NotServing("model not loaded yet")
+        validate_request(request, self.engine.limits())  # sizes and rules before any tokenizing
         tokenizer = self.engine.tokenizer
-        if tokenizer is None:
-            raise AdmissionError("prompt_text", "this model has no tokenizer (tokenizer.json): send prompt_token_ids")
         if len(request.prompt_text) > INLINE_TOKENIZE_CHARS:
             return await asyncio.to_thread(tokenizer.encode_ids, request.prompt_text)
         return tokenizer.encode_ids(request.prompt_text)
@@ -154,9 +175,8 @@ class GraphControlServicer(pb_grpc.GraphControlServicer):
         return self.engine.status()
 
     async def LoadModelRevision(self, request: pb.LoadModelRevisionRequest, context: grpc.aio.ServicerContext):  # noqa: N802
-        if not request.source:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "source: must name a directory or random:<preset>")
         try:
+            validate_reload_request(request)
             future = self.engine.load_revision(request.source, request.revision)
         except AdmissionError as err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
@@ -209,19 +229,19 @@ class Servers:
 
 
 def build_servers(engine: Engine, host: str, port: int, control_host: str, control_port: int,
-                  token: str) -> Servers:
+                  token: str, hub: StreamHub | None = None) -> Servers:
     """Both servers with their services registered, bound and unstarted.
 
     Raises OSError naming the address when a port cannot be bound (in use, or not an address here).
     """
     inference = grpc.aio.server(options=SERVER_OPTIONS)
-    pb_grpc.add_InferenceWorkerServicer_to_server(InferenceServicer(engine), inference)
+    pb_grpc.add_InferenceWorkerServicer_to_server(InferenceServicer(engine, hub), tolerant(inference))
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, inference)
     reflection.enable_server_reflection((INFERENCE_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), inference)
     interceptors = (BearerTokenInterceptor(token),) if token else ()
     control = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors)
-    pb_grpc.add_GraphControlServicer_to_server(GraphControlServicer(engine), control)
+    pb_grpc.add_GraphControlServicer_to_server(GraphControlServicer(engine), tolerant(control))
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, control)
     bound = _bind(inference, host, port)
     bound_control = _bind(control, control_host, control_port)

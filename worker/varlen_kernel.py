@@ -20,6 +20,8 @@ from torch import Tensor
 try:
     import triton
     import triton.language as tl
+
+    from graphkeeper.worker.decode_kernel import online_softmax_step
 except ImportError:  # pragma: no cover - CPU-only installs without triton
     triton = None
 
@@ -68,23 +70,9 @@ if triton is not None:
             offsets = keys[:, None] * stride_kl + dims[None, :]
             key_ok = keys < end
             k = tl.load(k_base + offsets, mask=key_ok[:, None], other=0.0)
-            if IEEE:  # noqa: SIM108 - constexpr branch, resolved at compile time
-                s = tl.dot(q, tl.trans(k), input_precision="ieee")
-            else:
-                s = tl.dot(q, tl.trans(k))
-            visible = keys[None, :] <= pos[:, None]
-            s = tl.where(visible, s * scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp(m_i - m_new)
-            p = tl.exp(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(v_base + offsets, mask=key_ok[:, None], other=0.0)
-            if IEEE:  # noqa: SIM108 - constexpr branch, resolved at compile time
-                pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
-            else:
-                pv = tl.dot(p.to(v.dtype), v)
-            acc = acc * alpha[:, None] + pv
-            m_i = m_new
+            visible = keys[None, :] <= pos[:, None]
+            m_i, l_i, acc = online_softmax_step(q, k, v, visible, scale, m_i, l_i, acc, IEEE)
         acc = acc / l_i[:, None]
         o_offsets = (first_row + token)[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :]
         tl.store(out_ptr + o_offsets, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])

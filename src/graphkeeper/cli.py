@@ -7,7 +7,24 @@ Each subcommand imports its room lazily, so ``graphkeeper generate`` never loads
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from typing import NoReturn
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def _one_line_errors(parser: argparse.ArgumentParser) -> None:
+    """A bad flag is one line on stderr and exit 2, not argparse's usage block.
+
+    The worker runs under Kubernetes, where the last line of a crash-looping pod's log is what
+    people read; a usage block pushes the reason out of ``kubectl logs --tail``.
+    """
+
+    def error(message: str) -> NoReturn:
+        parser.exit(2, f"{parser.prog}: error: {' '.join(message.split())}\n")
+
+    parser.error = error  # type: ignore[method-assign]
 
 
 def _worker(sub: argparse._SubParsersAction) -> None:
@@ -27,13 +44,14 @@ def _worker(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
     p.add_argument("--max-num-seqs", type=int, default=16)
     p.add_argument("--max-seq-len", type=int, default=512)
-    p.add_argument("--max-num-batched-tokens", type=int, default=256, help="token budget per step")
+    p.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget per step")
     p.add_argument("--max-queue", type=int, default=256, help="queued requests before RESOURCE_EXHAUSTED")
     p.add_argument("--prefill-chunk", type=int, default=0, help="longest prefill chunk (0: token budget)")
     p.add_argument("--policy-file", default="", help="GraphPolicy JSON to capture before ready")
     p.add_argument("--graph-mode", default="", help="graph mode without a policy (e.g. FullAndPiecewise)")
     p.add_argument("--drain-seconds", type=float, default=30.0)
-    p.add_argument("--log-level", default="INFO")
+    p.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS)
+    _one_line_errors(p)
     p.set_defaults(func=lambda a: __import__("graphkeeper.worker.main", fromlist=["run"]).run(a))
 
 
@@ -69,7 +87,11 @@ def _operator(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--namespace", action="append", default=[], help="watch only these (default: all)")
     p.add_argument("--metrics-port", type=int, default=9500, help="operator metrics and /healthz")
     p.add_argument("--status-interval", type=float, default=5.0, help="seconds between status reads")
-    p.add_argument("--rpc-timeout", type=float, default=5.0, help="deadline of a status read")
+    p.add_argument("--rpc-timeout", type=float, default=5.0,
+                   help="deadline of every GraphControl call but a model reload")
+    p.add_argument("--control-token-file", default=os.environ.get("GRAPHKEEPER_CONTROL_TOKEN_FILE", ""),
+                   help="bearer token sent on every GraphControl call "
+                        "(default: $GRAPHKEEPER_CONTROL_TOKEN_FILE)")
     p.add_argument("--log-level", default="INFO")
     p.set_defaults(func=lambda a: __import__("graphkeeper.operator.main", fromlist=["run"]).run(a))
 

@@ -3,7 +3,9 @@
 - ``cluster`` (session): ``deploy/local/cluster.sh up`` on free loopback ports in a fresh state
   directory, the GraphPolicy CRD applied, and ``down`` at the end.
 - ``kubelet``: plays the kubelet's part for worker pods a test creates. It starts a real
-  ``graphkeeper worker`` process on loopback (CPU, tiny random model) and writes the Pod's status
+  ``graphkeeper worker`` process on loopback (CPU, tiny random model; inference on the port
+  named ``grpc``, GraphControl on the port named ``control`` with the session's bearer token
+  from ``control_token``, which the operator gets too) and writes the Pod's status
   (IP, phase, Ready) through the status subresource, so the operator sees running pods.
 - ``operator`` (session): ``graphkeeper operator`` as a subprocess that tests can stop and start.
 
@@ -194,6 +196,10 @@ class Worker:
     metrics_port: int
     log: Path
     args: list[str]
+    control_port: int = 0
+    token: str = ""
+    #: Lifecycle transitions the light stand-in reports (``<unix time> <STATE>`` lines).
+    lifecycle_log: Path | None = None
     process: subprocess.Popen | None = None
     restarts: int = 0
 
@@ -201,10 +207,25 @@ class Worker:
     def target(self) -> str:
         return f"127.0.0.1:{self.port}"
 
+    @property
+    def control_target(self) -> str:
+        return f"127.0.0.1:{self.control_port or self.port}"
+
     def graph_status(self) -> pb.GraphStatus:
-        with grpc.insecure_channel(self.target) as channel:
-            return pb_grpc.GraphControlStub(channel).GetGraphStatus(pb.GetGraphStatusRequest(),
-                                                                    timeout=5)
+        metadata = (("authorization", f"Bearer {self.token}"),) if self.token else ()
+        with grpc.insecure_channel(self.control_target) as channel:
+            return pb_grpc.GraphControlStub(channel).GetGraphStatus(
+                pb.GetGraphStatusRequest(), timeout=5, metadata=metadata)
+
+    def transitions(self) -> list[tuple[float, str]]:
+        """The stand-in's own lifecycle report: (unix time, state) at each change."""
+        if self.lifecycle_log is None or not self.lifecycle_log.exists():
+            return []
+        out = []
+        for line in self.lifecycle_log.read_text().splitlines():
+            stamp, _, state = line.partition(" ")
+            out.append((float(stamp), state))
+        return out
 
     def serving(self) -> bool:
         try:
@@ -217,55 +238,75 @@ class Worker:
 
 
 @dataclass
+class StandIn:
+    """Options for a light GraphControl stand-in (``graphkeeper.operator.testing``): no model,
+    the worker's policy contract, simulated capture and reload times and capture failures."""
+
+    capture_seconds: float = 0.0
+    load_seconds: float = 0.0
+    fail_sizes: tuple[int, ...] = ()
+
+
+@dataclass
 class Kubelet:
     """Starts a worker process per Pod a test creates, and writes the Pod's status."""
 
     cluster: Cluster
     logs: Path
+    token_file: Path | None = None
     workers: dict[str, Worker] = field(default_factory=dict)
 
     def create_worker(self, namespace: str, name: str, labels: dict[str, str],
                       annotations: dict[str, str] | None = None, policy_file: str = "",
-                      model_revision: str = "") -> Worker:
-        port, metrics_port = free_port(), free_port()
+                      model_revision: str = "", standin: StandIn | None = None,
+                      wait: bool = True) -> Worker:
+        """A pod and its process: the real worker, or a light stand-in when ``standin`` is
+        given (or GRAPHKEEPER_TEST_WORKER=fake)."""
+        port, metrics_port, control = free_port(), free_port(), free_port()
+        fake = standin is not None or WORKER_KIND == "fake"
+        standin = standin or StandIn()
+        # Inference on the port named grpc, GraphControl on the port named control (with the
+        # bearer token), as the chart's worker pods declare them.
+        ports = [{"name": "grpc", "containerPort": port},
+                 {"name": "control", "containerPort": control},
+                 {"name": "metrics", "containerPort": metrics_port}]
         pod = {
             "apiVersion": "v1", "kind": "Pod",
             "metadata": {"name": name, "labels": labels, "annotations": annotations or {}},
-            "spec": {"containers": [{
-                "name": "worker", "image": "graphkeeper:dev",
-                "ports": [{"name": "grpc", "containerPort": port},
-                          {"name": "metrics", "containerPort": metrics_port}],
-            }]},
+            "spec": {"containers": [{"name": "worker", "image": "graphkeeper:dev",
+                                     "ports": ports}]},
         }
         self.cluster.core.create_namespaced_pod(namespace, pod)
-        if WORKER_KIND == "fake":
+        token_args = ["--control-token-file", str(self.token_file)] if self.token_file else []
+        lifecycle = self.logs / f"{namespace}-{name}.lifecycle" if fake else None
+        if fake:
             args = [sys.executable, "-m", "graphkeeper.operator.testing", "--port", str(port),
-                    "--max-num-batched-tokens", "64"]
-            if model_revision:
-                args += ["--model-revision", model_revision]
-            if policy_file:
-                args += ["--policy-file", policy_file]
+                    "--control-port", str(control), "--max-num-batched-tokens", "64",
+                    "--capture-seconds", str(standin.capture_seconds),
+                    "--load-seconds", str(standin.load_seconds),
+                    "--fail-sizes", ",".join(map(str, standin.fail_sizes)),
+                    "--lifecycle-log", str(lifecycle), *token_args]
         else:
             args = [sys.executable, "-m", "graphkeeper.cli", "worker", "--model", "random:tiny",
                     "--host", "127.0.0.1", "--port", str(port), "--metrics-port",
                     str(metrics_port), "--device", "cpu", "--max-num-seqs", "4",
                     "--max-seq-len", "128", "--max-num-batched-tokens", "64",
                     "--drain-seconds", "0"]
-            if model_revision:
-                args += ["--model-revision", model_revision]
-            if policy_file:
-                args += ["--policy-file", policy_file]
+            args += ["--control-port", str(control), *token_args]
+        if model_revision:
+            args += ["--model-revision", model_revision]
+        if policy_file:
+            args += ["--policy-file", policy_file]
+        token = self.token_file.read_text().strip() if self.token_file else ""
         worker = Worker(name=name, namespace=namespace, port=port, metrics_port=metrics_port,
-                        log=self.logs / f"{namespace}-{name}.log", args=args)
+                        log=self.logs / f"{namespace}-{name}.log", args=args,
+                        control_port=control, token=token,
+                        lifecycle_log=lifecycle)
         self.workers[f"{namespace}/{name}"] = worker
-        self._start(worker)
+        self._start(worker, wait=wait)
         return worker
 
-    def _start(self, worker: Worker) -> None:
-        with open(worker.log, "ab") as log:
-            worker.process = subprocess.Popen(worker.args, stdout=log, stderr=subprocess.STDOUT,
-                                              env=self.cluster.env, start_new_session=True)
-
+    def wait_ready(self, worker: Worker) -> None:
         def up() -> bool:
             if worker.process.poll() is not None:
                 raise AssertionError(f"worker {worker.name} exited: {worker.log.read_text()[-3000:]}")
@@ -273,6 +314,13 @@ class Kubelet:
 
         wait_until(f"worker {worker.name} to serve", up, timeout=180, interval=0.25)
         self.set_ready(worker, True)
+
+    def _start(self, worker: Worker, wait: bool = True) -> None:
+        with open(worker.log, "ab") as log:
+            worker.process = subprocess.Popen(worker.args, stdout=log, stderr=subprocess.STDOUT,
+                                              env=self.cluster.env, start_new_session=True)
+        if wait:
+            self.wait_ready(worker)
 
     def set_ready(self, worker: Worker, ready: bool) -> None:
         flag = "True" if ready else "False"
@@ -315,9 +363,17 @@ class Kubelet:
                 self.kill(worker)
 
 
+@pytest.fixture(scope="session")
+def control_token(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The bearer token the operator sends and the workers require (a Secret, in a cluster)."""
+    path = tmp_path_factory.mktemp("control") / "token"
+    path.write_text(uuid.uuid4().hex + "\n")
+    return path
+
+
 @pytest.fixture
-def kubelet(cluster: Cluster, tmp_path: Path) -> Iterator[Kubelet]:
-    k = Kubelet(cluster, tmp_path)
+def kubelet(cluster: Cluster, tmp_path: Path, control_token: Path) -> Iterator[Kubelet]:
+    k = Kubelet(cluster, tmp_path, token_file=control_token)
     yield k
     k.close()
 
@@ -397,8 +453,10 @@ class Operator:
 
 
 @pytest.fixture(scope="session")
-def operator(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Operator]:
-    op = Operator(cluster, tmp_path_factory.mktemp("operator") / "operator.log")
+def operator(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory,
+             control_token: Path) -> Iterator[Operator]:
+    op = Operator(cluster, tmp_path_factory.mktemp("operator") / "operator.log",
+                  extra_args=["--control-token-file", str(control_token)])
     op.start()
     yield op
     op.stop()

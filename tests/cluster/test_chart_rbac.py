@@ -33,7 +33,7 @@ def token_kubeconfig(cluster: Cluster, namespace: str, account: str, path: Path)
 
 def test_the_operator_works_with_only_the_charts_namespaced_rbac(
         operator: Operator, kubelet: Kubelet, policies: Policies, cluster: Cluster,
-        tmp_path: Path):
+        tmp_path: Path, control_token: Path):
     helm = cluster.bin / "helm"
     if not helm.exists():
         pytest.skip("helm is not built")
@@ -53,7 +53,8 @@ def test_the_operator_works_with_only_the_charts_namespaced_rbac(
     kubeconfig = token_kubeconfig(cluster, ns, account, tmp_path / "sa.kubeconfig")
 
     operator.stop()  # one operator at a time
-    limited = Operator(cluster, tmp_path / "limited.log", extra_args=["--namespace", ns],
+    limited = Operator(cluster, tmp_path / "limited.log",
+                       extra_args=["--namespace", ns, "--control-token-file", str(control_token)],
                        env={**cluster.env, "KUBECONFIG": str(kubeconfig)})
     try:
         limited.start()

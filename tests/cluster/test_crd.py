@@ -59,6 +59,16 @@ INVALID = {
         {"selector": {"matchExpressions": [{"key": "app", "operator": "In"}]}},
         "operators In and NotIn need values"),
     "missing selector": ({"mode": "Full"}, "spec.selector: Required value"),
+    "maxUnavailable above 100%": ({"selector": SELECTOR, "rollout": {"maxUnavailable": "150%"}},
+                                  "maxUnavailable must be a non-negative count or a percentage"),
+    "maxUnavailable not a percentage": (
+        {"selector": SELECTOR, "rollout": {"maxUnavailable": "two"}},
+        "maxUnavailable must be a non-negative count or a percentage"),
+    "negative maxUnavailable": ({"selector": SELECTOR, "rollout": {"maxUnavailable": -1}},
+                                "maxUnavailable must be a non-negative count or a percentage"),
+    "zero progress deadline": (
+        {"selector": SELECTOR, "rollout": {"progressDeadlineSeconds": 0}},
+        "should be greater than or equal to 1"),
     "unknown revision policy": ({"selector": SELECTOR, "onModelRevisionChange": "Sometimes"},
                                 "Unsupported value: \"Sometimes\""),
 }
@@ -84,7 +94,10 @@ def test_a_valid_policy_gets_its_defaults(policies: Policies):
     assert spec["tenants"] == [{"name": "batch", "graphs": "Enabled"}]
     more = [policies.create("bytes", {"selector": SELECTOR, "memoryBudget": 1048576,
                                       "mode": "None"}),
-            policies.create("decimal", {"selector": SELECTOR, "memoryBudget": "1G"})]
+            policies.create("decimal", {"selector": SELECTOR, "memoryBudget": "1G"}),
+            policies.create("count", {"selector": SELECTOR, "rollout": {"maxUnavailable": 3}}),
+            policies.create("percent", {"selector": SELECTOR,
+                                        "rollout": {"maxUnavailable": "100%"}})]
     for accepted in [obj, *more]:  # what admission accepts, the operator accepts too
         policy_from_spec(accepted["spec"], uid="u", name="ns/p", generation=1)
 

@@ -7,7 +7,9 @@ subprocess with a one-second status interval.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import time
 
 import pytest
 
@@ -238,3 +240,50 @@ def test_a_worker_that_starts_while_the_operator_is_away_boots_with_its_policy(
     assert policies.condition("p", "Ready")["status"] == "True"
     assert operator.metric("graphkeeper_operator_policy_pushes_total") == 0, (
         "the restarted operator pushed nothing: both workers already held the generation")
+
+
+def test_an_invalid_selector_is_invalid_policy_with_an_event(
+        running_operator: Operator, kubelet: Kubelet, policies: Policies):
+    policies.create("bad", {**SPEC, "selector": {"matchLabels": {"not a key!": "worker"}}})
+    policies.wait_condition("bad", "Degraded", "True", "InvalidPolicy")
+    assert "not a key!" in policies.condition("bad", "Degraded")["message"]
+    wait_until("the InvalidPolicy Event",
+               lambda: "InvalidPolicy" in {e["reason"] for e in policies.events("bad")})
+
+
+def test_pods_in_two_namespaces_pointing_at_one_worker_are_a_conflict_for_the_younger_policy(
+        running_operator: Operator, kubelet: Kubelet, policies: Policies, cluster: Cluster):
+    ns = policies.namespace
+    worker = kubelet.create_worker(ns, "w", LABELS)
+    first = policies.create("first", SPEC)
+    policies.wait_condition("first", "Ready", "True")
+
+    other_ns = f"{ns}-b"
+    cluster.core.create_namespace({"metadata": {"name": other_ns}})
+    try:
+        wait_until("the default ServiceAccount", lambda: any(
+            sa.metadata.name == "default"
+            for sa in cluster.core.list_namespaced_service_account(other_ns).items), timeout=30)
+        pod = cluster.core.read_namespaced_pod("w", ns)
+        ports = [{"name": p.name, "containerPort": p.container_port}
+                 for p in pod.spec.containers[0].ports]
+        cluster.core.create_namespaced_pod(other_ns, {
+            "metadata": {"name": "alias", "labels": LABELS},
+            "spec": {"containers": [{"name": "worker", "image": "graphkeeper:dev",
+                                     "ports": ports}]}})
+        cluster.core.patch_namespaced_pod_status("alias", other_ns, {"status": {
+            "phase": "Running", "podIP": "127.0.0.1", "podIPs": [{"ip": "127.0.0.1"}],
+            "conditions": [{"type": "Ready", "status": "True",
+                            "lastTransitionTime": "2026-11-30T00:00:00Z"}]}},
+            _content_type="application/merge-patch+json")
+        rival = Policies(cluster, other_ns)
+        rival.create("second", {**SPEC, "captureSizes": {"sizes": [16]}})
+        rival.wait_condition("second", "Degraded", "True", "Conflict")
+        message = rival.condition("second", "Degraded")["message"]
+        assert f"{ns}/first" in message and "127.0.0.1" in message, message
+        time.sleep(2.0)  # more runs of both: still no tug of war
+        assert holds(worker, first), "the older policy keeps the worker"
+        assert policies.condition("first", "Ready")["status"] == "True"
+    finally:
+        with contextlib.suppress(kubernetes.client.ApiException):
+            cluster.core.delete_namespace(other_ns)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 
+import numpy as np
 import pytest
 import torch
 
@@ -32,6 +33,14 @@ def make_runner(dtype: str, seed: int = 0, preset: str = "tiny", slots: int = 32
     return ModelRunner(loaded, cache, max_tokens=64)
 
 
+def mkplan(tokens, positions, slots, num_decode, prefill, sample_rows) -> StepPlan:
+    """A step plan from flat lists; decode rows carry their tokens (no sampling history here)."""
+    slots, rows = np.asarray(slots, dtype=np.int64), np.asarray(sample_rows, dtype=np.int64)
+    return StepPlan(prompt_tokens=list(tokens[num_decode:]), positions=np.asarray(positions, dtype=np.int64),
+                    slots=slots, num_decode=num_decode, prefill=prefill, sample_rows=rows,
+                    sample_slots=slots[rows], decode_tokens=np.asarray(tokens[:num_decode], dtype=np.int64))
+
+
 def capture(runner: ModelRunner, keys: list[tuple[int, int]], **kw) -> GraphSet:
     graphs = GraphSet(runner)
     job = CaptureJob(graphs, keys, **kw)
@@ -44,7 +53,7 @@ def prefill(runner: ModelRunner, prompts: list[list[int]]) -> list[int]:
     first = []
     for slot, prompt in enumerate(prompts):
         n = len(prompt)
-        plan = StepPlan(prompt, list(range(n)), [slot] * n, 0, [PrefillChunk(0, n, slot, 0)], [n - 1])
+        plan = mkplan(prompt, list(range(n)), [slot] * n, 0, [PrefillChunk(0, n, slot, 0)], [n - 1])
         hidden = runner.forward_eager(runner.prepare(plan, n), n)
         first.append(int(runner.logits(hidden, plan).argmax(-1)[0]))
     return first
@@ -57,7 +66,7 @@ def decode(runner: ModelRunner, graphs: GraphSet | None, mode: int, prompts, ste
     trajectory, all_logits = [], []
     b = len(prompts)
     for _ in range(steps):
-        plan = StepPlan(tokens, lengths, list(range(b)), b, [], list(range(b)))
+        plan = mkplan(tokens, lengths, list(range(b)), b, [], list(range(b)))
         meta = runner.prepare(plan, b)
         hidden = graphs.replay(mode, b, meta) if graphs else runner.forward_eager(meta, b)
         logits = runner.logits(hidden, plan)
@@ -104,7 +113,7 @@ def test_padding_never_changes_outputs_or_other_sequences():
     bystander = 20  # a slot outside the batch, holding another sequence's keys
     runner.cache.k[:, bystander].normal_()
     before = runner.cache.k[:, bystander].clone(), runner.cache.v[:, bystander].clone()
-    plan = StepPlan(tokens, [len(p) for p in prompts], list(range(5)), 5, [], list(range(5)))
+    plan = mkplan(tokens, [len(p) for p in prompts], list(range(5)), 5, [], list(range(5)))
     eager = runner.logits(runner.forward_eager(runner.prepare(plan, 5), 5), plan)
     eager_kv = runner.cache.k[:, :5].clone()
     for mode in (FULL, PIECEWISE):
@@ -127,8 +136,8 @@ def test_piecewise_mixed_step_matches_eager():
     prompts = prompts_for(2, seed=3)
     tokens = prefill(runner, prompts)
     new_prompt = list(range(10, 17))  # 7 tokens into slot 5, alongside 2 decode rows
-    plan = StepPlan(tokens + new_prompt, [len(p) for p in prompts] + list(range(7)), [0, 1] + [5] * 7, 2,
-                    [PrefillChunk(2, 7, 5, 0)], [0, 1, 8])
+    plan = mkplan(tokens + new_prompt, [len(p) for p in prompts] + list(range(7)), [0, 1] + [5] * 7, 2,
+                  [PrefillChunk(2, 7, 5, 0)], [0, 1, 8])
     kv = runner.cache.k.clone(), runner.cache.v.clone()
     eager = runner.logits(runner.forward_eager(runner.prepare(plan, 9), 9), plan)
     runner.cache.k.copy_(kv[0])
@@ -163,11 +172,10 @@ def engine_for(policy: pb.GraphPolicy | None = None, model: str = "random:tiny",
 def generate(engine: Engine, prompt: list[int], n: int = 16, tenant: str = "") -> tuple[list[int], pb.Completion]:
     done, out, result = threading.Event(), [], {}
 
-    def emit(kind, payload):
-        if kind == "tokens":
-            out.extend(payload)
-        else:
-            result["completion"] = payload
+    def emit(tokens, end):
+        out.extend(tokens)
+        if end is not None:
+            result["completion"] = end
             done.set()
 
     req = pb.GenerateRequest(prompt_token_ids=prompt, tenant=tenant,
@@ -305,3 +313,116 @@ def test_triton_decode_kernel_matches_sdpa_reference(dtype, tol):
         want = torch.softmax(q[r].float()[:, None, :] @ keys.transpose(1, 2) / d**0.5, -1) @ values
         rel = ((got[r] - want[:, 0]).norm() / want.norm()).item()
         assert rel < tol, (r, rel)
+
+
+# --- the varlen kernel and mixed steps (Worker III) ------------------------------------------
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("heads,kv_heads", [(8, 2), (4, 4), (32, 8)])
+def test_varlen_kernel_matches_a_float64_reference(dtype, tol, heads, kv_heads):
+    """Decode rows and prefill chunks of several lengths (within, across and beyond BLOCK_Q), one launch."""
+    from graphkeeper.worker.varlen_kernel import BLOCK_Q, varlen_attention
+
+    torch.manual_seed(heads)
+    d, slots_total, length_max = 64, 6, 300
+    k = torch.randn(slots_total, length_max, kv_heads, d, device="cuda", dtype=dtype)
+    v = torch.randn_like(k)
+    # (slot, first position, tokens): two decode rows, then chunks of 1, 16, 17 and 40 tokens.
+    entries = [(0, 50, 1), (1, 0, 1), (2, 0, 1), (3, 7, BLOCK_Q), (4, 100, BLOCK_Q + 1), (5, 200, 40)]
+    rows = sum(n for _, _, n in entries)
+    q = torch.randn(rows, heads, d, device="cuda", dtype=dtype)
+    blocks, row, want_rows = [], 0, []
+    for slot, start, n in entries:
+        for b in range(0, n, BLOCK_Q):
+            blocks.append((row + b, min(BLOCK_Q, n - b), slot, start + b))
+        for i in range(n):
+            want_rows.append((row + i, slot, start + i))
+        row += n
+    table = torch.tensor(blocks, device="cuda", dtype=torch.long).T.contiguous()
+    out = torch.full((rows, heads * d), float("nan"), device="cuda", dtype=dtype)
+    got = varlen_attention(q, k, v, table[0], table[1], table[2], table[3], len(blocks), out=out)
+    assert torch.isfinite(got).all(), "every row is written"
+    group = heads // kv_heads
+    got = got.view(rows, heads, d).double()
+    for r, slot, pos in want_rows:
+        keys = k[slot, : pos + 1].double().transpose(0, 1).repeat_interleave(group, 0)
+        values = v[slot, : pos + 1].double().transpose(0, 1).repeat_interleave(group, 0)
+        want = torch.softmax(q[r].double()[:, None, :] @ keys.transpose(1, 2) / d**0.5, -1) @ values
+        rel = ((got[r] - want[:, 0]).norm() / want.norm()).item()
+        assert rel < tol, (r, rel)
+
+
+def mixed_plan(runner: ModelRunner, prompts: list[list[int]], new_prompts: list[list[int]]):
+    """Decode rows for ``prompts`` (prefilled into slots 0..) beside prefill chunks of ``new_prompts``."""
+    tokens = prefill(runner, prompts)
+    nd = len(prompts)
+    flat, positions, slots, chunks, sample_rows = list(tokens), [len(p) for p in prompts], list(range(nd)), [], []
+    sample_rows = list(range(nd))
+    for i, p in enumerate(new_prompts):
+        slot = nd + i
+        chunks.append(PrefillChunk(len(flat), len(p), slot, 0))
+        flat += p
+        positions += list(range(len(p)))
+        slots += [slot] * len(p)
+        sample_rows.append(len(flat) - 1)
+    return mkplan(flat, positions, slots, nd, chunks, sample_rows)
+
+
+def test_mixed_steps_through_the_varlen_kernel_and_piecewise_graphs_equal_the_sdpa_reference():
+    runner = make_runner("float32", slots=32)
+    graphs = capture(runner, [(PIECEWISE, 64)], tolerance=1e-4)
+    plan = mixed_plan(runner, prompts_for(5, seed=21), [list(range(3, 40)), list(range(50, 53)), [7]])
+    n = plan.num_tokens
+    kv = runner.cache.k.clone(), runner.cache.v.clone()
+
+    def run(fn):
+        runner.cache.k.copy_(kv[0])
+        runner.cache.v.copy_(kv[1])
+        return runner.logits(fn(), plan).clone()
+
+    runner.attention.triton_varlen = False  # SDPA per decode batch and per chunk: the reference
+    reference = run(lambda: runner.forward_eager(runner.prepare(plan, n), n))
+    runner.attention.triton_varlen = True
+    eager = run(lambda: runner.forward_eager(runner.prepare(plan, n), n))
+    piecewise = run(lambda: graphs.replay(PIECEWISE, 64, runner.prepare(plan, 64)))
+    for got in (eager, piecewise):
+        assert torch.equal(got.argmax(-1), reference.argmax(-1))
+        assert ((got - reference).norm() / reference.norm()).item() < 1e-4
+
+
+def test_mixed_traffic_replays_piecewise_graphs_up_to_the_token_budget():
+    engine = engine_for(max_num_batched_tokens_override=64)
+    try:
+        _, long_prompt = generate(engine, list(range(3, 203)), 4)  # 200 tokens: chunks of 64 and a rest
+        assert not long_prompt.execution.eager_steps, long_prompt.execution
+        assert {g.mode for g in long_prompt.execution.graph_steps} == {FULL, PIECEWISE}
+    finally:
+        engine.drain_and_stop(5)
+
+
+def test_token_streams_under_64_way_concurrency_equal_each_request_alone():
+    """Greedy float32: every stream's tokens are exactly what the request gives alone."""
+    settings = EngineSettings(model="random:tiny", device="cuda", dtype="float32", max_num_seqs=64,
+                              max_seq_len=MAX_LEN, max_num_batched_tokens=128, max_queue=256,
+                              policy=pb.GraphPolicy())
+    engine = Engine(settings)
+    engine.start()
+    assert engine.ready.wait(300) and engine.failed is None, engine.failed
+    try:
+        g = torch.Generator().manual_seed(64)
+        requests = [(torch.randint(3, 500, (int(torch.randint(1, 120, (1,), generator=g)),), generator=g).tolist(),
+                     int(torch.randint(1, 60, (1,), generator=g))) for _ in range(64)]
+        alone = [generate(engine, prompt, n)[0] for prompt, n in requests]
+        together: list = [None] * len(requests)
+        threads = [threading.Thread(target=lambda i=i: together.__setitem__(i, generate(engine, *requests[i])[0]))
+                   for i in range(len(requests))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        assert together == alone
+        status = engine.status()
+        assert status.graph_steps > 0
+    finally:
+        engine.drain_and_stop(5)

@@ -130,3 +130,70 @@ def test_the_chart_workers_mount_the_rendered_policy_and_probe_grpc_health():
     assert container["readinessProbe"]["grpc"]["service"] == "graphkeeper.worker.v1.InferenceWorker"
     grpc_port = next(p for p in container["ports"] if p["name"] == "grpc")["containerPort"]
     assert container["readinessProbe"]["grpc"]["port"] == grpc_port == args.port
+
+
+def test_the_chart_policy_takes_sizes_or_a_ladder_without_null_tricks():
+    def policy_spec(*values: str) -> dict:
+        docs = render("--set", "workers.enabled=true", *values)
+        return next(d for d in docs if d["kind"] == "GraphPolicy")["spec"]
+
+    sizes = policy_spec("--set", "workers.policy.captureSizes.sizes={1,2,4}")
+    assert sizes["captureSizes"] == {"sizes": [1, 2, 4]}
+    assert policy_from_spec(sizes, uid="u", name="ns/x", generation=1).capture_sizes.explicit.sizes
+    ladder = policy_spec("--set", "workers.policy.captureSizes.ladder=Interactivity")
+    assert ladder["captureSizes"] == {"ladder": "Interactivity"}
+    assert "captureSizes" not in policy_spec(), "omitted: the CRD's Default ladder"
+    both = subprocess.run(
+        [helm(), "template", "gk", str(CHART), "--kube-version", "1.36.3",
+         "--set", "workers.enabled=true", "--set", "workers.policy.captureSizes.sizes={8}",
+         "--set", "workers.policy.captureSizes.ladder=Default"],
+        capture_output=True, text=True, timeout=120)
+    assert both.returncode != 0 and "captureSizes" in both.stderr, "both at once is refused"
+
+
+def test_the_chart_rbac_holds_only_the_verbs_the_operator_uses():
+    docs = render()
+    role = next(d for d in docs if d["kind"] == "ClusterRole")
+    verbs = {(group, resource): set(rule["verbs"]) for rule in role["rules"]
+             for group in rule["apiGroups"] for resource in rule["resources"]}
+    assert verbs[("", "configmaps")] == {"get", "create", "patch"}
+    assert verbs[("graphkeeper.io", "graphpolicies/status")] == {"patch"}
+    assert verbs[("", "events")] == {"create"}
+    assert ("events.k8s.io", "events") not in verbs
+
+
+def test_the_chart_gives_the_operator_its_control_token_file():
+    deployment = next(d for d in render() if d["kind"] == "Deployment")
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    args = build_parser().parse_args([*container["command"][1:], *container["args"]])
+    assert args.control_token_file == "/var/run/graphkeeper/control/token"
+
+
+def test_the_crd_declares_the_rollout_section():
+    rollout = spec_schema()["properties"]["rollout"]["properties"]
+    assert rollout["maxUnavailable"]["x-kubernetes-int-or-string"] is True
+    assert rollout["maxUnavailable"]["x-kubernetes-validations"]
+
+
+def test_notes_print_real_commands_for_this_release(tmp_path):
+    # helm template skips NOTES.txt; render it through a ConfigMap in a copy of the chart.
+    chart = tmp_path / "graphkeeper"
+    shutil.copytree(CHART, chart)
+    notes = (chart / "templates" / "NOTES.txt").read_text()
+    (chart / "templates" / "NOTES.txt").unlink()
+    (chart / "templates" / "_notes.tpl").write_text('{{- define "notes" -}}' + notes + "{{- end -}}")
+    (chart / "templates" / "notes.yaml").write_text(
+        'apiVersion: v1\nkind: ConfigMap\nmetadata: {name: notes}\n'
+        'data:\n  notes: {{ include "notes" . | quote }}\n')
+    out = subprocess.run([helm(), "template", "gk", str(chart), "--namespace", "gk-system",
+                          "--kube-version", "1.36.3", "--show-only", "templates/notes.yaml"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    text = yaml.safe_load(out.stdout)["data"]["notes"]
+    assert "https://..." not in text and "<" not in text, text
+    commands = [line.strip() for line in text.splitlines() if line.startswith("  ")]
+    assert "kubectl logs -n gk-system deploy/gk-graphkeeper-operator" in commands
+    assert "helm show crds charts/graphkeeper | kubectl apply --server-side -f -" in commands
+    assert all(c.split()[0] in ("kubectl", "helm", "curl") for c in commands), commands
+    rendered = {d["metadata"]["name"] for d in render()}
+    assert "gk-graphkeeper-operator" in rendered and "gk-graphkeeper-operator-metrics" in rendered

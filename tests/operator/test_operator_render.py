@@ -46,3 +46,24 @@ def test_status_patch_nulls_keys_that_disappeared():
     patch = build_status_patch({"observedGeneration": 2}, {"observedGeneration": 1,
                                                            "lastFailure": {"worker": "x"}})
     assert patch == {"status": {"observedGeneration": 2, "lastFailure": None}}
+
+
+def test_an_api_outage_logs_one_line_however_often_requests_fail_and_flap(caplog):
+    import logging
+
+    from graphkeeper.operator.outage import Outage
+
+    outage = Outage()
+    retry = logging.LogRecord("kopf._cogs.clients.api", logging.ERROR, __file__, 1,
+                              "Request attempt #3 failed; will retry: GET x -> refused", (), None)
+    with caplog.at_level(logging.WARNING, logger="graphkeeper.operator"):
+        for _ in range(5):
+            assert outage.filter(retry) is False, "kopf's retry lines are folded"
+            outage.failed(RuntimeError("patch failed"))
+        outage.ok()
+        outage.failed(RuntimeError("storage is (re)initializing"))  # the server still starting
+        outage.ok()
+    lines = [r.getMessage() for r in caplog.records]
+    assert sum("unreachable" in line for line in lines) == 1, lines
+    assert sum("answers again" in line for line in lines) == 1, lines
+    assert not outage.active

@@ -10,6 +10,7 @@ from graphkeeper.operator.selection import (
     grpc_port,
     policy_ref_from_body,
     selected_workers,
+    selector_error,
     selector_matches,
     senior_claimant,
     worker_from_pod,
@@ -69,8 +70,8 @@ def test_label_selector_semantics(selector, labels, expected):
     assert selector_matches(selector, labels) is expected
 
 
-def policy(name, created, labels, uid=None):
-    return PolicyRef(namespace="ns", name=name, uid=uid or f"uid-{name}", created=created,
+def policy(name, created, labels, uid=None, namespace="ns"):
+    return PolicyRef(namespace=namespace, name=name, uid=uid or f"uid-{name}", created=created,
                      spec={"selector": {"matchLabels": labels}})
 
 
@@ -80,10 +81,70 @@ def test_the_older_policy_keeps_a_contested_pod():
     new = policy("new", "2026-11-29T11:00:00Z", {"app": "worker"})
     unrelated = policy("gpu", "2026-11-29T09:00:00Z", {"app": "other"})
     everyone = [old, new, unrelated]
-    assert senior_claimant(new, pod, everyone) == old
+    assert senior_claimant(new, pod, everyone) == (old, pod)
     assert senior_claimant(old, pod, everyone) is None
-    same_second = policy("aaa", "2026-11-29T11:00:00Z", {"app": "worker"})
-    assert senior_claimant(new, pod, [same_second, new]) == same_second, "name breaks the tie"
+
+
+def test_within_one_second_the_uid_breaks_the_tie_the_same_way_for_both_rivals():
+    pod = worker_from_pod(pod_body())
+    # "zzz" was named later in the alphabet but has the smaller uid: the uid decides, not the name.
+    first = policy("zzz", "2026-11-29T11:00:00Z", {"app": "worker"}, uid="0a")
+    second = policy("aaa", "2026-11-29T11:00:00Z", {"app": "worker"}, uid="9f")
+    assert senior_claimant(second, pod, [first, second]) == (first, pod)
+    assert senior_claimant(first, pod, [first, second]) is None
+    # Unless the worker already holds the other one: no takeover within the same second.
+    assert senior_claimant(first, pod, [first, second], holder="9f") == (second, pod)
+    assert senior_claimant(second, pod, [first, second], holder="9f") is None
+    older = policy("old", "2026-11-29T10:59:59Z", {"app": "worker"}, uid="ff")
+    assert senior_claimant(second, pod, [older, second], holder="9f") == (older, pod), (
+        "a policy created in an earlier second is senior whatever the worker holds")
+
+
+def test_pods_in_two_namespaces_that_point_at_one_worker_address_conflict():
+    ours = worker_from_pod(pod_body(name="a", ports=[{"name": "control", "containerPort": 9}]))
+    body = pod_body(name="b", ports=[{"name": "control", "containerPort": 9}])
+    body["metadata"]["namespace"] = "team-b"
+    theirs = worker_from_pod(body)
+    assert ours.control_target == theirs.control_target == "10.0.0.5:9"
+    mine = policy("mine", "2026-11-29T11:00:00Z", {"app": "worker"})
+    older = policy("older", "2026-11-29T10:00:00Z", {"app": "worker"}, namespace="team-b")
+    pods = {"ns": [ours], "team-b": [theirs]}
+    assert senior_claimant(mine, ours, [mine, older], pods) == (older, theirs)
+    assert senior_claimant(older, theirs, [mine, older], pods) is None
+    elsewhere = worker_from_pod({**body, "status": {**body["status"], "podIP": "10.0.0.6"}})
+    assert senior_claimant(mine, ours, [mine, older], {"ns": [ours], "team-b": [elsewhere]}) is None
+
+
+def test_the_control_port_is_the_port_named_control_else_the_grpc_port():
+    both = worker_from_pod(pod_body(ports=[{"name": "grpc", "containerPort": 7000},
+                                           {"name": "control", "containerPort": 7001}]))
+    assert (both.target, both.control_target) == ("10.0.0.5:7000", "10.0.0.5:7001")
+    old = worker_from_pod(pod_body(ports=[{"name": "grpc", "containerPort": 7000}]))
+    assert old.control_target == "10.0.0.5:7000", "an old worker serves GraphControl on grpc"
+
+
+@pytest.mark.parametrize(("selector", "fragment"), [
+    ({"matchLabels": {"bad key!": "x"}}, "label key 'bad key!'"),
+    ({"matchLabels": {"-app": "x"}}, "label key '-app'"),
+    ({"matchLabels": {"Example.COM/app": "x"}}, "prefix must be a DNS subdomain"),
+    ({"matchLabels": {"app": "not ok"}}, "label value 'not ok'"),
+    ({"matchLabels": {"app": "x" * 64}}, "at most 63"),
+    ({"matchExpressions": [{"key": "", "operator": "Exists"}]}, "non-empty"),
+    ({"matchExpressions": [{"key": "a", "operator": "In", "values": ["ok", "no/pe"]}]},
+     "values[1]"),
+    ({"matchExpressions": [{"key": "a", "operator": "Near"}]}, "'Near' is not one of"),
+])
+def test_an_invalid_selector_is_named_with_its_field(selector, fragment):
+    assert fragment in (selector_error(selector) or "")
+
+
+@pytest.mark.parametrize("selector", [
+    {"matchLabels": {"app": "worker", "example.com/tier": "a-b.c_d", "empty": ""}},
+    {"matchExpressions": [{"key": "k8s.io/x", "operator": "In", "values": ["a"]},
+                          {"key": "gpu", "operator": "Exists"}]},
+])
+def test_a_valid_selector_has_no_error(selector):
+    assert selector_error(selector) is None
 
 
 def test_a_policy_selects_only_pods_of_its_own_namespace():

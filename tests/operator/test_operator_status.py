@@ -139,3 +139,26 @@ def test_messages_name_at_most_three_workers():
     failing = [obs(f"w{i}", WorkerState.UNREACHABLE, message="x") for i in range(7)]
     status = build_status(generation=1, observations=failing, previous=None, now=T0)
     assert "and 4 more" in condition(status, "Degraded")["message"]
+
+
+def test_a_paused_rollout_is_not_progressing_and_says_which_worker_failed():
+    rollout = {"maxUnavailable": 2, "updatedWorkers": 1, "pendingWorkers": 2,
+               "failedWorkers": 1, "unavailableWorkers": 0, "paused": True}
+    status = build_status(generation=4, observations=[
+        obs("a", WorkerState.CAPTURED), obs("b", WorkerState.CAPTURE_FAILED, message="OOM"),
+        obs("c", WorkerState.PENDING), obs("d", WorkerState.PENDING)],
+        previous=None, now=T0, rollout=rollout)
+    progressing = condition(status, "Progressing")
+    assert (progressing["status"], progressing["reason"]) == ("False", "RolloutPaused")
+    assert "ns/b" in progressing["message"]
+    assert condition(status, "Degraded")["reason"] == "CaptureFailed"
+    assert status["rollout"] == rollout
+
+
+def test_a_rollout_under_way_says_how_many_at_a_time():
+    rollout = {"maxUnavailable": 2, "updatedWorkers": 0, "pendingWorkers": 2,
+               "failedWorkers": 0, "unavailableWorkers": 2, "paused": False}
+    status = build_status(generation=2, observations=[obs("a", WorkerState.PENDING),
+                                                      obs("b", WorkerState.PENDING)],
+                          previous=None, now=T0, rollout=rollout)
+    assert "at most 2 at a time" in condition(status, "Progressing")["message"]

@@ -1,179 +1,170 @@
-"""Bringing one worker to a policy, against a real gRPC server that keeps the worker's contract.
-
-The server is ``graphkeeper.operator.testing.FakeWorkerServer`` (no model; it only keeps the
-policy bookkeeping), so these tests run in a second and need no cluster.
-"""
+"""One worker's track classified for status and for the rollout planner: pure, no server."""
 
 from __future__ import annotations
 
-import asyncio
-
 from graphkeeper.operator.selection import WorkerPod
 from graphkeeper.operator.status import WorkerState
-from graphkeeper.operator.sync import sync_worker
-from graphkeeper.operator.testing import FakeWorkerServer, FakeWorkerState
-from graphkeeper.operator.workerclient import GraphControlClient
+from graphkeeper.operator.sync import (
+    PUSH,
+    RELOAD,
+    Track,
+    classify,
+    finish_action,
+    observe,
+    record_action,
+    settle,
+)
+from graphkeeper.operator.workerclient import ErrorKind, WorkerError
+from graphkeeper.proto import worker_pb2 as pb
 from graphkeeper.proto.policy import policy_from_spec
 
 SPEC = {"selector": {"matchLabels": {"app": "w"}}, "mode": "Full",
         "captureSizes": {"sizes": [1, 2, 4]}}
+READY, RECAPTURING, LOADING = (pb.LIFECYCLE_STATE_READY, pb.LIFECYCLE_STATE_RECAPTURING,
+                               pb.LIFECYCLE_STATE_LOADING)
+POD = WorkerPod(namespace="ns", name="w0", uid="pod-uid", address="10.0.0.1", port=50051,
+                control_port=50052, phase="Running", ready=True)
 
 
 def policy(generation=1, spec=SPEC, uid="uid-1"):
     return policy_from_spec(spec, uid=uid, name="ns/p", generation=generation)
 
 
-def pod_for(server, **kw):
-    base = dict(namespace="ns", name="w0", uid="pod-uid", address="127.0.0.1", port=server.port,
-                phase="Running", ready=True)
-    return WorkerPod(**{**base, **kw})
+def track(**status) -> Track:
+    return Track(status=pb.GraphStatus(**status), read_at=1.0)
 
 
-def run(coro_fn, state=None):
-    async def main():
-        server = await FakeWorkerServer(state).start()
-        client = GraphControlClient(timeout=2.0, load_timeout=5.0)
-        try:
-            return await coro_fn(server, client)
-        finally:
-            await client.close()
-            await server.stop()
-    return asyncio.run(main())
+def check(t: Track, wire=None, pod=POD, want="", recaptures=True, now=10.0, deadline=600.0):
+    return classify(pod, t, wire or policy(), want_revision=want, recaptures=recaptures,
+                    now=now, deadline=deadline)
 
 
-def test_a_worker_lacking_the_policy_gets_exactly_one_push():
-    async def scenario(server, client):
-        loads = {}
-        first = await sync_worker(client, pod_for(server), policy(), recapture_on_revision=True,
-                                  load_attempts=loads)
-        second = await sync_worker(client, pod_for(server), policy(), recapture_on_revision=True,
-                                   load_attempts=loads)
-        return first, second, server.state.calls
-    first, second, calls = run(scenario)
-    assert first.pushed == "applied" and first.observation.state == WorkerState.CAPTURED
-    assert second.pushed == "" and second.observation.state == WorkerState.CAPTURED
-    assert calls["ApplyGraphPolicy"] == 1, "a worker that holds the generation is not pushed again"
-    assert first.observation.policy_generation == 1
-    assert first.observation.effective_mode == "None"
+def test_a_worker_holding_the_generation_and_ready_is_captured_and_needs_nothing():
+    obs, view = check(track(state=READY, policy_uid="uid-1", policy_generation=1))
+    assert obs.state == WorkerState.CAPTURED and obs.policy_generation == 1
+    assert view.available and not view.needs_push and not view.needs_reload and not view.failed
 
 
-def test_a_new_generation_is_pushed_and_a_capturing_worker_is_pending():
-    async def scenario(server, client):
-        await sync_worker(client, pod_for(server), policy(1), recapture_on_revision=True,
-                          load_attempts={})
-        server.state.capture_seconds = 5.0
-        return await sync_worker(client, pod_for(server), policy(2), recapture_on_revision=True,
-                                 load_attempts={})
-    result = run(scenario)
-    assert result.pushed == "applied"
-    assert result.observation.state == WorkerState.PENDING
-    assert result.observation.lifecycle == "RECAPTURING"
+def test_held_means_adopted_and_ready_a_pending_generation_is_not_held_nor_pushed_again():
+    obs, view = check(track(state=RECAPTURING, policy_uid="uid-1", policy_generation=1,
+                            pending_policy_uid="uid-1", pending_policy_generation=2),
+                      wire=policy(2))
+    assert obs.state == WorkerState.PENDING and "capturing generation 2" in obs.message
+    assert not view.available and not view.needs_push
+    adopted_not_ready = check(track(state=RECAPTURING, policy_uid="uid-1", policy_generation=2),
+                              wire=policy(2))[0]
+    assert adopted_not_ready.state == WorkerState.PENDING
 
 
-def test_a_policy_the_worker_refuses_is_rejected_with_its_message():
-    too_big = {**SPEC, "captureSizes": {"sizes": [128]}}
-    result = run(lambda server, client: sync_worker(
-        client, pod_for(server), policy(spec=too_big), recapture_on_revision=True,
-        load_attempts={}), FakeWorkerState(max_num_batched_tokens=64))
-    assert result.pushed == "rejected"
-    assert result.observation.state == WorkerState.REJECTED
-    assert "token budget" in result.observation.message
-
-
-def test_a_refused_generation_is_not_pushed_again_every_interval():
-    too_big = {**SPEC, "captureSizes": {"sizes": [128]}}
-
-    async def scenario(server, client):
-        refused, results = {}, []
-        for generation in (1, 1, 2):
-            results.append(await sync_worker(client, pod_for(server), policy(generation, spec=too_big),
-                                             recapture_on_revision=True, load_attempts={}, rejections=refused))
-        return results, server.state.calls
-    (first, again, newer), calls = run(scenario, FakeWorkerState(max_num_batched_tokens=64))
-    assert first.pushed == "rejected"
-    assert again.pushed == "" and again.observation.state == WorkerState.REJECTED
-    assert "token budget" in again.observation.message
-    assert newer.pushed == "rejected", "a new generation is always offered"
-    assert calls["ApplyGraphPolicy"] == 2
+def test_a_worker_lacking_the_generation_needs_a_push_and_a_toggle_only_one_recaptures_nothing():
+    _, view = check(track(state=READY, policy_uid="uid-1", policy_generation=1), wire=policy(2))
+    assert view.needs_push and view.push_recaptures and view.available
+    _, toggle = check(track(state=READY, policy_uid="uid-1", policy_generation=1),
+                      wire=policy(2), recaptures=False)
+    assert toggle.needs_push and not toggle.push_recaptures
 
 
 def test_an_older_generation_is_never_forced_on_a_worker():
-    async def scenario(server, client):
-        await sync_worker(client, pod_for(server), policy(3), recapture_on_revision=True,
-                          load_attempts={})
-        return await sync_worker(client, pod_for(server), policy(2), recapture_on_revision=True,
-                                 load_attempts={}), server.state.calls
-    result, calls = run(scenario)
-    assert calls["ApplyGraphPolicy"] == 1
-    assert result.observation.state == WorkerState.PENDING
+    obs, view = check(track(state=READY, policy_uid="uid-1", policy_generation=3), wire=policy(2))
+    assert not view.needs_push and obs.message == "operator view is stale"
 
 
-def test_a_changed_model_revision_is_loaded_once_with_the_pods_source():
-    async def scenario(server, client):
-        loads = {}
-        pod = pod_for(server, model_source="random:tiny@7", model_revision="rev-7")
-        first = await sync_worker(client, pod, policy(), recapture_on_revision=True,
-                                  load_attempts=loads)
-        second = await sync_worker(client, pod, policy(), recapture_on_revision=True,
-                                   load_attempts=loads)
-        return first, second, server.state
-    first, second, state = run(scenario)
-    assert first.loaded == "rev-7" and second.loaded == ""
-    assert state.calls["LoadModelRevision"] == 1
-    assert (state.model_source, state.model_revision) == ("random:tiny@7", "rev-7")
-    assert second.observation.state == WorkerState.CAPTURED
+def test_a_push_in_flight_makes_the_worker_unavailable_until_a_later_read_shows_it_ready():
+    t = track(state=READY, policy_uid="uid-1", policy_generation=1)
+    record_action(t, PUSH, "uid-1/2", now=5.0)
+    obs, view = check(t, wire=policy(2))
+    assert not view.available and not view.needs_push, "in flight: not pushed twice"
+    finish_action(t, policy(2), None, now=5.1)
+    settle(t)
+    assert not t.settled, "the last read is older than the push's end"
+    t.status, t.read_at = pb.GraphStatus(state=READY, policy_uid="uid-1", policy_generation=2), 5.2
+    settle(t)
+    assert t.settled
+    obs, view = check(t, wire=policy(2))
+    assert obs.state == WorkerState.CAPTURED and view.available
 
 
-def test_ignore_leaves_a_changed_model_revision_alone():
-    async def scenario(server, client):
-        pod = pod_for(server, model_revision="rev-9")
-        result = await sync_worker(client, pod, policy(), recapture_on_revision=False,
-                                   load_attempts={})
-        return result, server.state.calls
-    result, calls = run(scenario)
-    assert calls["LoadModelRevision"] == 0
-    assert result.observation.state == WorkerState.CAPTURED
+def test_a_refused_generation_is_rejected_and_not_pushed_again_soon():
+    t = track(state=READY, policy_uid="uid-1", policy_generation=1)
+    record_action(t, PUSH, "uid-1/2", now=5.0)
+    finish_action(t, policy(2), WorkerError(ErrorKind.REJECTED, "exceeds token budget"), 5.1)
+    t.read_at = 6.0
+    settle(t)
+    obs, view = check(t, wire=policy(2), now=7.0)
+    assert obs.state == WorkerState.REJECTED and "token budget" in obs.message
+    assert view.blocked
+    _, later = check(t, wire=policy(2), now=600.0)
+    assert not later.blocked, "asked again after the retry interval"
+    _, newer = check(t, wire=policy(3), now=7.0)
+    assert newer.needs_push and not newer.blocked, "a new generation is always offered"
+
+
+def test_a_failed_capture_or_reload_or_a_timeout_marks_the_worker_failed():
+    failed_size = track(state=READY, policy_uid="uid-1", policy_generation=1,
+                        skipped=[pb.SkippedSize(size=4, message="cudaErrorMemoryAllocation",
+                                                reason=pb.FALLBACK_REASON_SIZE_CAPTURE_FAILED)])
+    obs, view = check(failed_size)
+    assert obs.state == WorkerState.CAPTURE_FAILED and view.failed
+    assert "4 (cudaErrorMemoryAllocation)" in obs.message
+
+    kept_old = track(state=READY, policy_uid="uid-1", policy_generation=1, last_error="OOM")
+    record_action(kept_old, PUSH, "uid-1/2", now=5.0)
+    finish_action(kept_old, policy(2), None, 5.1)
+    kept_old.read_at = 6.0
+    settle(kept_old)
+    obs, view = check(kept_old, wire=policy(2))
+    assert obs.state == WorkerState.CAPTURE_FAILED and "OOM" in obs.message and view.failed
+    assert not view.needs_push, "a failed worker is not pushed the same generation again"
+
+    reload = track(state=READY, policy_uid="uid-1", policy_generation=1, model_revision="r1")
+    record_action(reload, RELOAD, "r2", now=5.0)
+    finish_action(reload, None, WorkerError(ErrorKind.ERROR, "no such revision"), 5.1)
+    reload.read_at = 6.0
+    settle(reload)
+    obs, view = check(reload, want="r2")
+    assert obs.state == WorkerState.CAPTURE_FAILED and "no such revision" in obs.message
+
+    slow = track(state=RECAPTURING, policy_uid="uid-1", policy_generation=1,
+                 pending_policy_uid="uid-1", pending_policy_generation=2)
+    record_action(slow, PUSH, "uid-1/2", now=0.0)
+    finish_action(slow, policy(2), None, 0.1)
+    obs, view = check(slow, wire=policy(2), now=700.0, deadline=600.0)
+    assert obs.state == WorkerState.CAPTURE_FAILED and "within 600s" in obs.message
+    assert view.failed
+
+
+def test_a_changed_model_revision_needs_a_reload_once_unless_ignored():
+    t = track(state=READY, policy_uid="uid-1", policy_generation=1, model_revision="r1")
+    obs, view = check(t, want="r2")
+    assert view.needs_reload and obs.state == WorkerState.PENDING
+    record_action(t, RELOAD, "r2", now=9.0)
+    _, during = check(t, want="r2")
+    assert not during.needs_reload and not during.available
+    loading = track(state=LOADING, policy_uid="uid-1", policy_generation=1, model_revision="r1",
+                    pending_model_revision="r2")
+    assert not check(loading, want="r2")[1].needs_reload
 
 
 def test_a_ready_pod_that_does_not_answer_is_unreachable_and_a_starting_one_is_not_failed():
-    async def scenario(server, client):
-        port = server.port
-        await server.stop()
-        ready = WorkerPod(namespace="ns", name="w0", uid="u", address="127.0.0.1", port=port,
-                          phase="Running", ready=True)
-        starting = WorkerPod(namespace="ns", name="w1", uid="v", address="127.0.0.1", port=port,
-                             phase="Running", ready=False)
-        pending = WorkerPod(namespace="ns", name="w2", uid="x", phase="Pending")
-        return [await sync_worker(client, p, policy(), recapture_on_revision=True,
-                                  load_attempts={}) for p in (ready, starting, pending)]
-    ready, starting, pending = run(scenario)
-    assert ready.observation.state == WorkerState.UNREACHABLE
-    assert "UNAVAILABLE" in ready.observation.message
-    assert starting.observation.state == WorkerState.STARTING
-    assert pending.observation.state == WorkerState.STARTING
+    err = WorkerError(ErrorKind.UNREACHABLE, "GetGraphStatus: UNAVAILABLE: refused")
+    obs, view = check(Track(error=err))
+    assert obs.state == WorkerState.UNREACHABLE and "UNAVAILABLE" in obs.message
+    assert "10.0.0.1:50052" in obs.message, "named by its control address"
+    assert not view.available and view.blocked
+    starting = WorkerPod(**{**POD.__dict__, "ready": False})
+    assert check(Track(error=err), pod=starting)[0].state == WorkerState.STARTING
+    pending = WorkerPod(namespace="ns", name="w2", uid="x", phase="Pending")
+    assert check(Track(), pod=pending)[0].state == WorkerState.STARTING
 
 
-def test_a_size_whose_capture_failed_makes_the_worker_capture_failed():
-    from graphkeeper.operator.sync import observe
-    from graphkeeper.proto import worker_pb2 as pb
-
+def test_a_size_left_out_by_the_budget_is_not_a_failure():
     wire = policy()
-    status = pb.GraphStatus(
-        state=pb.LIFECYCLE_STATE_READY, policy_uid=wire.policy_uid, policy_generation=1,
-        effective_mode=pb.GRAPH_MODE_FULL, graph_steps=30, eager_steps=10,
-        captured=[pb.CapturedSize(size=1, mode=pb.GRAPH_MODE_FULL),
-                  pb.CapturedSize(size=2, mode=pb.GRAPH_MODE_FULL)],
-        skipped=[pb.SkippedSize(size=4, reason=pb.FALLBACK_REASON_SIZE_CAPTURE_FAILED,
-                                message="cudaErrorMemoryAllocation")])
-    pod = WorkerPod(namespace="ns", name="w0", uid="u")
-    seen = observe(pod, status, wire)
-    assert seen.state == WorkerState.CAPTURE_FAILED
-    assert "4 (cudaErrorMemoryAllocation)" in seen.message
-    assert seen.captured_sizes == (1, 2) and seen.effective_mode == "Full"
+    status = pb.GraphStatus(state=READY, policy_uid=wire.policy_uid, policy_generation=1,
+                            effective_mode=pb.GRAPH_MODE_FULL, graph_steps=30, eager_steps=10,
+                            captured=[pb.CapturedSize(size=1, mode=pb.GRAPH_MODE_FULL)],
+                            skipped=[pb.SkippedSize(size=4,
+                                                    reason=pb.FALLBACK_REASON_SIZE_OVER_BUDGET)])
+    seen = observe(POD, status, wire)
+    assert seen.state == WorkerState.CAPTURED
+    assert seen.captured_sizes == (1,) and seen.effective_mode == "Full"
     assert seen.fallback_rate == 0.25
-    over_budget = pb.GraphStatus()
-    over_budget.CopyFrom(status)
-    del over_budget.skipped[:]
-    over_budget.skipped.add(size=4, reason=pb.FALLBACK_REASON_SIZE_OVER_BUDGET)
-    assert observe(pod, over_budget, wire).state == WorkerState.CAPTURED, (
-        "a size left out by the memory budget is the policy working, not a failure")

@@ -181,7 +181,9 @@ def test_load_model_revision_refuses_bad_sources_and_keeps_serving(worker):
     before = greedy(worker)
     revision = worker.model_info().revision
     refusals = (("", "source", grpc.StatusCode.INVALID_ARGUMENT),
-                ("random:nope", "nope", grpc.StatusCode.INVALID_ARGUMENT),
+                ("random:nope", "preset", grpc.StatusCode.PERMISSION_DENIED),
+                ("random:llama-1b", "preset", grpc.StatusCode.PERMISSION_DENIED),  # no 1B model into a tiny worker
+                ("random:tiny@x", "x", grpc.StatusCode.INVALID_ARGUMENT),
                 # A random-model worker has no model roots: no directory may be loaded into it.
                 ("/no/such/dir", "model-root", grpc.StatusCode.PERMISSION_DENIED),
                 ("/etc", "model-root", grpc.StatusCode.PERMISSION_DENIED))
@@ -193,7 +195,7 @@ def test_load_model_revision_refuses_bad_sources_and_keeps_serving(worker):
     status = worker.status()
     assert worker.model_info().revision == revision
     assert status.state == pb.LIFECYCLE_STATE_READY
-    assert "nope" in status.last_error  # the failed load is reported...
+    assert status.last_error.startswith("model reload failed")  # the failed load is reported
     assert greedy(worker) == before
 
 

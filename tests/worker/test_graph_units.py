@@ -84,16 +84,16 @@ def test_interactivity_ladder_is_every_size_to_32_then_default_steps():
     assert interactivity_ladder(20) == list(range(1, 21))
 
 
-def test_default_max_capture_size_is_twice_max_num_seqs_capped_at_512():
-    assert default_max_capture_size(4) == 8
-    assert default_max_capture_size(128) == 256
-    assert default_max_capture_size(256) == 512
-    assert default_max_capture_size(1000) == 512
+def test_default_max_capture_size_is_the_token_budget_capped_at_512():
+    assert default_max_capture_size(8) == 8
+    assert default_max_capture_size(256) == 256
+    assert default_max_capture_size(512) == 512
+    assert default_max_capture_size(2048) == 512
 
 
 def test_resolve_capture_sizes():
     default = pb.CaptureSizes(ladder=pb.CAPTURE_LADDER_DEFAULT)
-    assert resolve_capture_sizes(default, 4, 64) == [1, 2, 4, 8]
+    assert resolve_capture_sizes(default, 4, 64) == default_ladder(64)  # every step size has a graph
     assert resolve_capture_sizes(default, 256, 512) == default_ladder(512)
     # The token budget per step caps the ladder: bigger steps can never happen.
     assert resolve_capture_sizes(default, 256, 100) == default_ladder(100)

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# One call on the GPU machine: install this checkout, run the GPU tests, then the benchmarks named in
+# $BENCH (default: the load benchmark, with the previous commit's worker as the baseline when the
+# .baseline/ copy travels along). Everything lands in $OUT (or ./gpu-out).
+set -uo pipefail
+out=${OUT:-gpu-out}; mkdir -p "$out"
+if ls .whl/*.whl >/dev/null 2>&1; then  # pure-Python wheels the GPU image lacks (grpc health, reflection)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site
+fi
+python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || exit 1
+nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv | tee "$out/gpu.txt"
+export PYTHONUNBUFFERED=1
+if [ "${TESTS:-1}" = 1 ]; then
+  timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -m cuda -q -x -p no:cacheprovider tests/gpu 2>&1 | tee "$out/pytest-cuda-h200.log" | tail -25
+fi
+for b in ${BENCH:-load}; do
+  case $b in
+    load) timeout 330 python3 bench/load_bench.py --seconds "${SECONDS_PER:-12}" --out "$out/load-h200.json" ;;
+    baseline)
+      python3 -m pip install -q --no-deps --no-build-isolation --target /tmp/oldpkg ./.baseline >/dev/null 2>&1
+      timeout 150 python3 bench/load_bench.py --scenarios mixed --legacy --worker-pythonpath /tmp/oldpkg:/tmp/site \
+        --seconds "${SECONDS_PER:-12}" --label "baseline ${BASELINE:-8e2591a}" --out "$out/load-baseline-h200.json" ;;
+    sweep) timeout 300 python3 bench/load_bench.py --scenarios "" --budgets 128,256,512,1024 \
+        --seconds "${SECONDS_PER:-12}" --out "$out/load-budget-sweep-h200.json" ;;
+    *) eval "$b" ;;
+  esac
+done

@@ -1,0 +1,309 @@
+"""Serving under load: a real worker process driven through gRPC by separate client processes.
+
+Scenarios (each a fresh worker unless they share its flags):
+
+- ``one``:     1 stream, short prompts, long outputs (inter-token latency against the batch-1 step)
+- ``decode``:  64 streams, 8-token prompts, 400 new tokens each
+- ``mixed``:   64 streams, prompts of 16-400 tokens (some beyond the token budget), 64-256 new tokens,
+               arrivals staggered over the first seconds
+- ``mixed256``: the same with 256 streams (and ``--max-num-seqs 256``)
+
+For each: generated tokens/s, time to first token and inter-token latency (p50, p90, p99, from the
+clients' clocks; a message carrying k tokens counts its gap once per token, divided by k), errors by
+status code, requests per stream (no stream starved), graph coverage of steps and padding waste
+(from the worker's /metrics). After the workers stop, the same process times the engine's FULL-graph
+decode step at the matching batch sizes on the same GPU, so every throughput is also a ratio to
+what the GPU allows: ``streams / step time``.
+
+    python bench/load_bench.py --out bench/results/load-h200.json                 # everything, H200
+    python bench/load_bench.py --scenarios mixed --worker-pythonpath /tmp/old --legacy  # an older commit
+    python bench/load_bench.py --device cpu --preset tiny --seconds 5 --scenarios one,decode  # CPU smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import json
+import multiprocessing as mp
+import os
+import platform
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+SCENARIOS = {
+    # name: (streams, prompt range, output range, stagger seconds)
+    "one": (1, (8, 8), (400, 400), 0.0),
+    "decode": (64, (8, 8), (400, 400), 0.0),
+    "mixed": (64, (16, 400), (64, 256), 2.0),
+    "mixed256": (256, (16, 400), (64, 256), 2.0),
+}
+
+
+@dataclass
+class WorkerFlags:
+    max_num_seqs: int
+    budget: int
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_worker(args: argparse.Namespace, flags: WorkerFlags, log_path: Path) -> tuple[subprocess.Popen, str, str]:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    port, metrics = free_port(), free_port()
+    cmd = [sys.executable, "-m", "graphkeeper.cli", "worker", "--model", f"random:{args.preset}",
+           "--device", args.device, "--dtype", args.dtype, "--port", str(port), "--metrics-port", str(metrics),
+           "--max-num-seqs", str(flags.max_num_seqs), "--max-seq-len", "1024",
+           "--max-num-batched-tokens", str(flags.budget), "--max-queue", "4096", "--log-level", "WARNING"]
+    if not args.legacy:
+        cmd += ["--control-port", str(free_port())]
+    env = dict(os.environ)
+    if args.worker_pythonpath:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (args.worker_pythonpath, env.get("PYTHONPATH")) if p)
+    log = log_path.open("w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    target = f"127.0.0.1:{port}"
+    stub = health_pb2_grpc.HealthStub(grpc.insecure_channel(target))
+    deadline = time.time() + 900
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"worker exited during startup:\n{log_path.read_text()[-3000:]}")
+        try:
+            reply = stub.Check(health_pb2.HealthCheckRequest(service="graphkeeper.worker.v1.InferenceWorker"),
+                               timeout=2)
+            if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                return proc, target, f"http://127.0.0.1:{metrics}/metrics"
+        except grpc.RpcError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError("worker did not become ready")
+
+
+def scrape(url: str) -> dict[str, float]:
+    """Sums of the series the coverage figures need."""
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("#") or not line:
+            continue
+        name_labels, value = line.rsplit(" ", 1)
+        name = name_labels.split("{", 1)[0]
+        key = name
+        if name == "graphkeeper_eager_steps_total":
+            key = name_labels
+        out[key] = out.get(key, 0.0) + float(value)
+    return out
+
+
+# --- the client processes -------------------------------------------------------------------------
+
+
+def client_process(target: str, streams: int, prompt: tuple[int, int], output: tuple[int, int], stagger: float,
+                   seconds: float, seed: int, vocab: int, queue: mp.Queue) -> None:
+    queue.put(asyncio.run(_client(target, streams, prompt, output, stagger, seconds, seed, vocab)))
+
+
+async def _client(target, streams, prompt, output, stagger, seconds, seed, vocab) -> dict:
+    import grpc
+
+    from graphkeeper.proto import worker_pb2 as pb
+    from graphkeeper.proto import worker_pb2_grpc as pb_grpc
+
+    rng = random.Random(seed)
+    ttft, itl, errors = [], [], {}
+    tokens_in_window = 0
+    per_stream_requests = [0] * streams
+    start = time.perf_counter()
+    deadline = start + seconds
+    async with grpc.aio.insecure_channel(target, options=(("grpc.max_receive_message_length", 1 << 24),)) as ch:
+        stub = pb_grpc.InferenceWorkerStub(ch)
+
+        async def stream(i: int) -> None:
+            nonlocal tokens_in_window
+            await asyncio.sleep(rng.uniform(0, stagger))
+            while time.perf_counter() < deadline:
+                n_prompt, n_new = rng.randint(*prompt), rng.randint(*output)
+                req = pb.GenerateRequest(
+                    prompt_token_ids=[rng.randrange(3, vocab) for _ in range(n_prompt)],
+                    stopping=pb.StoppingCriteria(max_new_tokens=n_new, ignore_eos=True))
+                sent = last = time.perf_counter()
+                first = True
+                try:
+                    async for msg in stub.Generate(req, timeout=600):
+                        now = time.perf_counter()
+                        if msg.HasField("tokens") and msg.tokens.token_ids:
+                            k = len(msg.tokens.token_ids)
+                            if now <= deadline:
+                                tokens_in_window += k
+                            if first:
+                                ttft.append(now - sent)
+                                first = False
+                                k -= 1
+                            itl.extend([(now - last) / max(1, k)] * k)
+                            last = now
+                    per_stream_requests[i] += 1
+                except grpc.aio.AioRpcError as err:
+                    errors[err.code().name] = errors.get(err.code().name, 0) + 1
+
+        await asyncio.gather(*(stream(i) for i in range(streams)))
+    return {"ttft": ttft, "itl": itl, "errors": errors, "tokens": tokens_in_window,
+            "per_stream_requests": per_stream_requests, "window": seconds}
+
+
+def drive(target: str, scenario: str, seconds: float, vocab: int, procs: int) -> dict:
+    streams, prompt, output, stagger = SCENARIOS[scenario]
+    procs = max(1, min(procs, streams))
+    share = [streams // procs + (1 if i < streams % procs else 0) for i in range(procs)]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    workers = [ctx.Process(target=client_process, args=(target, n, prompt, output, stagger, seconds, 1000 + i,
+                                                         vocab, queue)) for i, n in enumerate(share)]
+    for p in workers:
+        p.start()
+    parts = [queue.get(timeout=seconds + 900) for _ in workers]
+    for p in workers:
+        p.join()
+    ttft = sorted(x for part in parts for x in part["ttft"])
+    itl = sorted(x for part in parts for x in part["itl"])
+    errors: dict[str, int] = {}
+    for part in parts:
+        for code, n in part["errors"].items():
+            errors[code] = errors.get(code, 0) + n
+    per_stream = [n for part in parts for n in part["per_stream_requests"]]
+    tokens = sum(part["tokens"] for part in parts)
+    return {
+        "scenario": scenario, "streams": streams, "seconds": seconds, "generated_tokens": tokens,
+        "tokens_per_s": tokens / seconds, "errors": errors,
+        "requests_completed": sum(per_stream), "min_requests_per_stream": min(per_stream),
+        "ttft_ms": _percentiles(ttft), "itl_ms": _percentiles(itl),
+    }
+
+
+def _percentiles(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {}
+    pick = lambda q: 1e3 * values[min(len(values) - 1, int(q * len(values)))]  # noqa: E731
+    return {"p50": pick(0.5), "p90": pick(0.9), "p99": pick(0.99), "mean": 1e3 * statistics.fmean(values)}
+
+
+def coverage(before: dict[str, float], after: dict[str, float]) -> dict:
+    delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    graph = delta.get("graphkeeper_graph_replays_total", 0.0)
+    eager = {k.split('"')[1]: v for k, v in delta.items() if k.startswith("graphkeeper_eager_steps_total") and v}
+    steps = graph + sum(eager.values())
+    real, padded = delta.get("graphkeeper_real_tokens_total", 0.0), delta.get("graphkeeper_padded_tokens_total", 0.0)
+    return {"steps": steps, "graph_steps": graph, "eager_steps": eager,
+            "coverage": graph / steps if steps else 0.0, "padding_waste": 1 - real / padded if padded else 0.0}
+
+
+# --- what the GPU allows ----------------------------------------------------------------------------
+
+
+def full_step_times(args: argparse.Namespace, batches: list[int], context: int) -> dict[int, dict]:
+    """The engine's FULL-graph decode step, timed in this process after the workers stopped."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from decode_bench import bench_ours
+
+    from graphkeeper.worker.loader import load_model
+
+    loaded = load_model(f"random:{args.preset}", device=args.device, dtype=args.dtype, max_positions=1024 + 64)
+    rows = bench_ours(loaded, batches, context, steps=200, graphs=args.device == "cuda")
+    return {r["batch"]: r for r in rows}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="llama-1b")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--scenarios", default="one,decode,mixed,mixed256")
+    parser.add_argument("--seconds", type=float, default=20.0)
+    parser.add_argument("--budget", type=int, default=0, help="token budget (0: the worker's default)")
+    parser.add_argument("--budgets", default="", help="comma list: sweep the mixed scenario over these budgets")
+    parser.add_argument("--client-procs", type=int, default=8)
+    parser.add_argument("--worker-pythonpath", default="", help="run an older checkout's worker")
+    parser.add_argument("--legacy", action="store_true", help="the worker predates --control-port")
+    parser.add_argument("--label", default="")
+    parser.add_argument("--out", default="")
+    args = parser.parse_args()
+    from graphkeeper.worker.config import PRESETS
+
+    vocab = PRESETS[args.preset].vocab_size
+    results: dict = {
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), "command": " ".join(sys.argv),
+        "commit": _commit(), "label": args.label, "preset": args.preset, "dtype": args.dtype,
+        "gpu": _gpu_name(args.device), "host": platform.node(), "scenarios": [],
+    }
+    logs = Path(tempfile.mkdtemp(prefix="load-bench-"))
+    plan = [(s, args.budget) for s in args.scenarios.split(",") if s]
+    if args.budgets:
+        plan += [("mixed", int(b)) for b in args.budgets.split(",")]
+    for scenario, budget in plan:
+        streams = SCENARIOS[scenario][0]
+        flags = WorkerFlags(max_num_seqs=max(64, streams), budget=budget or 512)
+        proc, target, metrics = start_worker(args, flags, logs / f"{scenario}-{budget}.log")
+        try:
+            before = scrape(metrics)
+            row = drive(target, scenario, args.seconds, vocab, args.client_procs)
+            row.update(coverage(before, scrape(metrics)))
+            row["token_budget"] = flags.budget
+            row["max_num_seqs"] = flags.max_num_seqs
+        finally:
+            proc.terminate()
+            proc.wait(60)
+        results["scenarios"].append(row)
+        print(f"{scenario:<9} budget {flags.budget:>5}: {row['tokens_per_s']:>8.0f} tok/s, TTFT p50 "
+              f"{row['ttft_ms'].get('p50', 0):.1f} ms p99 {row['ttft_ms'].get('p99', 0):.1f} ms, ITL p50 "
+              f"{row['itl_ms'].get('p50', 0):.2f} ms p99 {row['itl_ms'].get('p99', 0):.2f} ms, coverage "
+              f"{100 * row['coverage']:.1f}%, padding {100 * row['padding_waste']:.1f}%, errors {row['errors']}, "
+              f"min requests/stream {row['min_requests_per_stream']}", flush=True)
+    if args.device == "cuda" and not args.legacy:
+        batches = sorted({SCENARIOS[s][0] for s, _ in plan})
+        steps = full_step_times(args, batches, context=256)
+        results["full_step"] = {str(b): r for b, r in steps.items()}
+        for row in results["scenarios"]:
+            step = steps[row["streams"]]
+            for kind in ("median_ms", "gpu_median_ms"):
+                allowed = row["streams"] / (step[kind] / 1e3)
+                row[f"gpu_allows_tokens_per_s_{kind}"] = allowed
+                row[f"ratio_to_gpu_{kind}"] = row["tokens_per_s"] / allowed
+            row["itl_p50_over_step"] = row["itl_ms"].get("p50", 0) / step["median_ms"]
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
+    print(json.dumps({k: v for k, v in results.items() if k != "scenarios"}, indent=1)[:2000])
+    return 0
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                              cwd=Path(__file__).parent).stdout.strip()
+    except OSError:
+        return ""
+
+
+def _gpu_name(device: str) -> str:
+    if device != "cuda":
+        return "cpu"
+    import torch
+
+    return torch.cuda.get_device_name()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

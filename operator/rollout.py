@@ -1,0 +1,155 @@
+"""Which workers may be told to recapture or reload now: pure decisions, like a Deployment's.
+
+A change that makes a worker recapture its graphs (capture sizes, mode, memory budget) or reload
+its model (a new ``graphkeeper.io/model-revision``) takes that worker out of service until it
+reports READY again. ``plan_rollout`` hands such changes to at most ``maxUnavailable`` workers at
+a time, counting every worker that is already unavailable (not READY, unreachable, or still
+busy with an earlier change) against that budget, so the next batch starts only when the
+previous one reports READY with the new generation or revision. Changes that recapture nothing
+(tenant toggles) go to every worker at once. A worker whose capture or reload failed or timed
+out pauses the rollout: nothing more is handed out until it recovers or the spec changes.
+
+Nothing here does I/O; the reconciler builds ``RolloutWorker`` values from what it observed.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from graphkeeper.proto import worker_pb2 as pb
+
+DEFAULT_MAX_UNAVAILABLE = "25%"
+#: Seconds a worker may take to report READY with a change before the rollout pauses.
+DEFAULT_PROGRESS_DEADLINE_SECONDS = 600
+
+_PERCENT_RE = re.compile(r"^([0-9]{1,3})%$")
+
+
+def resolve_max_unavailable(value: int | str | None, total: int) -> int:
+    """``maxUnavailable`` (a count, or a percentage of ``total`` rounded down) as a count.
+
+    At least 1, so that a rollout always makes progress (a Deployment with maxSurge 0 would
+    refuse 0 too).
+    """
+    if value is None or value == "":
+        value = DEFAULT_MAX_UNAVAILABLE
+    if isinstance(value, bool):
+        raise ValueError("maxUnavailable must be a count or a percentage")
+    if isinstance(value, int):
+        count = value
+    else:
+        text = str(value).strip()
+        match = _PERCENT_RE.match(text)
+        if match:
+            percent = int(match.group(1))
+            if percent > 100:
+                raise ValueError(f"maxUnavailable {text!r}: at most 100%")
+            count = math.floor(total * percent / 100)
+        elif text.isdigit():
+            count = int(text)
+        else:
+            raise ValueError(f"maxUnavailable {text!r} is not a count or a percentage like 25%")
+    if count < 0:
+        raise ValueError(f"maxUnavailable must not be negative, got {count}")
+    return max(1, count)
+
+
+def rollout_settings(spec: Mapping[str, Any], total: int) -> tuple[int, float]:
+    """(maxUnavailable as a count, progress deadline in seconds) from a policy spec."""
+    rollout = spec.get("rollout") or {}
+    count = resolve_max_unavailable(rollout.get("maxUnavailable"), total)
+    deadline = float(rollout.get("progressDeadlineSeconds") or DEFAULT_PROGRESS_DEADLINE_SECONDS)
+    return count, deadline
+
+
+def capture_key(policy: pb.GraphPolicy) -> bytes:
+    """What, when it differs between two generations, makes a worker recapture: the mode, the
+    capture sizes and the memory budget (tenant toggles are not part of it)."""
+    return b"|".join((
+        str(policy.mode).encode(),
+        policy.capture_sizes.SerializeToString(deterministic=True),
+        str(policy.memory_budget_bytes).encode(),
+    ))
+
+
+@dataclass(frozen=True)
+class RolloutWorker:
+    """One selected worker as the planner sees it."""
+
+    name: str
+    #: Serving: reachable, READY, and no change of ours still under way on it.
+    available: bool
+    #: Lacks the policy's generation (neither adopted nor pending) and a push would reach it.
+    needs_push: bool = False
+    #: That push makes it recapture (False: only tenant toggles differ from what it holds).
+    push_recaptures: bool = True
+    #: Serves another model revision than its pod asks for, and no reload is under way.
+    needs_reload: bool = False
+    #: Its capture or reload of the current change failed or timed out.
+    failed: bool = False
+    #: Pushing is pointless now (it refused this generation recently, or is not running).
+    blocked: bool = False
+
+
+@dataclass(frozen=True)
+class RolloutPlan:
+    push: tuple[str, ...] = ()
+    reload: tuple[str, ...] = ()
+    paused: bool = False
+    #: Workers that failed (why the rollout is paused).
+    failed: tuple[str, ...] = ()
+    unavailable: int = 0
+    max_unavailable: int = 1
+    #: Workers that still need a recapture or reload and were not handed one this run.
+    waiting: tuple[str, ...] = field(default=())
+
+
+def plan_rollout(workers: Iterable[RolloutWorker], max_unavailable: int) -> RolloutPlan:
+    """Who gets a push or a reload now; workers are taken in name order, so runs agree."""
+    ordered = sorted(workers, key=lambda w: w.name)
+    failed = tuple(w.name for w in ordered if w.failed)
+    unavailable = sum(1 for w in ordered if not w.available)
+    push: list[str] = []
+    reload: list[str] = []
+    waiting: list[str] = []
+    budget = max(0, max_unavailable - unavailable)
+    for w in ordered:
+        if w.blocked:
+            continue
+        if w.needs_push and not w.push_recaptures:
+            push.append(w.name)  # tenant toggles: nothing recaptures, everyone at once
+            continue
+        if not (w.needs_push or w.needs_reload):
+            continue
+        if not w.available:
+            # Already out of service (starting, recapturing an older change): telling it now
+            # costs no availability and saves a second recapture later.
+            if w.needs_push and not failed:
+                push.append(w.name)
+            elif not failed:
+                waiting.append(w.name)
+            continue
+        if failed or budget == 0:
+            waiting.append(w.name)
+            continue
+        budget -= 1
+        (push if w.needs_push else reload).append(w.name)
+    return RolloutPlan(push=tuple(push), reload=tuple(reload), paused=bool(failed),
+                       failed=failed, unavailable=unavailable, max_unavailable=max_unavailable,
+                       waiting=tuple(waiting))
+
+
+def rollout_status(plan: RolloutPlan, *, updated: int, total: int) -> dict[str, Any]:
+    """``.status.rollout``: like a Deployment's replica counts, for this policy's change."""
+    return {
+        "maxUnavailable": plan.max_unavailable,
+        "updatedWorkers": updated,
+        "pendingWorkers": max(0, total - updated - len(plan.failed)),
+        "failedWorkers": len(plan.failed),
+        "unavailableWorkers": plan.unavailable,
+        "paused": plan.paused,
+    }

@@ -1,0 +1,101 @@
+"""Rollout decisions, pure: maxUnavailable, who gets a change now, and the status counts."""
+
+from __future__ import annotations
+
+import pytest
+
+from graphkeeper.operator.rollout import (
+    RolloutWorker,
+    capture_key,
+    plan_rollout,
+    resolve_max_unavailable,
+    rollout_settings,
+    rollout_status,
+)
+from graphkeeper.proto.policy import policy_from_spec
+
+
+@pytest.mark.parametrize(("value", "total", "expected"), [
+    (None, 10, 2), ("25%", 10, 2), ("25%", 200, 50), ("25%", 3, 1), ("100%", 7, 7),
+    (2, 10, 2), (0, 10, 1), ("0%", 10, 1), ("3", 10, 3), ("50%", 5, 2),
+])
+def test_max_unavailable_is_a_count_or_a_percentage_rounded_down_and_at_least_one(
+        value, total, expected):
+    assert resolve_max_unavailable(value, total) == expected
+
+
+@pytest.mark.parametrize("value", ["lots", "25.5%", "101%", -1, True])
+def test_a_max_unavailable_that_is_neither_is_refused(value):
+    with pytest.raises(ValueError):
+        resolve_max_unavailable(value, 10)
+
+
+def test_rollout_settings_read_the_spec_with_defaults():
+    assert rollout_settings({}, 8) == (2, 600.0)
+    assert rollout_settings({"rollout": {"maxUnavailable": 3, "progressDeadlineSeconds": 30}},
+                            8) == (3, 30.0)
+
+
+def w(name, available=True, **kw):
+    return RolloutWorker(name=name, available=available, **kw)
+
+
+def test_a_recapturing_change_goes_to_the_budget_in_name_order():
+    plan = plan_rollout([w(f"w{i}", needs_push=True) for i in (3, 1, 0, 2)], 2)
+    assert plan.push == ("w0", "w1") and plan.waiting == ("w2", "w3") and not plan.paused
+
+
+def test_unavailable_workers_use_up_the_budget_and_the_next_batch_waits_for_them():
+    workers = [w("a", available=False), w("b", needs_push=True), w("c", needs_push=True)]
+    assert plan_rollout(workers, 2).push == ("b",)
+    assert plan_rollout(workers, 1).push == ()
+    assert plan_rollout(workers, 1).unavailable == 1
+
+
+def test_a_worker_already_out_of_service_is_told_at_once_without_using_the_budget():
+    workers = [w("a", available=False, needs_push=True), w("b", needs_push=True)]
+    plan = plan_rollout(workers, 1)
+    assert plan.push == ("a",), "a is unavailable anyway; b waits for the budget"
+
+
+def test_toggle_only_changes_go_everywhere_at_once():
+    workers = [w(f"w{i}", needs_push=True, push_recaptures=False) for i in range(5)]
+    assert len(plan_rollout(workers, 1).push) == 5
+
+
+def test_reloads_share_the_budget_with_pushes():
+    workers = [w("a", needs_push=True), w("b", needs_reload=True), w("c", needs_reload=True)]
+    plan = plan_rollout(workers, 2)
+    assert (plan.push, plan.reload, plan.waiting) == (("a",), ("b",), ("c",))
+
+
+def test_a_failure_pauses_the_rollout_but_not_tenant_toggles():
+    workers = [w("a", failed=True), w("b", needs_push=True), w("c", needs_reload=True),
+               w("d", needs_push=True, push_recaptures=False)]
+    plan = plan_rollout(workers, 3)
+    assert plan.paused and plan.failed == ("a",)
+    assert plan.push == ("d",) and plan.reload == ()
+    assert set(plan.waiting) == {"b", "c"}
+
+
+def test_blocked_workers_are_skipped():
+    assert plan_rollout([w("a", needs_push=True, blocked=True)], 1).push == ()
+
+
+def test_rollout_status_counts_like_a_deployment():
+    plan = plan_rollout([w("a", failed=True), w("b", available=False), w("c"), w("d")], 2)
+    assert rollout_status(plan, updated=2, total=4) == {
+        "maxUnavailable": 2, "updatedWorkers": 2, "pendingWorkers": 1, "failedWorkers": 1,
+        "unavailableWorkers": 1, "paused": True}
+
+
+def test_the_capture_key_ignores_tenants_but_not_sizes_mode_or_budget():
+    base = {"selector": {"matchLabels": {"a": "b"}}, "captureSizes": {"sizes": [1, 2]}}
+
+    def key(**spec):
+        return capture_key(policy_from_spec({**base, **spec}, uid="u", name="n", generation=1))
+    assert key() == key(tenants=[{"name": "t", "graphs": "Disabled"}])
+    assert key() == key(defaultTenantGraphs="Disabled")
+    assert key() != key(captureSizes={"sizes": [1, 2, 4]})
+    assert key() != key(mode="Full")
+    assert key() != key(memoryBudget="1Gi")

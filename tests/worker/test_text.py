@@ -1,0 +1,89 @@
+"""Issue 7, text at the API layer: a model directory with tokenizer.json takes text prompts and
+streams text deltas beside the token ids; the deltas add up to the decoded output, multi-byte
+characters included; without a tokenizer a text prompt is refused by name."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import grpc
+import pytest
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from worker_harness import GRAPHKEEPER, generate, make_request
+
+from graphkeeper.proto import worker_pb2 as pb
+from graphkeeper.worker.loader import load_model, save_hf_directory
+from graphkeeper.worker.tokenizer import IncrementalDetokenizer
+from graphkeeper.worker.tokenizer import Tokenizer as WorkerTokenizer
+
+CORPUS = ["the graphs replay every decode step", "café crème brûlée — naïve façade", "日本語のテキスト 🚀 emoji",
+          "kubernetes operator reconciles the policy"] * 20
+
+
+def build_tokenizer(path: Path, vocab: int = 400) -> Path:
+    """A small byte-level BPE: its ids fit the tiny model's vocabulary, and characters span tokens."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=vocab, show_progress=False,
+                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    out = path / "tokenizer.json"
+    tok.save(str(out))
+    return out
+
+
+@pytest.fixture(scope="module")
+def text_model(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("text-model")
+    save_hf_directory(load_model("random:tiny", device="cpu", max_positions=512).model, root)
+    build_tokenizer(root)
+    return root
+
+
+def test_deltas_add_up_to_the_decoded_ids_one_id_at_a_time(tmp_path):
+    tok = WorkerTokenizer(build_tokenizer(tmp_path))
+    for text in CORPUS[:4]:
+        ids = tok.encode_ids(text)
+        detok = IncrementalDetokenizer(tok, [])
+        pieces = [detok.add([i]) for i in ids] + [detok.flush()]
+        assert "".join(pieces) == tok.decode(ids) == text
+        assert all("\ufffd" not in p for p in pieces)  # an incomplete character is held back, never sent
+
+
+def test_a_text_prompt_streams_text_beside_the_ids(fresh_workers, text_model):
+    worker = fresh_workers("--max-seq-len", "256", "--max-num-batched-tokens", "64", model=str(text_model))
+    tok = WorkerTokenizer(text_model / "tokenizer.json")
+    text = "café crème 🚀 the graphs"
+    request = pb.GenerateRequest(prompt_text=text, stopping=pb.StoppingCriteria(max_new_tokens=24, ignore_eos=True))
+    ids, deltas, completion = [], [], None
+    for response in worker.inference.Generate(request, timeout=60):
+        if response.HasField("tokens"):
+            ids.extend(response.tokens.token_ids)
+            deltas.append(response.tokens.text)
+        else:
+            completion = response.completion
+    assert completion.prompt_tokens == len(tok.encode_ids(text))
+    assert len(ids) == completion.generated_tokens == 24
+    assert "".join(deltas) == tok.decode(ids)
+    # The same prompt as ids gives the same tokens: the worker tokenized exactly as the tokenizer does.
+    same, _ = generate(worker, make_request(tok.encode_ids(text), 24))
+    assert same == ids
+    cli = subprocess.run([str(GRAPHKEEPER), "generate", "--target", worker.target, "--prompt", text,
+                          "--max-new-tokens", "24", "--json"], capture_output=True, text=True, timeout=60)
+    assert cli.returncode == 0, cli.stderr
+    doc = json.loads(cli.stdout)
+    assert (doc["token_ids"], doc["text"]) == (ids, tok.decode(ids))
+
+
+def test_text_prompts_are_refused_by_name_without_a_tokenizer(worker):
+    request = pb.GenerateRequest(prompt_text="hello", stopping=pb.StoppingCriteria(max_new_tokens=4))
+    with pytest.raises(grpc.RpcError) as err:
+        generate(worker, request)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details().startswith("prompt_text") and "tokenizer" in err.value.details()
+    both = pb.GenerateRequest(prompt_text="hi", prompt_token_ids=[1], stopping=pb.StoppingCriteria(max_new_tokens=4))
+    with pytest.raises(grpc.RpcError) as err:
+        generate(worker, both)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
