@@ -11,7 +11,10 @@ import time
 from collections.abc import Callable
 
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+
+# As in the worker: the *_created series double every counter for no dashboard's benefit.
+disable_created_metrics()
 
 RECONCILE_SECONDS = Histogram(
     "graphkeeper_operator_reconcile_duration_seconds",
@@ -28,6 +31,13 @@ MODEL_LOADS = Counter(
     "LoadModelRevision calls made because a pod's model-revision annotation changed, by outcome.",
     ["outcome"],
 )
+#: Outcome label values, created up front so that the panels show 0 after a restart, not no data.
+PUSH_OUTCOMES = ("applied", "unchanged", "rejected", "stale", "unreachable", "error")
+MODEL_LOAD_OUTCOMES = ("ok", "unreachable", "rejected", "stale", "error")
+for _outcome in PUSH_OUTCOMES:
+    PUSHES.labels(outcome=_outcome)
+for _outcome in MODEL_LOAD_OUTCOMES:
+    MODEL_LOADS.labels(outcome=_outcome)
 STATUS_READS = Counter(
     "graphkeeper_operator_status_reads_total",
     "GetGraphStatus calls, by outcome (ok, or the kind of failure).",
