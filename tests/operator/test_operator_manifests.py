@@ -160,6 +160,8 @@ def test_the_chart_rbac_holds_only_the_verbs_the_operator_uses():
     assert verbs[("graphkeeper.io", "graphpolicies/status")] == {"patch"}
     assert verbs[("", "events")] == {"create"}
     assert ("events.k8s.io", "events") not in verbs
+    assert verbs[("", "pods")] == verbs[("", "namespaces")] == {"list", "watch"}
+    assert verbs[("apiextensions.k8s.io", "customresourcedefinitions")] == {"list", "watch"}
 
 
 def test_the_chart_gives_the_operator_its_control_token_file():
