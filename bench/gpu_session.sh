@@ -11,6 +11,8 @@ fi
 python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || exit 1
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv | tee "$out/gpu.txt"
 export PYTHONUNBUFFERED=1
+# The commit to record in results: pass GRAPHKEEPER_COMMIT=$(git rev-parse HEAD) from the checkout
+# that sent this tree (a copied tree's git metadata can name an older commit).
 if [ "${TESTS:-1}" = 1 ]; then
   timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -m cuda -q -x -p no:cacheprovider tests/gpu 2>&1 | tee "$out/pytest-cuda-h200.log" | tail -25
 fi

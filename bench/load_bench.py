@@ -290,6 +290,9 @@ def main() -> int:
 
 
 def _commit() -> str:
+    """GRAPHKEEPER_COMMIT when set (a copied tree's git metadata can lag its files), else git's HEAD."""
+    if os.environ.get("GRAPHKEEPER_COMMIT"):
+        return os.environ["GRAPHKEEPER_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
                               cwd=Path(__file__).parent).stdout.strip()
