@@ -68,6 +68,29 @@ def make_namespace(cluster: Cluster) -> str:
     return name
 
 
+def simulated_pods(cluster, ports: list[int]) -> str:
+    """A namespace with one Running, Ready pod per simulated worker port (all on 127.0.0.1);
+    returns the namespace once the operator has had time to index them."""
+    ns = make_namespace(cluster)
+
+    def make_pod(i_port: tuple[int, int]) -> None:
+        i, port = i_port
+        name = f"sim-{i:03d}"
+        cluster.core.create_namespaced_pod(ns, {
+            "metadata": {"name": name, "labels": {"bench": "fleet"}},
+            "spec": {"containers": [{"name": "worker", "image": "simulated",
+                                     "ports": [{"name": "grpc", "containerPort": port}]}]}})
+        cluster.core.patch_namespaced_pod_status(name, ns, {"status": {
+            "phase": "Running", "podIP": "127.0.0.1", "podIPs": [{"ip": "127.0.0.1"}],
+            "conditions": [{"type": "Ready", "status": "True", "lastTransitionTime": now()}]}},
+            _content_type="application/merge-patch+json")
+
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        list(pool.map(make_pod, enumerate(ports)))
+    time.sleep(3.0)
+    return ns
+
+
 def drop_namespace(cluster: Cluster, name: str) -> None:
     """Deletes a fleet's namespace and waits for its pods to go: ports are reused by the next
     fleet, and a stale pod at a reused address is (rightly) a conflict for the operator."""
@@ -174,23 +197,7 @@ def run_simulated(cluster: Cluster, count: int, rounds: int, settle: float) -> d
                     applied.setdefault((parts[2], int(parts[3])), []).append(float(parts[4]))
 
     threading.Thread(target=read, daemon=True).start()
-    ns = make_namespace(cluster)
-
-    def make_pod(i_port: tuple[int, int]) -> None:
-        i, port = i_port
-        name = f"sim-{i:03d}"
-        cluster.core.create_namespaced_pod(ns, {
-            "metadata": {"name": name, "labels": {"bench": "fleet"}},
-            "spec": {"containers": [{"name": "worker", "image": "simulated",
-                                     "ports": [{"name": "grpc", "containerPort": port}]}]}})
-        cluster.core.patch_namespaced_pod_status(name, ns, {"status": {
-            "phase": "Running", "podIP": "127.0.0.1", "podIPs": [{"ip": "127.0.0.1"}],
-            "conditions": [{"type": "Ready", "status": "True", "lastTransitionTime": now()}]}},
-            _content_type="application/merge-patch+json")
-
-    with ThreadPoolExecutor(max_workers=8) as pool:
-        list(pool.map(make_pod, enumerate(ports)))
-    time.sleep(3.0)
+    ns = simulated_pods(cluster, ports)
     policies = Policies(cluster, ns)
     acks, statuses, requests = [], [], []
     for r in range(rounds):
@@ -237,23 +244,7 @@ def run_rollout(cluster: Cluster, count: int, capture_seconds: float, rounds: in
                     states.append((float(parts[3]), parts[1], parts[2]))
 
     threading.Thread(target=read, daemon=True).start()
-    ns = make_namespace(cluster)
-
-    def make_pod(i_port: tuple[int, int]) -> None:
-        i, port = i_port
-        name = f"sim-{i:03d}"
-        cluster.core.create_namespaced_pod(ns, {
-            "metadata": {"name": name, "labels": {"bench": "fleet"}},
-            "spec": {"containers": [{"name": "worker", "image": "simulated",
-                                     "ports": [{"name": "grpc", "containerPort": port}]}]}})
-        cluster.core.patch_namespaced_pod_status(name, ns, {"status": {
-            "phase": "Running", "podIP": "127.0.0.1", "podIPs": [{"ip": "127.0.0.1"}],
-            "conditions": [{"type": "Ready", "status": "True", "lastTransitionTime": now()}]}},
-            _content_type="application/merge-patch+json")
-
-    with ThreadPoolExecutor(max_workers=8) as pool:
-        list(pool.map(make_pod, enumerate(ports)))
-    time.sleep(3.0)
+    ns = simulated_pods(cluster, ports)
     policies = Policies(cluster, ns)
     body = {**spec(0), "rollout": {"maxUnavailable": max_unavailable}}
     obj = policies.create("bench", body)

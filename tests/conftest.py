@@ -7,10 +7,13 @@ install, not a reason to report the suite green; such skips are turned into fail
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
 ALLOWED_SKIP = "needs an NVIDIA GPU"
+CACHE = Path(os.environ.get("GRAPHKEEPER_CACHE", Path.home() / ".cache" / "graphkeeper"))
+HELM = CACHE / "bin" / "k8s-v1.36.3" / "helm"
 
 # The end-to-end suite needs root and a real node (kubelet, containerd, images): `make test-e2e`.
 collect_ignore = [] if os.environ.get("GRAPHKEEPER_E2E") else ["e2e"]
@@ -36,3 +39,11 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
 def pytest_make_collect_report(collector: pytest.Collector):
     outcome = yield
     _fail_unexpected_skip(outcome.get_result())
+
+
+@pytest.fixture(scope="session")
+def helm() -> Path:
+    """helm as deploy/local/build-bins.sh builds it (chart tests); under CI its absence fails."""
+    if not HELM.exists():
+        pytest.skip(f"helm is not built ({HELM}); run deploy/local/build-bins.sh")
+    return HELM

@@ -7,7 +7,6 @@ The same chart installed on a real node is tests/e2e (``make test-e2e``).
 
 from __future__ import annotations
 
-import os
 import subprocess
 from pathlib import Path
 
@@ -16,16 +15,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 CHART = ROOT / "charts" / "graphkeeper"
-CACHE = Path(os.environ.get("GRAPHKEEPER_CACHE", Path.home() / ".cache" / "graphkeeper"))
-HELM = CACHE / "bin" / "k8s-v1.36.3" / "helm"
 TOKEN_DIR = "/var/run/graphkeeper/control"
-
-
-@pytest.fixture(scope="session")
-def helm() -> Path:
-    if not HELM.exists():
-        pytest.skip(f"helm is not built ({HELM}); run deploy/local/build-bins.sh")
-    return HELM
 
 
 def render(helm: Path, *args: str) -> list[dict]:

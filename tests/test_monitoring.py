@@ -36,7 +36,6 @@ CHART_RULES = CHART / "rules" / "graphkeeper-alerts.yaml"
 PROMTOOL_TESTS = ROOT / "tests" / "promtool" / "alerts-test.yaml"
 DOCS = ROOT / "docs" / "metrics.md"
 CACHE = Path(os.environ.get("GRAPHKEEPER_CACHE", Path.home() / ".cache" / "graphkeeper"))
-HELM = CACHE / "bin" / "k8s-v1.36.3" / "helm"
 
 #: Labels Prometheus attaches to every scraped series (target labels), plus the name itself.
 TARGET_LABELS = frozenset({"namespace", "pod", "job", "instance", "container", "endpoint", "service",
@@ -353,11 +352,6 @@ def test_promtool_tests_fail_when_a_threshold_moves(promtool, tmp_path):
 # ---------------------------------------------------------------- helm --------------------------------
 
 
-@pytest.fixture(scope="session")
-def helm() -> Path:
-    if not HELM.exists():
-        pytest.skip(f"helm is not built ({HELM}); run deploy/local/build-bins.sh")
-    return HELM
 
 
 def _template(helm: Path, *sets: str) -> subprocess.CompletedProcess:

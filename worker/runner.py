@@ -113,7 +113,8 @@ class ModelRunner:
         host[self.SLOTS, n:] = self.cache.dummy_slot
         host[self.LENGTHS] = host[self.POSITIONS] + 1
         host[self.KV_ROWS] = self.cache.row_index(host[self.SLOTS], host[self.POSITIONS])
-        blocks = self._block_table(host, plan)
+        # Only a step with rows other than decode rows (prefill, or padding) runs the varlen kernel.
+        blocks = self._block_table(host, plan) if nd < rows else 0
         ns = plan.num_samples
         host[self.SAMPLE_ROWS, :ns] = plan.sample_rows
         host[self.SAMPLE_SLOTS, :ns] = plan.sample_slots
