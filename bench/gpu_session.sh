@@ -16,7 +16,7 @@ export PYTHONUNBUFFERED=1
 if [ "${TESTS:-1}" = 1 ]; then
   timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -m cuda -q -x -p no:cacheprovider tests/gpu 2>&1 | tee "$out/pytest-cuda-h200.log" | tail -25
 fi
-for b in ${BENCH:-load}; do
+for b in ${BENCH-load}; do  # BENCH="" runs the tests alone
   case $b in
     load) timeout 330 python3 bench/load_bench.py --seconds "${SECONDS_PER:-12}" --out "$out/load-h200.json" ;;
     baseline)
