@@ -12,6 +12,16 @@ from pathlib import Path
 import pytest
 
 ALLOWED_SKIP = "needs an NVIDIA GPU"
+
+# tqdm (transformers' loading bars) starts a monitor thread that a bar's __del__ joins while it
+# holds tqdm's lock; when a later gc.collect() (hypothesis runs one per example) collects such a
+# bar, that join can wait on the monitor forever. Without the monitor there is nothing to join.
+try:
+    import tqdm
+
+    tqdm.tqdm.monitor_interval = 0
+except ImportError:  # pragma: no cover - tqdm comes with transformers, a test dependency
+    pass
 CACHE = Path(os.environ.get("GRAPHKEEPER_CACHE", Path.home() / ".cache" / "graphkeeper"))
 HELM = CACHE / "bin" / "k8s-v1.36.3" / "helm"
 
