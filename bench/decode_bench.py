@@ -73,9 +73,26 @@ def decode_plan(batch: int, context: int, vocab: int) -> StepPlan:
                     sample_rows=np.arange(batch), sample_slots=np.arange(batch), decode_tokens=tokens)
 
 
-def bench_ours(loaded: LoadedModel, batches: list[int], context: int, steps: int, graphs: bool) -> list[dict]:
+def prepare(runner: ModelRunner, step: str, cache_root: str = "") -> dict:
+    """Builds the runner's step as the worker would: ``plain`` torch ops, ``fused`` (-O1: Triton
+    kernels, uncompiled) or ``compiled`` (-O2); returns the compile report as a dict."""
+    from graphkeeper.worker.compile import DEFAULT_CACHE_DIR, prepare_step
+
+    rows = min(64, runner.max_tokens)
+    if step == "plain":
+        runner.warm_up(rows)
+        return {}
+    report = prepare_step(runner.model, compile=step == "compiled", cache_root=cache_root or DEFAULT_CACHE_DIR,
+                          quantization=runner.loaded.quantization, warm_up=lambda: runner.warm_up(rows), level=2,
+                          reason="bench")
+    return {"compile_seconds": report.seconds, "cache": report.cache, "compiled_graphs": report.graphs}
+
+
+def bench_ours(loaded: LoadedModel, batches: list[int], context: int, steps: int, graphs: bool,
+               step: str = "compiled", label: str = "") -> list[dict]:
     cache = KVCache(loaded.config, max(batches), context + 16, device=loaded.device, dtype=loaded.dtype)
     runner = ModelRunner(loaded, cache, max(batches))
+    built = prepare(runner, step if loaded.device.type == "cuda" else "plain")
     graph_set = GraphSet(runner) if graphs else None
     rows = []
     for b in batches:
@@ -93,7 +110,8 @@ def bench_ours(loaded: LoadedModel, batches: list[int], context: int, steps: int
             return runner.logits(hidden, plan).argmax(-1)
 
         stats = timed(prep, run, steps)
-        rows.append({"method": "graphkeeper FULL graph" if graphs else "graphkeeper eager", "batch": b, **stats,
+        method = label or ("graphkeeper FULL graph" if graphs else "graphkeeper eager")
+        rows.append({"method": method, "batch": b, "step": step, **built, **stats,
                      "tokens_per_s": b / (stats["median_ms"] / 1e3)})
         print(f"  {rows[-1]['method']:<24} batch {b:>3}: {stats['median_ms']:.3f} ms wall, "
               f"{stats.get('gpu_median_ms', 0):.3f} ms GPU", flush=True)

@@ -83,6 +83,26 @@ def test_workers_serve_control_on_its_own_port_and_probe_inference(helm):
         "port": 50051, "service": "graphkeeper.worker.v1.InferenceWorker"}
 
 
+def test_workers_get_the_preset_quantization_and_a_compile_cache_volume(helm):
+    docs = render(helm, "--set", "workers.enabled=true")
+    pod = one(docs, "Deployment", "gk-graphkeeper-worker")["spec"]["template"]["spec"]
+    args = pod["containers"][0]["args"]
+    assert {"--optimization-level=2", "--quantization=none",
+            "--compile-cache-dir=/var/cache/graphkeeper/compile"} <= set(args)
+    assert "compile-cache" not in {v["name"] for v in pod["volumes"]}  # inside the scratch emptyDir
+    docs = render(helm, "--set", "workers.enabled=true", "--set", "workers.optimizationLevel=1",
+                  "--set", "workers.compileCache.volume.persistentVolumeClaim.claimName=gk-cache")
+    pod = one(docs, "Deployment", "gk-graphkeeper-worker")["spec"]["template"]["spec"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["compile-cache"]["persistentVolumeClaim"] == {"claimName": "gk-cache"}
+    mounts = {m["name"]: m["mountPath"] for m in pod["containers"][0]["volumeMounts"]}
+    assert mounts["compile-cache"] == "/var/cache/graphkeeper/compile"
+    assert "--optimization-level=1" in pod["containers"][0]["args"]
+    bad = subprocess.run([str(helm), "template", "gk", str(CHART), "--set", "workers.optimizationLevel=3"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "optimizationLevel" in bad.stderr
+
+
 def test_the_control_token_secret_is_mounted_by_both(helm):
     docs = render(helm, "--set", "workers.enabled=true")
     secret = one(docs, "Secret", "gk-graphkeeper-control-token")

@@ -32,6 +32,8 @@ from graphkeeper.proto import worker_pb2 as pb
 from graphkeeper.proto.policy import mode_name, tenant_allows_graphs, validate_policy
 from graphkeeper.worker.admission import Limits, validate_request
 from graphkeeper.worker.capture import CaptureController
+from graphkeeper.worker.compile import DEFAULT_CACHE_DIR, CompileReport, Optimization, forbid_recompiles, prepare_step
+from graphkeeper.worker.compile import resolve as resolve_optimization
 from graphkeeper.worker.dispatcher import BatchDescriptor, Decision, Dispatcher
 from graphkeeper.worker.kv_cache import KVCache
 from graphkeeper.worker.ledger import Ledger
@@ -93,6 +95,10 @@ class EngineSettings:
     model_roots: tuple[str, ...] = ()
     #: Fault injection for tests: a step holding this prompt token raises (fatally: as a broken device).
     inject_step_failure: tuple[int, bool] | None = None
+    #: The -O preset with explicit flags applied (None: -O2 resolved for ``device``).
+    optimization: Optimization | None = None
+    compile_cache_dir: str = DEFAULT_CACHE_DIR
+    quantization: str = "none"
 
 
 def default_policy(mode: int = pb.GRAPH_MODE_FULL_AND_PIECEWISE) -> pb.GraphPolicy:
@@ -139,6 +145,8 @@ class Engine:
         self.loaded: LoadedModel | None = None
         self.tokenizer: Tokenizer | None = None
         self.runner: ModelRunner | None = None
+        self.optimization = settings.optimization or resolve_optimization(2, None, self.device.type)
+        self.compile_report = CompileReport(level=self.optimization.level, reason=self.optimization.reason)
         self.policy = settings.policy if settings.policy and settings.policy.policy_uid else default_policy(
             (settings.policy.mode if settings.policy else 0) or pb.GRAPH_MODE_FULL_AND_PIECEWISE)
         self.pending_policy: pb.GraphPolicy | None = None
@@ -267,11 +275,13 @@ class Engine:
         self.ledger.record(L.LEDGER_STAGE_CONTEXT, self.device)
         self._install(self._load(s.model, s.model_revision))
         self._move(S.LIFECYCLE_STATE_MODEL_LOADED)
-        self.runner.warm_up(min(s.max_num_seqs, s.max_num_batched_tokens))
+        self._prepare_step()
         self.ledger.record(L.LEDGER_STAGE_WARMUP, self.device)
         self._move(S.LIFECYCLE_STATE_WARMED)
         self.capture.begin(self.policy, self.runner)
         self.capture.run_all()
+        if self.compile_report.enabled:
+            forbid_recompiles()
         self._captured()
         self._move(S.LIFECYCLE_STATE_CAPTURED)
         self._move(S.LIFECYCLE_STATE_READY)
@@ -282,7 +292,8 @@ class Engine:
         """New weights (and a KV cache for their shapes); nothing the engine serves is touched."""
         s = self.settings
         cache_len = 16 * math.ceil(s.max_seq_len / 16)  # aligned rows for the attention kernels
-        loaded = load_model(source, device=self.device, dtype=s.dtype, max_positions=cache_len, revision=revision)
+        loaded = load_model(source, device=self.device, dtype=s.dtype, max_positions=cache_len, revision=revision,
+                            quantization=s.quantization)
         self.ledger.record(L.LEDGER_STAGE_WEIGHTS, self.device)
         old = self.runner
         if old is not None and old.loaded.config == loaded.config and old.loaded.dtype == loaded.dtype:
@@ -294,8 +305,15 @@ class Engine:
         self.ledger.record(L.LEDGER_STAGE_KV_CACHE, self.device)
         return loaded, cache
 
-    def _install(self, loaded_cache: tuple[LoadedModel, KVCache]) -> None:
+    def _install(self, loaded_cache: tuple[LoadedModel, KVCache]) -> bool:
+        """Makes the new model the one that runs; True when it kept the old step functions (same
+        config and dtype: the compiled pieces are functions of tensors and serve new weights)."""
         loaded, cache = loaded_cache
+        old = self.runner
+        kept = old is not None and (old.loaded.config, old.loaded.dtype, old.loaded.quantization) == (
+            loaded.config, loaded.dtype, loaded.quantization)
+        if kept:
+            loaded.model.use_pieces(old.model.pieces, old.model.kernels)
         self.runner = ModelRunner(loaded, cache, self.settings.max_num_batched_tokens)
         self.loaded = loaded
         self.tokenizer = load_tokenizer(loaded.source)
@@ -303,6 +321,18 @@ class Engine:
                                str(self.device))
         log.info("model %s revision %s loaded: %d parameters, %s on %s%s", loaded.source, loaded.revision,
                  loaded.parameter_count, loaded.dtype, self.device, ", with tokenizer" if self.tokenizer else "")
+        return kept
+
+    def _prepare_step(self) -> None:
+        """Builds the step (fused kernels, or compiled: traced at the largest warm-up size, or loaded
+        from the on-disk cache) and runs it once, before anything is captured."""
+        s, o = self.settings, self.optimization
+        rows = min(max(2, min(s.max_num_seqs, s.max_num_batched_tokens)), s.max_num_batched_tokens)
+        self.compile_report = prepare_step(
+            self.runner.model, compile=o.compile, cache_root=s.compile_cache_dir, quantization=s.quantization,
+            warm_up=lambda: self.runner.warm_up(rows), level=o.level, reason=o.reason)
+        r = self.compile_report
+        self.metrics.set_compile(o.level, r.enabled, r.cache, self.runner.model.kernels, s.quantization, r.seconds)
 
     def _loop(self) -> None:
         inflight: InFlight | None = None
@@ -522,9 +552,11 @@ class Engine:
                 self._move(S.LIFECYCLE_STATE_RECAPTURING)
             self.capture.release()  # before the new weights serve: stale graphs can never replay
             self.capture.hold_eager()
-            self._install(fresh)
+            kept = self._install(fresh)
             self.last_error = ""
             self._pending_reload = None
+        if not kept:
+            self._prepare_step()
         self.metrics.recaptures.labels("model_revision").inc()
         self.capture.begin(self.policy, self.runner)
         if not self.capture.active:
@@ -547,6 +579,8 @@ class Engine:
             pending=pending, pending_revision=(reload[1] or reload[0]) if reload else "",
             model_revision=self.loaded.revision if self.loaded else "", last_error=last_error,
             running=len(self.scheduler.running), queued=len(self.scheduler.waiting) + len(self._inbox),
+            compile=self.compile_report.to_proto(self.runner.model.kernels if self.runner else "",
+                                                 self.settings.quantization),
         )
 
 

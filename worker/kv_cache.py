@@ -13,6 +13,28 @@ from torch import Tensor
 
 from graphkeeper.worker.config import ModelConfig
 
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - CPU-only installs without triton
+    triton = None
+
+if triton is not None:
+
+    @triton.jit
+    def _write_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, rows_ptr, stride_k, stride_v,
+                      ROW: tl.constexpr, BLOCK: tl.constexpr):
+        """Program (token, 0) stores the token's keys, (token, 1) its values, at its cache row."""
+        token = tl.program_id(0)
+        which = tl.program_id(1)
+        dest = tl.load(rows_ptr + token).to(tl.int64) * ROW
+        cols = tl.arange(0, BLOCK)
+        ok = cols < ROW
+        if which == 0:
+            tl.store(k_cache_ptr + dest + cols, tl.load(k_ptr + token * stride_k + cols, mask=ok), mask=ok)
+        else:
+            tl.store(v_cache_ptr + dest + cols, tl.load(v_ptr + token * stride_v + cols, mask=ok), mask=ok)
+
 
 class KVCache:
     def __init__(
@@ -43,8 +65,18 @@ class KVCache:
         return slot * self.max_seq_len + position
 
     def write(self, layer: int, rows: Tensor, k: Tensor, v: Tensor) -> None:
-        """Stores ``k``/``v`` ``[T, n_kv, head_dim]`` at flat ``rows`` (see row_index); no host sync."""
+        """Stores ``k``/``v`` ``[T, n_kv, head_dim]`` at flat ``rows`` (see row_index); no host sync.
+
+        On CUDA one Triton launch writes both (each token's heads are contiguous in ``k`` and ``v``,
+        which are views of the QKV projection's output); elsewhere two ``index_copy_``.
+        """
         t = k.shape[0]
+        row = k.shape[1] * k.shape[2]
+        if triton is not None and k.is_cuda and k.stride(1) == k.shape[2] and v.stride(1) == v.shape[2]:
+            if t:
+                _write_kernel[(t, 2)](k, v, self.k[layer], self.v[layer], rows, k.stride(0), v.stride(0),
+                                      ROW=row, BLOCK=triton.next_power_of_2(row), num_warps=1)
+            return
         self.k[layer].view(-1, k.shape[1] * k.shape[2]).index_copy_(0, rows, k.reshape(t, -1))
         self.v[layer].view(-1, v.shape[1] * v.shape[2]).index_copy_(0, rows, v.reshape(t, -1))
 

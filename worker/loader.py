@@ -21,6 +21,7 @@ from torch import Tensor
 from graphkeeper.proto.policy import clipped_repr
 from graphkeeper.worker.config import PRESETS, ModelConfig
 from graphkeeper.worker.model import Transformer, rope_tables
+from graphkeeper.worker.quant import quantize_model
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_SEED = 0
@@ -50,6 +51,7 @@ class LoadedModel:
     revision: str
     dtype: torch.dtype
     device: torch.device
+    quantization: str = "none"
 
     @property
     def parameter_count(self) -> int:
@@ -58,9 +60,12 @@ class LoadedModel:
 
 def load_model(
     source: str, *, device: str | torch.device, dtype: str = "auto", max_positions: int,
-    revision: str = "",
+    revision: str = "", quantization: str = "none",
 ) -> LoadedModel:
-    """Builds the model for ``source`` on ``device``; ``revision`` defaults to a content hash."""
+    """Builds the model for ``source`` on ``device``; ``revision`` defaults to a content hash.
+
+    ``quantization`` ``fp8``/``fp8-tensor`` stores the decoder projections in float8 after loading.
+    """
     device = torch.device(device)
     if source.startswith("random:"):
         preset, seed = _parse_random(source)
@@ -78,7 +83,8 @@ def load_model(
             _load_safetensors(model, config, path)
             revision = revision or _hash_directory(path)
     model.eval().requires_grad_(False)
-    return LoadedModel(model, config, source, revision, torch_dtype, device)
+    quantize_model(model, quantization)
+    return LoadedModel(model, config, source, revision, torch_dtype, device, quantization)
 
 
 def check_source(source: str) -> None:

@@ -19,6 +19,7 @@ import torch
 
 from graphkeeper.proto import worker_pb2 as pb
 from graphkeeper.proto.policy import MODE_BY_NAME, PolicyError, policy_from_json, validate_policy
+from graphkeeper.worker.compile import resolve as resolve_optimization
 from graphkeeper.worker.engine import Engine, EngineSettings
 from graphkeeper.worker.http import serve_http
 from graphkeeper.worker.lifecycle import state_name
@@ -199,6 +200,12 @@ def settings_from_args(args: argparse.Namespace) -> EngineSettings:
             log.warning("policy file %s does not exist (yet): starting with the default policy", args.policy_file)
         else:
             policy = loaded
+    try:
+        optimization = resolve_optimization(args.optimization_level, args.compile, torch_device_type(args.device))
+    except ValueError as err:
+        raise SystemExit(f"graphkeeper worker: -O: {err}") from None
+    if not policy.policy_uid and not args.graph_mode:
+        policy.mode = optimization.default_graph_mode
     if args.graph_mode and not policy.policy_uid:
         if args.graph_mode not in MODE_BY_NAME:
             raise SystemExit(f"graphkeeper worker: --graph-mode {args.graph_mode!r} is not one of "
@@ -214,8 +221,14 @@ def settings_from_args(args: argparse.Namespace) -> EngineSettings:
         max_num_batched_tokens=args.max_num_batched_tokens, max_queue=args.max_queue,
         prefill_chunk=args.prefill_chunk, policy=policy, inject_capture_failures=inject,
         inject_step_failure=_step_injection(os.environ.get(INJECT_STEP_ENV, "")),
-        model_roots=tuple(args.model_root),
+        model_roots=tuple(args.model_root), optimization=optimization,
+        compile_cache_dir=args.compile_cache_dir, quantization=args.quantization,
     )
+
+
+def torch_device_type(device: str) -> str:
+    """``cuda`` for cuda and cuda:N, else the name before any colon."""
+    return device.partition(":")[0]
 
 
 def run(args: argparse.Namespace) -> int:

@@ -99,6 +99,11 @@ class WorkerMetrics:
         self.model = Info("graphkeeper_model", "The model being served.", registry=r)
         self.recaptures = Counter("graphkeeper_recaptures", "Recaptures started, by cause.", ["cause"],
                                   registry=r)
+        self.compile_info = Info(
+            "graphkeeper_compile", "How the step was built: -O level, compiled or not, compile cache outcome, "
+            "kernels, weight quantization.", registry=r)
+        self.compile_duration = Gauge("graphkeeper_compile_duration_seconds",
+                                      "Time to compile (or load from the cache) and warm up the step.", registry=r)
         self.tenant_steps = Counter(
             "graphkeeper_tenant_steps", "Steps holding a tenant's sequences (policy-listed tenants only).",
             ["tenant", "execution"], registry=r)
@@ -118,6 +123,12 @@ class WorkerMetrics:
         for kind, value in zip(MODE_KINDS, (requested, effective), strict=True):
             for mode in GRAPH_MODES:
                 self.graph_mode.labels(kind, mode).set(1 if mode == mode_name(value) else 0)
+
+    def set_compile(self, level: int, compiled: bool, cache: str, kernels: str, quantization: str,
+                    seconds: float) -> None:
+        self.compile_info.info({"level": str(level), "compiled": "true" if compiled else "false", "cache": cache,
+                                "kernels": bounded_label(kernels), "quantization": bounded_label(quantization)})
+        self.compile_duration.set(seconds)
 
     def set_model(self, revision: str, source: str, dtype: str, device: str) -> None:
         """The model-info series: the source's kind and name, never a filesystem path; bounded values."""
@@ -193,6 +204,8 @@ METRIC_NAMES = frozenset({
     "graphkeeper_model_info",
     "graphkeeper_recaptures_total",
     "graphkeeper_tenant_steps_total",
+    "graphkeeper_compile_info",
+    "graphkeeper_compile_duration_seconds",
 })
 
 

@@ -6,18 +6,22 @@ sequences). Attention is not computed here: the caller passes an ``attend(layer,
 function, because how keys and values reach the cache and which tokens see which is the
 serving engine's business. The forward pass is written as pieces between attention calls
 (``first_piece``, ``middle_piece``, ``last_piece``) so that PIECEWISE graphs can record exactly
-those pieces and nothing is written twice.
+those pieces and nothing is written twice. The pieces are pure functions of tensors, weights
+included (``make_pieces``), so that one ``torch.compile`` of each serves every layer and batch
+size; the residual add is fused with the RMSNorm that follows it.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from graphkeeper.worker import ops
 from graphkeeper.worker.config import ModelConfig
 
 #: attend(layer_index, q [T, n_heads, head_dim], k [T, n_kv, head_dim], v) -> [T, n_heads * head_dim]
@@ -72,21 +76,27 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
+class Linear(nn.Module):
+    """A bias-free projection whose weight is bf16/fp16/fp32, or fp8 with a ``scale`` (per output
+    channel or per tensor); ``ops.linear`` computes it either way."""
+
+    def __init__(self, in_features: int, out_features: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        self.register_buffer("scale", None)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return ops.linear(x, self.weight, self.scale)
+
+
 class Attention(nn.Module):
     """Projections around attention; Q, K and V live fused in one matrix (fused at load time)."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.n_heads, self.n_kv, self.head_dim = config.n_heads, config.n_kv_heads, config.head_dim
         qkv_out = (config.n_heads + 2 * config.n_kv_heads) * config.head_dim
-        self.wqkv = nn.Linear(config.dim, qkv_out, bias=False)
-        self.wo = nn.Linear(config.n_heads * config.head_dim, config.dim, bias=False)
-
-    def qkv(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """q ``[T, heads, d]``, k and v ``[T, kv_heads, d]``; q and k are rotated together."""
-        heads = self.wqkv(x).view(x.shape[0], self.n_heads + 2 * self.n_kv, self.head_dim)
-        qk = apply_rope(heads[:, : self.n_heads + self.n_kv], cos, sin)
-        return qk[:, : self.n_heads], qk[:, self.n_heads :], heads[:, self.n_heads + self.n_kv :]
+        self.wqkv = Linear(config.dim, qkv_out)
+        self.wo = Linear(config.n_heads * config.head_dim, config.dim)
 
 
 class FeedForward(nn.Module):
@@ -94,13 +104,8 @@ class FeedForward(nn.Module):
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.intermediate = config.intermediate_size
-        self.w13 = nn.Linear(config.dim, 2 * config.intermediate_size, bias=False)
-        self.w2 = nn.Linear(config.intermediate_size, config.dim, bias=False)
-
-    def forward(self, x: Tensor) -> Tensor:
-        gate, up = self.w13(x).split(self.intermediate, dim=-1)
-        return self.w2(F.silu(gate) * up)
+        self.w13 = Linear(config.dim, 2 * config.intermediate_size)
+        self.w2 = Linear(config.intermediate_size, config.dim)
 
 
 class TransformerBlock(nn.Module):
@@ -111,12 +116,57 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(config.dim, config.norm_eps)
         self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
 
-    def before_attention(self, h: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        return self.attention.qkv(self.attention_norm(h), cos, sin)
+    def tail_weights(self) -> tuple[Tensor | None, ...]:
+        """What finishing this layer after attention reads: wo, the MLP's norm, w13, w2."""
+        a, f = self.attention, self.feed_forward
+        return (a.wo.weight, a.wo.scale, self.ffn_norm.weight, f.w13.weight, f.w13.scale, f.w2.weight, f.w2.scale)
 
-    def after_attention(self, h: Tensor, attn_out: Tensor) -> Tensor:
-        h = h + self.attention.wo(attn_out)
-        return h + self.feed_forward(self.ffn_norm(h))
+    def head_weights(self) -> tuple[Tensor | None, ...]:
+        """What preparing this layer's attention reads: its norm and the fused QKV projection."""
+        return (self.attention_norm.weight, self.attention.wqkv.weight, self.attention.wqkv.scale)
+
+
+@dataclass(frozen=True)
+class PieceFunctions:
+    """The three step functions between attention calls, over tensors only (weights included)."""
+
+    first: Callable[..., tuple[Tensor, ...]]
+    middle: Callable[..., tuple[Tensor, ...]]
+    last: Callable[..., Tensor]
+
+
+def make_pieces(config: ModelConfig, add_rms_norm: Callable = ops.plain_add_rms_norm) -> PieceFunctions:
+    """The step's pieces for ``config`` as pure functions; ``add_rms_norm`` is the fused kernel,
+    or the plain ops that Inductor fuses when the pieces are compiled."""
+    n_heads, n_kv, head_dim = config.n_heads, config.n_kv_heads, config.head_dim
+    eps, inter = config.norm_eps, config.intermediate_size
+
+    def qkv(x: Tensor, cos: Tensor, sin: Tensor, wqkv: Tensor, wqkv_s: Tensor | None) -> tuple[Tensor, ...]:
+        heads = ops.linear(x, wqkv, wqkv_s).view(x.shape[0], n_heads + 2 * n_kv, head_dim)
+        qk = apply_rope(heads[:, : n_heads + n_kv], cos, sin)
+        return qk[:, :n_heads], qk[:, n_heads:], heads[:, n_heads + n_kv:]
+
+    def finish(h: Tensor, attn_out: Tensor, wo, wo_s, ffn_norm, w13, w13_s, w2, w2_s,
+               next_norm) -> tuple[Tensor, Tensor]:
+        """Layer tail: residual+norm, SwiGLU MLP, residual+norm with the next norm's weight."""
+        h, x = add_rms_norm(h, ops.linear(attn_out, wo, wo_s), ffn_norm, eps)
+        gate, up = ops.linear(x, w13, w13_s).split(inter, dim=-1)
+        return add_rms_norm(h, ops.linear(F.silu(gate) * up, w2, w2_s), next_norm, eps)
+
+    def first(tokens: Tensor, cos: Tensor, sin: Tensor, embedding: Tensor, norm: Tensor, wqkv: Tensor,
+              wqkv_s: Tensor | None) -> tuple[Tensor, ...]:
+        h = F.embedding(tokens, embedding)
+        return (h, *qkv(ops.rms_norm(h, norm, eps), cos, sin, wqkv, wqkv_s))
+
+    def middle(h: Tensor, attn_out: Tensor, cos: Tensor, sin: Tensor, wo, wo_s, ffn_norm, w13, w13_s, w2, w2_s,
+               norm, wqkv, wqkv_s) -> tuple[Tensor, ...]:
+        h, x = finish(h, attn_out, wo, wo_s, ffn_norm, w13, w13_s, w2, w2_s, norm)
+        return (h, *qkv(x, cos, sin, wqkv, wqkv_s))
+
+    def last(h: Tensor, attn_out: Tensor, wo, wo_s, ffn_norm, w13, w13_s, w2, w2_s, final_norm) -> Tensor:
+        return finish(h, attn_out, wo, wo_s, ffn_norm, w13, w13_s, w2, w2_s, final_norm)[1]
+
+    return PieceFunctions(first, middle, last)
 
 
 class Transformer(nn.Module):
@@ -126,12 +176,18 @@ class Transformer(nn.Module):
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
         self.layers = nn.ModuleList(TransformerBlock(config) for _ in range(config.n_layers))
         self.norm = RMSNorm(config.dim, config.norm_eps)
-        self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
+        self.output = Linear(config.dim, config.vocab_size)
         if config.tie_word_embeddings:
             self.output.weight = self.tok_embeddings.weight
         cos, sin = rope_tables(config, max_positions)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        self.use_pieces(make_pieces(config), "torch")
+
+    def use_pieces(self, pieces: PieceFunctions, kernels: str) -> None:
+        """Installs the step functions (plain, fused kernels, or compiled); ``kernels`` names them."""
+        self.pieces = pieces
+        self.kernels = kernels
 
     # The pieces between attention calls. Each returns the residual stream and the next
     # layer's q, k, v; PIECEWISE graphs record each piece for a padded token count.
@@ -142,17 +198,16 @@ class Transformer(nn.Module):
         return self.rope_cos[positions].to(dtype), self.rope_sin[positions].to(dtype)
 
     def first_piece(self, tokens: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, ...]:
-        h = self.tok_embeddings(tokens)
-        return (h, *self.layers[0].before_attention(h, cos, sin))
+        return self.pieces.first(tokens, cos, sin, self.tok_embeddings.weight, *self.layers[0].head_weights())
 
     def middle_piece(self, layer: int, h: Tensor, attn_out: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, ...]:
         """Finishes ``layer - 1`` and prepares attention for ``layer``."""
-        h = self.layers[layer - 1].after_attention(h, attn_out)
-        return (h, *self.layers[layer].before_attention(h, cos, sin))
+        return self.pieces.middle(h, attn_out, cos, sin, *self.layers[layer - 1].tail_weights(),
+                                  *self.layers[layer].head_weights())
 
     def last_piece(self, h: Tensor, attn_out: Tensor) -> Tensor:
         """Finishes the last layer and applies the final norm; returns hidden states."""
-        return self.norm(self.layers[-1].after_attention(h, attn_out))
+        return self.pieces.last(h, attn_out, *self.layers[-1].tail_weights(), self.norm.weight)
 
     def forward(self, tokens: Tensor, positions: Tensor, attend: AttendFn) -> Tensor:
         """Hidden states ``[T, dim]`` after the final norm, for a flat batch of tokens."""

@@ -28,7 +28,8 @@ def model_info(loaded: LoadedModel | None, max_seq_len: int, max_num_seqs: int) 
 
 def graph_status(*, state: int, capture: CaptureController, recorder: StepRecorder, ledger: Ledger,
                  policy: pb.GraphPolicy, pending: pb.GraphPolicy | None, pending_revision: str,
-                 model_revision: str, last_error: str, running: int, queued: int) -> pb.GraphStatus:
+                 model_revision: str, last_error: str, running: int, queued: int,
+                 compile: pb.CompileStatus | None = None) -> pb.GraphStatus:
     c = capture
     graphs = c.graph_set
     captured = dict(graphs.captured) if graphs else {}
@@ -58,4 +59,5 @@ def graph_status(*, state: int, capture: CaptureController, recorder: StepRecord
         running_sequences=running,
         queued_requests=queued,
         last_error=last_error,
+        compile=compile,
     )

@@ -49,6 +49,14 @@ def _worker(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prefill-chunk", type=int, default=0, help="longest prefill chunk (0: token budget)")
     p.add_argument("--policy-file", default="", help="GraphPolicy JSON to capture before ready")
     p.add_argument("--graph-mode", default="", help="graph mode without a policy (e.g. FullAndPiecewise)")
+    p.add_argument("-O", "--optimization-level", type=int, default=2, choices=(0, 1, 2),
+                   help="0: eager, no graphs; 1: graphs, no compile; 2: compile, then graphs (default)")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="torch.compile the step before capture (default: the -O preset; CUDA only)")
+    p.add_argument("--compile-cache-dir", default="~/.cache/graphkeeper/compile",
+                   help="on-disk cache of compiled steps, keyed by model, dtype, versions and source")
+    p.add_argument("--quantization", default="none", choices=("none", "fp8", "fp8-tensor"),
+                   help="fp8: decoder weights in float8 e4m3 with per-channel scales (fp8-tensor: one scale)")
     p.add_argument("--drain-seconds", type=float, default=30.0)
     p.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS)
     _one_line_errors(p)

@@ -1,0 +1,100 @@
+"""The -O presets, explicit overrides and the compile cache's key: pure decisions, checked
+without a GPU. The compiled step itself is checked on the GPU (tests/gpu/test_step_cuda.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from graphkeeper.proto import worker_pb2 as pb
+from graphkeeper.worker import linear_kernel
+from graphkeeper.worker.compile import cache_key, library_versions, resolve, source_digest
+from graphkeeper.worker.config import PRESETS
+from graphkeeper.worker.decode_kernel import decode_splits
+from graphkeeper.worker.quant import quantize, quantize_model
+
+
+def test_presets_set_compile_and_the_default_graph_mode():
+    def preset(level: int) -> tuple[bool, int]:
+        o = resolve(level, None, "cuda")
+        return o.compile, o.default_graph_mode
+
+    assert preset(0) == (False, pb.GRAPH_MODE_NONE)
+    assert preset(1) == (False, pb.GRAPH_MODE_FULL_AND_PIECEWISE)
+    assert preset(2) == (True, pb.GRAPH_MODE_FULL_AND_PIECEWISE)
+
+
+def test_explicit_flags_override_the_preset_and_say_so():
+    assert resolve(1, True, "cuda").compile and resolve(1, True, "cuda").reason == "--compile"
+    assert not resolve(2, False, "cuda").compile and resolve(2, False, "cuda").reason == "--no-compile"
+    off = resolve(2, None, "cpu")
+    assert not off.compile and "only on CUDA" in off.reason
+    with pytest.raises(ValueError, match="optimization level 3"):
+        resolve(3, None, "cuda")
+
+
+def _key(**changes) -> str:
+    args = {"config": PRESETS["tiny"], "dtype": torch.bfloat16, "quantization": "none", "kernels": "inductor",
+            "capability": "9.0", "versions": library_versions(), "source": source_digest()}
+    args.update(changes)
+    return cache_key(**args)
+
+
+def test_the_cache_key_changes_with_everything_that_changes_generated_code():
+    base = _key()
+    assert base == _key()
+    changed = [
+        _key(config=dataclasses.replace(PRESETS["tiny"], n_layers=3)), _key(dtype=torch.float16),
+        _key(quantization="fp8"), _key(kernels="torch"), _key(capability="8.0"),
+        _key(versions={**library_versions(), "torch": "0.0"}), _key(source="other"),
+    ]
+    assert base not in changed and len(set(changed)) == len(changed)
+
+
+def test_float32_never_takes_batch_dependent_paths():
+    w = torch.zeros(64, 128, dtype=torch.float32)
+    assert linear_kernel.choose(1, w) is None  # CPU, and float32 anyway
+    assert decode_splits(1, 8, 1024, torch.float32) == (1, 1024)
+    splits, keys = decode_splits(1, 8, 1040, torch.bfloat16)
+    assert splits > 1 and splits * keys >= 1040 and keys % 64 == 0
+    assert decode_splits(64, 8, 1040, torch.bfloat16) == (1, 1040)  # enough programs already
+
+
+def test_fp8_quantization_keeps_each_channels_scale():
+    w = torch.randn(32, 64) * torch.logspace(-3, 1, 32)[:, None]
+    q, scale = quantize(w, per_channel=True)
+    assert q.dtype == torch.float8_e4m3fn and scale.shape == (32,)
+    restored = q.float() * scale[:, None]
+    assert ((restored - w).norm(dim=1) / w.norm(dim=1)).max() < 0.05  # every row, small or large
+    assert q.float().abs().amax(dim=1).allclose(torch.full((32,), 448.0))
+
+
+def test_quantize_model_leaves_embedding_and_head_alone():
+    from graphkeeper.worker.loader import load_model
+
+    loaded = load_model("random:tiny", device="cpu", dtype="bfloat16", max_positions=64, quantization="fp8")
+    layer = loaded.model.layers[0]
+    assert layer.attention.wqkv.weight.dtype == torch.float8_e4m3fn and layer.attention.wqkv.scale is not None
+    assert loaded.model.output.weight.dtype == torch.bfloat16
+    assert quantize_model(loaded.model, "none") == 0
+    with pytest.raises(ValueError, match="quantization"):
+        quantize_model(loaded.model, "int3")
+
+
+def test_a_worker_reports_its_preset_and_why_it_did_not_compile(fresh_workers):
+    worker = fresh_workers("-O", "0")
+    status = worker.status()
+    assert status.compile.optimization_level == 0 and not status.compile.enabled
+    assert status.compile.cache == "off" and status.compile.kernels == "torch"
+    assert status.requested_mode == pb.GRAPH_MODE_NONE  # -O0: no graphs unless a policy says so
+    info = worker.metrics()
+    assert any(name == "graphkeeper_compile_info" and ("level", "0") in labels for name, labels in info)
+
+
+def test_o2_on_a_cpu_worker_serves_uncompiled_and_says_so(fresh_workers):
+    worker = fresh_workers("--quantization", "fp8")
+    c = worker.status().compile
+    assert c.optimization_level == 2 and not c.enabled and "only on CUDA" in c.reason
+    assert c.quantization == "fp8"

@@ -1,0 +1,218 @@
+"""Compiling the step before it is captured, as vLLM does: ``torch.compile`` of the pieces between
+attention calls, one compilation per piece for every batch size, recorded afterwards in the
+worker's own CUDA graphs.
+
+- **Presets** trade startup for speed (``-O``): 0 runs eagerly with no graphs, 1 captures graphs
+  of the uncompiled step (fused Triton kernels where they pay), 2 compiles the pieces and then
+  captures. An explicit ``--compile``/``--no-compile`` or a policy's graph mode overrides the
+  preset; ``resolve`` is the one place that decides, and says why.
+- **Dynamic batch dimension.** The activations' first dimension is marked dynamic at the first
+  call, which happens at the largest warm-up size; backed sizes are treated size-obliviously, so
+  size 1 needs no specialised recompilation. After capture the engine forbids recompiles
+  (``torch.compiler.set_stance("fail_on_recompile")``): a recompile at run time is an error, not a
+  silent stall.
+- **On-disk cache.** Inductor's and Triton's caches live under ``<cache dir>/<key>``, where the
+  key hashes everything that changes the generated code: the model config, dtype, quantization,
+  the kernel choice, the device's compute capability, the torch and triton versions and the
+  source of the modules the step runs. A second start with the same key loads the compiled
+  kernels instead of generating them; whether it did is read from Inductor's own counters.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from graphkeeper.proto import worker_pb2 as pb
+from graphkeeper.worker.config import ModelConfig
+from graphkeeper.worker.model import PieceFunctions
+
+log = logging.getLogger(__name__)
+
+#: Modules whose source is the compiled step: a change to any of them changes the key.
+STEP_MODULES = ("model", "ops", "linear_kernel", "norm_kernel", "compile", "decode_kernel", "varlen_kernel")
+DEFAULT_CACHE_DIR = "~/.cache/graphkeeper/compile"
+LEVELS = (0, 1, 2)
+
+
+@dataclass(frozen=True)
+class Optimization:
+    """What a worker runs with, after the preset, explicit flags and the device are combined."""
+
+    level: int
+    compile: bool
+    default_graph_mode: int  # the worker's graph mode when no policy names one
+    reason: str  # why compile is what it is, for status and logs
+
+
+def resolve(level: int, compile_flag: bool | None, device_type: str) -> Optimization:
+    """The preset ``level`` with explicit settings applied over it (pure).
+
+    -O0: no compile, no graphs. -O1: graphs, no compile. -O2: compile, then graphs.
+    ``compile_flag`` (``--compile``/``--no-compile``) overrides the preset's compile; compilation
+    needs CUDA (Inductor's CPU code would need a C++ toolchain on every node and is not what runs).
+    """
+    if level not in LEVELS:
+        raise ValueError(f"optimization level {level} is not one of {', '.join(map(str, LEVELS))}")
+    wanted = level >= 2 if compile_flag is None else compile_flag
+    source = f"preset -O{level}" if compile_flag is None else ("--compile" if compile_flag else "--no-compile")
+    mode = pb.GRAPH_MODE_NONE if level == 0 else pb.GRAPH_MODE_FULL_AND_PIECEWISE
+    if wanted and device_type != "cuda":
+        return Optimization(level, False, mode, f"{source} asks for compilation, but it runs only on CUDA")
+    return Optimization(level, wanted, mode, source)
+
+
+def source_digest() -> str:
+    """A hash of the step's source files (the modules in ``STEP_MODULES``)."""
+    here = Path(__file__).resolve().parent
+    digest = hashlib.sha256()
+    for name in STEP_MODULES:
+        digest.update(name.encode())
+        digest.update((here / f"{name}.py").read_bytes())
+    return digest.hexdigest()
+
+
+def cache_key(config: ModelConfig, dtype: torch.dtype, quantization: str, kernels: str, capability: str,
+              versions: dict[str, str], source: str) -> str:
+    """The compile cache's key (pure): a hex digest of everything that changes the generated code."""
+    material = {
+        "config": config.as_dict(), "dtype": str(dtype), "quantization": quantization, "kernels": kernels,
+        "capability": capability, "versions": versions, "source": source,
+    }
+    return hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()[:24]
+
+
+def library_versions() -> dict[str, str]:
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:  # pragma: no cover - CPU-only installs
+        triton_version = "none"
+    return {"torch": torch.__version__, "triton": triton_version, "cuda": str(torch.version.cuda)}
+
+
+@dataclass
+class CompileReport:
+    """What compilation did, for GraphStatus and the metrics."""
+
+    enabled: bool = False
+    level: int = 2
+    reason: str = ""
+    key: str = ""
+    cache_dir: str = ""
+    cache: str = "off"  # off | hit | miss | partial
+    seconds: float = 0.0
+    graphs: int = 0  # graphs Dynamo compiled (one per piece when nothing recompiled)
+
+    def read_counters(self, before: dict[str, int]) -> None:
+        """Cache outcome and graph count from torch's counters since ``before`` was taken."""
+        now = compile_counters()
+        hits = now["hits"] - before["hits"]
+        misses = now["misses"] - before["misses"]
+        self.graphs = now["graphs"] - before["graphs"]
+        self.cache = "hit" if hits and not misses else "miss" if misses and not hits else "partial" if hits else "miss"
+
+
+    def to_proto(self, kernels: str, quantization: str) -> pb.CompileStatus:
+        return pb.CompileStatus(optimization_level=self.level, enabled=self.enabled, reason=self.reason,
+                                cache=self.cache, cache_key=self.key, seconds=self.seconds,
+                                compiled_graphs=self.graphs, kernels=kernels, quantization=quantization)
+
+
+def forbid_recompiles() -> None:
+    """From now on a recompile raises instead of stalling the step (process-wide: the worker
+    has one engine); ``prepare_step`` lifts it while it compiles a new model."""
+    torch.compiler.set_stance("fail_on_recompile")
+
+
+def compile_counters() -> dict[str, int]:
+    """Cache hits and misses (Inductor's FX graph cache or AOTAutograd's cache above it, whichever
+    answered) and the graphs Dynamo has compiled."""
+    from torch._dynamo.utils import counters
+
+    inductor, aot = counters["inductor"], counters["aot_autograd"]
+    return {"hits": max(inductor["fxgraph_cache_hit"], aot["autograd_cache_hit"]),
+            "misses": max(inductor["fxgraph_cache_miss"], aot["autograd_cache_miss"]),
+            "graphs": counters["stats"]["unique_graphs"]}
+
+
+def use_cache_dir(root: str, key: str) -> str:
+    """Points Inductor's and Triton's caches at ``root/key`` (created); returns that directory."""
+    path = Path(os.path.expanduser(root)) / key
+    (path / "inductor").mkdir(parents=True, exist_ok=True)
+    (path / "triton").mkdir(parents=True, exist_ok=True)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path / "inductor")
+    os.environ["TRITON_CACHE_DIR"] = str(path / "triton")
+    return str(path)
+
+
+def dynamic_batch(fn: Callable, dynamic_args: int) -> Callable:
+    """``torch.compile(fn)`` whose first ``dynamic_args`` arguments have a dynamic first dimension.
+
+    The dimension is marked on the first call only (that call traces); later calls of any size
+    pass the compiled code's guards without a recompile.
+    """
+    compiled = torch.compile(fn, fullgraph=True, dynamic=False)
+    traced = False
+
+    def call(*args):
+        nonlocal traced
+        if not traced:
+            for tensor in args[:dynamic_args]:
+                torch._dynamo.mark_dynamic(tensor, 0)
+            traced = True
+        return compiled(*args)
+
+    return call
+
+
+def compile_pieces(pieces: PieceFunctions) -> PieceFunctions:
+    """The same pieces, compiled: tokens/cos/sin are dynamic in ``first``; h/attn_out/cos/sin in
+    ``middle``; h/attn_out in ``last``."""
+    torch.fx.experimental._config.backed_size_oblivious = True
+    return PieceFunctions(dynamic_batch(pieces.first, 3), dynamic_batch(pieces.middle, 4),
+                          dynamic_batch(pieces.last, 2))
+
+
+def prepare_step(model, *, compile: bool, cache_root: str, quantization: str, warm_up: Callable[[], None],
+                 level: int, reason: str) -> CompileReport:
+    """Installs the model's step functions (fused kernels or compiled) and runs ``warm_up`` once,
+    which is when a compiled step is traced and compiled (or loaded from the cache)."""
+    from graphkeeper.worker import ops
+    from graphkeeper.worker.model import make_pieces
+
+    device = model.tok_embeddings.weight.device
+    kernels = ops.choose_kernels(device.type, compile)
+    pieces = make_pieces(model.config, kernels.add_rms_norm)
+    report = CompileReport(enabled=compile, level=level, reason=reason)
+    tuned = ops.tune_linears(model) if device.type == "cuda" else ""
+    name = "+".join(n for n in (kernels.describe(), tuned) if n)
+    if not compile:
+        model.use_pieces(pieces, name)
+        warm_up()
+        return report
+    capability = ".".join(map(str, torch.cuda.get_device_capability(device)))
+    # The tuning summary stays out of the key: the linear op is opaque to Inductor.
+    report.key = cache_key(model.config, model.tok_embeddings.weight.dtype, quantization, kernels.describe(),
+                           capability, library_versions(), source_digest())
+    report.cache_dir = use_cache_dir(cache_root, report.key)
+    torch.compiler.reset()  # one engine per process: its previous step's compiled code is dropped
+    model.use_pieces(compile_pieces(pieces), name)
+    before = compile_counters()
+    start = time.perf_counter()
+    with torch.compiler.set_stance("default"):
+        warm_up()
+    report.seconds = time.perf_counter() - start
+    report.read_counters(before)
+    log.info("compiled the step in %.1f s (%d graphs, cache %s at %s)", report.seconds, report.graphs,
+             report.cache, report.cache_dir)
+    return report

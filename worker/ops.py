@@ -1,0 +1,82 @@
+"""The few operations whose implementation the worker chooses: linear layers and the residual add
+with RMSNorm. The model calls these and nothing else for them, so which kernel runs is decided here.
+
+- ``linear``: a registered custom op (``graphkeeper::linear``), so a compiled step calls it as one
+  opaque kernel at any batch size and ``linear_kernel.choose`` picks the implementation per call,
+  without a guard or a recompile on the row count.
+- ``add_rms_norm``: the fused Triton kernel when the step runs uncompiled on CUDA; plain PyTorch
+  when compiled, because Inductor fuses the add and the norm itself (and with what surrounds them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from graphkeeper.worker import linear_kernel, norm_kernel
+
+
+@torch.library.custom_op("graphkeeper::linear", mutates_args=())
+def _linear_op(x: Tensor, weight: Tensor, scale: Tensor | None) -> Tensor:
+    return linear_kernel.linear(x, weight, scale)
+
+
+@_linear_op.register_fake
+def _(x: Tensor, weight: Tensor, scale: Tensor | None) -> Tensor:
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+def linear(x: Tensor, weight: Tensor, scale: Tensor | None = None) -> Tensor:
+    """``x @ weight.T`` (dequantized by ``scale``); plain ``F.linear`` where nothing else applies."""
+    if x.device.type != "cuda" and scale is None:
+        return F.linear(x, weight)
+    return _linear_op(x, weight, scale)
+
+
+def plain_add_rms_norm(residual: Tensor, delta: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    return norm_kernel.reference(residual, delta, weight, eps)
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
+def tune_linears(model) -> str:
+    """Measures, on this GPU, cuBLAS against the skinny kernel for each distinct projection shape
+    of ``model`` (the decoder's four and the LM head) at 1, 4, 8 and 16 rows; the linear op then
+    follows what won. Returns a summary such as ``skinny 9/20`` (row buckets the kernel won)."""
+    layer = model.layers[0]
+    linears = (layer.attention.wqkv, layer.attention.wo, layer.feed_forward.w13, layer.feed_forward.w2, model.output)
+    seen, won, total = set(), 0, 0
+    dtype = model.tok_embeddings.weight.dtype
+    for lin in linears:
+        key = (tuple(lin.weight.shape), lin.weight.dtype)
+        if key in seen:
+            continue
+        seen.add(key)
+        for choice in linear_kernel.tune(lin.weight, lin.scale, dtype).values():
+            total += 1
+            won += choice != "cublas"
+    return f"skinny {won}/{total}" if total else ""
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """What the model's pieces call; chosen once per model by ``choose_kernels``."""
+
+    name: str
+    add_rms_norm: object = plain_add_rms_norm
+
+    def describe(self) -> str:
+        return self.name
+
+
+def choose_kernels(device_type: str, compiled: bool) -> Kernels:
+    """Fused Triton add+norm for uncompiled CUDA steps; plain PyTorch for compiled steps
+    (Inductor fuses them) and off the GPU."""
+    if device_type == "cuda" and not compiled and norm_kernel.triton is not None:
+        return Kernels("triton-add-rmsnorm", norm_kernel.add_rms_norm)
+    return Kernels("inductor" if compiled else "torch")
