@@ -98,10 +98,10 @@ def tune(weight: Tensor, scale: Tensor | None, dtype: torch.dtype) -> dict[int, 
     device memory, and a product timed on one weight that stays in L2 would look faster than it is.
     """
     n, k = weight.shape
-    if triton is None or weight.device.type != "cuda" or k % 64:
-        return {}
     nbytes = weight.numel() * weight.element_size()
-    copies = [weight] + [weight.clone() for _ in range(-(-L2_FLUSH_BYTES // nbytes) - 1)]
+    if triton is None or weight.device.type != "cuda" or k % 64 or nbytes < MIN_TUNED_BYTES:
+        return {}
+    copies = [weight] + [weight.clone() for _ in range(min(MAX_COPIES, -(-L2_FLUSH_BYTES // nbytes)) - 1)]
     won = {}
     for rows in (1, 4, 8, 16):
         x = torch.randn(rows, k, device=weight.device, dtype=dtype)
@@ -127,6 +127,10 @@ def tune(weight: Tensor, scale: Tensor | None, dtype: torch.dtype) -> dict[int, 
 
 #: Weight bytes a tuning run cycles through: several times an H200's 50 MB L2 cache.
 L2_FLUSH_BYTES = 256 * 2**20
+#: Smaller weights are not tuned (cuBLAS for bf16): they are launch-bound, and copies enough to
+#: leave L2 would be thousands; at most this many copies are made.
+MIN_TUNED_BYTES = 2**20
+MAX_COPIES = 64
 
 
 def _graph_time(fn, weights: list[Tensor], replays: int = 5) -> float:
