@@ -129,6 +129,11 @@ def status_cmd(args: argparse.Namespace) -> int:
     downgrade = f" ({status.mode_downgrade_reason})" if status.mode_downgrade_reason else ""
     print(f"mode      requested {mode_name(status.requested_mode)}, effective {mode_name(status.effective_mode)}"
           f"{downgrade}")
+    c = status.compile
+    compiled = (f"compiled ({c.cache} cache, {c.compiled_graphs} graphs, {c.seconds:.1f} s)" if c.enabled
+                else f"not compiled ({c.reason})" if c.reason else "not compiled")
+    print(f"step      -O{c.optimization_level}, {compiled}; kernels {c.kernels or '-'}; "
+          f"weights {c.quantization or '-'}")
     print(f"policy    {status.policy_uid or '(worker default)'} generation {status.policy_generation}"
           + (f" (pending: generation {status.pending_policy_generation})" if status.pending_policy_uid else ""))
     sizes = ", ".join(f"{mode_name(c.mode)}:{c.size}" for c in status.captured) or "none"

@@ -352,6 +352,8 @@ def test_cli_status(worker):
     assert "state     READY" in plain
     assert "effective none" in plain
     assert "backend_unsupported=" in plain
+    assert "step      -O2, not compiled (preset -O2 asks for compilation, but it runs only on CUDA)" in plain
+    assert graphs["compile"]["optimization_level"] == 2 and graphs["compile"]["kernels"] == "torch"
     assert worker.model_info().revision in plain
 
 
