@@ -27,11 +27,15 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from decode_bench import _transformers_batch, bench_ours, timed  # noqa: E402
+from decode_bench import _transformers_batch, bench_ours, decode_plan, prepare, timed  # noqa: E402
 from load_bench import _commit  # noqa: E402
 
+from graphkeeper.worker import linear_kernel  # noqa: E402
 from graphkeeper.worker.config import PRESETS  # noqa: E402
+from graphkeeper.worker.graphs import FULL, CapturedGraph, GraphSet  # noqa: E402
+from graphkeeper.worker.kv_cache import KVCache  # noqa: E402
 from graphkeeper.worker.loader import LoadedModel, load_model, save_hf_directory  # noqa: E402
+from graphkeeper.worker.runner import ModelRunner  # noqa: E402
 
 METHODS = ("compiled", "fused", "eager", "fp8", "hf-eager", "hf-compiled")
 
@@ -103,18 +107,11 @@ def bench_transformers_eager(hf, batches: list[int], context: int, steps: int) -
 
 def profile_step(loaded: LoadedModel, step: str, batch: int, context: int) -> list[dict]:
     """The kernels one FULL-graph step replays (name, count, mean GPU microseconds), largest total first."""
-    from decode_bench import prepare
     from torch.profiler import ProfilerActivity, profile
-
-    from graphkeeper.worker.graphs import FULL, CapturedGraph, GraphSet
-    from graphkeeper.worker.kv_cache import KVCache
-    from graphkeeper.worker.runner import ModelRunner
 
     cache = KVCache(loaded.config, batch, context + 16, device=loaded.device, dtype=loaded.dtype)
     runner = ModelRunner(loaded, cache, max(batch, 2))
     prepare(runner, step)
-    from decode_bench import decode_plan
-
     plan = decode_plan(batch, context, loaded.config.vocab_size)
     meta = runner.prepare(plan, batch)
     graphs = GraphSet(runner)
@@ -214,10 +211,14 @@ def run_preset(preset: str, args: argparse.Namespace, bandwidth: float, report: 
         row["wall_over_floor"] = row["median_ms"] / floor
     report["rows"] += rows
     report["floors_ms"][preset] = floors
-    from graphkeeper.worker import linear_kernel
+    report["linear_tuning"][preset] = tuning_summary()
 
-    report["linear_tuning"][preset] = [dict(zip(("n", "k", "weight_dtype", "rows", "candidate", "us"), m,
-                                                strict=True)) for m in linear_kernel.measurements]
+
+def tuning_summary() -> list[dict]:
+    """What linear tuning measured since the last call (printed: the winner of each shape and row
+    bucket, and cuBLAS's time), as rows for the report; the measurements are then cleared."""
+    rows = [dict(zip(("n", "k", "weight_dtype", "rows", "candidate", "us"), m, strict=True))
+            for m in linear_kernel.measurements]
     best: dict[tuple, tuple] = {}
     for n, k, wd, r, name, us in linear_kernel.measurements:
         if (n, k, wd, r) not in best or us < best[(n, k, wd, r)][1]:
@@ -228,6 +229,7 @@ def run_preset(preset: str, args: argparse.Namespace, bandwidth: float, report: 
         print(f"    linear {n}x{k} {wd} rows {r}: {name} {us:.1f} us ({nbytes / us / 1e6:.2f} TB/s), "
               f"cublas {cublas:.1f} us", flush=True)
     linear_kernel.measurements.clear()
+    return rows
 
 
 def main() -> int:

@@ -32,8 +32,9 @@ from pathlib import Path
 import torch
 
 from graphkeeper.proto import worker_pb2 as pb
+from graphkeeper.worker import ops
 from graphkeeper.worker.config import ModelConfig
-from graphkeeper.worker.model import PieceFunctions
+from graphkeeper.worker.model import PieceFunctions, make_pieces
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +120,7 @@ class CompileReport:
         hits = now["hits"] - before["hits"]
         misses = now["misses"] - before["misses"]
         self.graphs = now["graphs"] - before["graphs"]
-        self.cache = "hit" if hits and not misses else "miss" if misses and not hits else "partial" if hits else "miss"
+        self.cache = "miss" if not hits else "partial" if misses else "hit"
 
 
     def to_proto(self, kernels: str, quantization: str) -> pb.CompileStatus:
@@ -187,22 +188,19 @@ def prepare_step(model, *, compile: bool, cache_root: str, quantization: str, wa
                  level: int, reason: str) -> CompileReport:
     """Installs the model's step functions (fused kernels or compiled) and runs ``warm_up`` once,
     which is when a compiled step is traced and compiled (or loaded from the cache)."""
-    from graphkeeper.worker import ops
-    from graphkeeper.worker.model import make_pieces
-
     device = model.tok_embeddings.weight.device
     kernels = ops.choose_kernels(device.type, compile)
     pieces = make_pieces(model.config, kernels.add_rms_norm)
     report = CompileReport(enabled=compile, level=level, reason=reason)
     tuned = ops.tune_linears(model) if device.type == "cuda" else ""
-    name = "+".join(n for n in (kernels.describe(), tuned) if n)
+    name = "+".join(n for n in (kernels.name, tuned) if n)
     if not compile:
         model.use_pieces(pieces, name)
         warm_up()
         return report
     capability = ".".join(map(str, torch.cuda.get_device_capability(device)))
     # The tuning summary stays out of the key: the linear op is opaque to Inductor.
-    report.key = cache_key(model.config, model.tok_embeddings.weight.dtype, quantization, kernels.describe(),
+    report.key = cache_key(model.config, model.tok_embeddings.weight.dtype, quantization, kernels.name,
                            capability, library_versions(), source_digest())
     report.cache_dir = use_cache_dir(cache_root, report.key)
     torch.compiler.reset()  # one engine per process: its previous step's compiled code is dropped

@@ -56,9 +56,13 @@ DEFAULT_ONE, DEFAULT_FEW, DEFAULT_MANY = Tile(16, 512, 8, 3), Tile(32, 128), Til
 _choices: dict[tuple[int, int, str, int], Tile | None] = {}
 
 
+#: Row counts that share a tuning decision: 1, 2-4, 5-8, 9-16 (each tuned at its upper limit).
+BUCKETS = (1, 4, 8, 16)
+
+
 def bucket(rows: int) -> int:
-    """Row counts that share a tuning decision: 1, 2-4, 5-8, 9-16; 0 for more."""
-    for limit in (1, 4, 8, 16):
+    """The bucket of ``rows`` (its upper limit); 0 above ``SKINNY_ROWS``."""
+    for limit in BUCKETS:
         if rows <= limit:
             return limit
     return 0
@@ -103,7 +107,7 @@ def tune(weight: Tensor, scale: Tensor | None, dtype: torch.dtype) -> dict[int, 
         return {}
     copies = [weight] + [weight.clone() for _ in range(min(MAX_COPIES, -(-L2_FLUSH_BYTES // nbytes)) - 1)]
     won = {}
-    for rows in (1, 4, 8, 16):
+    for rows in BUCKETS:
         x = torch.randn(rows, k, device=weight.device, dtype=dtype)
         candidates: list[tuple[str, Tile | None, object]] = []
         if weight.dtype != FP8:
@@ -209,10 +213,6 @@ if triton is not None:
                  mask=row_ok[:, None] & col_ok[None, :])
 
 
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def skinny_linear(x: Tensor, weight: Tensor, scale: Tensor | None = None, tile: Tile | None = None) -> Tensor:
     """``x [M, K] @ weight[N, K]^T`` (times ``scale`` per output channel or per tensor) in one launch."""
     m, k = x.shape
@@ -225,7 +225,7 @@ def skinny_linear(x: Tensor, weight: Tensor, scale: Tensor | None = None, tile: 
     block_n, block_k = tile.block_n, min(tile.block_k, k)
     if block_m > 1:
         block_n = max(16, block_n)  # tl.dot needs 16 columns
-    grid = (triton_cdiv(n, block_n), triton_cdiv(m, block_m))
+    grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m))
     _skinny_kernel[grid](
         x, weight, scale if scale is not None else weight, out, m, n, x.stride(0), weight.stride(0),
         out.stride(0), K=k, HAS_SCALE=scale is not None, SCALE_PER_CHANNEL=scale is not None and scale.numel() > 1,

@@ -201,7 +201,7 @@ def settings_from_args(args: argparse.Namespace) -> EngineSettings:
         else:
             policy = loaded
     try:
-        optimization = resolve_optimization(args.optimization_level, args.compile, torch_device_type(args.device))
+        optimization = resolve_optimization(args.optimization_level, args.compile, torch.device(args.device).type)
     except ValueError as err:
         raise SystemExit(f"graphkeeper worker: -O: {err}") from None
     if not policy.policy_uid and not args.graph_mode:
@@ -224,11 +224,6 @@ def settings_from_args(args: argparse.Namespace) -> EngineSettings:
         model_roots=tuple(args.model_root), optimization=optimization,
         compile_cache_dir=args.compile_cache_dir, quantization=args.quantization,
     )
-
-
-def torch_device_type(device: str) -> str:
-    """``cuda`` for cuda and cuda:N, else the name before any colon."""
-    return device.partition(":")[0]
 
 
 def run(args: argparse.Namespace) -> int:

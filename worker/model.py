@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from graphkeeper.worker import ops
+from graphkeeper.worker import norm_kernel, ops
 from graphkeeper.worker.config import ModelConfig
 
 #: attend(layer_index, q [T, n_heads, head_dim], k [T, n_kv, head_dim], v) -> [T, n_heads * head_dim]
@@ -73,7 +73,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        return ops.rms_norm(x, self.weight, self.eps)
 
 
 class Linear(nn.Module):
@@ -135,7 +135,7 @@ class PieceFunctions:
     last: Callable[..., Tensor]
 
 
-def make_pieces(config: ModelConfig, add_rms_norm: Callable = ops.plain_add_rms_norm) -> PieceFunctions:
+def make_pieces(config: ModelConfig, add_rms_norm: Callable = norm_kernel.reference) -> PieceFunctions:
     """The step's pieces for ``config`` as pure functions; ``add_rms_norm`` is the fused kernel,
     or the plain ops that Inductor fuses when the pieces are compiled."""
     n_heads, n_kv, head_dim = config.n_heads, config.n_kv_heads, config.head_dim

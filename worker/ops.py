@@ -10,6 +10,7 @@ with RMSNorm. The model calls these and nothing else for them, so which kernel r
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -34,10 +35,6 @@ def linear(x: Tensor, weight: Tensor, scale: Tensor | None = None) -> Tensor:
     if x.device.type != "cuda" and scale is None:
         return F.linear(x, weight)
     return _linear_op(x, weight, scale)
-
-
-def plain_add_rms_norm(residual: Tensor, delta: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-    return norm_kernel.reference(residual, delta, weight, eps)
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -68,10 +65,7 @@ class Kernels:
     """What the model's pieces call; chosen once per model by ``choose_kernels``."""
 
     name: str
-    add_rms_norm: object = plain_add_rms_norm
-
-    def describe(self) -> str:
-        return self.name
+    add_rms_norm: Callable[[Tensor, Tensor, Tensor, float], tuple[Tensor, Tensor]] = norm_kernel.reference
 
 
 def choose_kernels(device_type: str, compiled: bool) -> Kernels:
