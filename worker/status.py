@@ -4,6 +4,7 @@ engine has adopted (the engine takes the snapshot under its status lock and pass
 from __future__ import annotations
 
 from graphkeeper.proto import worker_pb2 as pb
+from graphkeeper.proto.policy import effective_requested_mode
 from graphkeeper.worker.capture import CaptureController
 from graphkeeper.worker.ledger import Ledger
 from graphkeeper.worker.loader import LoadedModel
@@ -37,7 +38,9 @@ def graph_status(*, state: int, capture: CaptureController, recorder: StepRecord
     eager = dict(recorder.eager_steps)
     return pb.GraphStatus(
         state=state,
-        requested_mode=c.requested_mode,
+        # From the adopted policy (read under the engine's status lock), not from the capture
+        # controller, which learns it a moment later when the recapture begins.
+        requested_mode=effective_requested_mode(policy),
         effective_mode=c.effective_mode,
         mode_downgrade_reason=c.downgrade_reason,
         policy_uid=policy.policy_uid,
