@@ -85,7 +85,8 @@ def prepare(runner: ModelRunner, step: str, cache_root: str = "") -> dict:
     report = prepare_step(runner.model, compile=step == "compiled", cache_root=cache_root or DEFAULT_CACHE_DIR,
                           quantization=runner.loaded.quantization, warm_up=lambda: runner.warm_up(rows), level=2,
                           reason="bench")
-    return {"compile_seconds": report.seconds, "cache": report.cache, "compiled_graphs": report.graphs}
+    return {"compile_seconds": report.seconds, "cache": report.cache, "compiled_graphs": report.graphs,
+            "kernels": runner.model.kernels, "row_step": report.row_step}
 
 
 def bench_ours(loaded: LoadedModel, batches: list[int], context: int, steps: int, graphs: bool,

@@ -63,7 +63,10 @@ def start(preset: str, flags: list[str], cache_dir: str, log_path: Path, max_num
         proc.terminate()
         proc.wait(60)
     c = status.compile
-    return {"seconds_to_ready": ready, "optimization_level": c.optimization_level, "compiled": c.enabled,
+    lines = log_path.read_text().splitlines()
+    phases = [line.split("startup: ", 1)[1].strip() for line in lines if "startup: " in line]
+    return {"phases": phases[-1] if phases else "", "seconds_to_ready": ready,
+            "optimization_level": c.optimization_level, "compiled": c.enabled,
             "cache": c.cache, "compile_seconds": c.seconds, "compiled_graphs": c.compiled_graphs, "kernels": c.kernels,
             "capture_seconds": status.total_capture_seconds, "graphs_captured": len(status.captured)}
 
@@ -89,7 +92,8 @@ def main() -> int:
             report["rows"].append(row)
             print(f"{preset:<9} {label:<38} READY after {row['seconds_to_ready']:6.1f} s (compile "
                   f"{row['compile_seconds']:.1f} s, cache {row['cache']}, {row['compiled_graphs']} graphs; "
-                  f"{row['graphs_captured']} CUDA graphs in {row['capture_seconds']:.1f} s)", flush=True)
+                  f"{row['graphs_captured']} CUDA graphs in {row['capture_seconds']:.1f} s)\n    {row['phases']}",
+                  flush=True)
         shutil.rmtree(cache, ignore_errors=True)
         if args.out:
             Path(args.out).write_text(json.dumps(report, indent=2) + "\n")

@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from decode_bench import _transformers_batch, bench_ours, decode_plan, prepare, timed  # noqa: E402
 from load_bench import _commit  # noqa: E402
 
-from graphkeeper.worker import linear_kernel  # noqa: E402
+from graphkeeper.worker import linear_kernel, row_kernel  # noqa: E402
 from graphkeeper.worker.config import PRESETS  # noqa: E402
 from graphkeeper.worker.graphs import FULL, CapturedGraph, GraphSet  # noqa: E402
 from graphkeeper.worker.kv_cache import KVCache  # noqa: E402
@@ -229,6 +229,16 @@ def tuning_summary() -> list[dict]:
         print(f"    linear {n}x{k} {wd} rows {r}: {name} {us:.1f} us ({nbytes / us / 1e6:.2f} TB/s), "
               f"cublas {cublas:.1f} us", flush=True)
     linear_kernel.measurements.clear()
+    best_rows: dict[tuple, tuple] = {}
+    for mode, n, k, wd, name, us in row_kernel.measurements:
+        rows.append({"row_kernel_mode": mode, "n": n, "k": k, "weight_dtype": wd, "rows": 1, "candidate": name,
+                     "us": us})
+        if (mode, n, k, wd) not in best_rows or us < best_rows[(mode, n, k, wd)][1]:
+            best_rows[(mode, n, k, wd)] = (name, us)
+    for (mode, n, k, wd), (name, us) in sorted(best_rows.items()):
+        nbytes = n * k * (1 if "float8" in wd else 2)
+        print(f"    row kernel mode {mode} {n}x{k} {wd}: {name} {us:.1f} us ({nbytes / us / 1e6:.2f} TB/s)", flush=True)
+    row_kernel.measurements.clear()
     return rows
 
 

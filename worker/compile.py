@@ -32,14 +32,15 @@ from pathlib import Path
 import torch
 
 from graphkeeper.proto import worker_pb2 as pb
-from graphkeeper.worker import ops
+from graphkeeper.worker import ops, pdl, tuning
 from graphkeeper.worker.config import ModelConfig
-from graphkeeper.worker.model import PieceFunctions, make_pieces
+from graphkeeper.worker.model import PieceFunctions, make_pieces, make_row_pieces, row_pieces_fit
 
 log = logging.getLogger(__name__)
 
 #: Modules whose source is the compiled step: a change to any of them changes the key.
-STEP_MODULES = ("model", "ops", "linear_kernel", "norm_kernel", "compile", "decode_kernel", "varlen_kernel")
+STEP_MODULES = ("model", "ops", "linear_kernel", "norm_kernel", "compile", "decode_kernel", "varlen_kernel",
+                "row_kernel", "pdl")
 DEFAULT_CACHE_DIR = "~/.cache/graphkeeper/compile"
 LEVELS = (0, 1, 2)
 
@@ -113,6 +114,8 @@ class CompileReport:
     cache: str = "off"  # off | hit | miss | partial
     seconds: float = 0.0
     graphs: int = 0  # graphs Dynamo compiled (one per piece when nothing recompiled)
+    tuning: tuning.TuningReport | None = None
+    row_step: str = ""  # the one-token step's choice and the two timings behind it
 
     def read_counters(self, before: dict[str, int]) -> None:
         """Cache outcome and graph count from torch's counters since ``before`` was taken."""
@@ -187,30 +190,84 @@ def compile_pieces(pieces: PieceFunctions) -> PieceFunctions:
 def prepare_step(model, *, compile: bool, cache_root: str, quantization: str, warm_up: Callable[[], None],
                  level: int, reason: str) -> CompileReport:
     """Installs the model's step functions (fused kernels or compiled) and runs ``warm_up`` once,
-    which is when a compiled step is traced and compiled (or loaded from the cache)."""
+    which is when a compiled step is traced and compiled (or loaded from the cache). On CUDA the
+    kernels are tuned first (or their tuning read from the cache), and the one-token step runs the
+    fused row pieces where they measured faster than the others."""
     device = model.tok_embeddings.weight.device
     kernels = ops.choose_kernels(device.type, compile)
     pieces = make_pieces(model.config, kernels.add_rms_norm)
     report = CompileReport(enabled=compile, level=level, reason=reason)
-    tuned = ops.tune_linears(model) if device.type == "cuda" else ""
+    rows = device.type == "cuda" and row_pieces_fit(model.config, model.tok_embeddings.weight.dtype)
+    if device.type == "cuda":
+        pdl.probe(device)
+        report.tuning = tuning.tune_model(model, cache_root, rows)
+    tuned = report.tuning.summary if report.tuning else ""
     name = "+".join(n for n in (kernels.name, tuned) if n)
-    if not compile:
-        model.use_pieces(pieces, name)
-        warm_up()
-        return report
-    capability = ".".join(map(str, torch.cuda.get_device_capability(device)))
-    # The tuning summary stays out of the key: the linear op is opaque to Inductor.
-    report.key = cache_key(model.config, model.tok_embeddings.weight.dtype, quantization, kernels.name,
-                           capability, library_versions(), source_digest())
-    report.cache_dir = use_cache_dir(cache_root, report.key)
-    torch.compiler.reset()  # one engine per process: its previous step's compiled code is dropped
-    model.use_pieces(compile_pieces(pieces), name)
+    if compile:
+        capability = ".".join(map(str, torch.cuda.get_device_capability(device)))
+        # The tuning summary stays out of the key: the linear op is opaque to Inductor.
+        report.key = cache_key(model.config, model.tok_embeddings.weight.dtype, quantization, kernels.name,
+                               capability, library_versions(), source_digest())
+        report.cache_dir = use_cache_dir(cache_root, report.key)
+        torch.compiler.reset()  # one engine per process: its previous step's compiled code is dropped
+        pieces = compile_pieces(pieces)
+    model.use_pieces(pieces, name)
     before = compile_counters()
     start = time.perf_counter()
     with torch.compiler.set_stance("default"):
         warm_up()
-    report.seconds = time.perf_counter() - start
-    report.read_counters(before)
-    log.info("compiled the step in %.1f s (%d graphs, cache %s at %s)", report.seconds, report.graphs,
-             report.cache, report.cache_dir)
+    if compile:
+        report.seconds = time.perf_counter() - start
+        report.read_counters(before)
+        log.info("compiled the step in %.1f s (%d graphs, cache %s at %s)", report.seconds, report.graphs,
+                 report.cache, report.cache_dir)
+    if rows:
+        _choose_row_step(model, report)
     return report
+
+
+def _choose_row_step(model, report: CompileReport) -> None:
+    """Times a pass of every layer's middle piece at one token with the installed pieces and with
+    the fused row pieces, as CUDA graphs, and keeps the row pieces if they are faster."""
+    row = make_row_pieces(model.config)
+    with torch.compiler.set_stance("default"):
+        mine, theirs = _one_token_pass_seconds(model, row), _one_token_pass_seconds(model, model.pieces)
+    won = mine < theirs
+    report.row_step = (f"{'fused row kernels' if won else 'the general step'} for one token: "
+                       f"{mine * 1e3:.3f} ms against {theirs * 1e3:.3f} ms per pass of the layers")
+    log.info("one-token step: %s", report.row_step)
+    if won:
+        model.use_pieces(model.pieces, f"{model.kernels}+row1", row)
+
+
+def _one_token_pass_seconds(model, pieces: PieceFunctions, replays: int = 5) -> float:
+    """GPU seconds of one token through every layer's ``middle`` piece (attention left out: both
+    step variants share it), replayed from a CUDA graph."""
+    config, weight = model.config, model.tok_embeddings.weight
+    h = torch.randn(1, config.dim, device=weight.device, dtype=weight.dtype)
+    attn = torch.randn(1, config.n_heads * config.head_dim, device=weight.device, dtype=weight.dtype)
+    cos, sin = model.rope(torch.zeros(1, dtype=torch.long, device=weight.device))
+
+    def run() -> None:
+        x = h
+        for layer in range(1, config.n_layers):
+            x = pieces.middle(x, attn, cos, sin, *model.layers[layer - 1].tail_weights(),
+                              *model.layers[layer].head_weights())[0]
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        run()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            run()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    graph.reset()
+    return start.elapsed_time(end) / 1e3 / replays

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import queue
 import random
 import threading
@@ -24,6 +25,7 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -268,16 +270,28 @@ class Engine:
 
     def _startup(self) -> None:
         s = self.settings
+        laps = [("before the engine", process_age())]
+        began = time.perf_counter()
+
+        def lap(name: str) -> None:
+            nonlocal began
+            now = time.perf_counter()
+            laps.append((name, now - began))
+            began = now
+
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device.index or 0)
             torch.cuda.init()
             torch.zeros(1, device=self.device)  # creates the context before the first ledger entry
         self.ledger.record(L.LEDGER_STAGE_CONTEXT, self.device)
+        lap("device context")
         self._install(self._load(s.model, s.model_revision))
         self._move(S.LIFECYCLE_STATE_MODEL_LOADED)
+        lap("weights and KV cache")
         self._prepare_step()
         self.ledger.record(L.LEDGER_STAGE_WARMUP, self.device)
         self._move(S.LIFECYCLE_STATE_WARMED)
+        lap(f"step ({step_phases(self.compile_report)})")
         self.capture.begin(self.policy, self.runner)
         self.capture.run_all()
         if self.compile_report.enabled:
@@ -285,7 +299,10 @@ class Engine:
         self._captured()
         self._move(S.LIFECYCLE_STATE_CAPTURED)
         self._move(S.LIFECYCLE_STATE_READY)
+        lap("capture")
         self._log_ready()
+        log.info("startup: %s; READY %.1f s after the process started",
+                 ", ".join(f"{name} {seconds:.1f} s" for name, seconds in laps), process_age())
         self.ready.set()
 
     def _load(self, source: str, revision: str) -> tuple[LoadedModel, KVCache]:
@@ -313,7 +330,7 @@ class Engine:
         kept = old is not None and (old.loaded.config, old.loaded.dtype, old.loaded.quantization) == (
             loaded.config, loaded.dtype, loaded.quantization)
         if kept:
-            loaded.model.use_pieces(old.model.pieces, old.model.kernels)
+            loaded.model.use_pieces(old.model.pieces, old.model.kernels, old.model.row_pieces)
         self.runner = ModelRunner(loaded, cache, self.settings.max_num_batched_tokens)
         self.loaded = loaded
         self.tokenizer = load_tokenizer(loaded.source)
@@ -582,6 +599,26 @@ class Engine:
             compile=self.compile_report.to_proto(self.runner.model.kernels if self.runner else "",
                                                  self.settings.quantization),
         )
+
+
+def process_age() -> float:
+    """Seconds since this process started (Linux's /proc; 0 where it cannot be read)."""
+    try:
+        start_ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0.0
+    return max(0.0, uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
+
+
+def step_phases(report: CompileReport) -> str:
+    """What building the step spent its time on, for the startup log line (pure)."""
+    parts = []
+    if report.tuning is not None:
+        parts.append(f"tuning {report.tuning.seconds:.1f} s, cache {report.tuning.cache}")
+    if report.enabled:
+        parts.append(f"compile {report.seconds:.1f} s, cache {report.cache}")
+    return "; ".join(parts) or "no tuning or compilation"
 
 
 def _with_prompt(req: pb.GenerateRequest, prompt: list[int]) -> pb.GenerateRequest:

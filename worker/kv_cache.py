@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from graphkeeper.worker import pdl
 from graphkeeper.worker.config import ModelConfig
 
 try:
@@ -23,8 +24,11 @@ if triton is not None:
 
     @triton.jit
     def _write_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, rows_ptr, stride_k, stride_v,
-                      ROW: tl.constexpr, BLOCK: tl.constexpr):
+                      ROW: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
         """Program (token, 0) stores the token's keys, (token, 1) its values, at its cache row."""
+        if USE_PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         token = tl.program_id(0)
         which = tl.program_id(1)
         dest = tl.load(rows_ptr + token).to(tl.int64) * ROW
@@ -75,7 +79,8 @@ class KVCache:
         if triton is not None and k.is_cuda and k.stride(1) == k.shape[2] and v.stride(1) == v.shape[2]:
             if t:
                 _write_kernel[(t, 2)](k, v, self.k[layer], self.v[layer], rows, k.stride(0), v.stride(0),
-                                      ROW=row, BLOCK=triton.next_power_of_2(row), num_warps=1)
+                                      ROW=row, BLOCK=triton.next_power_of_2(row), num_warps=1,
+                                      **pdl.launch_options())
             return
         self.k[layer].view(-1, k.shape[1] * k.shape[2]).index_copy_(0, rows, k.reshape(t, -1))
         self.v[layer].view(-1, v.shape[1] * v.shape[2]).index_copy_(0, rows, v.reshape(t, -1))

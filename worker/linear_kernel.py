@@ -88,6 +88,16 @@ def choose(rows: int, weight: Tensor) -> Tile | None:
     return _choices.get((n, k, str(weight.dtype), b))
 
 
+def choices() -> dict[tuple[int, int, str, int], Tile | None]:
+    """What tuning decided so far (for the tuning cache)."""
+    return dict(_choices)
+
+
+def remember(n: int, k: int, weight_dtype: str, rows: int, tile: Tile | None) -> None:
+    """Installs a decision read back from the tuning cache (None: cuBLAS)."""
+    _choices[(n, k, weight_dtype, rows)] = tile
+
+
 #: Every timing tuning took: (n, k, weight dtype, rows, candidate, microseconds), for benchmarks.
 measurements: list[tuple[int, int, str, int, str, float]] = []
 
@@ -105,7 +115,7 @@ def tune(weight: Tensor, scale: Tensor | None, dtype: torch.dtype) -> dict[int, 
     nbytes = weight.numel() * weight.element_size()
     if triton is None or weight.device.type != "cuda" or k % 64 or nbytes < MIN_TUNED_BYTES:
         return {}
-    copies = [weight] + [weight.clone() for _ in range(min(MAX_COPIES, -(-L2_FLUSH_BYTES // nbytes)) - 1)]
+    copies = weight_copies(weight)
     won = {}
     for rows in BUCKETS:
         x = torch.randn(rows, k, device=weight.device, dtype=dtype)
@@ -118,7 +128,7 @@ def tune(weight: Tensor, scale: Tensor | None, dtype: torch.dtype) -> dict[int, 
                                    lambda w, x=x, tile=tile: skinny_linear(x, w, scale, tile)))
         best: tuple[float, str, Tile | None] = (float("inf"), "cublas", None)
         for name, tile, fn in candidates:
-            seconds = _graph_time(fn, copies)
+            seconds = graph_time(fn, copies)
             measurements.append((n, k, str(weight.dtype), rows, name, seconds * 1e6))
             if seconds < best[0]:
                 best = (seconds, name, tile)
@@ -137,7 +147,13 @@ MIN_TUNED_BYTES = 2**20
 MAX_COPIES = 64
 
 
-def _graph_time(fn, weights: list[Tensor], replays: int = 5) -> float:
+def weight_copies(weight: Tensor) -> list[Tensor]:
+    """``weight`` and enough clones of it that cycling through them leaves the L2 cache."""
+    nbytes = weight.numel() * weight.element_size()
+    return [weight] + [weight.clone() for _ in range(min(MAX_COPIES, -(-L2_FLUSH_BYTES // nbytes)) - 1)]
+
+
+def graph_time(fn, weights: list[Tensor], replays: int = 5) -> float:
     """Seconds per launch of ``fn(weight)``, replayed from a CUDA graph that launches it once per
     weight copy (at least 20 launches)."""
     launches = max(20, len(weights))

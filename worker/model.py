@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from graphkeeper.worker import norm_kernel, ops
+from graphkeeper.worker import norm_kernel, ops, row_kernel
 from graphkeeper.worker.config import ModelConfig
 
 #: attend(layer_index, q [T, n_heads, head_dim], k [T, n_kv, head_dim], v) -> [T, n_heads * head_dim]
@@ -169,6 +169,45 @@ def make_pieces(config: ModelConfig, add_rms_norm: Callable = norm_kernel.refere
     return PieceFunctions(first, middle, last)
 
 
+def make_row_pieces(config: ModelConfig) -> PieceFunctions:
+    """The same pieces for a one-token step, as four fused projections per layer
+    (``row_kernel``): norm+QKV+RoPE, output projection+residual, norm+gate/up+SiLU, down
+    projection+residual. Same arguments and results as ``make_pieces``'s."""
+    n_heads, n_kv, head_dim, eps = config.n_heads, config.n_kv_heads, config.head_dim, config.norm_eps
+    rotated = (n_heads + n_kv) * head_dim
+    row = row_kernel.row_linear
+
+    def qkv(h: Tensor, cos: Tensor, sin: Tensor, norm: Tensor, wqkv: Tensor, wqkv_s: Tensor | None):
+        heads = row(h, wqkv, wqkv_s, norm=norm, eps=eps, rope=(cos, sin, rotated, head_dim))
+        heads = heads.view(1, n_heads + 2 * n_kv, head_dim)
+        return heads[:, :n_heads], heads[:, n_heads: n_heads + n_kv], heads[:, n_heads + n_kv:]
+
+    def finish(h: Tensor, attn_out: Tensor, wo, wo_s, ffn_norm, w13, w13_s, w2, w2_s) -> Tensor:
+        h = row(attn_out, wo, wo_s, residual=h)
+        return row(row(h, w13, w13_s, norm=ffn_norm, eps=eps, glu=True), w2, w2_s, residual=h)
+
+    def first(tokens: Tensor, cos: Tensor, sin: Tensor, embedding: Tensor, norm: Tensor, wqkv: Tensor,
+              wqkv_s: Tensor | None) -> tuple[Tensor, ...]:
+        h = F.embedding(tokens, embedding)
+        return (h, *qkv(h, cos, sin, norm, wqkv, wqkv_s))
+
+    def middle(h: Tensor, attn_out: Tensor, cos: Tensor, sin: Tensor, wo, wo_s, ffn_norm, w13, w13_s, w2, w2_s,
+               norm, wqkv, wqkv_s) -> tuple[Tensor, ...]:
+        h = finish(h, attn_out, wo, wo_s, ffn_norm, w13, w13_s, w2, w2_s)
+        return (h, *qkv(h, cos, sin, norm, wqkv, wqkv_s))
+
+    def last(h: Tensor, attn_out: Tensor, wo, wo_s, ffn_norm, w13, w13_s, w2, w2_s, final_norm) -> Tensor:
+        return ops.rms_norm(finish(h, attn_out, wo, wo_s, ffn_norm, w13, w13_s, w2, w2_s), final_norm, eps)
+
+    return PieceFunctions(first, middle, last)
+
+
+def row_pieces_fit(config: ModelConfig, dtype: torch.dtype) -> bool:
+    """Whether ``make_row_pieces`` runs this model in ``dtype``: every reduction fits one tile."""
+    reductions = (config.dim, config.n_heads * config.head_dim, config.intermediate_size)
+    return config.head_dim % 2 == 0 and all(row_kernel.supports(k, dtype) for k in reductions)
+
+
 class Transformer(nn.Module):
     def __init__(self, config: ModelConfig, max_positions: int) -> None:
         super().__init__()
@@ -184,10 +223,17 @@ class Transformer(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)
         self.use_pieces(make_pieces(config), "torch")
 
-    def use_pieces(self, pieces: PieceFunctions, kernels: str) -> None:
-        """Installs the step functions (plain, fused kernels, or compiled); ``kernels`` names them."""
+    def use_pieces(self, pieces: PieceFunctions, kernels: str, row_pieces: PieceFunctions | None = None) -> None:
+        """Installs the step functions (plain, fused kernels, or compiled) and, optionally, the
+        one-token step's (``make_row_pieces``); ``kernels`` names them."""
         self.pieces = pieces
+        self.row_pieces = row_pieces
         self.kernels = kernels
+
+    def _for(self, rows: int) -> PieceFunctions:
+        """The pieces a step of ``rows`` tokens runs (decided by shape, so a graph recorded at a
+        size replays what an eager step of that size runs)."""
+        return self.row_pieces if rows == 1 and self.row_pieces is not None else self.pieces
 
     # The pieces between attention calls. Each returns the residual stream and the next
     # layer's q, k, v; PIECEWISE graphs record each piece for a padded token count.
@@ -198,16 +244,17 @@ class Transformer(nn.Module):
         return self.rope_cos[positions].to(dtype), self.rope_sin[positions].to(dtype)
 
     def first_piece(self, tokens: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, ...]:
-        return self.pieces.first(tokens, cos, sin, self.tok_embeddings.weight, *self.layers[0].head_weights())
+        pieces = self._for(tokens.shape[0])
+        return pieces.first(tokens, cos, sin, self.tok_embeddings.weight, *self.layers[0].head_weights())
 
     def middle_piece(self, layer: int, h: Tensor, attn_out: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, ...]:
         """Finishes ``layer - 1`` and prepares attention for ``layer``."""
-        return self.pieces.middle(h, attn_out, cos, sin, *self.layers[layer - 1].tail_weights(),
+        return self._for(h.shape[0]).middle(h, attn_out, cos, sin, *self.layers[layer - 1].tail_weights(),
                                   *self.layers[layer].head_weights())
 
     def last_piece(self, h: Tensor, attn_out: Tensor) -> Tensor:
         """Finishes the last layer and applies the final norm; returns hidden states."""
-        return self.pieces.last(h, attn_out, *self.layers[-1].tail_weights(), self.norm.weight)
+        return self._for(h.shape[0]).last(h, attn_out, *self.layers[-1].tail_weights(), self.norm.weight)
 
     def forward(self, tokens: Tensor, positions: Tensor, attend: AttendFn) -> Tensor:
         """Hidden states ``[T, dim]`` after the final norm, for a flat batch of tokens."""

@@ -41,25 +41,6 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
-def tune_linears(model) -> str:
-    """Measures, on this GPU, cuBLAS against the skinny kernel for each distinct projection shape
-    of ``model`` (the decoder's four and the LM head) at 1, 4, 8 and 16 rows; the linear op then
-    follows what won. Returns a summary such as ``skinny 9/20`` (row buckets the kernel won)."""
-    layer = model.layers[0]
-    linears = (layer.attention.wqkv, layer.attention.wo, layer.feed_forward.w13, layer.feed_forward.w2, model.output)
-    seen, won, total = set(), 0, 0
-    dtype = model.tok_embeddings.weight.dtype
-    for lin in linears:
-        key = (tuple(lin.weight.shape), lin.weight.dtype)
-        if key in seen:
-            continue
-        seen.add(key)
-        for choice in linear_kernel.tune(lin.weight, lin.scale, dtype).values():
-            total += 1
-            won += choice != "cublas"
-    return f"skinny {won}/{total}" if total else ""
-
-
 @dataclass(frozen=True)
 class Kernels:
     """What the model's pieces call; chosen once per model by ``choose_kernels``."""

@@ -14,12 +14,13 @@ import pytest
 import torch
 
 from graphkeeper.proto import worker_pb2 as pb
-from graphkeeper.worker import linear_kernel, norm_kernel, ops
+from graphkeeper.worker import linear_kernel, norm_kernel, ops, pdl, row_kernel
 from graphkeeper.worker.compile import compile_counters, prepare_step
 from graphkeeper.worker.engine import Engine, EngineSettings
 from graphkeeper.worker.graphs import CaptureJob, GraphSet
 from graphkeeper.worker.kv_cache import KVCache
 from graphkeeper.worker.loader import load_model, save_hf_directory
+from graphkeeper.worker.model import apply_rope, make_row_pieces
 from graphkeeper.worker.quant import quantize
 from graphkeeper.worker.runner import ModelRunner, StepPlan
 
@@ -83,6 +84,89 @@ def test_fused_add_rms_norm_matches_reference(dtype, tol, rows, dim):
     assert rel(out, out_ref) < tol
 
 
+# --- the one-token step: fused row kernels, programmatic dependent launch ------------------------
+
+
+def test_programmatic_dependent_launch_records_and_replays_on_hopper():
+    assert pdl.probe(torch.device("cuda")) == (torch.cuda.get_device_capability()[0] >= 9)
+
+
+def row_reference(mode: int, x, w, scale, norm, residual, cos, sin, head_dim: int):
+    """The unfused ops the row kernel replaces, in the model's dtype."""
+    if norm is not None:
+        x = ops.rms_norm(x, norm, 1e-5)
+    y = linear_kernel.reference(x, w, scale)
+    if mode == row_kernel.GLU:
+        gate, up = y.split(y.shape[-1] // 2, dim=-1)
+        return torch.nn.functional.silu(gate) * up
+    if mode == row_kernel.ROPE:  # llama shapes: 4 query heads per key head
+        heads = y.view(1, -1, head_dim)
+        kv = heads.shape[1] // 6
+        return torch.cat((apply_rope(heads[:, : 5 * kv], cos, sin), heads[:, 5 * kv:]), 1).view(1, -1)
+    return residual + y
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("n,k,mode", [(3072, 2048, row_kernel.ROPE), (2048, 2048, row_kernel.PLAIN),
+                                      (16384, 2048, row_kernel.GLU), (2048, 8192, row_kernel.PLAIN),
+                                      (6144, 4096, row_kernel.ROPE), (4096, 14336, row_kernel.PLAIN)])
+@pytest.mark.parametrize("weights", ["bf16", "fp8", "fp8-tensor"])
+def test_row_linear_matches_the_unfused_ops_with_every_tile_and_pdl_on_or_off(n, k, mode, weights):
+    g = torch.Generator(device="cuda").manual_seed(n + k + mode)
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16, generator=g)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02
+    scale = None
+    if weights != "bf16":
+        w, scale = quantize(w, weights == "fp8")
+    norm = (torch.rand(k, device="cuda", generator=g) + 0.5).to(torch.bfloat16) if mode != row_kernel.PLAIN else None
+    residual = torch.randn(1, n, device="cuda", dtype=torch.bfloat16, generator=g) if mode == 0 else None
+    head_dim = 128 if k == 4096 else 64
+    angles = 7.0 / (500000.0 ** (torch.arange(0, head_dim, 2, device="cuda").float() / head_dim))
+    cos = torch.cat((angles, angles)).cos()[None].to(torch.bfloat16)
+    sin = torch.cat((-angles.sin(), angles.sin()))[None].to(torch.bfloat16)
+    rope = (cos, sin, n * 5 // 6, head_dim) if mode == row_kernel.ROPE else None
+    expected = row_reference(mode, x, w, scale, norm, residual, cos, sin, head_dim)
+    tiles = [t for t in row_kernel.CANDIDATES if row_kernel.fits(t, mode, k, head_dim // 2)]
+    assert tiles
+    results = {}
+    try:
+        for on in (False, True):
+            pdl.set_enabled(on and pdl.probe(torch.device("cuda")))
+            for tile in tiles:
+                got = row_kernel.row_linear(x, w, scale, norm=norm, eps=1e-5, residual=residual,
+                                            glu=mode == row_kernel.GLU, rope=rope, tile=tile)
+                assert rel(got, expected) < 1e-2, (tile, on, rel(got, expected))
+                assert torch.equal(results.setdefault(tile, got), got), tile  # PDL changes no bit
+    finally:
+        pdl.probe(torch.device("cuda"))
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("step", ["fused-row", "compiled-row"])
+def test_one_token_row_step_matches_the_general_step(cache_root, step):
+    general = make_runner("plain", cache_root)
+    row = make_runner(step, cache_root)
+    assert row.model.row_pieces is not None
+    for position in (0, 9, 200):
+        plan = decode_plan(1, position, seed=position)
+        expected = general.model.logits(hidden_for(general, plan, 1))
+        got = row.model.logits(hidden_for(row, plan, 1))
+        assert rel(got, expected) < 2e-2, (position, rel(got, expected))
+        assert got.argmax(-1).item() == expected.argmax(-1).item()
+
+
+@torch.inference_mode()
+def test_start_up_times_the_one_token_step_and_installs_what_it_chose(cache_root):
+    runner = make_runner("plain", cache_root, preset="llama-1b")
+    report = prepare_step(runner.model, compile=True, cache_root=cache_root, quantization="none",
+                          warm_up=lambda: runner.warm_up(16), level=2, reason="test")
+    print(report.row_step)
+    assert report.row_step.startswith(("fused row kernels", "the general step"))
+    chosen = report.row_step.startswith("fused row kernels")
+    assert (runner.model.row_pieces is not None) == chosen == runner.model.kernels.endswith("+row1")
+    assert report.tuning is not None and report.tuning.cache in ("hit", "miss")
+
+
 # --- the compiled step ---------------------------------------------------------------------------
 
 
@@ -93,8 +177,13 @@ def make_runner(step: str, cache_root: str, *, preset: str = "tiny", dtype: str 
     cache = KVCache(loaded.config, 64, MAX_LEN, device=loaded.device, dtype=loaded.dtype, scratch_slots=2)
     runner = ModelRunner(loaded, cache, max_tokens=128)
     if step != "plain":
-        prepare_step(runner.model, compile=step == "compiled", cache_root=cache_root, quantization=quantization,
-                     warm_up=lambda: runner.warm_up(64), level=2, reason="test")
+        prepare_step(runner.model, compile=step.startswith("compiled"), cache_root=cache_root,
+                     quantization=quantization, warm_up=lambda: runner.warm_up(64), level=2, reason="test")
+    model = runner.model
+    if step.endswith("-row"):  # the fused one-token step, whatever the start-up timing chose
+        model.use_pieces(model.pieces, model.kernels, make_row_pieces(model.config))
+    elif step != "plain":
+        model.use_pieces(model.pieces, model.kernels)  # the general step at every size
     return runner
 
 
@@ -130,7 +219,7 @@ def test_compiled_step_equals_uncompiled_at_every_size_with_one_compilation_per_
 
 
 @torch.inference_mode()
-@pytest.mark.parametrize("step", ["compiled", "fused"])
+@pytest.mark.parametrize("step", ["compiled", "fused", "compiled-row"])
 def test_graph_replay_equals_eager_with_the_optimized_step(cache_root, step):
     runner = make_runner(step, cache_root)
     keys = [(FULL, s) for s in reversed(SIZES)] + [(PIECEWISE, s) for s in reversed(SIZES)]
@@ -202,12 +291,38 @@ def test_worker_step_matches_transformers_on_the_same_weights(cache_root, tmp_pa
     assert agree >= (0.9 if quantization == "none" else 0.6), agree
 
 
+@pytest.mark.parametrize("step", ["fused-row", "compiled-row"])
+def test_one_token_row_step_matches_transformers_on_the_same_weights(cache_root, tmp_path, step):
+    """A prompt prefilled by the general step, then one decode token through the row kernels,
+    against HF's forward over the whole sequence."""
+    from graphkeeper.worker.attention import PrefillChunk
+
+    with torch.inference_mode():
+        runner = make_runner(step, cache_root)
+        save_hf_directory(runner.model, tmp_path)
+        tokens = torch.randint(3, 500, (25,), generator=torch.Generator().manual_seed(11))
+        n = len(tokens) - 1
+        prefill = StepPlan(prompt_tokens=tokens[:n].tolist(), positions=np.arange(n),
+                           slots=np.zeros(n, dtype=np.int64), num_decode=0, prefill=[PrefillChunk(0, n, 0, 0)],
+                           sample_rows=np.arange(n), sample_slots=np.zeros(n, dtype=np.int64))
+        hidden_for(runner, prefill, n)
+        decode = StepPlan(prompt_tokens=[], positions=np.array([n]), slots=np.zeros(1, dtype=np.int64),
+                          num_decode=1, sample_rows=np.arange(1), sample_slots=np.zeros(1, dtype=np.int64),
+                          decode_tokens=tokens[n:].numpy().astype(np.int64))
+        ours = runner.model.logits(hidden_for(runner, decode, 1))[0]
+    theirs = hf_logits(tmp_path, tokens.cuda())[-1]
+    error = rel(ours, theirs)
+    print(f"{step} one token vs transformers: relative error {error:.4f}")
+    assert error < 2e-2, error
+    assert ours.argmax().item() == theirs.argmax().item()
+
+
 # --- the engine ----------------------------------------------------------------------------------
 
 
 def test_engine_reports_preset_compilation_and_a_cache_hit_on_the_second_start(cache_root):
     root = str(Path(cache_root) / "engine")
-    reports = []
+    reports, tunings = [], []
     for _ in range(2):
         engine = Engine(EngineSettings(model="random:tiny@5", device="cuda", max_num_seqs=8, max_seq_len=128,
                                        max_num_batched_tokens=64, compile_cache_dir=root))
@@ -225,9 +340,11 @@ def test_engine_reports_preset_compilation_and_a_cache_hit_on_the_second_start(c
         engine.drain_and_stop(10)
         assert done and engine.failed is None
         reports.append(status.compile)
+        tunings.append(engine.compile_report.tuning.cache)
         assert status.compile.enabled and status.compile.optimization_level == 2
         assert status.compile.compiled_graphs == 3
         assert status.compile.kernels.startswith("inductor")
         assert status.graph_steps > 0
     assert reports[0].cache == "miss" and reports[1].cache == "hit", reports
     assert reports[0].cache_key == reports[1].cache_key
+    assert tunings == ["miss", "hit"]  # the second start read the kernel tuning back

@@ -18,7 +18,9 @@ pytest.importorskip("triton")
 CHECKS = textwrap.dedent('''
     import torch
     import torch.nn.functional as F
-    from graphkeeper.worker import kv_cache, linear_kernel as lk, norm_kernel as nk
+    from graphkeeper.worker import kv_cache, linear_kernel as lk, norm_kernel as nk, row_kernel as rk
+    from graphkeeper.worker.loader import load_model
+    from graphkeeper.worker.model import apply_rope, make_row_pieces
     from graphkeeper.worker.quant import quantize
 
     def rel(a, b):
@@ -46,9 +48,52 @@ CHECKS = textwrap.dedent('''
     cache_k, cache_v = torch.zeros(10, 2, 8), torch.zeros(10, 2, 8)
     kk, vv = torch.randn(3, 2, 8), torch.randn(3, 2, 8)
     where = torch.tensor([7, 1, 4])
-    kv_cache._write_kernel[(3, 2)](kk, vv, cache_k, cache_v, where, 16, 16, ROW=16, BLOCK=16)
+    kv_cache._write_kernel[(3, 2)](kk, vv, cache_k, cache_v, where, 16, 16, ROW=16, BLOCK=16, USE_PDL=False)
     assert torch.equal(cache_k[where], kk) and torch.equal(cache_v[where], vv)
     assert cache_k[[0, 2, 3, 5, 6, 8, 9]].abs().sum() == 0
+    # One-row fused products: plain, norm prologue, residual epilogue, GLU, RoPE, fp8; every tile.
+    K, N, D = 96, 40, 8
+    for dt in (torch.float16, torch.float32):
+        x, g = torch.randn(1, K, dtype=dt), (torch.rand(K) + 0.5).to(dt)
+        w, r = (torch.randn(N, K) * 0.1).to(dt), torch.randn(1, N, dtype=dt)
+        normed = F.rms_norm(x, (K,), g, 1e-5)
+        gate, up = F.linear(normed, w).split(N // 2, -1)
+        wq = (torch.randn(4 * D, K) * 0.1).to(dt)  # 2 query heads, 1 key head, 1 value head
+        angles = 5.0 / (10000 ** (torch.arange(0, D, 2).float() / D))
+        cos = torch.cat((angles, angles)).cos()[None].to(dt)
+        sin = torch.cat((-angles.sin(), angles.sin()))[None].to(dt)
+        heads = F.linear(normed, wq).view(1, 4, D)
+        rotated = torch.cat((apply_rope(heads[:, :3], cos, sin), heads[:, 3:]), 1).view(1, -1)
+        for tile in (rk.RowTile(1, 4), rk.RowTile(4, 4), rk.RowTile(2, 8)):
+            assert rel(rk.row_linear(x, w, tile=tile), F.linear(x, w)) < 2e-3, (dt, tile)
+            assert rel(rk.row_linear(x, w, norm=g, eps=1e-5, tile=tile), F.linear(normed, w)) < 2e-3, (dt, tile)
+            assert rel(rk.row_linear(x, w, residual=r, tile=tile), r + F.linear(x, w)) < 2e-3, (dt, tile)
+            got = rk.row_linear(x, w, norm=g, eps=1e-5, glu=True, tile=tile)
+            assert rel(got, F.silu(gate) * up) < 3e-3, (dt, tile)
+            got = rk.row_linear(x, wq, norm=g, eps=1e-5, rope=(cos, sin, 3 * D, D), tile=tile)
+            assert rel(got, rotated) < 3e-3, (dt, tile)
+    x = torch.randn(1, K, dtype=torch.float16)
+    for per_channel in (True, False):
+        q, s = quantize(torch.randn(N, K) * 0.1, per_channel)
+        assert rel(rk.row_linear(x, q, s, tile=rk.RowTile(4, 4)), lk.reference(x, q, s)) < 3e-3
+    # The one-token step of fused row kernels against the general pieces, on a whole model.
+    loaded = load_model("random:tiny@4", device="cpu", dtype="float16", max_positions=32)
+    model = loaded.model
+    row = make_row_pieces(loaded.config)
+    tokens, positions = torch.tensor([17]), torch.tensor([3])
+    cos, sin = model.rope(positions)
+    a = model.pieces.first(tokens, cos, sin, model.tok_embeddings.weight, *model.layers[0].head_weights())
+    b = row.first(tokens, cos, sin, model.tok_embeddings.weight, *model.layers[0].head_weights())
+    for mine, theirs in zip(b, a):
+        assert mine.shape == theirs.shape and rel(mine, theirs) < 5e-3
+    attn = torch.randn(1, loaded.config.n_heads * loaded.config.head_dim, dtype=torch.float16)
+    weights = (*model.layers[0].tail_weights(), *model.layers[1].head_weights())
+    a = model.pieces.middle(a[0], attn, cos, sin, *weights)
+    b = row.middle(b[0], attn, cos, sin, *weights)
+    for mine, theirs in zip(b, a):
+        assert mine.shape == theirs.shape and rel(mine, theirs) < 5e-3
+    tail = (*model.layers[-1].tail_weights(), model.norm.weight)
+    assert rel(row.last(b[0], attn, *tail), model.pieces.last(a[0], attn, *tail)) < 5e-3
     print("ok")
 ''')
 

@@ -4,15 +4,18 @@ without a GPU. The compiled step itself is checked on the GPU (tests/gpu/test_st
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 import torch
 
 from graphkeeper.proto import worker_pb2 as pb
-from graphkeeper.worker import linear_kernel
-from graphkeeper.worker.compile import cache_key, library_versions, resolve, source_digest
+from graphkeeper.worker import linear_kernel, row_kernel, tuning
+from graphkeeper.worker.compile import CompileReport, cache_key, library_versions, resolve, source_digest
 from graphkeeper.worker.config import PRESETS
 from graphkeeper.worker.decode_kernel import decode_splits
+from graphkeeper.worker.engine import process_age, step_phases
+from graphkeeper.worker.model import row_pieces_fit
 from graphkeeper.worker.quant import quantize, quantize_model
 
 
@@ -98,3 +101,51 @@ def test_o2_on_a_cpu_worker_serves_uncompiled_and_says_so(fresh_workers):
     c = worker.status().compile
     assert c.optimization_level == 2 and not c.enabled and "only on CUDA" in c.reason
     assert c.quantization == "fp8"
+
+
+# --- the one-token step and kernel tuning ---------------------------------------------------------
+
+
+def test_row_pieces_serve_bf16_and_fp16_models_whose_reductions_fit_one_tile():
+    llama = PRESETS["llama-8b"]
+    assert row_pieces_fit(llama, torch.bfloat16) and row_pieces_fit(llama, torch.float16)
+    assert not row_pieces_fit(llama, torch.float32)  # float32 must not depend on the batch's size
+    wide = dataclasses.replace(llama, intermediate_size=28672)  # a 70B-style MLP: longer than one tile
+    assert not row_pieces_fit(wide, torch.bfloat16)
+
+
+def test_row_tiles_fit_their_register_budget_and_rope_halves():
+    assert row_kernel.fits(row_kernel.RowTile(16, 8), row_kernel.PLAIN, 2048)
+    assert not row_kernel.fits(row_kernel.RowTile(16, 8), row_kernel.GLU, 2048)  # two bands of 16 x 2048
+    assert not row_kernel.fits(row_kernel.RowTile(4, 8), row_kernel.PLAIN, 14336)  # 4 x 16384 elements
+    assert not row_kernel.fits(row_kernel.RowTile(8, 4), row_kernel.ROPE, 2048, half=4)
+    assert row_kernel.fits(row_kernel.RowTile(4, 4), row_kernel.ROPE, 2048, half=32)
+
+
+def test_tuning_decisions_survive_the_cache_round_trip():
+    linear = {(3072, 2048, "torch.bfloat16", 1): linear_kernel.Tile(8, 1024, 8, 2),
+              (3072, 2048, "torch.bfloat16", 4): None}
+    rows = {(row_kernel.ROPE, 3072, 2048, "torch.bfloat16"): row_kernel.RowTile(2, 8)}
+    data = json.loads(json.dumps(tuning.encode(linear, rows)))
+    assert tuning.decode(data) == (linear, rows)
+    for broken in ({}, {"linear": [[1, 2]], "row": []}, {"linear": [], "row": [["x", 1, 2, "d", 1, 1]]}):
+        with pytest.raises(ValueError, match="malformed tuning cache"):
+            tuning.decode(broken)
+
+
+def test_the_tuning_key_changes_with_the_gpu_the_libraries_the_source_pdl_and_the_shapes():
+    args = {"device_name": "NVIDIA H200", "capability": "9.0", "versions": library_versions(),
+            "source": tuning.kernel_source_digest(), "pdl_on": True, "shapes": [("wo", 2048, 2048, "bf16")]}
+    base = tuning.tuning_key(**args)
+    assert tuning.tuning_key(**args) == base
+    for name, value in (("device_name", "NVIDIA H100"), ("capability", "8.0"), ("versions", {"torch": "x"}),
+                        ("source", "other"), ("pdl_on", False), ("shapes", [("wo", 4096, 4096, "bf16")])):
+        assert tuning.tuning_key(**{**args, name: value}) != base, name
+
+
+def test_startup_phases_name_tuning_and_compilation_with_their_cache_outcomes():
+    report = CompileReport(enabled=True, seconds=2.04, cache="hit",
+                           tuning=tuning.TuningReport(summary="skinny 4/20", cache="hit", seconds=0.01))
+    assert step_phases(report) == "tuning 0.0 s, cache hit; compile 2.0 s, cache hit"
+    assert step_phases(CompileReport()) == "no tuning or compilation"
+    assert 0 < process_age() < 3600
