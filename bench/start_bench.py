@@ -4,7 +4,13 @@ which is after compilation (or its cache load) and the capture of the whole defa
 For each preset: a cold start with an empty compile cache (-O2), a warm start on the cache that
 start left (same key), and an -O1 start (graphs, no compilation) for reference. Each start is a
 new worker process, as a pod restart would be; the GraphStatus's compile section says whether the
-cache was hit.
+cache was hit, and the worker's "startup:" log line where the time went.
+
+Python bytecode: the worker image ships compiled bytecode (deploy/docker/Dockerfile), but a
+machine whose site-packages holds none (and cannot be written) compiles torch's modules from
+source at every start. The workers here write and read bytecode under ``--pycache`` instead
+(PYTHONPYCACHEPREFIX), so the first (cold) start of the run compiles it and later starts load it,
+as a pod on the image would.
 
     python bench/start_bench.py --out bench/results/start-h200.json
 """
@@ -26,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from load_bench import _commit, free_port  # noqa: E402
 
 
-def start(preset: str, flags: list[str], cache_dir: str, log_path: Path, max_num_seqs: int) -> dict:
+def start(preset: str, flags: list[str], cache_dir: str, log_path: Path, max_num_seqs: int, pycache: str) -> dict:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -39,8 +45,11 @@ def start(preset: str, flags: list[str], cache_dir: str, log_path: Path, max_num
            "--max-num-seqs", str(max_num_seqs), "--max-seq-len", "1024", "--compile-cache-dir", cache_dir,
            "--log-level", "INFO", *flags]
     began = time.perf_counter()
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    if pycache:
+        env["PYTHONPYCACHEPREFIX"] = pycache
     with log_path.open("w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     health = health_pb2_grpc.HealthStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
     try:
         while True:
@@ -75,6 +84,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--presets", default="llama-1b,llama-8b")
     parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--pycache", default="fresh",
+                        help="PYTHONPYCACHEPREFIX for the workers: 'fresh' (a new empty directory, the default), "
+                             "a directory, or 'none' (the environment's bytecode handling)")
     parser.add_argument("--out", default="")
     args = parser.parse_args()
     import torch
@@ -82,12 +94,15 @@ def main() -> int:
     report = {"date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), "gpu": torch.cuda.get_device_name(),
               "torch": torch.__version__, "command": " ".join([Path(sys.executable).name, *sys.argv]),
               "commit": _commit(), "rows": []}
+    pycache = {"fresh": tempfile.mkdtemp(prefix="pycache-"), "none": ""}.get(args.pycache, args.pycache)
+    report["pycache"] = args.pycache
     logs = Path(tempfile.mkdtemp(prefix="start-bench-"))
     for preset in args.presets.split(","):
         cache = tempfile.mkdtemp(prefix="compile-cache-")
         for label, flags in (("cold (-O2, empty cache)", ["-O", "2"]), ("warm (-O2, cache from the cold start)",
                              ["-O", "2"]), ("-O1 (no compile)", ["-O", "1"])):
-            row = start(preset, flags, cache, logs / f"{preset}-{len(report['rows'])}.log", args.max_num_seqs)
+            row = start(preset, flags, cache, logs / f"{preset}-{len(report['rows'])}.log", args.max_num_seqs,
+                        pycache)
             row.update(preset=preset, start=label)
             report["rows"].append(row)
             print(f"{preset:<9} {label:<38} READY after {row['seconds_to_ready']:6.1f} s (compile "

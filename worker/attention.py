@@ -92,9 +92,6 @@ class SlotAttention:
         meta = self.meta
         assert meta is not None, "attention metadata not bound for this step"
         rows = q.shape[0]
-        if meta.num_decode == rows and self.triton_decode:  # the kernel stores k and v itself
-            return decode_kernel.decode_attention(q, k, v, self.cache.k[layer], self.cache.v[layer],
-                                                  meta.slots[:rows], meta.lengths[:rows], meta.kv_rows[:rows])
         self.cache.write(layer, meta.kv_rows[:rows], k, v)
         if meta.num_decode == rows:
             return self._decode(layer, q, meta.slots[:rows], meta.lengths[:rows])
@@ -112,7 +109,8 @@ class SlotAttention:
         return out
 
     def _decode(self, layer: int, q: Tensor, slots: Tensor, lengths: Tensor) -> Tensor:
-        """SDPA over each row's slot (off the GPU; there the decode kernel runs)."""
+        if self.triton_decode:
+            return decode_kernel.decode_attention(q, self.cache.k[layer], self.cache.v[layer], slots, lengths)
         b = q.shape[0]
         keys = self.cache.k[layer][slots].transpose(1, 2)  # [B, n_kv, L, d]
         values = self.cache.v[layer][slots].transpose(1, 2)

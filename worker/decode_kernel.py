@@ -55,7 +55,6 @@ if triton is not None:
     @triton.jit
     def _decode_kernel(
         q_ptr, k_ptr, v_ptr, out_ptr, part_ptr, stats_ptr, slots_ptr, lengths_ptr, scale,
-        k_new_ptr, v_new_ptr, kv_rows_ptr, stride_nkb, stride_nvb, stride_nh,
         stride_qb, stride_qh, stride_ks, stride_kh, stride_kl, stride_ob, stride_oh,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
         SPLIT_KEYS: tl.constexpr, SPLITS: tl.constexpr, IEEE: tl.constexpr, USE_PDL: tl.constexpr,
@@ -68,9 +67,8 @@ if triton is not None:
         split = tl.program_id(2)
         slot = tl.load(slots_ptr + row)
         length = tl.load(lengths_ptr + row)
-        current = length - 1  # the row's own token: its key and value come in k_new/v_new
         first = split * SPLIT_KEYS
-        end = tl.minimum(current, first + SPLIT_KEYS)
+        end = tl.minimum(length, first + SPLIT_KEYS)
         heads = kv_head * GROUP + tl.arange(0, GROUP_PAD)
         head_ok = tl.arange(0, GROUP_PAD) < GROUP
         dims = tl.arange(0, HEAD_DIM)
@@ -88,22 +86,6 @@ if triton is not None:
             k = tl.load(k_base + offsets, mask=key_ok[:, None], other=0.0)
             v = tl.load(v_base + offsets, mask=key_ok[:, None], other=0.0)
             m_i, l_i, acc = online_softmax_step(q, k, v, key_ok[None, :], scale, m_i, l_i, acc, IEEE)
-        if (current >= first) & (current < first + SPLIT_KEYS):
-            # The split that holds the row's own position attends to the new key from the
-            # projection and stores it (and the value) in the cache: no other program reads that
-            # cache row in this step, so the write needs no kernel of its own.
-            k_new = tl.load(k_new_ptr + row * stride_nkb + kv_head * stride_nh + dims)
-            v_new = tl.load(v_new_ptr + row * stride_nvb + kv_head * stride_nh + dims)
-            dest = tl.load(kv_rows_ptr + row).to(tl.int64) * stride_kl + kv_head * stride_kh
-            tl.store(k_ptr + dest + dims, k_new)
-            tl.store(v_ptr + dest + dims, v_new)
-            s = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], axis=1) * scale
-            m_new = tl.maximum(m_i, s)
-            alpha = tl.exp(m_i - m_new)
-            p = tl.exp(s - m_new)
-            l_i = l_i * alpha + p
-            acc = acc * alpha[:, None] + p[:, None] * v_new.to(tl.float32)[None, :]
-            m_i = m_new
         if SPLITS == 1:
             acc = acc / l_i[:, None]
             tl.store(out_ptr + row * stride_ob + heads[:, None] * stride_oh + dims[None, :],
@@ -157,15 +139,11 @@ def decode_splits(rows: int, kv_heads: int, max_len: int, dtype: torch.dtype) ->
     return -(-max_len // keys), keys
 
 
-def decode_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor,
-                     lengths: Tensor, kv_rows: Tensor) -> Tensor:
+def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, lengths: Tensor) -> Tensor:
     """``q [B, heads, d]`` over ``k_cache/v_cache [slots, L, kv_heads, d]`` -> ``[B, heads * d]``.
 
-    Each row's own key and value (``k``/``v [B, kv_heads, d]``, at position ``length - 1``) are
-    attended from the projection and stored in the cache at flat row ``kv_rows`` (slot * L +
-    position) by the same launch. Reads only each row's live keys (``lengths``, on the device);
-    splits them across programs when the batch is small (``decode_splits``). Rows must be in
-    distinct slots, as a decode step's are.
+    Reads only each row's live keys (``lengths``, on the device); splits them across programs
+    when the batch is small (``decode_splits``).
     """
     rows, heads, head_dim = q.shape
     kv_heads = k_cache.shape[2]
@@ -176,10 +154,8 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: 
     if splits > 1:
         part = torch.empty(rows, heads, splits, head_dim, dtype=torch.float32, device=q.device)
         stats = torch.empty(rows, heads, splits, 2, dtype=torch.float32, device=q.device)
-    assert k.stride(2) == v.stride(2) == 1 and k.stride(1) == v.stride(1), "new keys/values: contiguous heads"
     _decode_kernel[(rows, kv_heads, splits)](
-        q, k_cache, v_cache, out, part, stats, slots, lengths, head_dim ** -0.5, k, v, kv_rows, k.stride(0),
-        v.stride(0), k.stride(1),
+        q, k_cache, v_cache, out, part, stats, slots, lengths, head_dim ** -0.5,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(2), k_cache.stride(1),
         out.stride(0), out.stride(1),
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_N=BLOCK_N,

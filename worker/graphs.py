@@ -279,12 +279,8 @@ class CaptureJob:
                  mode_name(mode), size, seconds, entry.device_bytes, entry.reserved_bytes)
 
     def _over_budget(self, mode: int, size: int) -> None:
-        only = len(self.graphs.captured) == 1
         self._drop(mode, size, pb.FALLBACK_REASON_SIZE_OVER_BUDGET,
                    f"capturing it took graph memory over the budget {self.budget_bytes} B")
-        if only:  # the pool is empty again: give its memory back and start a fresh one
-            gc.collect()
-            self.graphs.pool = torch.cuda.graph_pool_handle()
         self.held = self.measure()
         if self.held > self.budget_bytes:
             self.stopped_by_budget = True  # what the pool keeps cannot be returned: stop here
@@ -293,6 +289,11 @@ class CaptureJob:
         entry = self.graphs.captured.pop((mode, size))
         for graph in entry.graphs:
             graph.reset()
+        if not self.graphs.captured:
+            # Its graphs were the pool's only users, so resetting them freed the pool: the next
+            # capture needs a fresh one (capturing into the freed pool fails an allocator assert).
+            gc.collect()
+            self.graphs.pool = torch.cuda.graph_pool_handle()
         self._skip(mode, size, reason, message)
 
     def _skip(self, mode: int, size: int, reason: int, message: str) -> None:

@@ -153,8 +153,9 @@ def _empty_model(config: ModelConfig, max_positions: int, device: torch.device, 
     if config.tie_word_embeddings:
         model.output.weight = model.tok_embeddings.weight
     cos, sin = rope_tables(config, max_positions)
-    model.rope_cos = cos.to(device)
-    model.rope_sin = sin.to(device)
+    # In the model's dtype once, here: a step looks rows up without a conversion kernel.
+    model.rope_cos = cos.to(device=device, dtype=dtype)
+    model.rope_sin = sin.to(device=device, dtype=dtype)
     return model
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import importlib.util
 import ipaddress
 import logging
 import math
@@ -226,8 +227,21 @@ def settings_from_args(args: argparse.Namespace) -> EngineSettings:
     )
 
 
+def missing_bytecode(module) -> str:
+    """The bytecode file ``module`` would load from, when it does not exist (else ''): without it
+    Python compiles the module's source at every start, which for torch costs seconds."""
+    source = getattr(module, "__file__", None)
+    if not source or not source.endswith(".py"):
+        return ""
+    cached = importlib.util.cache_from_source(source)
+    return "" if os.path.exists(cached) else cached
+
+
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if missing := missing_bytecode(torch):
+        log.warning("no compiled bytecode for torch (%s): every start compiles its modules from source; install "
+                    "with bytecode (pip's default) or set PYTHONPYCACHEPREFIX to a writable directory", missing)
     settings = settings_from_args(args)
     try:
         token = _read_token(args.control_token_file)

@@ -197,7 +197,7 @@ def make_row_pieces(config: ModelConfig) -> PieceFunctions:
         return (h, *qkv(h, cos, sin, norm, wqkv, wqkv_s))
 
     def last(h: Tensor, attn_out: Tensor, wo, wo_s, ffn_norm, w13, w13_s, w2, w2_s, final_norm) -> Tensor:
-        return ops.rms_norm(finish(h, attn_out, wo, wo_s, ffn_norm, w13, w13_s, w2, w2_s), final_norm, eps)
+        return norm_kernel.rms_norm(finish(h, attn_out, wo, wo_s, ffn_norm, w13, w13_s, w2, w2_s), final_norm, eps)
 
     return PieceFunctions(first, middle, last)
 

@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from graphkeeper.worker import pdl
+
 try:
     import triton
     import triton.language as tl
@@ -34,14 +36,18 @@ if triton is not None:
 
     @triton.jit
     def _add_rms_norm_kernel(r_ptr, d_ptr, w_ptr, h_ptr, out_ptr, N, eps, stride_r, stride_d, stride_h,
-                             stride_o, BLOCK: tl.constexpr):
+                             stride_o, BLOCK: tl.constexpr, ADD: tl.constexpr, USE_PDL: tl.constexpr):
+        if USE_PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         ok = cols < N
-        r = tl.load(r_ptr + row * stride_r + cols, mask=ok, other=0.0)
-        d = tl.load(d_ptr + row * stride_d + cols, mask=ok, other=0.0)
-        h = (r.to(tl.float32) + d.to(tl.float32)).to(r.dtype)
-        tl.store(h_ptr + row * stride_h + cols, h, mask=ok)
+        h = tl.load(r_ptr + row * stride_r + cols, mask=ok, other=0.0)
+        if ADD:  # the new residual stream, rounded to the model's dtype, is stored and normalised
+            d = tl.load(d_ptr + row * stride_d + cols, mask=ok, other=0.0)
+            h = (h.to(tl.float32) + d.to(tl.float32)).to(h.dtype)
+            tl.store(h_ptr + row * stride_h + cols, h, mask=ok)
         hf = h.to(tl.float32)
         rstd = 1.0 / tl.sqrt(tl.sum(hf * hf, axis=0) / N + eps)
         w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
@@ -58,5 +64,20 @@ def add_rms_norm(residual: Tensor, delta: Tensor, weight: Tensor, eps: float) ->
     if rows:
         block = triton.next_power_of_2(n)
         _add_rms_norm_kernel[(rows,)](residual, delta, weight, h, out, n, eps, residual.stride(0), delta.stride(0),
-                                      h.stride(0), out.stride(0), BLOCK=block, num_warps=min(16, max(1, block // 512)))
+                                      h.stride(0), out.stride(0), BLOCK=block, ADD=True,
+                                      num_warps=min(16, max(1, block // 512)), **pdl.launch_options())
     return h, out
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """``rms_norm(x) * weight`` for ``[T, dim]`` rows, one launch on CUDA (the same kernel, no add)."""
+    if not available(x.device) or x.dim() != 2 or x.stride(-1) != 1:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    rows, n = x.shape
+    out = torch.empty_like(x)
+    if rows:
+        block = triton.next_power_of_2(n)
+        _add_rms_norm_kernel[(rows,)](x, x, weight, x, out, n, eps, x.stride(0), x.stride(0), x.stride(0),
+                                      out.stride(0), BLOCK=block, ADD=False, num_warps=min(16, max(1, block // 512)),
+                                      **pdl.launch_options())
+    return out

@@ -39,8 +39,10 @@ try:
 except ImportError:  # pragma: no cover - CPU-only installs without triton
     triton = None
 
-#: What a program may hold in registers: band rows times the padded reduction length.
+#: What a program may hold in registers: band rows times the padded reduction length, and at most
+#: this many weight elements per thread (more spills).
 MAX_TILE_ELEMENTS = 32768
+MAX_THREAD_ELEMENTS = 128
 #: Longest reduction the kernel takes (its whole band is one tile).
 MAX_K = 16384
 PLAIN, GLU, ROPE = 0, 1, 2
@@ -55,7 +57,7 @@ class RowTile:
 
 
 DEFAULT = RowTile(2, 8)
-CANDIDATES = tuple(RowTile(n, w) for n in (1, 2, 4, 8, 16) for w in (4, 8))
+CANDIDATES = tuple(RowTile(n, w) for n in (1, 2, 4, 8, 16) for w in (2, 4, 8))
 
 #: What tuning measured: (mode, n, k, weight dtype) -> the fastest tile.
 _choices: dict[tuple[int, int, int, str], RowTile] = {}
@@ -76,7 +78,7 @@ def fits(tile: RowTile, mode: int, k: int, half: int = 0) -> bool:
     bands = 1 if mode == PLAIN else 2
     if mode == ROPE and half % tile.block_n:
         return False
-    return bands * tile.block_n * _pow2(k) <= MAX_TILE_ELEMENTS
+    return bands * tile.block_n * _pow2(k) <= min(MAX_TILE_ELEMENTS, MAX_THREAD_ELEMENTS * 32 * tile.warps)
 
 
 def _pow2(k: int) -> int:

@@ -105,6 +105,7 @@ def test_workers_turn_ready_only_after_their_capture_phase(release: Node):
         log = release.kubectl("logs", "-n", NAMESPACE, name, "--timestamps")
         lines = [ln for ln in log.splitlines() if re.search(r"\bREADY\b", ln)]
         assert lines, f"{name} never logged READY:\n{log[-3000:]}"
+        assert "no compiled bytecode" not in log, "the image ships torch without bytecode"
         became_ready = ts(lines[0].split()[0])
         cond = next(c for c in pod["status"]["conditions"] if c["type"] == "Ready")
         # Ready is reported by the kubelet's gRPC probe, after the worker said READY (second

@@ -250,6 +250,23 @@ def test_budget_that_fits_part_of_the_ladder_captures_what_fits():
         engine.drain_and_stop(5)
 
 
+def test_a_graph_that_fails_validation_first_leaves_the_rest_capturable(monkeypatch):
+    """Dropping the only graphs in the pool frees the pool; the next capture gets a fresh one."""
+    from graphkeeper.worker import graphs as graphs_module
+
+    real, calls = graphs_module.validate, []
+
+    def first_fails(graphs, mode, size, probe, tolerance):
+        calls.append((mode, size))
+        return "forced by the test" if len(calls) == 1 else real(graphs, mode, size, probe, tolerance)
+
+    monkeypatch.setattr(graphs_module, "validate", first_fails)
+    runner = make_runner("float32")
+    graphs = capture(runner, [(FULL, 8), (FULL, 4), (PIECEWISE, 8)], tolerance=1e-4)
+    assert set(graphs.skipped) == {(FULL, 8)} and "forced by the test" in graphs.skipped[(FULL, 8)].message
+    assert set(graphs.captured) == {(FULL, 4), (PIECEWISE, 8)}
+
+
 def test_injected_capture_failure_leaves_worker_ready_with_that_size_eager():
     engine = engine_for(policy(mode=pb.GRAPH_MODE_FULL_DECODE_ONLY), inject_capture_failures=frozenset({1}))
     try:
@@ -302,36 +319,25 @@ def test_disabled_tenant_runs_eager_while_others_replay():
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
-@pytest.mark.parametrize("rows", [1, 7, 64])
-def test_triton_decode_kernel_matches_sdpa_reference_and_stores_the_new_keys(dtype, tol, rows):
-    """Each row attends to its cached keys plus its own new key (from the projection), and the
-    same launch stores that key and value in the cache; nothing else in the cache changes."""
+def test_triton_decode_kernel_matches_sdpa_reference(dtype, tol):
     from graphkeeper.worker import decode_kernel
 
-    torch.manual_seed(rows)
-    kv_heads, length_max, d, heads = 2, 200, 64, 8
-    k = torch.randn(rows + 1, length_max, kv_heads, d, device="cuda", dtype=dtype)
+    torch.manual_seed(0)
+    slots_total, kv_heads, length_max, d, heads, rows = 9, 2, 200, 64, 8, 7
+    k = torch.randn(slots_total, length_max, kv_heads, d, device="cuda", dtype=dtype)
     v = torch.randn_like(k)
     q = torch.randn(rows, heads, d, device="cuda", dtype=dtype)
-    qkv = torch.randn(rows, heads + 2 * kv_heads, d, device="cuda", dtype=dtype)  # k, v as views of it
-    k_new, v_new = qkv[:, heads: heads + kv_heads], qkv[:, heads + kv_heads:]
-    slots = torch.randperm(rows + 1, device="cuda")[:rows]
-    lengths = torch.tensor([1, 17, 64, 65, 200, 129, 3] * 10, device="cuda")[:rows]
-    kv_rows = slots * length_max + lengths - 1
-    before_k, before_v = k.clone(), v.clone()
-    got = decode_kernel.decode_attention(q, k_new, v_new, k, v, slots, lengths, kv_rows).view(rows, heads, d).float()
+    slots = torch.tensor([3, 0, 8, 5, 5, 1, 2], device="cuda")
+    lengths = torch.tensor([1, 17, 64, 65, 200, 129, 3], device="cuda")
+    got = decode_kernel.decode_attention(q, k, v, slots, lengths).view(rows, heads, d).float()
     group = heads // kv_heads
     for r in range(rows):
-        n, s = int(lengths[r]), int(slots[r])
-        assert torch.equal(k[s, n - 1], k_new[r]) and torch.equal(v[s, n - 1], v_new[r])
-        k[s, n - 1], v[s, n - 1] = before_k[s, n - 1], before_v[s, n - 1]
-        keys = torch.cat((before_k[s, : n - 1], k_new[r][None])).float().transpose(0, 1).repeat_interleave(group, 0)
-        values = torch.cat((before_v[s, : n - 1], v_new[r][None])).float().transpose(0, 1)
-        values = values.repeat_interleave(group, 0)
+        n = int(lengths[r])
+        keys = k[slots[r], :n].float().transpose(0, 1).repeat_interleave(group, 0)
+        values = v[slots[r], :n].float().transpose(0, 1).repeat_interleave(group, 0)
         want = torch.softmax(q[r].float()[:, None, :] @ keys.transpose(1, 2) / d**0.5, -1) @ values
         rel = ((got[r] - want[:, 0]).norm() / want.norm()).item()
         assert rel < tol, (r, rel)
-    assert torch.equal(k, before_k) and torch.equal(v, before_v)  # only the new rows were written
 
 
 # --- the varlen kernel and mixed steps (Worker III) ------------------------------------------

@@ -82,6 +82,7 @@ def test_fused_add_rms_norm_matches_reference(dtype, tol, rows, dim):
     h_ref, out_ref = norm_kernel.reference(r, d, w, 1e-5)
     assert torch.equal(h, h_ref)  # the residual is the rounded sum, exactly as unfused
     assert rel(out, out_ref) < tol
+    assert rel(norm_kernel.rms_norm(r, w, 1e-5), torch.nn.functional.rms_norm(r, (dim,), w, 1e-5)) < tol
 
 
 # --- the one-token step: fused row kernels, programmatic dependent launch ------------------------

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import json
 import os
+import py_compile
 import socket
 import subprocess
+import types
 from pathlib import Path
 
 import pytest
@@ -23,6 +25,7 @@ from graphkeeper.worker.main import (
     drain_error,
     dtype_error,
     limit_errors,
+    missing_bytecode,
     model_error,
     model_root_errors,
     port_error,
@@ -207,3 +210,13 @@ def test_port_in_use_is_one_line_and_a_nonzero_exit(tmp_path):
     assert proc.returncode != 0
     assert "Traceback" not in proc.stderr + proc.stdout
     assert str(port) in proc.stderr.strip().splitlines()[-1]
+
+
+def test_missing_bytecode_names_the_file_python_would_otherwise_compile_at_every_start(tmp_path):
+    source = tmp_path / "module.py"
+    source.write_text("x = 1\n")
+    module = types.SimpleNamespace(__file__=str(source))
+    assert missing_bytecode(module).endswith(".pyc")
+    py_compile.compile(str(source))  # where the import system looks (pycache prefix included)
+    assert missing_bytecode(module) == ""
+    assert missing_bytecode(types.SimpleNamespace()) == ""  # a built-in module has no source

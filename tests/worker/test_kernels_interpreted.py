@@ -41,9 +41,11 @@ CHECKS = textwrap.dedent('''
     # Residual add + RMSNorm: the sum exactly, the norm to float32 rounding.
     r, d, wn = torch.randn(5, 96), torch.randn(5, 96), torch.rand(96) + 0.5
     h, out = torch.empty_like(r), torch.empty_like(r)
-    nk._add_rms_norm_kernel[(5,)](r, d, wn, h, out, 96, 1e-5, 96, 96, 96, 96, BLOCK=128)
+    nk._add_rms_norm_kernel[(5,)](r, d, wn, h, out, 96, 1e-5, 96, 96, 96, 96, BLOCK=128, ADD=True, USE_PDL=False)
     h_ref, out_ref = nk.reference(r, d, wn, 1e-5)
     assert torch.equal(h, h_ref) and rel(out, out_ref) < 1e-6
+    nk._add_rms_norm_kernel[(5,)](r, r, wn, r, out, 96, 1e-5, 96, 96, 96, 96, BLOCK=128, ADD=False, USE_PDL=False)
+    assert rel(out, F.rms_norm(r, (96,), wn, 1e-5)) < 1e-6
     # The KV write: one launch stores keys and values of every token at its cache row.
     cache_k, cache_v = torch.zeros(10, 2, 8), torch.zeros(10, 2, 8)
     kk, vv = torch.randn(3, 2, 8), torch.randn(3, 2, 8)

@@ -120,6 +120,7 @@ def test_row_tiles_fit_their_register_budget_and_rope_halves():
     assert not row_kernel.fits(row_kernel.RowTile(4, 8), row_kernel.PLAIN, 14336)  # 4 x 16384 elements
     assert not row_kernel.fits(row_kernel.RowTile(8, 4), row_kernel.ROPE, 2048, half=4)
     assert row_kernel.fits(row_kernel.RowTile(4, 4), row_kernel.ROPE, 2048, half=32)
+    assert not row_kernel.fits(row_kernel.RowTile(16, 4), row_kernel.PLAIN, 2048)  # 256 elements a thread
 
 
 def test_tuning_decisions_survive_the_cache_round_trip():
