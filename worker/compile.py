@@ -34,6 +34,7 @@ import torch
 from graphkeeper.proto import worker_pb2 as pb
 from graphkeeper.worker import ops, pdl, tuning
 from graphkeeper.worker.config import ModelConfig
+from graphkeeper.worker.linear_kernel import replay_seconds
 from graphkeeper.worker.model import PieceFunctions, make_pieces, make_row_pieces, row_pieces_fit
 
 log = logging.getLogger(__name__)
@@ -254,20 +255,4 @@ def _one_token_pass_seconds(model, pieces: PieceFunctions, replays: int = 5) -> 
             x = pieces.middle(x, attn, cos, sin, *model.layers[layer - 1].tail_weights(),
                               *model.layers[layer].head_weights())[0]
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        run()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            run()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    graph.reset()
-    return start.elapsed_time(end) / 1e3 / replays
+    return replay_seconds(run, replays=replays)

@@ -21,6 +21,8 @@ from graphkeeper.worker import pdl
 try:
     import triton
     import triton.language as tl
+
+    from graphkeeper.worker.pdl import await_inputs
 except ImportError:  # pragma: no cover - CPU-only installs without triton
     triton = None
 
@@ -59,9 +61,7 @@ if triton is not None:
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
         SPLIT_KEYS: tl.constexpr, SPLITS: tl.constexpr, IEEE: tl.constexpr, USE_PDL: tl.constexpr,
     ):
-        if USE_PDL:  # everything below reads what earlier kernels wrote
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
+        await_inputs(USE_PDL)  # everything below reads what earlier kernels wrote
         row = tl.program_id(0)
         kv_head = tl.program_id(1)
         split = tl.program_id(2)
@@ -102,9 +102,7 @@ if triton is not None:
     @triton.jit
     def _combine_kernel(part_ptr, stats_ptr, out_ptr, stride_ob, stride_oh, SPLITS: tl.constexpr,
                         SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, USE_PDL: tl.constexpr):
-        if USE_PDL:
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
+        await_inputs(USE_PDL)
         row = tl.program_id(0)
         head = tl.program_id(1)
         n_heads = tl.num_programs(1)

@@ -17,6 +17,8 @@ from graphkeeper.worker.config import ModelConfig
 try:
     import triton
     import triton.language as tl
+
+    from graphkeeper.worker.pdl import await_inputs
 except ImportError:  # pragma: no cover - CPU-only installs without triton
     triton = None
 
@@ -26,9 +28,7 @@ if triton is not None:
     def _write_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, rows_ptr, stride_k, stride_v,
                       ROW: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
         """Program (token, 0) stores the token's keys, (token, 1) its values, at its cache row."""
-        if USE_PDL:
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
+        await_inputs(USE_PDL)
         token = tl.program_id(0)
         which = tl.program_id(1)
         dest = tl.load(rows_ptr + token).to(tl.int64) * ROW
@@ -82,8 +82,8 @@ class KVCache:
                                       ROW=row, BLOCK=triton.next_power_of_2(row), num_warps=1,
                                       **pdl.launch_options())
             return
-        self.k[layer].view(-1, k.shape[1] * k.shape[2]).index_copy_(0, rows, k.reshape(t, -1))
-        self.v[layer].view(-1, v.shape[1] * v.shape[2]).index_copy_(0, rows, v.reshape(t, -1))
+        self.k[layer].view(-1, row).index_copy_(0, rows, k.reshape(t, -1))
+        self.v[layer].view(-1, row).index_copy_(0, rows, v.reshape(t, -1))
 
     def addresses(self) -> tuple[int, int]:
         """The buffers' device addresses; graphs recorded against others are stale."""

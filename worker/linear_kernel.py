@@ -17,6 +17,7 @@ weight shape and row bucket, cuBLAS included: the kernel replaces cuBLAS only wh
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -157,15 +158,24 @@ def graph_time(fn, weights: list[Tensor], replays: int = 5) -> float:
     """Seconds per launch of ``fn(weight)``, replayed from a CUDA graph that launches it once per
     weight copy (at least 20 launches)."""
     launches = max(20, len(weights))
+
+    def record() -> None:
+        for i in range(launches):
+            fn(weights[i % len(weights)])
+
+    return replay_seconds(record, warm=lambda: [fn(w) for w in weights[:2]], replays=replays) / launches
+
+
+def replay_seconds(record: Callable[[], None], warm: Callable[[], object] | None = None, replays: int = 5) -> float:
+    """GPU seconds per replay of a CUDA graph of ``record()``. ``warm`` (default: ``record``) runs
+    first, outside capture, so lazy state exists; one untimed replay precedes the timed ones."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        for w in weights[:2]:
-            fn(w)
+        (warm or record)()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, stream=stream):
-            for i in range(launches):
-                fn(weights[i % len(weights)])
+            record()
     torch.cuda.current_stream().wait_stream(stream)
     graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -175,7 +185,7 @@ def graph_time(fn, weights: list[Tensor], replays: int = 5) -> float:
     end.record()
     end.synchronize()
     graph.reset()
-    return start.elapsed_time(end) / 1e3 / (launches * replays)
+    return start.elapsed_time(end) / 1e3 / replays
 
 
 def reference(x: Tensor, weight: Tensor, scale: Tensor | None = None) -> Tensor:

@@ -18,6 +18,8 @@ from graphkeeper.worker import pdl
 try:
     import triton
     import triton.language as tl
+
+    from graphkeeper.worker.pdl import await_inputs
 except ImportError:  # pragma: no cover - CPU-only installs without triton
     triton = None
 
@@ -37,9 +39,7 @@ if triton is not None:
     @triton.jit
     def _add_rms_norm_kernel(r_ptr, d_ptr, w_ptr, h_ptr, out_ptr, N, eps, stride_r, stride_d, stride_h,
                              stride_o, BLOCK: tl.constexpr, ADD: tl.constexpr, USE_PDL: tl.constexpr):
-        if USE_PDL:
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
+        await_inputs(USE_PDL)
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         ok = cols < N

@@ -6,7 +6,8 @@ kernel is launched early: it loads what does not depend on its predecessor (a pr
 weights), waits at ``griddepcontrol.wait`` until the predecessor's writes are visible, and lets
 its own successor launch. Captured into a CUDA graph, the dependency becomes a programmatic edge.
 
-The worker's Triton kernels take ``USE_PDL`` and launch with ``launch_options()``. It is off until
+The worker's Triton kernels take ``USE_PDL``, call ``await_inputs`` and launch with
+``launch_options()``. It is off until
 ``probe`` has recorded and replayed a PDL launch in a CUDA graph on this device and checked its
 result, so an older driver or GPU runs the same kernels with plain launches.
 """
@@ -47,11 +48,17 @@ def set_enabled(value: bool) -> None:
 if triton is not None:
 
     @triton.jit
-    def _probe_kernel(x_ptr, out_ptr, USE_PDL: tl.constexpr):
-        i = tl.arange(0, 128)
+    def await_inputs(USE_PDL: tl.constexpr):
+        """Under PDL: waits until the previous kernel's writes are visible, then lets the next
+        kernel launch. A kernel calls it before it reads anything an earlier kernel wrote."""
         if USE_PDL:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
+
+    @triton.jit
+    def _probe_kernel(x_ptr, out_ptr, USE_PDL: tl.constexpr):
+        i = tl.arange(0, 128)
+        await_inputs(USE_PDL)
         tl.store(out_ptr + i, tl.load(x_ptr + i) + 1.0)
 
 

@@ -32,10 +32,13 @@ import torch
 from torch import Tensor
 
 from graphkeeper.worker import pdl
+from graphkeeper.worker.linear_kernel import graph_time, weight_copies
 
 try:
     import triton
     import triton.language as tl
+
+    from graphkeeper.worker.pdl import await_inputs
 except ImportError:  # pragma: no cover - CPU-only installs without triton
     triton = None
 
@@ -135,9 +138,7 @@ if triton is not None:
             b_ok = cols_b < (2 * N if MODE == 1 else N)
             w_b = tl.load(w_ptr + cols_b[:, None] * K + ks[None, :], mask=b_ok[:, None] & k_ok[None, :],
                           other=0.0)
-        if USE_PDL:
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
+        await_inputs(USE_PDL)
         dtype = out_ptr.dtype.element_ty
         x = tl.load(x_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
         if NORM:  # rms_norm: normalised and rounded, then times the weight and rounded
@@ -209,8 +210,6 @@ measurements: list[tuple[int, int, int, str, str, float]] = []
 def tune(mode: int, weight: Tensor, scale: Tensor | None, dtype: torch.dtype, half: int = 0) -> RowTile:
     """Times every tile that fits on ``weight`` for ``mode`` and keeps the fastest, as CUDA graphs
     of back-to-back launches over weight copies that leave L2 (``linear_kernel.graph_time``)."""
-    from graphkeeper.worker.linear_kernel import graph_time, weight_copies
-
     n_w, k = weight.shape
     key = (mode, n_w, k, str(weight.dtype))
     x = torch.randn(1, k, device=weight.device, dtype=dtype)
