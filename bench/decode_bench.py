@@ -34,6 +34,7 @@ from graphkeeper.worker.graphs import CapturedGraph, CaptureJob, GraphSet
 from graphkeeper.worker.kv_cache import KVCache
 from graphkeeper.worker.loader import LoadedModel, load_model, save_hf_directory
 from graphkeeper.worker.runner import ModelRunner, StepPlan
+from graphkeeper.worker.sampling import sample
 
 FULL = pb.GRAPH_MODE_FULL
 
@@ -108,7 +109,7 @@ def bench_ours(loaded: LoadedModel, batches: list[int], context: int, steps: int
 
         def run(plan=plan, b=b, meta=meta):
             hidden = graph_set.replay(FULL, b, meta) if graph_set else runner.forward_eager(meta, b)
-            return runner.logits(hidden, plan).argmax(-1)
+            return sample(runner.logits(hidden, plan), None)  # greedy, as the worker samples
 
         stats = timed(prep, run, steps)
         method = label or ("graphkeeper FULL graph" if graphs else "graphkeeper eager")

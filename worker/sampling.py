@@ -8,6 +8,9 @@ and the index of the token being sampled. A seeded request therefore gets the sa
 or in any batch, in any row, with any neighbours, and sampling is one set of vector operations
 for the whole batch instead of a generator call per row.
 
+Both argmaxes go through ``argmax_kernel.argmax``: torch's result, reduced in parallel over the
+vocabulary.
+
 Every accepted parameter is numerically safe: logits are shifted by their row maximum before
 the temperature divides them, so the largest scaled logit is 0 and nothing overflows, even at a
 temperature of 1e-45.
@@ -20,6 +23,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from torch import Tensor
+
+from graphkeeper.worker.argmax_kernel import argmax
 
 # splitmix64 constants, as signed 64-bit integers (torch has no unsigned 64-bit arithmetic).
 _GOLDEN = -0x61C8864680B583EB  # 0x9E3779B97F4A7C15
@@ -60,7 +65,7 @@ class SamplingBatch:
 
 def sample(logits: Tensor, batch: SamplingBatch | None) -> Tensor:
     """One token per row of ``logits`` ``[N, vocab]`` (float32), as a device tensor of int64."""
-    greedy = logits.argmax(dim=-1)
+    greedy = argmax(logits)
     if batch is None:
         return greedy
     device = logits.device
@@ -71,7 +76,7 @@ def sample(logits: Tensor, batch: SamplingBatch | None) -> Tensor:
                            torch.from_numpy(batch.top_p).to(device)[:, None])
     noise = exponential_noise(torch.from_numpy(batch.seeds).to(device),
                               torch.from_numpy(batch.sample_index).to(device), logits.shape[-1])
-    drawn = (probs / noise).argmax(dim=-1)
+    drawn = argmax(probs / noise)
     return torch.where(sampled, drawn, greedy)
 
 

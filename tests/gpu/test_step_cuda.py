@@ -85,6 +85,30 @@ def test_fused_add_rms_norm_matches_reference(dtype, tol, rows, dim):
     assert rel(norm_kernel.rms_norm(r, w, 1e-5), torch.nn.functional.rms_norm(r, (dim,), w, 1e-5)) < tol
 
 
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,vocab", [(1, 128256), (7, 32000), (64, 128256), (4, 8192)])
+def test_argmax_kernel_equals_torch_argmax(dtype, rows, vocab):
+    """Greedy decoding's argmax in two launches gives torch.argmax's index: ties to the first, a
+    maximum in the last chunk or on a chunk boundary, NaN; on a view of rows, and through sample()."""
+    from graphkeeper.worker import argmax_kernel, sampling
+
+    g = torch.Generator(device="cuda").manual_seed(rows + vocab)
+    x = torch.randn(rows + 1, vocab, device="cuda", generator=g).to(dtype)
+    x[0, vocab - 1] = 100.0
+    if rows >= 4:
+        x[1, 7] = x[1, vocab // 2] = 100.0
+        x[2, argmax_kernel.CHUNK - 1] = x[2, argmax_kernel.CHUNK] = 100.0
+        x[3, argmax_kernel.CHUNK] = float("nan")
+    rows_view = x[:rows]
+    want = rows_view.argmax(-1)
+    got = argmax_kernel.argmax(rows_view)
+    assert got.dtype == torch.int64 and torch.equal(got, want), (got, want)
+    assert torch.equal(sampling.sample(rows_view.float(), None), want)
+    if rows >= 4:
+        assert want[1] == 7 and want[2] == argmax_kernel.CHUNK - 1 and want[3] == argmax_kernel.CHUNK
+
+
 # --- the one-token step: fused row kernels, programmatic dependent launch ------------------------
 
 

@@ -18,7 +18,8 @@ pytest.importorskip("triton")
 CHECKS = textwrap.dedent('''
     import torch
     import torch.nn.functional as F
-    from graphkeeper.worker import kv_cache, linear_kernel as lk, norm_kernel as nk, row_kernel as rk
+    from graphkeeper.worker import argmax_kernel as ak, kv_cache, linear_kernel as lk, norm_kernel as nk
+    from graphkeeper.worker import row_kernel as rk
     from graphkeeper.worker.loader import load_model
     from graphkeeper.worker.model import apply_rope, make_row_pieces
     from graphkeeper.worker.quant import quantize
@@ -53,6 +54,21 @@ CHECKS = textwrap.dedent('''
     kv_cache._write_kernel[(3, 2)](kk, vv, cache_k, cache_v, where, 16, 16, ROW=16, BLOCK=16, USE_PDL=False)
     assert torch.equal(cache_k[where], kk) and torch.equal(cache_v[where], vv)
     assert cache_k[[0, 2, 3, 5, 6, 8, 9]].abs().sum() == 0
+    # Greedy argmax in two launches, against torch.argmax: ties across and within chunks (the first
+    # wins), a row of -inf, the maximum in the last (partial) chunk, NaN (it wins, as in torch).
+    for dt in (torch.float32, torch.float16):
+        x = torch.randn(6, 1000).to(dt)
+        x[1, 5] = x[1, 700] = 50.0
+        x[2, 130] = x[2, 131] = 50.0
+        x[3] = float("-inf")
+        x[4, 999] = 60.0
+        x[5, 300] = float("nan")
+        chunks = -(-1000 // 128)
+        values, index = torch.empty(6, chunks), torch.empty(6, chunks, dtype=torch.int32)
+        out = torch.empty(6, dtype=torch.int64)
+        ak._chunk_kernel[(6, chunks)](x, values, index, 1000, x.stride(0), chunks, CHUNK=128, USE_PDL=False)
+        ak._row_kernel[(6,)](values, index, out, 1000, chunks, CHUNKS_PAD=8, USE_PDL=False)
+        assert torch.equal(out, x.argmax(-1)) and out[1] == 5 and out[2] == 130, (dt, out, x.argmax(-1))
     # One-row fused products: plain, norm prologue, residual epilogue, GLU, RoPE, fp8; every tile.
     K, N, D = 96, 40, 8
     for dt in (torch.float16, torch.float32):
