@@ -108,8 +108,9 @@ def test_sigterm_drains_the_running_request_and_exits_zero(fresh_workers):
     # While draining: not ready, and new requests are refused; the running one keeps streaming.
     wait_until(lambda: worker.http_get("/readyz") == (503, "DRAINING\n"), what="readyz DRAINING")
     health = health_pb2_grpc.HealthStub(worker.channel)
-    status = health.Check(health_pb2.HealthCheckRequest(service=INFERENCE_SERVICE), timeout=5).status
-    assert status == health_pb2.HealthCheckResponse.NOT_SERVING
+    # The health service is told on the server's event loop, a moment after /readyz can see it.
+    wait_until(lambda: _health(health, INFERENCE_SERVICE) == health_pb2.HealthCheckResponse.NOT_SERVING,
+               what="inference health NOT_SERVING")
     with pytest.raises(grpc.RpcError) as err:
         generate(worker, make_request([1, 2], 2))
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
