@@ -110,8 +110,11 @@ class PolicyLoop:
     async def _run(self) -> None:
         delay = 0.0
         while True:
+            # asyncio.timeout, not wait_for: on Python 3.11 wait_for drops a cancellation that
+            # arrives in the same step as the wake, and shutdown would then wait on this loop forever.
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._woken.wait(), timeout=delay)
+                async with asyncio.timeout(delay):
+                    await self._woken.wait()
             await asyncio.sleep(COALESCE_SECONDS)
             self._woken.clear()
             try:

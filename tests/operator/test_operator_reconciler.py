@@ -267,3 +267,32 @@ def test_a_worker_that_joins_mid_rollout_with_the_new_generation_is_not_pushed_a
         await fleet.until("generation 2 everywhere", lambda: fleet.holding(2) == 5)
         return late.state.calls["ApplyGraphPolicy"]
     assert run(scenario, 4, capture_seconds=0.5) == 0
+
+
+def test_a_policy_loop_stops_when_cancelled_in_the_same_moment_it_is_woken():
+    """Shutdown cancels each policy loop; a wake at that moment (a worker call finishing) must not
+    swallow the cancellation, or shutdown waits on the loop forever (Python 3.11's
+    ``asyncio.wait_for`` returns the inner result when both happen in one step)."""
+    from graphkeeper.operator.reconciler import PolicyLoop
+
+    class Idle:
+        interval, runs = 0.5, 0
+
+        async def reconcile(self, loop) -> float:
+            self.runs += 1
+            return 30.0  # then the loop waits for a wake, up to 30 s
+
+    async def main() -> bool:
+        reconciler = Idle()
+        ref = PolicyRef(namespace="ns", name="p", uid="u", created="2026-11-30T00:00:00Z", generation=1, spec={})
+        loop = PolicyLoop(reconciler, ref)
+        while reconciler.runs == 0:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)  # now inside the timed wait for a wake
+        loop.wake()
+        loop.task.cancel()
+        done, _ = await asyncio.wait({loop.task}, timeout=2.0)
+        loop.task.cancel()  # lets the loop end if the first cancellation was lost
+        return bool(done) and loop.task.cancelled()
+
+    assert asyncio.run(main()), "the loop kept running after it was cancelled"
