@@ -49,13 +49,19 @@ INFERENCE_SERVICE = "graphkeeper.worker.v1.InferenceWorker"
 WORKER_KIND = os.environ.get("GRAPHKEEPER_TEST_WORKER", "real")
 
 
+#: Ports this session has handed out: the kernel may offer a closed port again before the
+#: process it was meant for binds it, and two tests' processes must never share one.
+_HANDED_OUT: set[int] = set()
+
+
 def free_port(span: int = 1) -> int:
-    """A loopback port whose next ``span - 1`` ports are free too (etcd takes three)."""
+    """A loopback port whose next ``span - 1`` ports are free too (etcd takes three), never one
+    handed out before in this session."""
     for _ in range(100):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             base = s.getsockname()[1]
-        if base + span >= 65535:
+        if base + span >= 65535 or _HANDED_OUT.intersection(range(base, base + span)):
             continue
         ok = True
         for p in range(base, base + span):
@@ -66,6 +72,7 @@ def free_port(span: int = 1) -> int:
                     ok = False
                     break
         if ok:
+            _HANDED_OUT.update(range(base, base + span))
             return base
     raise RuntimeError("no free loopback port")
 
