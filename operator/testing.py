@@ -17,12 +17,10 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from graphkeeper.proto import SERVER_OPTIONS
 from graphkeeper.proto import worker_pb2 as pb
 from graphkeeper.proto import worker_pb2_grpc as pb_grpc
 from graphkeeper.proto.policy import PolicyError, validate_policy
-
-#: Server options: no SO_REUSEPORT, as the worker's own servers.
-NO_PORT_SHARING = (("grpc.so_reuseport", 0),)
 
 
 @dataclass
@@ -179,12 +177,12 @@ class FakeWorkerServer:
                  servicer: type[FakeGraphControl] = FakeGraphControl,
                  separate_control: bool = False, control_port: int = 0) -> None:
         self.servicer = servicer(state)
-        # No SO_REUSEPORT (as the worker): a port another process holds fails the bind instead
-        # of splitting that port's connections between two servers.
-        self._server = grpc.aio.server(options=NO_PORT_SHARING)
+        # The worker's options: a port another process holds fails the bind instead of splitting
+        # that port's connections between two servers.
+        self._server = grpc.aio.server(options=SERVER_OPTIONS)
         pb_grpc.add_InferenceWorkerServicer_to_server(self.servicer, self._server)
         self.port = self._server.add_insecure_port(f"127.0.0.1:{port}")
-        self._control = grpc.aio.server(options=NO_PORT_SHARING) if separate_control else self._server
+        self._control = grpc.aio.server(options=SERVER_OPTIONS) if separate_control else self._server
         pb_grpc.add_GraphControlServicer_to_server(self.servicer, self._control)
         self.control_port = (self._control.add_insecure_port(f"127.0.0.1:{control_port}")
                              if separate_control else self.port)

@@ -25,6 +25,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from graphkeeper.proto import SERVER_OPTIONS
 from graphkeeper.proto import worker_pb2 as pb
 from graphkeeper.proto import worker_pb2_grpc as pb_grpc
 from graphkeeper.proto.policy import PolicyError
@@ -47,8 +48,6 @@ INLINE_TOKENIZE_CHARS = 4096
 #: the GPU's pace; tokens that arrive in between go out together in the next message.
 FLUSH_GAP_PER_STREAM = 0.0001
 MAX_FLUSH_GAP = 0.008
-#: gRPC options for every server: a second worker on the same port must fail, not share it.
-SERVER_OPTIONS = (("grpc.so_reuseport", 0),)
 
 
 @dataclass(eq=False)

@@ -20,7 +20,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -35,6 +34,7 @@ from typing import Any
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from ports import free_port  # tests/ports.py, shared by every suite
 
 kubernetes = pytest.importorskip("kubernetes")
 
@@ -47,34 +47,6 @@ CRD = ROOT / "deploy" / "crds" / "graphpolicy.yaml"
 GROUP, VERSION, PLURAL = "graphkeeper.io", "v1alpha1", "graphpolicies"
 INFERENCE_SERVICE = "graphkeeper.worker.v1.InferenceWorker"
 WORKER_KIND = os.environ.get("GRAPHKEEPER_TEST_WORKER", "real")
-
-
-#: Ports this session has handed out: the kernel may offer a closed port again before the
-#: process it was meant for binds it, and two tests' processes must never share one.
-_HANDED_OUT: set[int] = set()
-
-
-def free_port(span: int = 1) -> int:
-    """A loopback port whose next ``span - 1`` ports are free too (etcd takes three), never one
-    handed out before in this session."""
-    for _ in range(100):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + span >= 65535 or _HANDED_OUT.intersection(range(base, base + span)):
-            continue
-        ok = True
-        for p in range(base, base + span):
-            with socket.socket() as s:
-                try:
-                    s.bind(("127.0.0.1", p))
-                except OSError:
-                    ok = False
-                    break
-        if ok:
-            _HANDED_OUT.update(range(base, base + span))
-            return base
-    raise RuntimeError("no free loopback port")
 
 
 def wait_until(what: str, check: Callable[[], Any], timeout: float = 30.0,

@@ -85,7 +85,6 @@ def test_fused_add_rms_norm_matches_reference(dtype, tol, rows, dim):
     assert rel(norm_kernel.rms_norm(r, w, 1e-5), torch.nn.functional.rms_norm(r, (dim,), w, 1e-5)) < tol
 
 
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows,vocab", [(1, 128256), (7, 32000), (64, 128256), (4, 8192)])
 def test_argmax_kernel_equals_torch_argmax(dtype, rows, vocab):

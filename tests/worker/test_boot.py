@@ -13,7 +13,8 @@ import types
 from pathlib import Path
 
 import pytest
-from worker_harness import GRAPHKEEPER, free_port
+from ports import free_port
+from worker_harness import GRAPHKEEPER
 
 from graphkeeper.cli import build_parser
 from graphkeeper.proto import worker_pb2 as pb

@@ -10,7 +10,6 @@ import os
 import re
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -23,6 +22,7 @@ from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from ports import free_port  # tests/ports.py, shared by every suite
 
 from graphkeeper.proto import worker_pb2 as pb
 from graphkeeper.proto import worker_pb2_grpc as pb_grpc
@@ -36,22 +36,6 @@ BASE_ARGS = ("--max-num-seqs", "4", "--max-seq-len", "128", "--max-num-batched-t
 
 _SAMPLE_RE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)$")
 _LABEL_RE = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
-
-
-#: Ports handed out in this session: the kernel may offer a closed port again before the
-#: worker it was meant for binds it, and two workers must never be given the same one.
-_HANDED_OUT: set[int] = set()
-
-
-def free_port() -> int:
-    """A free loopback port, never one handed out before in this session."""
-    while True:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port not in _HANDED_OUT:
-            _HANDED_OUT.add(port)
-            return port
 
 
 class BearerToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
