@@ -34,6 +34,22 @@ def refused(worker, p: pb.GraphPolicy) -> grpc.RpcError:
     return err.value
 
 
+def adopted(worker, uid: str, generation: int) -> pb.GraphStatus:
+    """The status once the engine thread has adopted an accepted policy.
+
+    Right after ApplyGraphPolicy answers, the policy is pending or already adopted, never
+    neither; adoption happens on the engine thread, so a test waits for it.
+    """
+    now = worker.status()
+    assert (uid, generation) in {(now.pending_policy_uid, now.pending_policy_generation),
+                                 (now.policy_uid, now.policy_generation)}, now
+    wait_until(lambda: (worker.status().policy_uid, worker.status().policy_generation) == (uid, generation),
+               what=f"{uid} generation {generation} adopted")
+    status = worker.status()
+    assert (status.pending_policy_uid, status.pending_policy_generation) == ("", 0)
+    return status
+
+
 def greedy(worker) -> list[list[int]]:
     return [generate(worker, make_request(p, 12))[0] for p in PROMPTS]
 
@@ -42,8 +58,7 @@ def test_apply_policy_is_idempotent_and_never_goes_back(worker):
     assert worker.status().policy_generation == 0
     first = apply(worker, policy("uid-a", 1))
     assert (first.applied_generation, first.unchanged, first.recapture_started) == (1, False, False)
-    status = worker.status()
-    assert (status.policy_uid, status.policy_generation) == ("uid-a", 1)
+    status = adopted(worker, "uid-a", 1)
     assert status.requested_mode == pb.GRAPH_MODE_FULL
     assert status.effective_mode == pb.GRAPH_MODE_NONE
     again = apply(worker, policy("uid-a", 1))
@@ -53,8 +68,7 @@ def test_apply_policy_is_idempotent_and_never_goes_back(worker):
     stale = refused(worker, policy("uid-a", 1))
     assert stale.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "older" in stale.details() and "uid-a" in stale.details()
-    status = worker.status()
-    assert (status.policy_uid, status.policy_generation) == ("uid-a", 2)
+    status = adopted(worker, "uid-a", 2)
     assert status.requested_mode == pb.GRAPH_MODE_PIECEWISE
     assert status.effective_mode == pb.GRAPH_MODE_NONE
     wait_until(lambda: worker.metric("graphkeeper_policy_generation") == 2, what="policy generation 2")
@@ -119,7 +133,7 @@ def test_tenant_toggles_apply_without_recapture(worker):
 def test_another_policy_uid_is_told_apart(worker):
     response = apply(worker, policy("uid-other", 1))
     assert (response.applied_generation, response.unchanged) == (1, False)
-    assert (worker.status().policy_uid, worker.status().policy_generation) == ("uid-other", 1)
+    adopted(worker, "uid-other", 1)
 
 
 def test_worker_starts_with_the_policy_file(fresh_workers, tmp_path):
