@@ -30,6 +30,7 @@ import multiprocessing as mp
 import os
 import platform
 import random
+import signal
 import socket
 import statistics
 import subprocess
@@ -61,12 +62,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_worker(args: argparse.Namespace, flags: WorkerFlags, log_path: Path) -> tuple[subprocess.Popen, str, str]:
+def start_worker(args: argparse.Namespace, flags: WorkerFlags, log_path: Path,
+                 sample_out: Path | None = None) -> tuple[subprocess.Popen, str, str]:
+    """A worker process for one scenario (under ``thread_sampler`` when ``sample_out`` is given)."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     port, metrics = free_port(), free_port()
-    cmd = [sys.executable, "-m", "graphkeeper.cli", "worker", "--model", f"random:{args.preset}",
+    launcher = ["-m", "graphkeeper.cli"]
+    if sample_out is not None:
+        launcher = [str(Path(__file__).parent / "thread_sampler.py"), "--out", str(sample_out), "--"]
+    cmd = [sys.executable, *launcher, "worker", "--model", f"random:{args.preset}",
            "--device", args.device, "--dtype", args.dtype, "--port", str(port), "--metrics-port", str(metrics),
            "--max-num-seqs", str(flags.max_num_seqs), "--max-seq-len", "1024",
            "--max-num-batched-tokens", str(flags.budget), "--max-queue", "4096", "--log-level", "WARNING"]
@@ -238,6 +244,9 @@ def main() -> int:
     parser.add_argument("--client-procs", type=int, default=8)
     parser.add_argument("--worker-pythonpath", default="", help="run an older checkout's worker")
     parser.add_argument("--legacy", action="store_true", help="the worker predates --control-port")
+    parser.add_argument("--sample-threads", action="store_true",
+                        help="run each worker under bench/thread_sampler.py and keep its summary")
+    parser.add_argument("--no-step-times", action="store_true", help="skip timing the FULL-graph step afterwards")
     parser.add_argument("--label", default="")
     parser.add_argument("--out", default="")
     args = parser.parse_args()
@@ -256,8 +265,11 @@ def main() -> int:
     for scenario, budget in plan:
         streams = SCENARIOS[scenario][0]
         flags = WorkerFlags(max_num_seqs=max(64, streams), budget=budget or 512)
-        proc, target, metrics = start_worker(args, flags, logs / f"{scenario}-{budget}.log")
+        sample_out = logs / f"{scenario}-{budget}-threads.json" if args.sample_threads else None
+        proc, target, metrics = start_worker(args, flags, logs / f"{scenario}-{budget}.log", sample_out)
         try:
+            if sample_out is not None:
+                proc.send_signal(signal.SIGUSR1)  # the sampler counts the load only, not the startup
             before = scrape(metrics)
             row = drive(target, scenario, args.seconds, vocab, args.client_procs)
             row.update(coverage(before, scrape(metrics)))
@@ -266,13 +278,16 @@ def main() -> int:
         finally:
             proc.terminate()
             proc.wait(60)
+        if sample_out is not None and sample_out.exists():
+            row["thread_samples"] = json.loads(sample_out.read_text())
+            print(sampled_summary(row["thread_samples"]), flush=True)
         results["scenarios"].append(row)
         print(f"{scenario:<9} budget {flags.budget:>5}: {row['tokens_per_s']:>8.0f} tok/s, TTFT p50 "
               f"{row['ttft_ms'].get('p50', 0):.1f} ms p99 {row['ttft_ms'].get('p99', 0):.1f} ms, ITL p50 "
               f"{row['itl_ms'].get('p50', 0):.2f} ms p99 {row['itl_ms'].get('p99', 0):.2f} ms, coverage "
               f"{100 * row['coverage']:.1f}%, padding {100 * row['padding_waste']:.1f}%, errors {row['errors']}, "
               f"min requests/stream {row['min_requests_per_stream']}", flush=True)
-    if args.device == "cuda" and not args.legacy:
+    if args.device == "cuda" and not args.legacy and not args.no_step_times:
         batches = sorted({SCENARIOS[s][0] for s, _ in plan})
         steps = full_step_times(args, batches, context=256)
         results["full_step"] = {str(b): r for b, r in steps.items()}
@@ -287,6 +302,18 @@ def main() -> int:
         Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
     print(json.dumps({k: v for k, v in results.items() if k != "scenarios"}, indent=1)[:2000])
     return 0
+
+
+def sampled_summary(samples: dict, threads: tuple[str, ...] = ("engine", "MainThread"), top: int = 10) -> str:
+    """The largest innermost-function shares of the engine and event-loop threads, as text."""
+    lines = []
+    for name in threads:
+        info = samples["threads"].get(name)
+        if info:
+            for kind in ("innermost", "inclusive"):
+                shares = ", ".join(f"{100 * r['share']:.0f}% {r['function']}" for r in info[kind][:top])
+                lines.append(f"    {name} ({kind}): {shares}")
+    return "\n".join(lines)
 
 
 def _commit() -> str:

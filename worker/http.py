@@ -119,10 +119,12 @@ class MetricsServer:
             raise OSError(f"cannot bind the metrics port {self.host}:{self.port}: {self._error}") from self._error
         return self.port
 
-    def stop(self) -> None:
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stops serving and waits (up to ``timeout``) for the thread to end its open connections."""
         if self._loop is not None and self._server is not None:
             self._loop.call_soon_threadsafe(self._server.close)
             self._loop.call_soon_threadsafe(self._loop.stop)
+            self.thread.join(timeout)
 
     def _run(self) -> None:
         loop = self._loop = asyncio.new_event_loop()
@@ -135,7 +137,10 @@ class MetricsServer:
             return
         self.port = self._server.sockets[0].getsockname()[1]
         self._started.set()
-        loop.run_forever()
+        try:
+            loop.run_forever()
+        finally:
+            _end_tasks(loop)
 
     def _admit(self, writer: asyncio.StreamWriter) -> None:
         """At the cap, the connection that has waited longest for its request head gives way."""
@@ -168,6 +173,16 @@ class MetricsServer:
             self._waiting.pop(writer, None)
             self._open -= 1
             writer.close()
+
+
+def _end_tasks(loop: asyncio.AbstractEventLoop) -> None:
+    """Cancels the connections still open when the loop stopped and closes the loop, so no
+    handler is left pending for the garbage collector to finish on a closed loop."""
+    tasks = asyncio.all_tasks(loop)
+    for task in tasks:
+        task.cancel()
+    loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
+    loop.close()
 
 
 def serve_http(engine: Engine, host: str, port: int, *, max_connections: int = MAX_CONNECTIONS,
