@@ -109,7 +109,7 @@ def bench_ours(loaded: LoadedModel, batches: list[int], context: int, steps: int
 
         def run(plan=plan, b=b, meta=meta):
             hidden = graph_set.replay(FULL, b, meta) if graph_set else runner.forward_eager(meta, b)
-            return sample(runner.logits(hidden, plan), None)  # greedy, as the worker samples
+            return sample(runner.model.head(runner.sample_rows(hidden, plan)), None)  # greedy, as the worker samples
 
         stats = timed(prep, run, steps)
         method = label or ("graphkeeper FULL graph" if graphs else "graphkeeper eager")

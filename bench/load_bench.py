@@ -197,6 +197,7 @@ def drive(target: str, scenario: str, seconds: float, vocab: int, procs: int) ->
         "tokens_per_s": tokens / seconds, "errors": errors,
         "requests_completed": sum(per_stream), "min_requests_per_stream": min(per_stream),
         "ttft_ms": _percentiles(ttft), "itl_ms": _percentiles(itl),
+        "first_ttft_ms": [1e3 * part["ttft"][0] for part in parts if part["ttft"]],  # each client's first
     }
 
 
@@ -247,6 +248,7 @@ def main() -> int:
     parser.add_argument("--sample-threads", action="store_true",
                         help="run each worker under bench/thread_sampler.py and keep its summary")
     parser.add_argument("--no-step-times", action="store_true", help="skip timing the FULL-graph step afterwards")
+    parser.add_argument("--logs", default="", help="directory for the workers' logs (default: a new temp dir)")
     parser.add_argument("--label", default="")
     parser.add_argument("--out", default="")
     args = parser.parse_args()
@@ -258,7 +260,8 @@ def main() -> int:
         "commit": _commit(), "label": args.label, "preset": args.preset, "dtype": args.dtype,
         "gpu": _gpu_name(args.device), "host": platform.node(), "scenarios": [],
     }
-    logs = Path(tempfile.mkdtemp(prefix="load-bench-"))
+    logs = Path(args.logs) if args.logs else Path(tempfile.mkdtemp(prefix="load-bench-"))
+    logs.mkdir(parents=True, exist_ok=True)
     plan = [(s, args.budget) for s in args.scenarios.split(",") if s]
     if args.budgets:
         plan += [("mixed", int(b)) for b in args.budgets.split(",")]
@@ -267,17 +270,25 @@ def main() -> int:
         flags = WorkerFlags(max_num_seqs=max(64, streams), budget=budget or 512)
         sample_out = logs / f"{scenario}-{budget}-threads.json" if args.sample_threads else None
         proc, target, metrics = start_worker(args, flags, logs / f"{scenario}-{budget}.log", sample_out)
+        row: dict = {}
         try:
             if sample_out is not None:
                 proc.send_signal(signal.SIGUSR1)  # the sampler counts the load only, not the startup
             before = scrape(metrics)
-            row = drive(target, scenario, args.seconds, vocab, args.client_procs)
+            row.update(drive(target, scenario, args.seconds, vocab, args.client_procs))
             row.update(coverage(before, scrape(metrics)))
             row["token_budget"] = flags.budget
             row["max_num_seqs"] = flags.max_num_seqs
         finally:
+            stopping = time.perf_counter()
             proc.terminate()
-            proc.wait(60)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:  # a finding, not the benchmark's end
+                proc.kill()
+                proc.wait()
+                print(f"{scenario}: the worker had not exited 60 s after SIGTERM; killed", flush=True)
+            row["exit_seconds"] = time.perf_counter() - stopping  # SIGTERM to exit (drain included)
         if sample_out is not None and sample_out.exists():
             row["thread_samples"] = json.loads(sample_out.read_text())
             print(sampled_summary(row["thread_samples"]), flush=True)
@@ -286,7 +297,7 @@ def main() -> int:
               f"{row['ttft_ms'].get('p50', 0):.1f} ms p99 {row['ttft_ms'].get('p99', 0):.1f} ms, ITL p50 "
               f"{row['itl_ms'].get('p50', 0):.2f} ms p99 {row['itl_ms'].get('p99', 0):.2f} ms, coverage "
               f"{100 * row['coverage']:.1f}%, padding {100 * row['padding_waste']:.1f}%, errors {row['errors']}, "
-              f"min requests/stream {row['min_requests_per_stream']}", flush=True)
+              f"min requests/stream {row['min_requests_per_stream']}, exit {row['exit_seconds']:.1f} s", flush=True)
     if args.device == "cuda" and not args.legacy and not args.no_step_times:
         batches = sorted({SCENARIOS[s][0] for s, _ in plan})
         steps = full_step_times(args, batches, context=256)

@@ -88,32 +88,38 @@ class SlotAttention:
         """Sets the metadata the next forward pass attends with."""
         self.meta = meta
 
-    def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor, out: Tensor | None = None) -> Tensor:
+        """Writes the layer's keys and values and attends ``q``; into ``out`` ``[rows, heads * d]``
+        when given (PIECEWISE replay passes the next piece's input buffer), else a new tensor."""
         meta = self.meta
         assert meta is not None, "attention metadata not bound for this step"
         rows = q.shape[0]
-        self.cache.write(layer, meta.kv_rows[:rows], k, v)
+        cache = self.cache
+        cache.write(layer, _first(meta.kv_rows, rows), k, v)
         if meta.num_decode == rows:
-            return self._decode(layer, q, meta.slots[:rows], meta.lengths[:rows])
+            slots, lengths = _first(meta.slots, rows), _first(meta.lengths, rows)
+            if self.triton_decode:
+                return decode_kernel.decode_attention(q, cache.k_layers[layer], cache.v_layers[layer], slots, lengths,
+                                                      out)
+            return _into(out, self._decode(layer, q, slots, lengths))
         if self.triton_varlen:
             return varlen_kernel.varlen_attention(
-                q, self.cache.k[layer], self.cache.v[layer], meta.block_row, meta.block_len, meta.block_slot,
-                meta.block_pos, meta.num_blocks)
-        out = q.new_zeros(rows, self.n_heads * self.head_dim)
+                q, cache.k_layers[layer], cache.v_layers[layer], meta.block_row, meta.block_len, meta.block_slot,
+                meta.block_pos, meta.num_blocks, out)
+        result = q.new_zeros(rows, self.n_heads * self.head_dim)
         nd = meta.num_decode
         if nd:
-            out[:nd] = self._decode(layer, q[:nd], meta.slots[:nd], meta.lengths[:nd])
+            result[:nd] = self._decode(layer, q[:nd], meta.slots[:nd], meta.lengths[:nd])
         for chunk in meta.prefill:
             span = slice(chunk.row, chunk.row + chunk.length)
-            out[span] = self._prefill(layer, q[span], chunk)
-        return out
+            result[span] = self._prefill(layer, q[span], chunk)
+        return _into(out, result)
 
     def _decode(self, layer: int, q: Tensor, slots: Tensor, lengths: Tensor) -> Tensor:
-        if self.triton_decode:
-            return decode_kernel.decode_attention(q, self.cache.k[layer], self.cache.v[layer], slots, lengths)
+        """SDPA over each row's slot (the CPU's decode path)."""
         b = q.shape[0]
-        keys = self.cache.k[layer][slots].transpose(1, 2)  # [B, n_kv, L, d]
-        values = self.cache.v[layer][slots].transpose(1, 2)
+        keys = self.cache.k_layers[layer][slots].transpose(1, 2)  # [B, n_kv, L, d]
+        values = self.cache.v_layers[layer][slots].transpose(1, 2)
         query = q.view(b, self.n_kv, self.group, self.head_dim)
         mask = (self.key_positions[None, :] < lengths[:, None]).view(b, 1, 1, -1)
         out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask)
@@ -122,11 +128,23 @@ class SlotAttention:
     def _prefill(self, layer: int, q: Tensor, chunk: PrefillChunk) -> Tensor:
         n, g = chunk.length, self.group
         context = chunk.start + n
-        keys = self.cache.k[layer][chunk.slot, :context].transpose(0, 1)  # [n_kv, context, d]
-        values = self.cache.v[layer][chunk.slot, :context].transpose(0, 1)
+        keys = self.cache.k_layers[layer][chunk.slot, :context].transpose(0, 1)  # [n_kv, context, d]
+        values = self.cache.v_layers[layer][chunk.slot, :context].transpose(0, 1)
         # [n, n_kv, g, d] -> [n_kv, n * g, d]: row t*g + j is token t, head j of the group.
         query = q.view(n, self.n_kv, g, self.head_dim).permute(1, 0, 2, 3).reshape(self.n_kv, n * g, -1)
         token_pos = torch.arange(chunk.start, context, device=q.device).repeat_interleave(g)
         mask = self.key_positions[None, :context] <= token_pos[:, None]
         out = F.scaled_dot_product_attention(query[None], keys[None], values[None], attn_mask=mask)
         return out[0].view(self.n_kv, n, g, self.head_dim).permute(1, 0, 2, 3).reshape(n, -1)
+
+
+def _into(out: Tensor | None, value: Tensor) -> Tensor:
+    """``value``, copied into ``out`` when one is given."""
+    if out is None:
+        return value
+    return out.copy_(value)
+
+
+def _first(t: Tensor, rows: int) -> Tensor:
+    """``t[:rows]``, without a new view when ``t`` already has ``rows`` rows (every layer asks)."""
+    return t if t.shape[0] == rows else t[:rows]

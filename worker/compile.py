@@ -160,6 +160,16 @@ def use_cache_dir(root: str, key: str) -> str:
     return str(path)
 
 
+def compile_in_process() -> None:
+    """Inductor compiles in this process, with no pool of compile-worker processes (as vLLM
+    sets it). A pool outlives the compilation: its processes hold memory while the worker
+    serves, and its shutdown at exit waits for them, which kept a worker that had compiled
+    cold alive for over a minute after SIGTERM."""
+    import torch._inductor.config
+
+    torch._inductor.config.compile_threads = 1
+
+
 def dynamic_batch(fn: Callable, dynamic_args: int) -> Callable:
     """``torch.compile(fn)`` whose first ``dynamic_args`` arguments have a dynamic first dimension.
 
@@ -210,6 +220,7 @@ def prepare_step(model, *, compile: bool, cache_root: str, quantization: str, wa
         report.key = cache_key(model.config, model.tok_embeddings.weight.dtype, quantization, kernels.name,
                                capability, library_versions(), source_digest())
         report.cache_dir = use_cache_dir(cache_root, report.key)
+        compile_in_process()
         torch.compiler.reset()  # one engine per process: its previous step's compiled code is dropped
         pieces = compile_pieces(pieces)
     model.use_pieces(pieces, name)

@@ -137,8 +137,10 @@ def decode_splits(rows: int, kv_heads: int, max_len: int, dtype: torch.dtype) ->
     return -(-max_len // keys), keys
 
 
-def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, lengths: Tensor) -> Tensor:
-    """``q [B, heads, d]`` over ``k_cache/v_cache [slots, L, kv_heads, d]`` -> ``[B, heads * d]``.
+def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, lengths: Tensor,
+                     out: Tensor | None = None) -> Tensor:
+    """``q [B, heads, d]`` over ``k_cache/v_cache [slots, L, kv_heads, d]`` -> ``[B, heads * d]``,
+    written into ``out`` (contiguous ``[B, heads * d]``) when given.
 
     Reads only each row's live keys (``lengths``, on the device); splits them across programs
     when the batch is small (``decode_splits``).
@@ -147,7 +149,10 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor,
     kv_heads = k_cache.shape[2]
     group = heads // kv_heads
     splits, split_keys = decode_splits(rows, kv_heads, k_cache.shape[1], q.dtype)
-    out = torch.empty(rows, heads, head_dim, dtype=q.dtype, device=q.device)
+    if out is None:
+        out = torch.empty(rows, heads, head_dim, dtype=q.dtype, device=q.device)
+    else:
+        out = out.view(rows, heads, head_dim)
     part = stats = out
     if splits > 1:
         part = torch.empty(rows, heads, splits, head_dim, dtype=torch.float32, device=q.device)

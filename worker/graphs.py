@@ -88,14 +88,16 @@ class GraphSet:
         return self.runner.hidden[:size]
 
     def _replay_pieces(self, pieces: list[torch.cuda.CUDAGraph], size: int, meta: AttentionMetadata) -> None:
+        """The pieces in order, each layer's attention between them writing straight into the
+        next piece's input (host work per layer: two launches and a replay)."""
         buf = self._buffers()
+        q, k, v, o = buf["q"][:size], buf["k"][:size], buf["v"][:size], buf["o"][:size]
         attention = self.runner.attention
         attention.bind(meta)
         pieces[0].replay()
-        for layer in range(len(pieces) - 1):
-            out = attention(layer, buf["q"][:size], buf["k"][:size], buf["v"][:size])
-            buf["o"][:size].copy_(out)
-            pieces[layer + 1].replay()
+        for layer, piece in enumerate(pieces[1:]):
+            attention(layer, q, k, v, out=o)
+            piece.replay()
 
     def release(self) -> None:
         for entry in self.captured.values():

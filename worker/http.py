@@ -181,7 +181,8 @@ def _end_tasks(loop: asyncio.AbstractEventLoop) -> None:
     tasks = asyncio.all_tasks(loop)
     for task in tasks:
         task.cancel()
-    loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
+    if tasks:  # gather() of nothing would look for a current loop, and this thread has none
+        loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
     loop.close()
 
 

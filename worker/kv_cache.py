@@ -55,6 +55,8 @@ class KVCache:
         # Zeros, not empty: the dummy slot is read by padded rows and must hold finite values.
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
+        # Each layer's view, made once: a step indexes them per layer on the host's hot path.
+        self.k_layers, self.v_layers = list(self.k.unbind(0)), list(self.v.unbind(0))
 
     @property
     def dummy_slot(self) -> int:
@@ -78,12 +80,12 @@ class KVCache:
         row = k.shape[1] * k.shape[2]
         if triton is not None and k.is_cuda and k.stride(1) == k.shape[2] and v.stride(1) == v.shape[2]:
             if t:
-                _write_kernel[(t, 2)](k, v, self.k[layer], self.v[layer], rows, k.stride(0), v.stride(0),
+                _write_kernel[(t, 2)](k, v, self.k_layers[layer], self.v_layers[layer], rows, k.stride(0), v.stride(0),
                                       ROW=row, BLOCK=triton.next_power_of_2(row), num_warps=1,
                                       **pdl.launch_options())
             return
-        self.k[layer].view(-1, row).index_copy_(0, rows, k.reshape(t, -1))
-        self.v[layer].view(-1, row).index_copy_(0, rows, v.reshape(t, -1))
+        self.k_layers[layer].view(-1, row).index_copy_(0, rows, k.reshape(t, -1))
+        self.v_layers[layer].view(-1, row).index_copy_(0, rows, v.reshape(t, -1))
 
     def addresses(self) -> tuple[int, int]:
         """The buffers' device addresses; graphs recorded against others are stale."""

@@ -267,3 +267,7 @@ class Transformer(nn.Module):
     def logits(self, hidden: Tensor) -> Tensor:
         """Float32 logits for the rows of ``hidden`` that need a next token."""
         return self.output(hidden).float()
+
+    def head(self, hidden: Tensor) -> Tensor:
+        """The LM head's logits in the model's dtype (what ``sampling.sample`` takes)."""
+        return self.output(hidden)

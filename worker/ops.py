@@ -31,10 +31,16 @@ def _(x: Tensor, weight: Tensor, scale: Tensor | None) -> Tensor:
 
 
 def linear(x: Tensor, weight: Tensor, scale: Tensor | None = None) -> Tensor:
-    """``x @ weight.T`` (dequantized by ``scale``); plain ``F.linear`` where nothing else applies."""
+    """``x @ weight.T`` (dequantized by ``scale``); plain ``F.linear`` where nothing else applies.
+
+    Only code being compiled goes through the custom op: called eagerly (the uncompiled step, the
+    LM head after a replay) the op's dispatch would be Python overhead on the step's hot path.
+    """
     if x.device.type != "cuda" and scale is None:
         return F.linear(x, weight)
-    return _linear_op(x, weight, scale)
+    if torch.compiler.is_compiling():
+        return _linear_op(x, weight, scale)
+    return linear_kernel.linear(x, weight, scale)
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:

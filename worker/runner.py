@@ -21,8 +21,9 @@ from torch import Tensor
 from graphkeeper.worker.attention import BLOCK_Q, AttentionMetadata, PrefillChunk, SlotAttention
 from graphkeeper.worker.dispatcher import Decision
 from graphkeeper.worker.kv_cache import KVCache
+from graphkeeper.worker.linear_kernel import SKINNY_ROWS
 from graphkeeper.worker.loader import LoadedModel
-from graphkeeper.worker.sampling import SamplingBatch, sample
+from graphkeeper.worker.sampling import SamplingBatch, SamplingSpec, sample
 
 
 @dataclass
@@ -91,9 +92,21 @@ class ModelRunner:
         self.hidden = torch.zeros(max_tokens, loaded.config.dim, dtype=loaded.dtype, device=self.device)
         self.last_tokens = torch.zeros(cache.num_slots + cache.scratch_slots, dtype=torch.long, device=self.device)
         cuda = self.device.type == "cuda"
-        # Two pinned buffers: step N's tokens are read while step N+1's copy may be under way.
+        # Two pinned buffers each way, taken in turn with an event recorded after each copy. In:
+        # a copy from pageable memory may make the host wait for the step still running, one from
+        # pinned memory does not, and a buffer is refilled only once the copy that read it is done.
+        # Out: step N's tokens are read while step N+1's copy may be under way.
+        self._staging = [torch.zeros(len(self.ROWS) * max_tokens, dtype=torch.long, pin_memory=cuda)
+                         for _ in range(2)]
+        self._staged = [torch.cuda.Event() if cuda else None for _ in range(2)]
+        self._stage_turn = 0
         self._host = [torch.zeros(max_tokens, dtype=torch.long, pin_memory=cuda) for _ in range(2)]
+        self._sent = [torch.cuda.Event() if cuda else None for _ in range(2)]
         self._turn = 0
+        # Views of the static buffers, made once per (row, length): slicing is host work on the
+        # step's hot path, and these buffers never move while the runner lives.
+        self._views: dict[tuple[int, int], Tensor] = {}
+        self._staged_views: dict[tuple[int, int], tuple[Tensor, np.ndarray]] = {}
 
     # --- inputs ---------------------------------------------------------------------------
 
@@ -103,7 +116,8 @@ class ModelRunner:
         Decode rows' tokens are then gathered on the device from ``last_tokens``.
         """
         n, nd = plan.num_tokens, plan.num_decode
-        host = np.zeros((len(self.ROWS), rows), dtype=np.int64)
+        staged, host, turn = self._stage(rows)
+        host.fill(0)
         host[self.TOKENS, nd:n] = plan.prompt_tokens
         if plan.decode_tokens is not None:
             host[self.TOKENS, :nd] = plan.decode_tokens
@@ -118,11 +132,32 @@ class ModelRunner:
         ns = plan.num_samples
         host[self.SAMPLE_ROWS, :ns] = plan.sample_rows
         host[self.SAMPLE_SLOTS, :ns] = plan.sample_slots
-        # Pageable: the copy is staged at once and ordered after the step still running.
-        self.inputs[:, :rows].copy_(torch.from_numpy(host), non_blocking=True)
+        self._row(-1, rows).copy_(staged, non_blocking=True)
+        if self._staged[turn] is not None:
+            self._staged[turn].record()
         if nd and plan.decode_tokens is None:
-            self.inputs[self.TOKENS, :nd] = self.last_tokens[self.inputs[self.SLOTS, :nd]]
+            torch.index_select(self.last_tokens, 0, self._row(self.SLOTS, nd), out=self._row(self.TOKENS, nd))
         return self.metadata(rows, nd, plan.prefill, blocks)
+
+    def _row(self, row: int, n: int) -> Tensor:
+        """``inputs[row, :n]`` (every row for ``row == -1``), made once and kept."""
+        view = self._views.get((row, n))
+        if view is None:
+            view = self._views[(row, n)] = self.inputs[:, :n] if row < 0 else self.inputs[row, :n]
+        return view
+
+    def _stage(self, rows: int) -> tuple[Tensor, np.ndarray, int]:
+        """The next pinned staging buffer as a contiguous ``[len(ROWS), rows]`` tensor and its
+        numpy view, once the copy that last read it has completed; and its turn."""
+        turn = self._stage_turn
+        self._stage_turn ^= 1
+        if self._staged[turn] is not None:
+            self._staged[turn].synchronize()
+        views = self._staged_views.get((turn, rows))
+        if views is None:
+            staged = self._staging[turn][: len(self.ROWS) * rows].view(len(self.ROWS), rows)
+            views = self._staged_views[(turn, rows)] = (staged, staged.numpy())
+        return (*views, turn)
 
     def _block_table(self, host: np.ndarray, plan: StepPlan) -> int:
         """The varlen attention's work list: one block per decode row, and each prefill chunk cut
@@ -144,19 +179,19 @@ class ModelRunner:
         return b
 
     def metadata(self, rows: int, num_decode: int, prefill: list[PrefillChunk], blocks: int = 0) -> AttentionMetadata:
-        i = self.inputs
+        row, m = self._row, self.max_tokens
         return AttentionMetadata(
-            slots=i[self.SLOTS, :rows], positions=i[self.POSITIONS, :rows], lengths=i[self.LENGTHS, :rows],
-            kv_rows=i[self.KV_ROWS, :rows], num_decode=num_decode, prefill=prefill, num_blocks=blocks,
-            block_row=i[self.BLOCK_ROW], block_len=i[self.BLOCK_LEN], block_slot=i[self.BLOCK_SLOT],
-            block_pos=i[self.BLOCK_POS],
+            slots=row(self.SLOTS, rows), positions=row(self.POSITIONS, rows), lengths=row(self.LENGTHS, rows),
+            kv_rows=row(self.KV_ROWS, rows), num_decode=num_decode, prefill=prefill, num_blocks=blocks,
+            block_row=row(self.BLOCK_ROW, m), block_len=row(self.BLOCK_LEN, m), block_slot=row(self.BLOCK_SLOT, m),
+            block_pos=row(self.BLOCK_POS, m),
         )
 
     def tokens(self, rows: int) -> Tensor:
-        return self.inputs[self.TOKENS, :rows]
+        return self._row(self.TOKENS, rows)
 
     def positions(self, rows: int) -> Tensor:
-        return self.inputs[self.POSITIONS, :rows]
+        return self._row(self.POSITIONS, rows)
 
     # --- execution ------------------------------------------------------------------------
 
@@ -174,31 +209,50 @@ class ModelRunner:
         return self.model(self.tokens(rows), self.positions(rows), self.attention)
 
     def logits(self, hidden: Tensor, plan: StepPlan) -> Tensor:
-        """Float32 logits for the plan's sample rows; decode rows come first, so usually a slice."""
+        """Float32 logits for the plan's sample rows."""
+        return self.model.logits(self.sample_rows(hidden, plan))
+
+    def sample_rows(self, hidden: Tensor, plan: StepPlan) -> Tensor:
+        """The hidden states of the plan's sample rows; decode rows come first, so usually a slice."""
         ns = plan.num_samples
         if not plan.prefill:
-            return self.model.logits(hidden[:ns])
-        return self.model.logits(hidden.index_select(0, self.inputs[self.SAMPLE_ROWS, :ns]))
+            return hidden[:ns]
+        return hidden.index_select(0, self._row(self.SAMPLE_ROWS, ns))
 
     def sample_and_send(self, hidden: Tensor, plan: StepPlan) -> Launched:
         """Samples on the device, records each slot's new token, and starts the copy back."""
         ns = plan.num_samples
-        tokens = sample(self.logits(hidden, plan), plan.sampling)
-        self.last_tokens.index_copy_(0, self.inputs[self.SAMPLE_SLOTS, :ns], tokens)
-        host = self._host[self._turn]
+        tokens = sample(self.model.head(self.sample_rows(hidden, plan)), plan.sampling)
+        self.last_tokens.index_copy_(0, self._row(self.SAMPLE_SLOTS, ns), tokens)
+        host, done = self._host[self._turn], self._sent[self._turn]
         self._turn ^= 1
         host[:ns].copy_(tokens, non_blocking=True)
-        done = None
-        if self.device.type == "cuda":
-            done = torch.cuda.Event()
+        if done is not None:
             done.record()
         return Launched(host, done, ns)
 
     def warm_up(self, rows: int) -> None:
-        """One eager step on inert rows: loads kernels and libraries before capture or serving."""
+        """Eager steps on inert rows, so that every kernel a served step can launch is compiled
+        and loaded before capture or serving, not at a request's expense: a decode step of
+        ``rows`` rows (the first call, which a compiled step traces at), a prefill chunk (the
+        varlen attention, which capture never runs), and the LM head with greedy and drawn
+        sampling at every row count the skinny products bucket (Triton specializes on it)."""
+        dummy = self.cache.dummy_slot
         plan = StepPlan(prompt_tokens=[], positions=np.zeros(rows, dtype=np.int64),
-                        slots=np.full(rows, self.cache.dummy_slot, dtype=np.int64), num_decode=rows,
-                        sample_rows=np.arange(rows), sample_slots=np.full(rows, self.cache.dummy_slot),
+                        slots=np.full(rows, dummy, dtype=np.int64), num_decode=rows,
+                        sample_rows=np.arange(rows), sample_slots=np.full(rows, dummy),
                         decode_tokens=np.zeros(rows, dtype=np.int64))
-        meta = self.prepare(plan, rows)
-        self.sample_and_send(self.forward_eager(meta, rows), plan).tokens()
+        self.sample_and_send(self.forward_eager(self.prepare(plan, rows), rows), plan).tokens()
+        n = min(BLOCK_Q + 1, self.max_tokens, self.cache.max_seq_len)
+        chunk = StepPlan(prompt_tokens=[0] * n, positions=np.arange(n, dtype=np.int64),
+                         slots=np.full(n, dummy, dtype=np.int64), num_decode=0,
+                         prefill=[PrefillChunk(row=0, length=n, slot=dummy, start=0)],
+                         sample_rows=np.array([n - 1]), sample_slots=np.array([dummy]))
+        self.sample_and_send(self.forward_eager(self.prepare(chunk, n), n), chunk).tokens()
+        for m in sorted({*range(1, SKINNY_ROWS + 2), 2 * SKINNY_ROWS, 4 * SKINNY_ROWS}):
+            if m <= self.max_tokens:
+                sample(self.model.head(self.hidden[:m]), None)
+        drawn = SamplingBatch.build([SamplingSpec(temperature=1.0, top_k=8, top_p=0.9)], [0], np.zeros(1, np.int64))
+        sample(self.model.head(self.hidden[:1]), drawn)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)

@@ -64,10 +64,15 @@ class SamplingBatch:
 
 
 def sample(logits: Tensor, batch: SamplingBatch | None) -> Tensor:
-    """One token per row of ``logits`` ``[N, vocab]`` (float32), as a device tensor of int64."""
+    """One token per row of ``logits`` ``[N, vocab]``, as a device tensor of int64.
+
+    Greedy steps read the logits in whatever dtype the LM head made them (the argmax of bf16
+    values is the argmax of their float32 copies); sampling computes in float32.
+    """
     greedy = argmax(logits)
     if batch is None:
         return greedy
+    logits = logits.float()
     device = logits.device
     temperature = torch.from_numpy(batch.temperature).to(device)
     sampled = temperature > 0

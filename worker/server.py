@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import threading
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -60,11 +61,17 @@ class TokenStream:
 
 
 class StreamHub:
-    """Carries each step's outputs from the engine thread to the streams, in one loop callback."""
+    """Carries each step's outputs from the engine thread to the streams, in one loop callback.
+
+    Steps published while the loop has not yet run the last callback join it, so the engine
+    wakes the loop (a write to its self-pipe) at most once per loop pass rather than once per step.
+    """
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
         self.open_streams = 0
+        self._pending: list[list[tuple[Any, list[int], Any]]] = []
+        self._lock = threading.Lock()
 
     def flush_gap(self) -> float:
         """Seconds a stream waits after a write before its next one (0 with a single stream)."""
@@ -73,17 +80,25 @@ class StreamHub:
     def publish(self, updates: list[tuple[Any, list[int], Any]]) -> None:
         """Engine thread: ``(stream, new tokens, end)`` for each stream; ``end`` is a Completion, an
         exception that fails the stream, or None while it continues."""
-        if updates:
-            self.loop.call_soon_threadsafe(self._fan_out, updates)
+        if not updates:
+            return
+        with self._lock:
+            self._pending.append(updates)
+            wake = len(self._pending) == 1
+        if wake:
+            self.loop.call_soon_threadsafe(self._fan_out)
 
-    @staticmethod
-    def _fan_out(updates: list[tuple[TokenStream, list[int], Any]]) -> None:
-        for stream, tokens, end in updates:
-            if tokens:
-                stream.tokens.extend(tokens)
-            if end is not None:
-                stream.end = end
-            stream.wake.set()
+    def _fan_out(self) -> None:
+        """Event loop: every step published since the last pass, in the order the engine made them."""
+        with self._lock:
+            steps, self._pending = self._pending, []
+        for updates in steps:
+            for stream, tokens, end in updates:
+                if tokens:
+                    stream.tokens.extend(tokens)
+                if end is not None:
+                    stream.end = end
+                stream.wake.set()
 
 
 class InferenceServicer(pb_grpc.InferenceWorkerServicer):

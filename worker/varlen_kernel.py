@@ -82,9 +82,11 @@ def varlen_attention(
     q: Tensor, k_cache: Tensor, v_cache: Tensor, block_row: Tensor, block_len: Tensor, block_slot: Tensor,
     block_pos: Tensor, num_blocks: int, out: Tensor | None = None,
 ) -> Tensor:
-    """``q [T, heads, d]`` over ``k_cache/v_cache [slots, L, kv_heads, d]`` -> ``[T, heads * d]``.
+    """``q [T, heads, d]`` over ``k_cache/v_cache [slots, L, kv_heads, d]`` -> ``[T, heads * d]``,
+    written into ``out`` (contiguous ``[T, heads * d]``) when given.
 
-    Rows that no block covers (padding) are left as they are in ``out`` (zeros when allocated here).
+    Rows that no block covers (padding) are left as they are in ``out`` (zeros when allocated here):
+    they belong to no sequence, and only their finiteness matters.
     """
     rows, heads, head_dim = q.shape
     kv_heads = k_cache.shape[2]

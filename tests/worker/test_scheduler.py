@@ -90,6 +90,27 @@ def test_fan_out_is_one_callback_per_step_and_a_slow_stream_gets_its_tokens_toge
     assert tokens == [10, 11, 12, 13, 14] and woken  # five steps wait as one message
 
 
+def test_steps_published_before_the_loop_runs_wake_it_once_and_keep_their_order():
+    async def scenario() -> tuple[list[int], list[int]]:
+        loop = asyncio.get_running_loop()
+        hub, wakes = StreamHub(loop), []
+        real = loop.call_soon_threadsafe
+        loop.call_soon_threadsafe = lambda *a: (wakes.append(1), real(*a))[1]
+        stream = TokenStream()
+        for step in range(5):  # the loop does not run between these: one wake carries all five
+            hub.publish([(stream, [step], None)])
+        await asyncio.sleep(0.01)
+        counts = [len(wakes)]
+        hub.publish([(stream, [5], None)])  # the loop has drained: the next step wakes it again
+        await asyncio.sleep(0.01)
+        counts.append(len(wakes))
+        return stream.tokens, counts
+
+    tokens, wakes = asyncio.run(scenario())
+    assert tokens == [0, 1, 2, 3, 4, 5]
+    assert wakes == [1, 2]
+
+
 def test_pacing_grows_with_open_streams_and_is_off_for_one():
     hub = StreamHub(asyncio.new_event_loop())
     hub.open_streams = 1
