@@ -70,8 +70,9 @@ def start_worker(args: argparse.Namespace, flags: WorkerFlags, log_path: Path,
 
     port, metrics = free_port(), free_port()
     launcher = ["-m", "graphkeeper.cli"]
-    if sample_out is not None:
-        launcher = [str(Path(__file__).parent / "thread_sampler.py"), "--out", str(sample_out), "--"]
+    if sample_out is not None or args.switch_interval:
+        launcher = [str(Path(__file__).parent / "thread_sampler.py"), "--out", str(sample_out or ""),
+                    "--switch-interval", str(args.switch_interval), "--"]
     cmd = [sys.executable, *launcher, "worker", "--model", f"random:{args.preset}",
            "--device", args.device, "--dtype", args.dtype, "--port", str(port), "--metrics-port", str(metrics),
            "--max-num-seqs", str(flags.max_num_seqs), "--max-seq-len", "1024",
@@ -247,6 +248,8 @@ def main() -> int:
     parser.add_argument("--legacy", action="store_true", help="the worker predates --control-port")
     parser.add_argument("--sample-threads", action="store_true",
                         help="run each worker under bench/thread_sampler.py and keep its summary")
+    parser.add_argument("--switch-interval", type=float, default=0.0,
+                        help="run the workers with this interpreter switch interval, seconds (0: their own)")
     parser.add_argument("--no-step-times", action="store_true", help="skip timing the FULL-graph step afterwards")
     parser.add_argument("--logs", default="", help="directory for the workers' logs (default: a new temp dir)")
     parser.add_argument("--label", default="")
@@ -257,7 +260,8 @@ def main() -> int:
     vocab = PRESETS[args.preset].vocab_size
     results: dict = {
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), "command": " ".join(sys.argv),
-        "commit": _commit(), "label": args.label, "preset": args.preset, "dtype": args.dtype,
+        "commit": _commit(), "label": args.label, "switch_interval": args.switch_interval,
+        "preset": args.preset, "dtype": args.dtype,
         "gpu": _gpu_name(args.device), "host": platform.node(), "scenarios": [],
     }
     logs = Path(args.logs) if args.logs else Path(tempfile.mkdtemp(prefix="load-bench-"))

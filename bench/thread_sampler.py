@@ -1,4 +1,5 @@
-"""Runs a worker under a sampling profiler of its Python threads, to see what sets a step's pace.
+"""Runs a worker under a sampling profiler of its Python threads, to see what sets a step's pace
+(and, for experiments, with another interpreter switch interval).
 
 Every ``--interval`` seconds a daemon thread reads each other thread's innermost frames
 (``sys._current_frames``) and counts the stack; at exit it writes, per thread, the share of
@@ -120,15 +121,22 @@ def _innermost_shares(counter: collections.Counter, top: int) -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", required=True)
+    parser.add_argument("--out", default="", help="where the samples go (none taken without it)")
     parser.add_argument("--interval", type=float, default=0.002)
+    parser.add_argument("--switch-interval", type=float, default=0.0,
+                        help="the worker's interpreter switch interval, seconds (0: the worker's own)")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="-- then graphkeeper's command line")
     args = parser.parse_args()
     worker_args = args.args[1:] if args.args[:1] == ["--"] else args.args
-    sampler = Sampler(args.interval)
-    atexit.register(lambda: Path(args.out).write_text(json.dumps(sampler.summary(), indent=1) + "\n"))
-    signal.signal(signal.SIGUSR1, sampler.reset)
-    sampler.thread.start()
+    if args.out:
+        sampler = Sampler(args.interval)
+        atexit.register(lambda: Path(args.out).write_text(json.dumps(sampler.summary(), indent=1) + "\n"))
+        signal.signal(signal.SIGUSR1, sampler.reset)
+        sampler.thread.start()
+    if args.switch_interval:
+        from graphkeeper.worker import main as worker_main
+
+        worker_main.SWITCH_INTERVAL_SECONDS = args.switch_interval
     from graphkeeper.cli import main as graphkeeper_main
 
     sys.argv = ["graphkeeper", *worker_args]
