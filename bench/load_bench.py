@@ -70,9 +70,9 @@ def start_worker(args: argparse.Namespace, flags: WorkerFlags, log_path: Path,
 
     port, metrics = free_port(), free_port()
     launcher = ["-m", "graphkeeper.cli"]
-    if sample_out is not None or args.switch_interval:
+    if sample_out is not None or args.switch_interval or args.flush_gap:
         launcher = [str(Path(__file__).parent / "thread_sampler.py"), "--out", str(sample_out or ""),
-                    "--switch-interval", str(args.switch_interval), "--"]
+                    "--switch-interval", str(args.switch_interval), "--flush-gap", str(args.flush_gap), "--"]
     cmd = [sys.executable, *launcher, "worker", "--model", f"random:{args.preset}",
            "--device", args.device, "--dtype", args.dtype, "--port", str(port), "--metrics-port", str(metrics),
            "--max-num-seqs", str(flags.max_num_seqs), "--max-seq-len", "1024",
@@ -250,6 +250,8 @@ def main() -> int:
                         help="run each worker under bench/thread_sampler.py and keep its summary")
     parser.add_argument("--switch-interval", type=float, default=0.0,
                         help="run the workers with this interpreter switch interval, seconds (0: their own)")
+    parser.add_argument("--flush-gap", type=float, default=0.0,
+                        help="run the workers with this stream pacing per open stream, seconds (0: their own)")
     parser.add_argument("--no-step-times", action="store_true", help="skip timing the FULL-graph step afterwards")
     parser.add_argument("--logs", default="", help="directory for the workers' logs (default: a new temp dir)")
     parser.add_argument("--label", default="")
@@ -261,7 +263,7 @@ def main() -> int:
     results: dict = {
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), "command": " ".join(sys.argv),
         "commit": _commit(), "label": args.label, "switch_interval": args.switch_interval,
-        "preset": args.preset, "dtype": args.dtype,
+        "flush_gap": args.flush_gap, "preset": args.preset, "dtype": args.dtype,
         "gpu": _gpu_name(args.device), "host": platform.node(), "scenarios": [],
     }
     logs = Path(args.logs) if args.logs else Path(tempfile.mkdtemp(prefix="load-bench-"))

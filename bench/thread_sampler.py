@@ -1,5 +1,5 @@
 """Runs a worker under a sampling profiler of its Python threads, to see what sets a step's pace
-(and, for experiments, with another interpreter switch interval).
+(and, for experiments, with another interpreter switch interval or stream pacing).
 
 Every ``--interval`` seconds a daemon thread reads each other thread's innermost frames
 (``sys._current_frames``) and counts the stack; at exit it writes, per thread, the share of
@@ -125,6 +125,9 @@ def main() -> None:
     parser.add_argument("--interval", type=float, default=0.002)
     parser.add_argument("--switch-interval", type=float, default=0.0,
                         help="the worker's interpreter switch interval, seconds (0: the worker's own)")
+    parser.add_argument("--flush-gap", type=float, default=0.0,
+                        help="the API layer's pacing per open stream, seconds, with 200 times it as its cap "
+                             "(0: the worker's own)")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="-- then graphkeeper's command line")
     args = parser.parse_args()
     worker_args = args.args[1:] if args.args[:1] == ["--"] else args.args
@@ -137,6 +140,10 @@ def main() -> None:
         from graphkeeper.worker import main as worker_main
 
         worker_main.SWITCH_INTERVAL_SECONDS = args.switch_interval
+    if args.flush_gap:
+        from graphkeeper.worker import server
+
+        server.FLUSH_GAP_PER_STREAM, server.MAX_FLUSH_GAP = args.flush_gap, 200 * args.flush_gap
     from graphkeeper.cli import main as graphkeeper_main
 
     sys.argv = ["graphkeeper", *worker_args]
