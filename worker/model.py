@@ -264,10 +264,10 @@ class Transformer(nn.Module):
             h, q, k, v = self.middle_piece(layer, h, attend(layer - 1, q, k, v), cos, sin)
         return self.last_piece(h, attend(self.config.n_layers - 1, q, k, v))
 
-    def logits(self, hidden: Tensor) -> Tensor:
-        """Float32 logits for the rows of ``hidden`` that need a next token."""
-        return self.output(hidden).float()
-
     def head(self, hidden: Tensor) -> Tensor:
         """The LM head's logits in the model's dtype (what ``sampling.sample`` takes)."""
         return self.output(hidden)
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        """Float32 logits for the rows of ``hidden`` that need a next token."""
+        return self.head(hidden).float()
