@@ -15,6 +15,8 @@ from worker_harness import Worker
 from graphkeeper.worker.http import MetricsServer, Request, parse_request_head, route
 
 TIMEOUT = 0.5
+#: The server's thread ends its connections when it stops; an exception there fails the test.
+pytestmark = pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")
 
 
 def endpoints() -> dict:

@@ -1,0 +1,80 @@
+"""The runner's host side on the CPU: each step's inputs land in the static buffers whatever came
+before (two staging buffers are taken in turn), decode rows read their token from the device,
+greedy sampling takes the LM head's own dtype, and the warm-up runs a prefill chunk too."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from graphkeeper.worker.attention import PrefillChunk
+from graphkeeper.worker.kv_cache import KVCache
+from graphkeeper.worker.loader import load_model
+from graphkeeper.worker.runner import ModelRunner, StepPlan
+from graphkeeper.worker.sampling import SamplingBatch, SamplingSpec, sample
+
+ROWS = 8
+
+
+@pytest.fixture(scope="module")
+def runner() -> ModelRunner:
+    loaded = load_model("random:tiny", device="cpu", dtype="float32", max_positions=64)
+    cache = KVCache(loaded.config, 4, 64, device=loaded.device, dtype=loaded.dtype)
+    return ModelRunner(loaded, cache, max_tokens=32)
+
+
+def decode_plan(slots: list[int], positions: list[int], tokens: list[int] | None) -> StepPlan:
+    n = len(slots)
+    return StepPlan(prompt_tokens=[], positions=np.array(positions), slots=np.array(slots), num_decode=n,
+                    sample_rows=np.arange(n), sample_slots=np.array(slots),
+                    decode_tokens=None if tokens is None else np.array(tokens))
+
+
+def prefill_plan(slot: int, tokens: list[int]) -> StepPlan:
+    n = len(tokens)
+    return StepPlan(prompt_tokens=tokens, positions=np.arange(n), slots=np.full(n, slot), num_decode=0,
+                    prefill=[PrefillChunk(row=0, length=n, slot=slot, start=0)],
+                    sample_rows=np.array([n - 1]), sample_slots=np.array([slot]))
+
+
+def row(runner: ModelRunner, name: int, rows: int = ROWS) -> list[int]:
+    return runner.inputs[name, :rows].tolist()
+
+
+def test_each_step_finds_its_own_inputs_whatever_ran_before(runner):
+    dummy = runner.cache.dummy_slot
+    steps = [decode_plan([0, 2, 3], [5, 9, 1], [11, 12, 13]), prefill_plan(1, [21, 22, 23, 24, 25]),
+             decode_plan([2], [10], [14]), decode_plan([0, 2, 3], [6, 10, 2], [15, 16, 17])]
+    for plan in steps:  # more steps than staging buffers, of different shapes, back to back
+        runner.prepare(plan, ROWS)
+        n = plan.num_tokens
+        want_tokens = list(plan.decode_tokens) if plan.decode_tokens is not None else plan.prompt_tokens
+        assert row(runner, runner.TOKENS) == [*want_tokens, *[0] * (ROWS - n)]
+        assert row(runner, runner.POSITIONS) == [*plan.positions.tolist(), *[0] * (ROWS - n)]
+        assert row(runner, runner.SLOTS) == [*plan.slots.tolist(), *[dummy] * (ROWS - n)]
+        assert row(runner, runner.LENGTHS) == [p + 1 for p in row(runner, runner.POSITIONS)]
+        ns = plan.num_samples
+        assert row(runner, runner.SAMPLE_SLOTS, ns) == plan.sample_slots.tolist()
+
+
+def test_decode_rows_take_their_slots_latest_token_on_the_device(runner):
+    runner.last_tokens[:4] = torch.tensor([40, 41, 42, 43])
+    runner.prepare(decode_plan([3, 0, 2], [4, 4, 4], None), ROWS)
+    assert row(runner, runner.TOKENS, 3) == [43, 40, 42]
+
+
+def test_greedy_takes_any_float_dtype_and_drawing_computes_in_float32():
+    logits = torch.randn(5, 300).to(torch.bfloat16)
+    assert torch.equal(sample(logits, None), logits.float().argmax(-1))
+    batch = SamplingBatch.build([SamplingSpec(temperature=0.8, top_k=20, top_p=0.9)] * 5, [7, 8, 9, 10, 11],
+                                np.arange(5))
+    assert torch.equal(sample(logits, batch), sample(logits.float(), batch))
+
+
+def test_warm_up_runs_a_prefill_chunk_as_well_as_a_decode_step(runner):
+    dummy = runner.cache.dummy_slot
+    runner.cache.k[:, dummy].zero_()
+    runner.warm_up(4)  # the decode rows write position 0 only; the chunk writes the positions after it
+    written = runner.cache.k[0, dummy].abs().sum(dim=(-1, -2))
+    assert written[0] > 0 and (written[1:16] > 0).all()
