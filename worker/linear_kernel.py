@@ -69,6 +69,13 @@ def bucket(rows: int) -> int:
     return 0
 
 
+def warm_rows(max_rows: int) -> list[int]:
+    """Row counts that reach every kernel variant ``choose`` can pick (Triton specializes on the
+    count's value, so every count of the buckets), the first count beyond them and a full fp8 row
+    tile; those up to ``max_rows``. Running a product at each loads it before any request needs it."""
+    return sorted(r for r in {*range(1, SKINNY_ROWS + 2), 2 * SKINNY_ROWS, ROW_TILE} if r <= max_rows)
+
+
 def choose(rows: int, weight: Tensor) -> Tile | None:
     """The tile that computes a ``rows``-row product with ``weight``, or None for ``F.linear``.
 

@@ -21,7 +21,7 @@ from torch import Tensor
 from graphkeeper.worker.attention import BLOCK_Q, AttentionMetadata, PrefillChunk, SlotAttention
 from graphkeeper.worker.dispatcher import Decision
 from graphkeeper.worker.kv_cache import KVCache
-from graphkeeper.worker.linear_kernel import SKINNY_ROWS
+from graphkeeper.worker.linear_kernel import warm_rows
 from graphkeeper.worker.loader import LoadedModel
 from graphkeeper.worker.sampling import SamplingBatch, SamplingSpec, sample
 
@@ -105,7 +105,7 @@ class ModelRunner:
         self._turn = 0
         # Views of the static buffers, made once per (row, length): slicing is host work on the
         # step's hot path, and these buffers never move while the runner lives.
-        self._views: dict[tuple[int, int], Tensor] = {}
+        self._views: dict[tuple[int | None, int], Tensor] = {}
         self._staged_views: dict[tuple[int, int], tuple[Tensor, np.ndarray]] = {}
 
     # --- inputs ---------------------------------------------------------------------------
@@ -132,18 +132,18 @@ class ModelRunner:
         ns = plan.num_samples
         host[self.SAMPLE_ROWS, :ns] = plan.sample_rows
         host[self.SAMPLE_SLOTS, :ns] = plan.sample_slots
-        self._row(-1, rows).copy_(staged, non_blocking=True)
+        self._row(None, rows).copy_(staged, non_blocking=True)
         if self._staged[turn] is not None:
             self._staged[turn].record()
         if nd and plan.decode_tokens is None:
             torch.index_select(self.last_tokens, 0, self._row(self.SLOTS, nd), out=self._row(self.TOKENS, nd))
         return self.metadata(rows, nd, plan.prefill, blocks)
 
-    def _row(self, row: int, n: int) -> Tensor:
-        """``inputs[row, :n]`` (every row for ``row == -1``), made once and kept."""
+    def _row(self, row: int | None, n: int) -> Tensor:
+        """``inputs[row, :n]`` (``inputs[:, :n]`` for ``row=None``), made once and kept."""
         view = self._views.get((row, n))
         if view is None:
-            view = self._views[(row, n)] = self.inputs[:, :n] if row < 0 else self.inputs[row, :n]
+            view = self._views[(row, n)] = self.inputs[:, :n] if row is None else self.inputs[row, :n]
         return view
 
     def _stage(self, rows: int) -> tuple[Tensor, np.ndarray, int]:
@@ -249,9 +249,8 @@ class ModelRunner:
                          prefill=[PrefillChunk(row=0, length=n, slot=dummy, start=0)],
                          sample_rows=np.array([n - 1]), sample_slots=np.array([dummy]))
         self.sample_and_send(self.forward_eager(self.prepare(chunk, n), n), chunk).tokens()
-        for m in sorted({*range(1, SKINNY_ROWS + 2), 2 * SKINNY_ROWS, 4 * SKINNY_ROWS}):
-            if m <= self.max_tokens:
-                sample(self.model.head(self.hidden[:m]), None)
+        for m in warm_rows(self.max_tokens):
+            sample(self.model.head(self.hidden[:m]), None)
         drawn = SamplingBatch.build([SamplingSpec(temperature=1.0, top_k=8, top_p=0.9)], [0], np.zeros(1, np.int64))
         sample(self.model.head(self.hidden[:1]), drawn)
         if self.device.type == "cuda":
