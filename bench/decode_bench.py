@@ -30,11 +30,11 @@ import torch
 from graphkeeper.proto import worker_pb2 as pb
 from graphkeeper.proto.policy import default_ladder, mode_name, reason_name
 from graphkeeper.worker.engine import Engine, EngineSettings
-from graphkeeper.worker.graphs import CapturedGraph, CaptureJob, GraphSet
-from graphkeeper.worker.kv_cache import KVCache
-from graphkeeper.worker.loader import LoadedModel, load_model, save_hf_directory
-from graphkeeper.worker.runner import ModelRunner, StepPlan
-from graphkeeper.worker.sampling import sample
+from graphkeeper.worker.executor.graphs.capture import CapturedGraph, CaptureJob, GraphSet
+from graphkeeper.worker.executor.runner import ModelRunner, StepPlan
+from graphkeeper.worker.executor.sampling import sample
+from graphkeeper.worker.model.kv_cache import KVCache
+from graphkeeper.worker.model.loader import LoadedModel, load_model, save_hf_directory
 
 FULL = pb.GRAPH_MODE_FULL
 
@@ -77,7 +77,7 @@ def decode_plan(batch: int, context: int, vocab: int) -> StepPlan:
 def prepare(runner: ModelRunner, step: str, cache_root: str = "") -> dict:
     """Builds the runner's step as the worker would: ``plain`` torch ops, ``fused`` (-O1: Triton
     kernels, uncompiled) or ``compiled`` (-O2); returns the compile report as a dict."""
-    from graphkeeper.worker.compile import DEFAULT_CACHE_DIR, prepare_step
+    from graphkeeper.worker.model.step import DEFAULT_CACHE_DIR, prepare_step
 
     rows = min(64, runner.max_tokens)
     if step == "plain":
@@ -191,7 +191,7 @@ def _transformers_batch(hf, static_cache, b: int, context: int, steps: int) -> d
 
 def bench_ladder(loaded: LoadedModel, max_num_seqs: int, max_tokens: int, mode: int, context: int) -> dict:
     """Captures a whole default ladder the way the worker does; returns per-size cost."""
-    from graphkeeper.worker.dispatcher import full_sizes, mode_has_full, mode_has_piecewise
+    from graphkeeper.worker.executor.graphs.dispatcher import full_sizes, mode_has_full, mode_has_piecewise
 
     ladder = default_ladder(min(2 * max_num_seqs, 512, max_tokens))
     cache = KVCache(loaded.config, max_num_seqs, context + 16, device=loaded.device, dtype=loaded.dtype)

@@ -227,7 +227,7 @@ def full_step_times(args: argparse.Namespace, batches: list[int], context: int) 
     sys.path.insert(0, str(Path(__file__).parent))
     from decode_bench import bench_ours
 
-    from graphkeeper.worker.loader import load_model
+    from graphkeeper.worker.model.loader import load_model
 
     loaded = load_model(f"random:{args.preset}", device=args.device, dtype=args.dtype, max_positions=1024 + 64)
     rows = bench_ours(loaded, batches, context, steps=200, graphs=args.device == "cuda")
@@ -257,7 +257,7 @@ def main() -> int:
     parser.add_argument("--label", default="")
     parser.add_argument("--out", default="")
     args = parser.parse_args()
-    from graphkeeper.worker.config import PRESETS
+    from graphkeeper.worker.model.config import PRESETS
 
     vocab = PRESETS[args.preset].vocab_size
     results: dict = {

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from graphkeeper.worker.loader import load_model, save_hf_directory
+from graphkeeper.worker.model.loader import load_model, save_hf_directory
 
 
 def _rss_peak_bytes() -> int:

@@ -30,12 +30,12 @@ sys.path.insert(0, str(Path(__file__).parent))
 from decode_bench import _transformers_batch, bench_ours, decode_plan, prepare, timed  # noqa: E402
 from load_bench import _commit  # noqa: E402
 
-from graphkeeper.worker import linear_kernel, row_kernel  # noqa: E402
-from graphkeeper.worker.config import PRESETS  # noqa: E402
-from graphkeeper.worker.graphs import FULL, CapturedGraph, GraphSet  # noqa: E402
-from graphkeeper.worker.kv_cache import KVCache  # noqa: E402
-from graphkeeper.worker.loader import LoadedModel, load_model, save_hf_directory  # noqa: E402
-from graphkeeper.worker.runner import ModelRunner  # noqa: E402
+from graphkeeper.worker.executor.graphs.capture import FULL, CapturedGraph, GraphSet  # noqa: E402
+from graphkeeper.worker.executor.runner import ModelRunner  # noqa: E402
+from graphkeeper.worker.kernels import linear_kernel, row_kernel  # noqa: E402
+from graphkeeper.worker.model.config import PRESETS  # noqa: E402
+from graphkeeper.worker.model.kv_cache import KVCache  # noqa: E402
+from graphkeeper.worker.model.loader import LoadedModel, load_model, save_hf_directory  # noqa: E402
 
 METHODS = ("compiled", "fused", "eager", "fp8", "hf-eager", "hf-compiled")
 

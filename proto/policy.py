@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from google.protobuf import json_format
@@ -57,13 +58,17 @@ _QUANTITY_FACTORS = {
 }
 
 
-class PolicyError(ValueError):
-    """A policy that cannot be applied; ``field`` names the offending field."""
+class FieldError(ValueError):
+    """Input refused because of one field; ``field`` names it and leads the message."""
 
     def __init__(self, field: str, message: str) -> None:
         super().__init__(f"{field}: {message}")
         self.field = field
         self.message = message
+
+
+class PolicyError(FieldError):
+    """A policy that cannot be applied."""
 
 
 # --- capture-size ladders ---------------------------------------------------------------------
@@ -110,6 +115,39 @@ def resolve_capture_sizes(
     if which == "ladder" and sizes.ladder == pb.CAPTURE_LADDER_INTERACTIVITY:
         return interactivity_ladder(max_size)
     return default_ladder(max_size)
+
+
+@dataclass(frozen=True)
+class RecaptureKey:
+    """What decides a worker's captured set: two policies with equal keys capture the same graphs,
+    so moving from one to the other recaptures nothing (tenant toggles are not part of it)."""
+
+    mode: int
+    sizes: tuple
+    budget_bytes: int
+
+
+def recapture_key(policy: pb.GraphPolicy | None, limits: tuple[int, int] | None = None) -> RecaptureKey | None:
+    """The one rule for "does this policy change recapture?" (pure).
+
+    The mode is read as the worker reads it (UNSPECIFIED is FULL_AND_PIECEWISE). With ``limits``
+    (``max_num_seqs``, ``max_num_batched_tokens``: a worker's) the sizes are the resolved ladder;
+    without them (the operator, which does not know a worker's limits) they are the spec with
+    equivalent spellings made equal: no ladder is the default ladder, explicit sizes are a sorted
+    set holding the maximum. Equal spec keys always mean equal resolved keys.
+    """
+    if policy is None:
+        return None
+    spec = policy.capture_sizes
+    if limits is not None:
+        sizes: tuple = tuple(resolve_capture_sizes(spec, *limits))
+    elif spec.WhichOneof("sizes") == "explicit":
+        chosen = set(spec.explicit.sizes) | ({spec.max_capture_size} if spec.max_capture_size else set())
+        sizes = ("explicit", *sorted(chosen))
+    else:
+        ladder = spec.ladder if spec.WhichOneof("sizes") == "ladder" else pb.CAPTURE_LADDER_DEFAULT
+        sizes = ("ladder", ladder or pb.CAPTURE_LADDER_DEFAULT, spec.max_capture_size)
+    return RecaptureKey(effective_requested_mode(policy), sizes, policy.memory_budget_bytes)
 
 
 def padding_table(capture_sizes: list[int]) -> list[int]:
@@ -368,3 +406,8 @@ def mode_name(mode: int) -> str:
 def reason_name(reason: int) -> str:
     """``FALLBACK_REASON_TENANT_DISABLED`` -> ``tenant_disabled`` (the metric label form)."""
     return pb.FallbackReason.Name(reason).removeprefix("FALLBACK_REASON_").lower()
+
+
+def lifecycle_name(state: int) -> str:
+    """``LIFECYCLE_STATE_READY`` -> ``READY`` (logs, status and health; ``.lower()`` for labels)."""
+    return pb.LifecycleState.Name(state).removeprefix("LIFECYCLE_STATE_")

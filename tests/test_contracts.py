@@ -1,8 +1,10 @@
 """Contracts that must not drift: the generated proto code, the enum names the code uses, the metric
-label values derived from the enums, the exported metric names, and lint."""
+label values derived from the enums, the exported metric names, the worker's import direction
+(``serving -> engine -> executor -> model -> kernels``), where Triton kernels live, and lint."""
 
 from __future__ import annotations
 
+import ast
 import re
 import shutil
 import subprocess
@@ -56,7 +58,7 @@ def test_every_enum_is_prefixed_with_unspecified_zero():
 
 
 def _sources() -> list[Path]:
-    files = sorted((ROOT / "worker").glob("*.py"))
+    files = sorted((ROOT / "worker").rglob("*.py"))
     files += [ROOT / "proto" / "policy.py", *sorted((ROOT / "src" / "graphkeeper").glob("*.py"))]
     files += sorted((ROOT / "operator").glob("*.py"))
     return files
@@ -145,3 +147,101 @@ def test_ruff_check_passes():
         pytest.skip("ruff (a test dependency) is not installed")
     proc = subprocess.run([ruff, "check", "."], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr
+
+
+# --- the worker's rooms: imports point down one arrow only -------------------------------------
+
+#: Rooms of ``worker/``, top first; ``main.py`` stands above them all, the leaves below them all.
+ROOMS = ("main", "serving", "engine", "executor", "model", "kernels")
+LEAVES = ("settings", "plan", "metrics")
+WORKER = "graphkeeper.worker"
+
+
+def _rank(module: str) -> int:
+    """Height of a ``graphkeeper.worker`` module: main highest, the leaves at -1 (pure)."""
+    first = module.removeprefix(WORKER + ".").split(".")[0]
+    if first in LEAVES:
+        return -1
+    return len(ROOMS) - 1 - ROOMS.index(first)
+
+
+def _imports(source: str) -> list[str]:
+    """Every worker module ``source`` imports, wherever the import stands (``TYPE_CHECKING``
+    blocks and function bodies included); relative imports come back as ``.relative``."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found += [a.name for a in node.names if a.name.startswith(WORKER + ".")]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                found.append(".relative")
+            elif node.module == WORKER:
+                found += [f"{WORKER}.{a.name}" for a in node.names]
+            elif node.module and node.module.startswith(WORKER + "."):
+                found.append(node.module)
+    return found
+
+
+def import_violations(files: dict[str, str]) -> list[str]:
+    """Imports that break the worker's shape, for ``{module name: source}`` (pure).
+
+    A module may import its own room, any room below it and the leaves; a leaf imports no room;
+    ``serving`` sees the engine only through its face, ``graphkeeper.worker.engine``.
+    """
+    problems = []
+    for module, source in files.items():
+        here = module.removeprefix(WORKER + ".").split(".")[0]
+        for target in _imports(source):
+            if target == ".relative":
+                problems.append(f"{module}: relative import (use graphkeeper.worker...)")
+                continue
+            there = target.removeprefix(WORKER + ".").split(".")[0]
+            if there == here:
+                continue
+            if _rank(target) > _rank(module) or (here in LEAVES and there not in LEAVES):
+                problems.append(f"{module} imports {target}: up the arrow {' -> '.join(ROOMS)}")
+            elif here == "serving" and there == "engine" and target != f"{WORKER}.engine":
+                problems.append(f"{module} imports {target}: serving sees only graphkeeper.worker.engine")
+    return problems
+
+
+def _worker_files() -> dict[str, str]:
+    files = {}
+    for path in sorted((ROOT / "worker").rglob("*.py")):
+        parts = path.relative_to(ROOT / "worker").with_suffix("").parts
+        name = ".".join((WORKER, *parts)).removesuffix(".__init__")
+        files[name] = path.read_text()
+    return files
+
+
+def test_the_worker_has_its_five_rooms_and_leaves():
+    names = set(_worker_files())
+    for room in ROOMS[1:]:
+        assert f"{WORKER}.{room}" in names, f"worker/{room}/ is missing"
+    assert {n.removeprefix(WORKER + ".").split(".")[0] for n in names} <= {*ROOMS, *LEAVES, WORKER}
+
+
+def test_worker_imports_point_down_the_arrow_only():
+    assert not import_violations(_worker_files())
+
+
+def test_the_import_check_catches_upward_imports():
+    typing_only = "if TYPE_CHECKING:\n    from graphkeeper.worker.engine import core\n"
+    assert import_violations({f"{WORKER}.executor.runner": "from graphkeeper.worker.engine.core import Engine"})
+    assert import_violations({f"{WORKER}.kernels.pdl": "import graphkeeper.worker.model.llama"})
+    assert import_violations({f"{WORKER}.model.step": "def f():\n    from graphkeeper.worker import serving"})
+    assert import_violations({f"{WORKER}.executor.runner": typing_only})
+    assert import_violations({f"{WORKER}.plan": "from graphkeeper.worker.model.attention import X"})
+    assert import_violations({f"{WORKER}.serving.grpc_server": "from graphkeeper.worker.engine.core import Engine"})
+    assert import_violations({f"{WORKER}.engine.core": "from .scheduler import Scheduler"})
+    assert not import_violations({f"{WORKER}.engine.core": "from graphkeeper.worker.executor.runner import X\n"
+                                                          "from graphkeeper.worker.plan import StepPlan"})
+    assert not import_violations({f"{WORKER}.main": "from graphkeeper.worker.serving import grpc_server"})
+
+
+def test_triton_kernels_live_only_in_kernels():
+    outside = [name for name, source in _worker_files().items()
+               if "triton.jit" in source and not name.startswith(f"{WORKER}.kernels.")]
+    inside = [name for name, source in _worker_files().items() if "@triton.jit" in source]
+    assert inside, "no @triton.jit found at all: the scan is broken"
+    assert not outside, f"@triton.jit outside worker/kernels/: {outside}"

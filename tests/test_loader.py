@@ -14,8 +14,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from graphkeeper.worker.config import ModelConfig
-from graphkeeper.worker.loader import (
+from graphkeeper.worker.model.config import ModelConfig
+from graphkeeper.worker.model.loader import (
     INDEX_FILE,
     ModelSourceError,
     _empty_model,
@@ -57,7 +57,7 @@ def shard(path: Path, parts: int) -> None:
 PEAK_SCRIPT = textwrap.dedent("""
     import json, sys
     import torch
-    from graphkeeper.worker.loader import load_model
+    from graphkeeper.worker.model.loader import load_model
     def status():
         out = {}
         for line in open("/proc/self/status"):

@@ -7,10 +7,10 @@ import dataclasses
 import pytest
 import torch
 
-from graphkeeper.worker.attention import AttentionMetadata, PrefillChunk, SlotAttention
-from graphkeeper.worker.config import PRESETS, ModelConfig
-from graphkeeper.worker.kv_cache import KVCache
-from graphkeeper.worker.loader import load_model, save_hf_directory
+from graphkeeper.worker.model.attention import AttentionMetadata, PrefillChunk, SlotAttention
+from graphkeeper.worker.model.config import PRESETS, ModelConfig
+from graphkeeper.worker.model.kv_cache import KVCache
+from graphkeeper.worker.model.loader import load_model, save_hf_directory
 
 transformers = pytest.importorskip("transformers")
 
@@ -29,7 +29,7 @@ CONFIGS = {
 
 def ours_from_config(config: ModelConfig, tmp_path, seed: int = 7):
     """Random weights in our layout, saved as an HF directory and loaded back through the loader."""
-    from graphkeeper.worker import config as config_module
+    from graphkeeper.worker.model import config as config_module
 
     name = f"parity-{seed}"
     config_module.PRESETS[name] = config

@@ -19,13 +19,12 @@ from pathlib import Path
 import torch
 
 from graphkeeper.proto import worker_pb2 as pb
-from graphkeeper.proto.policy import MODE_BY_NAME, PolicyError, policy_from_json, validate_policy
-from graphkeeper.worker.compile import resolve as resolve_optimization
+from graphkeeper.proto.policy import MODE_BY_NAME, PolicyError, lifecycle_name, policy_from_json, validate_policy
 from graphkeeper.worker.engine import Engine, EngineSettings
-from graphkeeper.worker.http import serve_http
-from graphkeeper.worker.lifecycle import state_name
-from graphkeeper.worker.loader import ModelSourceError, check_source
-from graphkeeper.worker.server import StreamHub, build_servers, track_health
+from graphkeeper.worker.model.loader import ModelSourceError, check_source
+from graphkeeper.worker.model.step import resolve as resolve_optimization
+from graphkeeper.worker.serving.grpc_server import StreamHub, build_servers, track_health
+from graphkeeper.worker.serving.metrics_server import serve_http
 
 log = logging.getLogger("graphkeeper.worker")
 INJECT_ENV = "GRAPHKEEPER_INJECT_CAPTURE_FAILURE"
@@ -261,7 +260,7 @@ async def _serve(args: argparse.Namespace, settings: EngineSettings, token: str)
     engine = Engine(settings)
     hub = StreamHub(loop)
     engine.publish = hub.publish
-    engine.lifecycle.subscribe(lambda s: log.info("lifecycle: %s", state_name(s)))
+    engine.lifecycle.subscribe(lambda s: log.info("lifecycle: %s", lifecycle_name(s)))
     control_host = args.control_host or args.host
     if not token and not _is_loopback(control_host):
         log.warning("no --control-token-file: GraphControl listens on 127.0.0.1 only, not %s", control_host)

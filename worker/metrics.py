@@ -14,7 +14,7 @@ import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, disable_created_metrics
 
 from graphkeeper.proto import worker_pb2 as pb
-from graphkeeper.proto.policy import mode_name, reason_name
+from graphkeeper.proto.policy import lifecycle_name, mode_name, reason_name
 
 #: Label values of graphkeeper_requests_total{outcome}.
 OUTCOMES = ("length", "stop", "eos", "cancelled", "invalid", "queue_full", "unavailable", "error")
@@ -25,7 +25,7 @@ FALLBACK_REASONS = tuple(
 )
 GRAPH_MODES = tuple(mode_name(v) for v in pb.GraphMode.values() if v != pb.GRAPH_MODE_UNSPECIFIED)
 LIFECYCLE_STATES = tuple(
-    pb.LifecycleState.Name(v).removeprefix("LIFECYCLE_STATE_").lower()
+    lifecycle_name(v).lower()
     for v in pb.LifecycleState.values() if v != pb.LIFECYCLE_STATE_UNSPECIFIED
 )
 LEDGER_KINDS = ("device_used", "torch_allocated", "torch_reserved", "residual")
@@ -115,7 +115,7 @@ class WorkerMetrics:
             self.eager_steps.labels(reason)
 
     def set_lifecycle(self, state: int) -> None:
-        current = pb.LifecycleState.Name(state).removeprefix("LIFECYCLE_STATE_").lower()
+        current = lifecycle_name(state).lower()
         for name in LIFECYCLE_STATES:
             self.lifecycle.labels(name).set(1 if name == current else 0)
 

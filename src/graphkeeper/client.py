@@ -16,7 +16,7 @@ from google.protobuf import json_format
 
 from graphkeeper.proto import worker_pb2 as pb
 from graphkeeper.proto import worker_pb2_grpc as pb_grpc
-from graphkeeper.proto.policy import mode_name, reason_name
+from graphkeeper.proto.policy import lifecycle_name, mode_name, reason_name
 
 DEFAULT_CONTROL_PORT = 50052
 
@@ -125,7 +125,7 @@ def status_cmd(args: argparse.Namespace) -> int:
         return 0
     print(f"model     {info.source} revision {info.revision} ({info.dtype} on {info.device}, "
           f"{info.parameter_count} parameters)")
-    print(f"state     {pb.LifecycleState.Name(status.state).removeprefix('LIFECYCLE_STATE_')}")
+    print(f"state     {lifecycle_name(status.state)}")
     downgrade = f" ({status.mode_downgrade_reason})" if status.mode_downgrade_reason else ""
     print(f"mode      requested {mode_name(status.requested_mode)}, effective {mode_name(status.effective_mode)}"
           f"{downgrade}")

@@ -10,13 +10,13 @@ import pytest
 import torch
 
 from graphkeeper.proto import worker_pb2 as pb
-from graphkeeper.worker.attention import PrefillChunk
-from graphkeeper.worker.compile import resolve as resolve_optimization
 from graphkeeper.worker.engine import Engine, EngineSettings
-from graphkeeper.worker.graphs import CaptureJob, GraphSet, StaleGraphError
-from graphkeeper.worker.kv_cache import KVCache
-from graphkeeper.worker.loader import load_model
-from graphkeeper.worker.runner import ModelRunner, StepPlan
+from graphkeeper.worker.executor.graphs.capture import CaptureJob, GraphSet, StaleGraphError
+from graphkeeper.worker.executor.runner import ModelRunner, StepPlan
+from graphkeeper.worker.model.attention import PrefillChunk
+from graphkeeper.worker.model.kv_cache import KVCache
+from graphkeeper.worker.model.loader import load_model
+from graphkeeper.worker.model.step import resolve as resolve_optimization
 
 pytestmark = [
     pytest.mark.cuda,
@@ -252,7 +252,7 @@ def test_budget_that_fits_part_of_the_ladder_captures_what_fits():
 
 def test_a_graph_that_fails_validation_first_leaves_the_rest_capturable(monkeypatch):
     """Dropping the only graphs in the pool frees the pool; the next capture gets a fresh one."""
-    from graphkeeper.worker import graphs as graphs_module
+    from graphkeeper.worker.executor.graphs import capture as graphs_module
 
     real, calls = graphs_module.validate, []
 
@@ -320,7 +320,7 @@ def test_disabled_tenant_runs_eager_while_others_replay():
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
 def test_triton_decode_kernel_matches_sdpa_reference(dtype, tol):
-    from graphkeeper.worker import decode_kernel
+    from graphkeeper.worker.kernels import decode_kernel
 
     torch.manual_seed(0)
     slots_total, kv_heads, length_max, d, heads, rows = 9, 2, 200, 64, 8, 7
@@ -347,7 +347,7 @@ def test_triton_decode_kernel_matches_sdpa_reference(dtype, tol):
 @pytest.mark.parametrize("heads,kv_heads", [(8, 2), (4, 4), (32, 8)])
 def test_varlen_kernel_matches_a_float64_reference(dtype, tol, heads, kv_heads):
     """Decode rows and prefill chunks of several lengths (within, across and beyond BLOCK_Q), one launch."""
-    from graphkeeper.worker.varlen_kernel import BLOCK_Q, varlen_attention
+    from graphkeeper.worker.kernels.varlen_kernel import BLOCK_Q, varlen_attention
 
     torch.manual_seed(heads)
     d, slots_total, length_max = 64, 6, 300

@@ -14,15 +14,16 @@ import pytest
 import torch
 
 from graphkeeper.proto import worker_pb2 as pb
-from graphkeeper.worker import linear_kernel, norm_kernel, ops, pdl, row_kernel
-from graphkeeper.worker.compile import compile_counters, prepare_step
 from graphkeeper.worker.engine import Engine, EngineSettings
-from graphkeeper.worker.graphs import CaptureJob, GraphSet
-from graphkeeper.worker.kv_cache import KVCache
-from graphkeeper.worker.loader import load_model, save_hf_directory
-from graphkeeper.worker.model import apply_rope, make_row_pieces
-from graphkeeper.worker.quant import quantize
-from graphkeeper.worker.runner import ModelRunner, StepPlan
+from graphkeeper.worker.executor.graphs.capture import CaptureJob, GraphSet
+from graphkeeper.worker.executor.runner import ModelRunner, StepPlan
+from graphkeeper.worker.kernels import choice as ops
+from graphkeeper.worker.kernels import linear_kernel, norm_kernel, pdl, row_kernel
+from graphkeeper.worker.model.kv_cache import KVCache
+from graphkeeper.worker.model.llama import apply_rope, make_row_pieces
+from graphkeeper.worker.model.loader import load_model, save_hf_directory
+from graphkeeper.worker.model.quantization import quantize
+from graphkeeper.worker.model.step import compile_counters, prepare_step
 
 pytestmark = [
     pytest.mark.cuda,
@@ -90,7 +91,8 @@ def test_fused_add_rms_norm_matches_reference(dtype, tol, rows, dim):
 def test_argmax_kernel_equals_torch_argmax(dtype, rows, vocab):
     """Greedy decoding's argmax in two launches gives torch.argmax's index: ties to the first, a
     maximum in the last chunk or on a chunk boundary, NaN; on a view of rows, and through sample()."""
-    from graphkeeper.worker import argmax_kernel, sampling
+    from graphkeeper.worker.executor import sampling
+    from graphkeeper.worker.kernels import argmax_kernel
 
     g = torch.Generator(device="cuda").manual_seed(rows + vocab)
     x = torch.randn(rows + 1, vocab, device="cuda", generator=g).to(dtype)
@@ -294,7 +296,7 @@ def hf_logits(model_dir: Path, tokens: torch.Tensor) -> torch.Tensor:
                                                    ("compiled", "none", 2e-2), ("compiled", "fp8", 0.12)])
 def test_worker_step_matches_transformers_on_the_same_weights(cache_root, tmp_path, step, quantization, tol):
     """A whole prompt through our step (prefill through the varlen kernel) against HF's forward."""
-    from graphkeeper.worker.attention import PrefillChunk
+    from graphkeeper.worker.model.attention import PrefillChunk
 
     with torch.inference_mode():
         runner = make_runner(step, cache_root, quantization="none")
@@ -319,7 +321,7 @@ def test_worker_step_matches_transformers_on_the_same_weights(cache_root, tmp_pa
 def test_one_token_row_step_matches_transformers_on_the_same_weights(cache_root, tmp_path, step):
     """A prompt prefilled by the general step, then one decode token through the row kernels,
     against HF's forward over the whole sequence."""
-    from graphkeeper.worker.attention import PrefillChunk
+    from graphkeeper.worker.model.attention import PrefillChunk
 
     with torch.inference_mode():
         runner = make_runner(step, cache_root)

@@ -7,7 +7,7 @@ import pytest
 
 from graphkeeper.proto import worker_pb2 as pb
 from graphkeeper.proto.policy import PolicyError, clipped_repr, validate_policy
-from graphkeeper.worker.admission import (
+from graphkeeper.worker.serving.admission import (
     MAX_PROMPT_TEXT_BYTES,
     AdmissionError,
     Limits,

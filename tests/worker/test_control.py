@@ -9,7 +9,7 @@ from worker_harness import eager_reasons, generate, make_request, wait_until
 
 from graphkeeper.proto import worker_pb2 as pb
 from graphkeeper.proto.policy import policy_to_json
-from graphkeeper.worker.loader import load_model, save_hf_directory
+from graphkeeper.worker.model.loader import load_model, save_hf_directory
 
 PROMPTS = [[3, 14, 15, 92, 65], [35, 89, 79], [323, 84, 62, 64, 33, 83, 27]]
 

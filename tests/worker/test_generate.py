@@ -30,7 +30,7 @@ from worker_harness import (
 
 from graphkeeper.proto import worker_pb2 as pb
 from graphkeeper.proto import worker_pb2_grpc as pb_grpc
-from graphkeeper.worker.loader import load_model, save_hf_directory
+from graphkeeper.worker.model.loader import load_model, save_hf_directory
 
 transformers = pytest.importorskip("transformers")
 

@@ -26,7 +26,15 @@ from graphkeeper.proto.policy import (
     tenant_allows_graphs,
     validate_policy,
 )
-from graphkeeper.worker.dispatcher import (
+from graphkeeper.worker.engine.lifecycle import (
+    ALLOWED,
+    SERVING_STATES,
+    IllegalTransition,
+    Lifecycle,
+    check_transition,
+)
+from graphkeeper.worker.engine.recorder import StepRecorder
+from graphkeeper.worker.executor.graphs.dispatcher import (
     FULL,
     NONE,
     PIECEWISE,
@@ -38,15 +46,7 @@ from graphkeeper.worker.dispatcher import (
     downgrade_mode,
     full_sizes,
 )
-from graphkeeper.worker.lifecycle import (
-    ALLOWED,
-    SERVING_STATES,
-    IllegalTransition,
-    Lifecycle,
-    check_transition,
-)
 from graphkeeper.worker.metrics import WorkerMetrics
-from graphkeeper.worker.recorder import StepRecorder
 
 R = pb.FallbackReason
 S = pb.LifecycleState

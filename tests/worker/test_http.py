@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from worker_harness import Worker
 
-from graphkeeper.worker.http import MetricsServer, Request, parse_request_head, route
+from graphkeeper.worker.serving.metrics_server import MetricsServer, Request, parse_request_head, route
 
 TIMEOUT = 0.5
 #: The server's thread ends its connections when it stops; an exception there fails the test.

@@ -18,11 +18,12 @@ pytest.importorskip("triton")
 CHECKS = textwrap.dedent('''
     import torch
     import torch.nn.functional as F
-    from graphkeeper.worker import argmax_kernel as ak, kv_cache, linear_kernel as lk, norm_kernel as nk
-    from graphkeeper.worker import row_kernel as rk
-    from graphkeeper.worker.loader import load_model
-    from graphkeeper.worker.model import apply_rope, make_row_pieces
-    from graphkeeper.worker.quant import quantize
+    from graphkeeper.worker.kernels import argmax_kernel as ak, linear_kernel as lk, norm_kernel as nk
+    from graphkeeper.worker.kernels import kv_write_kernel
+    from graphkeeper.worker.kernels import row_kernel as rk
+    from graphkeeper.worker.model.loader import load_model
+    from graphkeeper.worker.model.llama import apply_rope, make_row_pieces
+    from graphkeeper.worker.model.quantization import quantize
 
     def rel(a, b):
         return ((a.float() - b.float()).norm() / b.float().norm()).item()
@@ -51,7 +52,7 @@ CHECKS = textwrap.dedent('''
     cache_k, cache_v = torch.zeros(10, 2, 8), torch.zeros(10, 2, 8)
     kk, vv = torch.randn(3, 2, 8), torch.randn(3, 2, 8)
     where = torch.tensor([7, 1, 4])
-    kv_cache._write_kernel[(3, 2)](kk, vv, cache_k, cache_v, where, 16, 16, ROW=16, BLOCK=16, USE_PDL=False)
+    kv_write_kernel._write_kernel[(3, 2)](kk, vv, cache_k, cache_v, where, 16, 16, ROW=16, BLOCK=16, USE_PDL=False)
     assert torch.equal(cache_k[where], kk) and torch.equal(cache_v[where], vv)
     assert cache_k[[0, 2, 3, 5, 6, 8, 9]].abs().sum() == 0
     # Greedy argmax in two launches, against torch.argmax: ties across and within chunks (the first

@@ -6,8 +6,8 @@ from __future__ import annotations
 from prometheus_client import generate_latest
 from worker_harness import parse_metrics
 
-from graphkeeper.worker.loader import load_model, save_hf_directory
 from graphkeeper.worker.metrics import MAX_LABEL_CHARS, WorkerMetrics, bounded_label, source_label
+from graphkeeper.worker.model.loader import load_model, save_hf_directory
 
 
 def test_source_label():

@@ -10,13 +10,15 @@ import pytest
 import torch
 
 from graphkeeper.proto import worker_pb2 as pb
-from graphkeeper.worker import linear_kernel, row_kernel, tuning
-from graphkeeper.worker.compile import CompileReport, cache_key, library_versions, resolve, source_digest
-from graphkeeper.worker.config import PRESETS
-from graphkeeper.worker.decode_kernel import decode_splits
-from graphkeeper.worker.engine import process_age, step_phases
-from graphkeeper.worker.model import row_pieces_fit
-from graphkeeper.worker.quant import quantize, quantize_model
+from graphkeeper.worker.engine.core import process_age, step_phases
+from graphkeeper.worker.kernels import linear_kernel, row_kernel
+from graphkeeper.worker.kernels.decode_kernel import decode_splits
+from graphkeeper.worker.model import tuning
+from graphkeeper.worker.model.cache_key import library_versions, source_digest
+from graphkeeper.worker.model.config import PRESETS
+from graphkeeper.worker.model.llama import row_pieces_fit
+from graphkeeper.worker.model.quantization import quantize, quantize_model
+from graphkeeper.worker.model.step import CompileReport, cache_key, resolve, step_modules
 
 
 def test_presets_set_compile_and_the_default_graph_mode():
@@ -40,7 +42,7 @@ def test_explicit_flags_override_the_preset_and_say_so():
 
 def _key(**changes) -> str:
     args = {"config": PRESETS["tiny"], "dtype": torch.bfloat16, "quantization": "none", "kernels": "inductor",
-            "capability": "9.0", "versions": library_versions(), "source": source_digest()}
+            "capability": "9.0", "versions": library_versions(), "source": source_digest(step_modules())}
     args.update(changes)
     return cache_key(**args)
 
@@ -75,7 +77,7 @@ def test_fp8_quantization_keeps_each_channels_scale():
 
 
 def test_quantize_model_leaves_embedding_and_head_alone():
-    from graphkeeper.worker.loader import load_model
+    from graphkeeper.worker.model.loader import load_model
 
     loaded = load_model("random:tiny", device="cpu", dtype="bfloat16", max_positions=64, quantization="fp8")
     layer = loaded.model.layers[0]

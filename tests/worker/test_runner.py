@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-from graphkeeper.worker.attention import PrefillChunk
-from graphkeeper.worker.kv_cache import KVCache
-from graphkeeper.worker.loader import load_model
-from graphkeeper.worker.runner import ModelRunner, StepPlan
-from graphkeeper.worker.sampling import SamplingBatch, SamplingSpec, sample
+from graphkeeper.worker.executor.runner import ModelRunner, StepPlan
+from graphkeeper.worker.executor.sampling import SamplingBatch, SamplingSpec, sample
+from graphkeeper.worker.model.attention import PrefillChunk
+from graphkeeper.worker.model.kv_cache import KVCache
+from graphkeeper.worker.model.loader import load_model
 
 ROWS = 8
 

@@ -8,9 +8,9 @@ import asyncio
 
 import numpy as np
 
-from graphkeeper.worker.sampling import SamplingSpec
-from graphkeeper.worker.scheduler import Scheduler, Sequence
-from graphkeeper.worker.server import MAX_FLUSH_GAP, StreamHub, TokenStream
+from graphkeeper.worker.engine.scheduler import Scheduler, Sequence
+from graphkeeper.worker.executor.sampling import SamplingSpec
+from graphkeeper.worker.serving.grpc_server import MAX_FLUSH_GAP, StreamHub, TokenStream
 
 
 def seq(prompt_len: int, max_new: int, name: str = "s", temperature: float = 0.0) -> Sequence:

@@ -14,9 +14,9 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from worker_harness import GRAPHKEEPER, generate, make_request
 
 from graphkeeper.proto import worker_pb2 as pb
-from graphkeeper.worker.loader import load_model, save_hf_directory
-from graphkeeper.worker.tokenizer import IncrementalDetokenizer
-from graphkeeper.worker.tokenizer import Tokenizer as WorkerTokenizer
+from graphkeeper.worker.model.loader import load_model, save_hf_directory
+from graphkeeper.worker.model.tokenizer import IncrementalDetokenizer
+from graphkeeper.worker.model.tokenizer import Tokenizer as WorkerTokenizer
 
 CORPUS = ["the graphs replay every decode step", "café crème brûlée — naïve façade", "日本語のテキスト 🚀 emoji",
           "kubernetes operator reconciles the policy"] * 20

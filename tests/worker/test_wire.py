@@ -11,7 +11,7 @@ import pytest
 
 from graphkeeper.proto import worker_pb2 as pb
 from graphkeeper.proto import worker_pb2_grpc as pb_grpc
-from graphkeeper.worker.wire import Undecodable, tolerant, tolerant_deserializer
+from graphkeeper.worker.serving.wire import Undecodable, tolerant, tolerant_deserializer
 
 GENERATE = "/graphkeeper.worker.v1.InferenceWorker/Generate"
 STATUS = "/graphkeeper.worker.v1.GraphControl/GetGraphStatus"

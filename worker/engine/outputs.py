@@ -1,0 +1,75 @@
+"""Postprocessing: what a step's tokens do to their sequences. Each token is appended, a stop
+token, end of sequence or length limit finishes its sequence and frees its slot, and every
+stream's update for the step (new tokens, and a completion or an error) is returned as one list
+for the engine to publish in one call.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from graphkeeper.proto import worker_pb2 as pb
+from graphkeeper.worker.engine.scheduler import Scheduler, Sequence
+from graphkeeper.worker.metrics import WorkerMetrics, observe_many
+
+Update = tuple[Any, list[int], Any]  # (stream, new tokens, end: Completion, an exception, or None)
+
+
+class OutputProcessor:
+    def __init__(self, scheduler: Scheduler, metrics: WorkerMetrics) -> None:
+        self.scheduler = scheduler
+        self.metrics = metrics
+
+    def step_outputs(self, samplers: list[Sequence], tokens: list[int], now: float) -> list[Update]:
+        """The updates for one step's sampled tokens; tokens of finished sequences are dropped."""
+        updates, first, gaps = [], [], []
+        for seq, token in zip(samplers, tokens, strict=True):
+            if seq.finished:
+                continue  # cancelled, or stopped a step ago: this token was never wanted
+            if seq.first_token_at is None:
+                seq.first_token_at = now
+                first.append(now - seq.arrived)
+            else:
+                gaps.append(now - seq.last_token_at)
+            seq.last_token_at = now
+            updates.append((seq.stream, [token], self._append(seq, token)))
+        m = self.metrics
+        m.generated_tokens.inc(len(updates))
+        observe_many(m.time_to_first_token, first)
+        observe_many(m.inter_token_latency, gaps)
+        return updates
+
+    def _append(self, seq: Sequence, token: int) -> pb.Completion | None:
+        seq.output.append(token)
+        reason = seq.stop_reason()
+        if reason == pb.FINISH_REASON_UNSPECIFIED:
+            return None
+        self.scheduler.finish(seq)
+        return self.completion(seq, reason)
+
+    def completion(self, seq: Sequence, reason: int) -> pb.Completion:
+        """The last message of a stream, counted once in ``requests_total`` by outcome."""
+        outcome = pb.FinishReason.Name(reason).removeprefix("FINISH_REASON_").lower()
+        self.metrics.requests.labels(outcome).inc()
+        summary = pb.ExecutionSummary(
+            graph_steps=[pb.GraphStepCount(mode=m, size=s, steps=n) for (m, s), n in sorted(seq.graph_steps.items())],
+            eager_steps=[pb.FallbackCount(reason=r, steps=n) for r, n in sorted(seq.eager_steps.items())],
+        )
+        return pb.Completion(
+            request_id=seq.request_id, finish_reason=reason, prompt_tokens=len(seq.prompt),
+            generated_tokens=len(seq.output),
+            time_to_first_token_seconds=(seq.first_token_at - seq.arrived) if seq.first_token_at else 0.0,
+            total_seconds=time.perf_counter() - seq.arrived, execution=summary,
+        )
+
+    def end(self, sequences: list[Sequence], err: BaseException, outcome: str | None = None) -> list[Update]:
+        """Ends every unfinished sequence with ``err`` (a failed step, shutdown, a dead engine)."""
+        updates = []
+        for seq in sequences:
+            if not seq.finished:
+                self.scheduler.finish(seq)
+                if outcome:
+                    self.metrics.requests.labels(outcome).inc()
+                updates.append((seq.stream, [], err))
+        return updates

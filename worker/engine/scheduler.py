@@ -1,0 +1,249 @@
+"""Continuous batching: which sequences run in the next step, and how many tokens each brings.
+
+Requests join and leave between steps. Each step takes every decoding sequence (one token each)
+first, then prefill chunks, within ``max_num_seqs`` running sequences and a token budget per
+step; long prompts are prefilled in chunks. A sequence holds one KV slot from admission until it
+finishes or is cancelled.
+
+Scheduling never waits for the previous step's tokens: the step loop schedules step N+1 while
+step N still runs on the device. A decoding row's input token is the one its sequence sampled
+last, which the runner takes from a device buffer indexed by slot, so the scheduler only needs
+positions, which it knows ahead. What it learns late is an end-of-sequence or stop token: such a
+sequence may be scheduled for one more step, whose token is discarded. Length limits are known
+ahead and cost nothing.
+
+The decode batch is kept as arrays (slots, positions) that change only when a sequence joins or
+leaves it; a step advances every position with one vector operation, so the per-step Python work
+grows with the sequences that changed, not with the batch.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter, deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from graphkeeper.proto import worker_pb2 as pb
+from graphkeeper.worker.executor.runner import StepPlan
+from graphkeeper.worker.executor.sampling import SamplingBatch, SamplingSpec
+from graphkeeper.worker.model.attention import PrefillChunk
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One request's state in the engine. ``stream`` is the API layer's handle for its outputs."""
+
+    request_id: str
+    tenant: str
+    prompt: list[int]
+    max_new_tokens: int
+    sampling: SamplingSpec
+    stream: Any = None
+    stop_ids: frozenset[int] = frozenset()
+    eos_id: int | None = None
+    seed: int = 0
+    output: list[int] = field(default_factory=list)  # tokens the host has received
+    slot: int | None = None
+    computed: int = 0  # tokens whose keys and values are in the cache or being written by a launched step
+    samples_scheduled: int = 0  # tokens sampled or being sampled by a launched step
+    finished: bool = False
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    graph_steps: Counter = field(default_factory=Counter)  # (mode, size) -> steps
+    eager_steps: Counter = field(default_factory=Counter)  # reason -> steps
+    arrived: float = field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+
+    @property
+    def prefilling(self) -> bool:
+        return self.computed < len(self.prompt)
+
+    @property
+    def wants_samples(self) -> bool:
+        return self.samples_scheduled < self.max_new_tokens
+
+    def stop_reason(self) -> int:
+        """The finish reason after the latest received token, or UNSPECIFIED to continue."""
+        last = self.output[-1]
+        if last in self.stop_ids:
+            return pb.FINISH_REASON_STOP
+        if self.eos_id is not None and last == self.eos_id:
+            return pb.FINISH_REASON_EOS
+        if len(self.output) >= self.max_new_tokens:
+            return pb.FINISH_REASON_LENGTH
+        return pb.FINISH_REASON_UNSPECIFIED
+
+
+@dataclass
+class ScheduledStep:
+    plan: StepPlan
+    sequences: list[Sequence]  # every sequence with a row in the step
+    samplers: list[Sequence]  # the sequence of each sample row, in row order
+
+
+class DecodeBatch:
+    """The decoding sequences in a stable order, with their slots, next positions, next sample
+    indices and remaining samples as arrays: a step advances them all with vector operations,
+    and a sequence's own counters are written back only when it leaves."""
+
+    def __init__(self) -> None:
+        self.seqs: list[Sequence] = []
+        self.slots = np.zeros(0, dtype=np.int64)
+        self.positions = np.zeros(0, dtype=np.int64)
+        self.sample_index = np.zeros(0, dtype=np.int64)
+        self.remaining = np.zeros(0, dtype=np.int64)
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    def join(self, seq: Sequence) -> None:
+        self.seqs.append(seq)
+        self.slots = np.append(self.slots, seq.slot)
+        self.positions = np.append(self.positions, seq.computed)
+        self.sample_index = np.append(self.sample_index, seq.samples_scheduled)
+        self.remaining = np.append(self.remaining, seq.max_new_tokens - seq.samples_scheduled)
+
+    def advance(self) -> None:
+        """Every row's token was launched: one position and one sample on."""
+        self.positions += 1
+        self.sample_index += 1
+        self.remaining -= 1
+
+    def leave(self, gone: set[Sequence]) -> None:
+        keep = np.array([s not in gone for s in self.seqs], dtype=bool)
+        for i in np.flatnonzero(~keep):
+            seq = self.seqs[i]
+            seq.computed, seq.samples_scheduled = int(self.positions[i]), int(self.sample_index[i])
+        self.seqs = [s for s, k in zip(self.seqs, keep, strict=True) if k]
+        self.slots, self.positions = self.slots[keep], self.positions[keep]
+        self.sample_index, self.remaining = self.sample_index[keep], self.remaining[keep]
+
+    def sampled_out(self) -> set[Sequence]:
+        """Sequences whose last sample is already launched."""
+        return {self.seqs[i] for i in np.flatnonzero(self.remaining <= 0)}
+
+
+class Scheduler:
+    def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, prefill_chunk: int) -> None:
+        if max_num_batched_tokens < max_num_seqs:
+            raise ValueError("the token budget per step must be at least max_num_seqs")
+        self.max_num_seqs = max_num_seqs
+        self.token_budget = max_num_batched_tokens
+        self.prefill_chunk = prefill_chunk or max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.prefilling: list[Sequence] = []
+        self.decode = DecodeBatch()
+        self.free_slots = list(range(max_num_seqs - 1, -1, -1))
+        self.admitting = True  # False while the engine drains for a model change
+        self.sampled_running = 0  # running sequences that sample (not greedy)
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def reap_cancelled(self) -> list[Sequence]:
+        """Removes cancelled sequences, freeing their slots; returns them."""
+        gone = [s for s in self.running if s.cancelled.is_set()]
+        gone += [s for s in self.waiting if s.cancelled.is_set()]
+        for seq in gone:
+            self.finish(seq)
+        return gone
+
+    def finish(self, seq: Sequence) -> None:
+        """Ends a sequence: it leaves every list and its slot is free for the next admission.
+
+        A step already launched may still write the slot; the next one to use it is launched
+        after that step on the same stream, so its own writes come later.
+        """
+        seq.finished = True
+        if seq.slot is not None:
+            self.running.remove(seq)
+            if seq in self.prefilling:
+                self.prefilling.remove(seq)
+            else:
+                self._leave_decode({seq})
+            self.free_slots.append(seq.slot)
+            self.sampled_running -= not seq.sampling.greedy
+            seq.slot = None
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+
+    def _leave_decode(self, gone: set[Sequence]) -> None:
+        if any(s in gone for s in self.decode.seqs):
+            self.decode.leave(gone)
+
+    def schedule(self) -> ScheduledStep | None:
+        """The next step, or None when there is nothing to run. Marks its work as launched."""
+        self._admit()
+        self._retire_sampled_out()
+        batch = self.decode
+        nd = len(batch)
+        budget = self.token_budget - nd
+        prompt_tokens: list[int] = []
+        positions: list[np.ndarray] = [batch.positions]
+        slots: list[np.ndarray] = [batch.slots]
+        chunks: list[PrefillChunk] = []
+        sample_rows: list[int] = list(range(nd))
+        samplers: list[Sequence] = list(batch.seqs)
+        sample_index: list[int] = []
+        sequences: list[Sequence] = list(batch.seqs)
+        completed: list[Sequence] = []
+        for seq in self.prefilling:
+            if budget <= 0:
+                break
+            n = min(budget, self.prefill_chunk, len(seq.prompt) - seq.computed)
+            row = nd + len(prompt_tokens)
+            chunks.append(PrefillChunk(row=row, length=n, slot=seq.slot, start=seq.computed))
+            prompt_tokens.extend(seq.prompt[seq.computed:seq.computed + n])
+            positions.append(np.arange(seq.computed, seq.computed + n, dtype=np.int64))
+            slots.append(np.full(n, seq.slot, dtype=np.int64))
+            sequences.append(seq)
+            seq.computed += n
+            budget -= n
+            if not seq.prefilling:
+                sample_rows.append(row + n - 1)
+                samplers.append(seq)
+                sample_index.append(seq.samples_scheduled)
+                seq.samples_scheduled += 1
+                completed.append(seq)
+        if not sequences:
+            return None
+        plan = StepPlan(
+            prompt_tokens=prompt_tokens, positions=np.concatenate(positions), slots=np.concatenate(slots),
+            num_decode=nd, prefill=chunks, sample_rows=np.asarray(sample_rows, dtype=np.int64),
+            sample_slots=np.array([s.slot for s in samplers], dtype=np.int64),
+            sampling=self._sampling(samplers, np.concatenate([batch.sample_index, np.asarray(sample_index, np.int64)])),
+        )
+        # Launched: decoding sequences move one position on, and finished prefills join the batch.
+        batch.advance()
+        for seq in completed:
+            self.prefilling.remove(seq)
+            if seq.wants_samples:
+                batch.join(seq)
+        return ScheduledStep(plan, sequences, samplers)
+
+    def _sampling(self, samplers: list[Sequence], sample_index: np.ndarray) -> SamplingBatch | None:
+        """Per-row sampling parameters, built only while some running sequence samples."""
+        if not self.sampled_running:
+            return None
+        return SamplingBatch.build([s.sampling for s in samplers], [s.seed for s in samplers], sample_index)
+
+    def _retire_sampled_out(self) -> None:
+        """Sequences whose last token is already on its way leave the decode batch (they still hold
+        their slot until that token arrives and finishes them)."""
+        done = self.decode.sampled_out()
+        if done:
+            self.decode.leave(done)
+
+    def _admit(self) -> None:
+        while self.admitting and self.waiting and self.free_slots and len(self.running) < self.max_num_seqs:
+            seq = self.waiting.popleft()
+            seq.slot = self.free_slots.pop()
+            seq.computed = 0
+            self.running.append(seq)
+            self.prefilling.append(seq)
+            self.sampled_running += not seq.sampling.greedy

@@ -1,0 +1,66 @@
+"""What the worker reports about itself: ``GetModelInfo`` and ``GraphStatus``, built from what the
+engine has adopted (the engine takes the snapshot under its status lock and passes it here)."""
+
+from __future__ import annotations
+
+from graphkeeper.proto import worker_pb2 as pb
+from graphkeeper.proto.policy import effective_requested_mode
+from graphkeeper.worker.engine.ledger import Ledger
+from graphkeeper.worker.engine.recorder import StepRecorder
+from graphkeeper.worker.executor.graphs.controller import CaptureController
+from graphkeeper.worker.model.loader import LoadedModel
+
+#: Longest pending revision or source echoed in status.
+MAX_PENDING_REVISION = 128
+
+
+def model_info(loaded: LoadedModel | None, max_seq_len: int, max_num_seqs: int) -> pb.GetModelInfoResponse | None:
+    if loaded is None:
+        return None
+    c = loaded.config
+    return pb.GetModelInfoResponse(
+        source=loaded.source, revision=loaded.revision, architecture="LlamaForCausalLM",
+        dtype=str(loaded.dtype).removeprefix("torch."), vocab_size=c.vocab_size, hidden_size=c.dim,
+        num_layers=c.n_layers, num_attention_heads=c.n_heads, num_key_value_heads=c.n_kv_heads,
+        max_seq_len=max_seq_len, max_num_seqs=max_num_seqs, eos_token_id=c.eos_token_id,
+        device=str(loaded.device), parameter_count=loaded.parameter_count,
+    )
+
+
+def graph_status(*, state: int, capture: CaptureController, recorder: StepRecorder, ledger: Ledger,
+                 policy: pb.GraphPolicy, pending: pb.GraphPolicy | None, pending_revision: str,
+                 model_revision: str, last_error: str, running: int, queued: int,
+                 compile: pb.CompileStatus | None = None) -> pb.GraphStatus:
+    c = capture
+    graphs = c.graph_set
+    captured = dict(graphs.captured) if graphs else {}
+    skipped = dict(graphs.skipped) if graphs else {}
+    eager = dict(recorder.eager_steps)
+    return pb.GraphStatus(
+        state=state,
+        # From the adopted policy (read under the engine's status lock), not from the capture
+        # controller, which learns it a moment later when the recapture begins.
+        requested_mode=effective_requested_mode(policy),
+        effective_mode=c.effective_mode,
+        mode_downgrade_reason=c.downgrade_reason,
+        policy_uid=policy.policy_uid,
+        policy_generation=policy.generation,
+        pending_policy_uid=pending.policy_uid if pending else "",
+        pending_policy_generation=pending.generation if pending else 0,
+        pending_model_revision=pending_revision[:MAX_PENDING_REVISION],
+        model_revision=model_revision,
+        captured=[pb.CapturedSize(size=s, mode=m, capture_seconds=e.seconds, device_bytes=e.device_bytes,
+                                  reserved_bytes=e.reserved_bytes) for (m, s), e in sorted(captured.items())],
+        skipped=[pb.SkippedSize(size=s, mode=m, reason=v.reason, message=v.message)
+                 for (m, s), v in sorted(skipped.items())],
+        fallbacks=[pb.FallbackCount(reason=r, steps=n) for r, n in sorted(eager.items())],
+        graph_steps=sum(dict(recorder.graph_steps).values()),
+        eager_steps=sum(eager.values()),
+        graph_memory_bytes=graphs.memory_bytes if graphs else 0,
+        total_capture_seconds=c.total_seconds,
+        ledger=ledger.to_proto(),
+        running_sequences=running,
+        queued_requests=queued,
+        last_error=last_error,
+        compile=compile,
+    )

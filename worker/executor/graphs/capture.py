@@ -1,0 +1,340 @@
+"""CUDA graphs for one model, one KV cache and one policy: capture, validation, replay.
+
+A ``GraphSet`` holds the graphs recorded against one set of addresses (weights, KV cache, the
+runner's buffers). Whatever can move those addresses builds a new set; an old set is released,
+never replayed. A ``CaptureJob`` fills a set one (mode, size) at a time, largest first, into one
+shared memory pool, within the policy's memory budget; each graph is replayed on a probe batch
+and compared with eager execution before the dispatcher may use it. The job can run to the end
+at startup, or one size between engine steps during a recapture.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from graphkeeper.proto import worker_pb2 as pb
+from graphkeeper.proto.policy import mode_name
+from graphkeeper.worker.executor.runner import ModelRunner, StepPlan
+from graphkeeper.worker.model.attention import AttentionMetadata
+
+log = logging.getLogger(__name__)
+
+FULL, PIECEWISE = pb.GRAPH_MODE_FULL, pb.GRAPH_MODE_PIECEWISE
+Key = tuple[int, int]  # (runtime mode, padded size)
+
+
+class StaleGraphError(RuntimeError):
+    """A graph recorded for other weights or buffers was about to be replayed."""
+
+
+@dataclass
+class CapturedGraph:
+    mode: int
+    size: int
+    graphs: list[torch.cuda.CUDAGraph]
+    seconds: float
+    device_bytes: int
+    reserved_bytes: int
+
+
+@dataclass
+class Skipped:
+    reason: int  # SIZE_OVER_BUDGET or SIZE_CAPTURE_FAILED
+    message: str
+
+
+def device_used() -> int:
+    free, total = torch.cuda.mem_get_info()
+    return total - free
+
+
+class GraphSet:
+    """Graphs recorded against one runner's addresses, keyed by (mode, padded size)."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+        self.addresses = _addresses(runner)
+        self.captured: dict[Key, CapturedGraph] = {}
+        self.skipped: dict[Key, Skipped] = {}
+        self.pool = torch.cuda.graph_pool_handle()
+        self.stream = torch.cuda.Stream(device=runner.device)
+        self._piece_buffers: dict[str, Tensor] | None = None
+        self.memory_bytes = 0  # device memory the capture phase added, measured when it ends
+
+    # --- replay ---------------------------------------------------------------------------
+
+    def check_fresh(self) -> None:
+        """Refuses to replay against moved weights or buffers (cheap pointer comparison)."""
+        if _addresses(self.runner) != self.addresses:
+            raise StaleGraphError("weights or KV cache moved since these graphs were recorded")
+
+    def replay(self, mode: int, size: int, meta: AttentionMetadata) -> Tensor:
+        """Replays the graph the dispatcher chose; returns hidden states ``[size, dim]``."""
+        entry = self.captured.get((mode, size))
+        if entry is None:
+            raise RuntimeError(f"no {mode_name(mode)} graph of size {size}: replay never captures")
+        if mode == FULL:
+            entry.graphs[0].replay()
+        else:
+            self._replay_pieces(entry.graphs, size, meta)
+        return self.runner.hidden[:size]
+
+    def _replay_pieces(self, pieces: list[torch.cuda.CUDAGraph], size: int, meta: AttentionMetadata) -> None:
+        """The pieces in order, each layer's attention between them writing straight into the
+        next piece's input (host work per layer: two launches and a replay)."""
+        buf = self._buffers()
+        q, k, v, o = buf["q"][:size], buf["k"][:size], buf["v"][:size], buf["o"][:size]
+        attention = self.runner.attention
+        attention.bind(meta)
+        pieces[0].replay()
+        for layer, piece in enumerate(pieces[1:]):
+            attention(layer, q, k, v, out=o)
+            piece.replay()
+
+    def release(self) -> None:
+        for entry in self.captured.values():
+            for graph in entry.graphs:
+                graph.reset()
+        self.captured.clear()
+        self._piece_buffers = None
+
+    # --- recording ------------------------------------------------------------------------
+
+    def warm_up(self, mode: int, size: int) -> None:
+        """Runs the key's functions once on the capture stream, outside capture, so that lazy
+        library state and the regular allocator's blocks exist before recording (and before the
+        recording's memory is measured)."""
+        self.stream.wait_stream(torch.cuda.current_stream())  # inputs were filled on the main stream
+        with torch.cuda.stream(self.stream):
+            for fn in self._fns(mode, size):
+                fn()
+        torch.cuda.current_stream().wait_stream(self.stream)
+
+    def record(self, mode: int, size: int) -> list[torch.cuda.CUDAGraph]:
+        """Records the graphs for one key on the capture stream into the shared pool."""
+        graphs = []
+        self.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.stream):
+            for fn in self._fns(mode, size):
+                graph = torch.cuda.CUDAGraph()
+                graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
+                try:
+                    fn()
+                finally:
+                    graph.capture_end()
+                graphs.append(graph)
+        torch.cuda.current_stream().wait_stream(self.stream)
+        return graphs
+
+    def _fns(self, mode: int, size: int) -> list[Callable[[], None]]:
+        return [self._full_fn(size)] if mode == FULL else self._piece_fns(size)
+
+    def _full_fn(self, size: int) -> Callable[[], None]:
+        runner = self.runner
+
+        def step() -> None:
+            meta = runner.metadata(size, size, [])
+            runner.hidden[:size].copy_(runner.forward_eager(meta, size))
+
+        return step
+
+    def _piece_fns(self, size: int) -> list[Callable[[], None]]:
+        model, runner, buf = self.runner.model, self.runner, self._buffers()
+        tokens, positions = runner.tokens(size), runner.positions(size)
+
+        def store(h: Tensor, q: Tensor, k: Tensor, v: Tensor) -> None:
+            for name, value in (("h", h), ("q", q), ("k", k), ("v", v)):
+                buf[name][:size].copy_(value)
+
+        def first() -> None:
+            store(*model.first_piece(tokens, *model.rope(positions)))
+
+        def middle(layer: int) -> Callable[[], None]:
+            return lambda: store(*model.middle_piece(layer, buf["h"][:size], buf["o"][:size], *model.rope(positions)))
+
+        def last() -> None:
+            runner.hidden[:size].copy_(model.last_piece(buf["h"][:size], buf["o"][:size]))
+
+        n_layers = model.config.n_layers
+        return [first, *(middle(i) for i in range(1, n_layers)), last]
+
+    def _buffers(self) -> dict[str, Tensor]:
+        """Piece inputs and outputs, shared by every size: one size runs at a time."""
+        if self._piece_buffers is None:
+            c, m = self.runner.loaded.config, self.runner.max_tokens
+            kw = {"device": self.runner.device, "dtype": self.runner.loaded.dtype}
+            self._piece_buffers = {
+                "h": torch.zeros(m, c.dim, **kw),
+                "q": torch.zeros(m, c.n_heads, c.head_dim, **kw),
+                "k": torch.zeros(m, c.n_kv_heads, c.head_dim, **kw),
+                "v": torch.zeros(m, c.n_kv_heads, c.head_dim, **kw),
+                "o": torch.zeros(m, c.n_heads * c.head_dim, **kw),
+            }
+        return self._piece_buffers
+
+
+def _addresses(runner: ModelRunner) -> tuple[int, ...]:
+    weights = runner.model.tok_embeddings.weight.data_ptr(), runner.model.layers[0].attention.wqkv.weight.data_ptr()
+    return (*weights, *runner.cache.addresses(), runner.inputs.data_ptr(), runner.hidden.data_ptr())
+
+
+@dataclass
+class CaptureJob:
+    """Captures ``plan`` into ``graphs`` one key at a time, then hands the set to the dispatcher.
+
+    Graph memory is what the device holds beyond the phase's starting point once the regular
+    allocator's cache is returned: the graphs' pool, their executables, the piece buffers and the
+    capture stream's library workspaces. It is measured after every key, so the budget is enforced
+    on the measured figure and each key is charged with what it added.
+    """
+
+    graphs: GraphSet
+    plan: list[Key]
+    budget_bytes: int = 0
+    inject_failures: frozenset[int] = frozenset()
+    tolerance: float = 1e-3
+    position: int = 0
+    started_used: int = 0
+    held: int = 0  # graph memory after the last key, measured
+    total_seconds: float = 0.0
+    last_cost: int = 0
+    stopped_by_budget: bool = False
+
+    def __post_init__(self) -> None:
+        gc.collect()
+        torch.cuda.empty_cache()
+        self.started_used = device_used()
+
+    @property
+    def done(self) -> bool:
+        return self.position >= len(self.plan)
+
+    def measure(self) -> int:
+        """Graph memory now: device memory in use beyond the start, cache returned first."""
+        torch.cuda.empty_cache()
+        return max(device_used() - self.started_used, 0)
+
+    def finish(self) -> None:
+        gc.collect()
+        self.graphs.memory_bytes = self.measure()
+
+    def run_all(self) -> None:
+        gc.collect()
+        gc.freeze()  # keeps the collector from walking every object during capture
+        try:
+            while not self.done:
+                self.step()
+        finally:
+            gc.unfreeze()
+
+    def step(self) -> None:
+        """Captures and validates the next key, or skips it with its reason."""
+        mode, size = self.plan[self.position]
+        self.position += 1
+        estimate = self.held + self.last_cost if self.graphs.captured else 0
+        if self.budget_bytes and (self.stopped_by_budget or estimate > self.budget_bytes):
+            self._skip(mode, size, pb.FALLBACK_REASON_SIZE_OVER_BUDGET,
+                       f"graph memory {self.held} B + about {self.last_cost} B would exceed the budget "
+                       f"{self.budget_bytes} B")
+            return
+        self._capture(mode, size)
+
+    def _capture(self, mode: int, size: int) -> None:
+        runner = self.graphs.runner
+        probe = probe_plan(runner, size)
+        reserved_before = torch.cuda.memory_reserved()
+        start = time.perf_counter()
+        try:
+            runner.prepare(probe, size)
+            self.graphs.warm_up(mode, size)
+            if size in self.inject_failures:
+                raise RuntimeError(f"injected capture failure for size {size}")
+            graphs = self.graphs.record(mode, size)
+        except Exception as err:  # noqa: BLE001 - one size's failure must never stop the worker
+            torch.cuda.synchronize()
+            self._skip(mode, size, pb.FALLBACK_REASON_SIZE_CAPTURE_FAILED, f"capture failed: {err}")
+            return
+        seconds = time.perf_counter() - start
+        held = self.measure()
+        entry = CapturedGraph(mode, size, graphs, seconds, held - self.held,
+                              torch.cuda.memory_reserved() - reserved_before)
+        self.graphs.captured[(mode, size)] = entry
+        problem = validate(self.graphs, mode, size, probe, self.tolerance)
+        if problem:
+            self._drop(mode, size, pb.FALLBACK_REASON_SIZE_CAPTURE_FAILED, f"validation failed: {problem}")
+            return
+        if self.budget_bytes and held > self.budget_bytes:
+            self._over_budget(mode, size)
+            return
+        self.total_seconds += seconds
+        self.held = held
+        self.last_cost = max(entry.device_bytes, 0)
+        log.info("captured %s size %d in %.3f s, %d bytes device, %d bytes reserved",
+                 mode_name(mode), size, seconds, entry.device_bytes, entry.reserved_bytes)
+
+    def _over_budget(self, mode: int, size: int) -> None:
+        self._drop(mode, size, pb.FALLBACK_REASON_SIZE_OVER_BUDGET,
+                   f"capturing it took graph memory over the budget {self.budget_bytes} B")
+        self.held = self.measure()
+        if self.held > self.budget_bytes:
+            self.stopped_by_budget = True  # what the pool keeps cannot be returned: stop here
+
+    def _drop(self, mode: int, size: int, reason: int, message: str) -> None:
+        entry = self.graphs.captured.pop((mode, size))
+        for graph in entry.graphs:
+            graph.reset()
+        if not self.graphs.captured:
+            # Its graphs were the pool's only users, so resetting them freed the pool: the next
+            # capture needs a fresh one (capturing into the freed pool fails an allocator assert).
+            gc.collect()
+            self.graphs.pool = torch.cuda.graph_pool_handle()
+        self._skip(mode, size, reason, message)
+
+    def _skip(self, mode: int, size: int, reason: int, message: str) -> None:
+        self.graphs.skipped[(mode, size)] = Skipped(reason, message)
+        log.warning("%s size %d falls back: %s", mode_name(mode), size, message)
+
+
+def probe_plan(runner: ModelRunner, size: int) -> StepPlan:
+    """A deterministic decode batch over scratch slots: every row writes its own position."""
+    generator = torch.Generator().manual_seed(size)
+    tokens = torch.randint(0, runner.loaded.config.vocab_size, (size,), generator=generator).numpy()
+    where = np.array([runner.cache.probe_slot_position(r) for r in range(size)], dtype=np.int64).reshape(-1, 2)
+    return StepPlan(prompt_tokens=[], positions=where[:, 1], slots=where[:, 0], num_decode=size,
+                    sample_rows=np.arange(size), sample_slots=where[:, 0], decode_tokens=tokens.astype(np.int64))
+
+
+#: Rows of the probe whose logits are compared (hidden states are compared for every row).
+VALIDATION_LOGIT_ROWS = 64
+
+
+def validate(graphs: GraphSet, mode: int, size: int, probe: StepPlan, tolerance: float) -> str:
+    """Replays one graph on the probe batch and compares it with eager execution; '' when equal.
+
+    Every row's hidden state is compared; greedy tokens and logits on up to 64 spread rows (the
+    LM head is the same eager call on both sides, and a full-vocabulary logits tensor per row
+    would cost more memory than the graphs).
+    """
+    runner = graphs.runner
+    rows = torch.arange(0, size, max(1, size // VALIDATION_LOGIT_ROWS), device=runner.device)
+    meta = runner.prepare(probe, size)
+    expected = runner.forward_eager(meta, size).clone()
+    meta = runner.prepare(probe, size)
+    got = graphs.replay(mode, size, meta)
+    if not torch.isfinite(got).all():
+        return "non-finite hidden states"
+    rel = ((got - expected).float().norm() / expected.float().norm().clamp_min(1e-12)).item()
+    if rel > tolerance:
+        return f"hidden states differ by {rel:.2e} (tolerance {tolerance:.0e})"
+    got_logits, expected_logits = runner.model.logits(got[rows]), runner.model.logits(expected[rows])
+    if not torch.equal(got_logits.argmax(-1), expected_logits.argmax(-1)):
+        return "greedy tokens differ from eager execution"
+    return ""

@@ -1,0 +1,160 @@
+"""The capture controller: which graphs a policy asks for, recording them (all at once at startup,
+one key between steps during a recapture), swapping the finished set into the dispatcher, and
+releasing graphs before anything can move their addresses.
+
+It owns the graph set, the ladder, the requested and effective modes, and the capture metrics;
+the engine decides when to capture and moves the lifecycle.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from graphkeeper.proto import worker_pb2 as pb
+from graphkeeper.proto.policy import effective_requested_mode, mode_name, reason_name, resolve_capture_sizes
+from graphkeeper.worker.executor.graphs.capture import CaptureJob, GraphSet
+from graphkeeper.worker.executor.graphs.dispatcher import (
+    FULL,
+    PIECEWISE,
+    Dispatcher,
+    GraphState,
+    downgrade_mode,
+    full_sizes,
+    mode_has_full,
+    mode_has_piecewise,
+)
+from graphkeeper.worker.executor.runner import ModelRunner
+from graphkeeper.worker.metrics import WorkerMetrics
+from graphkeeper.worker.model.attention import SlotAttention
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class CaptureConfig:
+    """What decides the captured set: a change of any of these recaptures."""
+
+    mode: int
+    sizes: tuple[int, ...]
+    budget_bytes: int
+
+
+def capture_config(policy: pb.GraphPolicy, max_num_seqs: int, max_num_batched_tokens: int) -> CaptureConfig:
+    sizes = resolve_capture_sizes(policy.capture_sizes, max_num_seqs, max_num_batched_tokens)
+    return CaptureConfig(effective_requested_mode(policy), tuple(sizes), policy.memory_budget_bytes)
+
+
+class CaptureController:
+    def __init__(self, dispatcher: Dispatcher, metrics: WorkerMetrics, max_num_seqs: int,
+                 max_num_batched_tokens: int, inject_failures: frozenset[int]) -> None:
+        self.dispatcher = dispatcher
+        self.metrics = metrics
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.inject_failures = inject_failures
+        self.graph_set: GraphSet | None = None
+        self.job: CaptureJob | None = None
+        self.requested_mode = pb.GRAPH_MODE_NONE
+        self.effective_mode = pb.GRAPH_MODE_NONE
+        self.downgrade_reason = ""
+        self.ladder: list[int] = []
+        self.total_seconds = 0.0
+        self.last_failure = ""
+
+    @property
+    def active(self) -> bool:
+        return self.job is not None
+
+    def config(self, policy: pb.GraphPolicy) -> CaptureConfig:
+        return capture_config(policy, self.max_num_seqs, self.max_num_batched_tokens)
+
+    def begin(self, policy: pb.GraphPolicy, runner: ModelRunner) -> None:
+        """Resolves modes and sizes for ``policy`` and plans the capture, largest size first."""
+        cuda = runner.device.type == "cuda"
+        self.requested_mode = effective_requested_mode(policy)
+        self.effective_mode, self.downgrade_reason = downgrade_mode(
+            self.requested_mode, int(SlotAttention.graph_support), cuda)
+        self.metrics.set_modes(self.requested_mode, self.effective_mode)
+        self.metrics.graph_memory_budget.set(policy.memory_budget_bytes)
+        self.ladder = resolve_capture_sizes(policy.capture_sizes, self.max_num_seqs, self.max_num_batched_tokens)
+        self.last_failure = ""
+        if not cuda or self.effective_mode == pb.GRAPH_MODE_NONE:
+            self.job = None
+            self.dispatcher.update(GraphState(effective_mode=self.effective_mode, ladder=tuple(self.ladder),
+                                              backend_unsupported=not cuda))
+            return
+        plan = []
+        if mode_has_full(self.effective_mode):
+            plan += [(FULL, n) for n in reversed(full_sizes(self.ladder, self.max_num_seqs))]
+        if mode_has_piecewise(self.effective_mode):
+            plan += [(PIECEWISE, n) for n in reversed(self.ladder)]
+        self.graph_set = GraphSet(runner)
+        tolerance = 1e-4 if runner.loaded.dtype == torch.float32 else 2e-2
+        self.job = CaptureJob(self.graph_set, plan, policy.memory_budget_bytes, self.inject_failures, tolerance)
+        self.dispatcher.update(GraphState(effective_mode=self.effective_mode, ladder=tuple(self.ladder),
+                                          recapturing=True))
+        log.info("capturing %d graphs (%s, sizes %s..%s, budget %s B)", len(plan), mode_name(self.effective_mode),
+                 self.ladder[0], self.ladder[-1], policy.memory_budget_bytes or "unlimited")
+
+    def step(self) -> bool:
+        """Captures the next key; True once the whole set is in and swapped into the dispatcher."""
+        if not self.job.done:
+            self.job.step()
+        if self.job.done:
+            self.finish()
+            return True
+        return False
+
+    def run_all(self) -> None:
+        if self.job is not None:
+            self.job.run_all()
+        self.finish()
+
+    def finish(self) -> None:
+        """Swaps the completed graph set in, at once, and records what it cost."""
+        job, graphs = self.job, self.graph_set
+        self.job = None
+        if job is None:
+            return
+        job.finish()
+        self.total_seconds = job.total_seconds
+        self.dispatcher.update(GraphState(
+            effective_mode=self.effective_mode, ladder=tuple(self.ladder),
+            captured=frozenset(graphs.captured), skipped={k: v.reason for k, v in graphs.skipped.items()},
+        ))
+        failures = [v.message for v in graphs.skipped.values() if v.reason == pb.FALLBACK_REASON_SIZE_CAPTURE_FAILED]
+        self.last_failure = failures[-1] if failures else ""
+        self._export()
+
+    def release(self) -> None:
+        """Graphs are dropped before anything that could move their addresses."""
+        if self.graph_set is not None:
+            self.graph_set.release()
+            self.graph_set = None
+        self.job = None
+        self.metrics.captured.clear()
+        self.metrics.graph_memory.set(0)
+
+    def hold_eager(self) -> None:
+        """Every step runs eager (reason recapturing) until the next ``begin``."""
+        self.dispatcher.update(GraphState(effective_mode=self.effective_mode, ladder=tuple(self.ladder),
+                                          recapturing=True))
+
+    def captured_count(self) -> int:
+        return len(self.graph_set.captured) if self.graph_set else 0
+
+    def _export(self) -> None:
+        m, graphs = self.metrics, self.graph_set
+        m.captured.clear()
+        m.skipped.clear()
+        m.capture_duration.clear()
+        for (mode, size), entry in graphs.captured.items():
+            m.captured.labels(mode_name(mode), str(size)).set(1)
+            m.capture_duration.labels(mode_name(mode), str(size)).set(entry.seconds)
+        for (mode, size), skipped in graphs.skipped.items():
+            m.skipped.labels(mode_name(mode), str(size), reason_name(skipped.reason)).set(1)
+        m.capture_phase.set(self.total_seconds)
+        m.graph_memory.set(graphs.memory_bytes)

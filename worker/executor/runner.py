@@ -1,0 +1,257 @@
+"""Runs one step of the model: fills the static input buffers, executes the step (eagerly, as a
+FULL graph replay, or as PIECEWISE graph replays around eager attention), samples on the device
+and starts one asynchronous copy of the sampled tokens back to the host.
+
+The runner owns every buffer a graph reads or writes, allocated once at the largest size, so
+their addresses never move: step inputs (tokens, positions, KV slots, context lengths, the
+attention's block table, sample rows) in one device tensor filled by a single host-to-device
+copy, the hidden states the step produces, and ``last_tokens``, each slot's latest sampled
+token. A decoding row's input token is read from ``last_tokens`` on the device, so the host can
+prepare and launch step N+1 before step N's tokens have reached it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from graphkeeper.worker.executor.graphs.dispatcher import Decision
+from graphkeeper.worker.executor.sampling import SamplingBatch, SamplingSpec, sample
+from graphkeeper.worker.kernels.linear_kernel import warm_rows
+from graphkeeper.worker.model.attention import BLOCK_Q, AttentionMetadata, PrefillChunk, SlotAttention
+from graphkeeper.worker.model.kv_cache import KVCache
+from graphkeeper.worker.model.loader import LoadedModel
+
+
+@dataclass
+class StepPlan:
+    """A scheduled step, flat: decode rows first, then prefill chunks.
+
+    Decode rows carry no token here: each reads its slot's latest sampled token on the device.
+    ``sample_rows`` are the rows whose next token is needed (every decode row, and the last row
+    of a prefill chunk that completes its prompt); ``sample_slots`` their slots.
+    """
+
+    prompt_tokens: list[int]
+    positions: np.ndarray
+    slots: np.ndarray
+    num_decode: int
+    prefill: list[PrefillChunk] = field(default_factory=list)
+    sample_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    sample_slots: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    sampling: SamplingBatch | None = None
+    decode_tokens: np.ndarray | None = None  # given only by probes and warm-up, which have no history
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.positions)
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.sample_rows)
+
+    @property
+    def uniform_decode(self) -> bool:
+        return not self.prefill and self.num_decode == self.num_tokens
+
+
+@dataclass
+class Launched:
+    """A step on its way: its tokens land in ``host`` once ``done`` has completed."""
+
+    host: Tensor
+    done: torch.cuda.Event | None
+    count: int
+
+    def tokens(self) -> np.ndarray:
+        """Waits for the step's copy (the one host synchronisation of a step) and returns its tokens."""
+        if self.done is not None:
+            self.done.synchronize()
+        return self.host[: self.count].numpy()
+
+
+class ModelRunner:
+    """Executes steps for one loaded model and one KV cache."""
+
+    ROWS = ("tokens", "positions", "slots", "lengths", "kv_rows",
+            "block_row", "block_len", "block_slot", "block_pos", "sample_rows", "sample_slots")
+    (TOKENS, POSITIONS, SLOTS, LENGTHS, KV_ROWS,
+     BLOCK_ROW, BLOCK_LEN, BLOCK_SLOT, BLOCK_POS, SAMPLE_ROWS, SAMPLE_SLOTS) = range(11)
+
+    def __init__(self, loaded: LoadedModel, cache: KVCache, max_tokens: int) -> None:
+        self.loaded = loaded
+        self.model = loaded.model
+        self.cache = cache
+        self.device = loaded.device
+        self.max_tokens = max_tokens
+        self.attention = SlotAttention(loaded.config, cache)
+        self.inputs = torch.zeros(len(self.ROWS), max_tokens, dtype=torch.long, device=self.device)
+        self.hidden = torch.zeros(max_tokens, loaded.config.dim, dtype=loaded.dtype, device=self.device)
+        self.last_tokens = torch.zeros(cache.num_slots + cache.scratch_slots, dtype=torch.long, device=self.device)
+        cuda = self.device.type == "cuda"
+        # Two pinned buffers each way, taken in turn with an event recorded after each copy. In:
+        # a copy from pageable memory may make the host wait for the step still running, one from
+        # pinned memory does not, and a buffer is refilled only once the copy that read it is done.
+        # Out: step N's tokens are read while step N+1's copy may be under way.
+        self._staging = [torch.zeros(len(self.ROWS) * max_tokens, dtype=torch.long, pin_memory=cuda)
+                         for _ in range(2)]
+        self._staged = [torch.cuda.Event() if cuda else None for _ in range(2)]
+        self._stage_turn = 0
+        self._host = [torch.zeros(max_tokens, dtype=torch.long, pin_memory=cuda) for _ in range(2)]
+        self._sent = [torch.cuda.Event() if cuda else None for _ in range(2)]
+        self._turn = 0
+        # Views of the static buffers, made once per (row, length): slicing is host work on the
+        # step's hot path, and these buffers never move while the runner lives.
+        self._views: dict[tuple[int | None, int], Tensor] = {}
+        self._staged_views: dict[tuple[int, int], tuple[Tensor, np.ndarray]] = {}
+
+    # --- inputs ---------------------------------------------------------------------------
+
+    def prepare(self, plan: StepPlan, rows: int) -> AttentionMetadata:
+        """Copies the plan into the static buffers, padded to ``rows`` with inert rows.
+
+        Decode rows' tokens are then gathered on the device from ``last_tokens``.
+        """
+        n, nd = plan.num_tokens, plan.num_decode
+        staged, host, turn = self._stage(rows)
+        host.fill(0)
+        host[self.TOKENS, nd:n] = plan.prompt_tokens
+        if plan.decode_tokens is not None:
+            host[self.TOKENS, :nd] = plan.decode_tokens
+        host[self.POSITIONS, :n] = plan.positions
+        host[self.SLOTS, :n] = plan.slots
+        # Padded rows: token 0 at position 0 in the dummy slot, attending to a length of 1.
+        host[self.SLOTS, n:] = self.cache.dummy_slot
+        host[self.LENGTHS] = host[self.POSITIONS] + 1
+        host[self.KV_ROWS] = self.cache.row_index(host[self.SLOTS], host[self.POSITIONS])
+        # Only a step with rows other than decode rows (prefill, or padding) runs the varlen kernel.
+        blocks = self._block_table(host, plan) if nd < rows else 0
+        ns = plan.num_samples
+        host[self.SAMPLE_ROWS, :ns] = plan.sample_rows
+        host[self.SAMPLE_SLOTS, :ns] = plan.sample_slots
+        self._row(None, rows).copy_(staged, non_blocking=True)
+        if self._staged[turn] is not None:
+            self._staged[turn].record()
+        if nd and plan.decode_tokens is None:
+            torch.index_select(self.last_tokens, 0, self._row(self.SLOTS, nd), out=self._row(self.TOKENS, nd))
+        return self.metadata(rows, nd, plan.prefill, blocks)
+
+    def _row(self, row: int | None, n: int) -> Tensor:
+        """``inputs[row, :n]`` (``inputs[:, :n]`` for ``row=None``), made once and kept."""
+        view = self._views.get((row, n))
+        if view is None:
+            view = self._views[(row, n)] = self.inputs[:, :n] if row is None else self.inputs[row, :n]
+        return view
+
+    def _stage(self, rows: int) -> tuple[Tensor, np.ndarray, int]:
+        """The next pinned staging buffer as a contiguous ``[len(ROWS), rows]`` tensor and its
+        numpy view, once the copy that last read it has completed; and its turn."""
+        turn = self._stage_turn
+        self._stage_turn ^= 1
+        if self._staged[turn] is not None:
+            self._staged[turn].synchronize()
+        views = self._staged_views.get((turn, rows))
+        if views is None:
+            staged = self._staging[turn][: len(self.ROWS) * rows].view(len(self.ROWS), rows)
+            views = self._staged_views[(turn, rows)] = (staged, staged.numpy())
+        return (*views, turn)
+
+    def _block_table(self, host: np.ndarray, plan: StepPlan) -> int:
+        """The varlen attention's work list: one block per decode row, and each prefill chunk cut
+        into blocks of ``BLOCK_Q`` tokens: (first row, rows, slot, position of the first row)."""
+        nd = plan.num_decode
+        host[self.BLOCK_ROW, :nd] = np.arange(nd)
+        host[self.BLOCK_LEN, :nd] = 1
+        host[self.BLOCK_SLOT, :nd] = host[self.SLOTS, :nd]
+        host[self.BLOCK_POS, :nd] = host[self.POSITIONS, :nd]
+        b = nd
+        for chunk in plan.prefill:
+            starts = np.arange(0, chunk.length, BLOCK_Q)
+            k = len(starts)
+            host[self.BLOCK_ROW, b:b + k] = chunk.row + starts
+            host[self.BLOCK_LEN, b:b + k] = np.minimum(BLOCK_Q, chunk.length - starts)
+            host[self.BLOCK_SLOT, b:b + k] = chunk.slot
+            host[self.BLOCK_POS, b:b + k] = chunk.start + starts
+            b += k
+        return b
+
+    def metadata(self, rows: int, num_decode: int, prefill: list[PrefillChunk], blocks: int = 0) -> AttentionMetadata:
+        row, m = self._row, self.max_tokens
+        return AttentionMetadata(
+            slots=row(self.SLOTS, rows), positions=row(self.POSITIONS, rows), lengths=row(self.LENGTHS, rows),
+            kv_rows=row(self.KV_ROWS, rows), num_decode=num_decode, prefill=prefill, num_blocks=blocks,
+            block_row=row(self.BLOCK_ROW, m), block_len=row(self.BLOCK_LEN, m), block_slot=row(self.BLOCK_SLOT, m),
+            block_pos=row(self.BLOCK_POS, m),
+        )
+
+    def tokens(self, rows: int) -> Tensor:
+        return self._row(self.TOKENS, rows)
+
+    def positions(self, rows: int) -> Tensor:
+        return self._row(self.POSITIONS, rows)
+
+    # --- execution ------------------------------------------------------------------------
+
+    def execute(self, plan: StepPlan, decision: Decision, graphs) -> Tensor:
+        """Hidden states of the step's rows, by the dispatcher's decision (the one place a step runs)."""
+        if decision.eager:
+            return self.forward_eager(self.prepare(plan, plan.num_tokens), plan.num_tokens)
+        graphs.check_fresh()
+        meta = self.prepare(plan, decision.size)
+        return graphs.replay(decision.mode, decision.size, meta)
+
+    def forward_eager(self, meta: AttentionMetadata, rows: int) -> Tensor:
+        """Hidden states for ``rows`` rows, computed eagerly (also the capture-time reference)."""
+        self.attention.bind(meta)
+        return self.model(self.tokens(rows), self.positions(rows), self.attention)
+
+    def logits(self, hidden: Tensor, plan: StepPlan) -> Tensor:
+        """Float32 logits for the plan's sample rows."""
+        return self.model.logits(self.sample_rows(hidden, plan))
+
+    def sample_rows(self, hidden: Tensor, plan: StepPlan) -> Tensor:
+        """The hidden states of the plan's sample rows; decode rows come first, so usually a slice."""
+        ns = plan.num_samples
+        if not plan.prefill:
+            return hidden[:ns]
+        return hidden.index_select(0, self._row(self.SAMPLE_ROWS, ns))
+
+    def sample_and_send(self, hidden: Tensor, plan: StepPlan) -> Launched:
+        """Samples on the device, records each slot's new token, and starts the copy back."""
+        ns = plan.num_samples
+        tokens = sample(self.model.head(self.sample_rows(hidden, plan)), plan.sampling)
+        self.last_tokens.index_copy_(0, self._row(self.SAMPLE_SLOTS, ns), tokens)
+        host, done = self._host[self._turn], self._sent[self._turn]
+        self._turn ^= 1
+        host[:ns].copy_(tokens, non_blocking=True)
+        if done is not None:
+            done.record()
+        return Launched(host, done, ns)
+
+    def warm_up(self, rows: int) -> None:
+        """Eager steps on inert rows, so that every kernel a served step can launch is compiled
+        and loaded before capture or serving, not at a request's expense: a decode step of
+        ``rows`` rows (the first call, which a compiled step traces at), a prefill chunk (the
+        varlen attention, which capture never runs), and the LM head with greedy and drawn
+        sampling at every row count the skinny products bucket (Triton specializes on it)."""
+        dummy = self.cache.dummy_slot
+        plan = StepPlan(prompt_tokens=[], positions=np.zeros(rows, dtype=np.int64),
+                        slots=np.full(rows, dummy, dtype=np.int64), num_decode=rows,
+                        sample_rows=np.arange(rows), sample_slots=np.full(rows, dummy),
+                        decode_tokens=np.zeros(rows, dtype=np.int64))
+        self.sample_and_send(self.forward_eager(self.prepare(plan, rows), rows), plan).tokens()
+        n = min(BLOCK_Q + 1, self.max_tokens, self.cache.max_seq_len)
+        chunk = StepPlan(prompt_tokens=[0] * n, positions=np.arange(n, dtype=np.int64),
+                         slots=np.full(n, dummy, dtype=np.int64), num_decode=0,
+                         prefill=[PrefillChunk(row=0, length=n, slot=dummy, start=0)],
+                         sample_rows=np.array([n - 1]), sample_slots=np.array([dummy]))
+        self.sample_and_send(self.forward_eager(self.prepare(chunk, n), n), chunk).tokens()
+        for m in warm_rows(self.max_tokens):
+            sample(self.model.head(self.hidden[:m]), None)
+        drawn = SamplingBatch.build([SamplingSpec(temperature=1.0, top_k=8, top_p=0.9)], [0], np.zeros(1, np.int64))
+        sample(self.model.head(self.hidden[:1]), drawn)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)

@@ -1,0 +1,98 @@
+"""Varlen attention for a whole mixed step in one Triton kernel launch per layer, reading keys and
+values in place from the slot cache.
+
+A step's rows are decode tokens (one per sequence) and prefill chunks (many consecutive tokens
+of one sequence). The host cuts the step into *blocks*: one per decode row, and each prefill
+chunk cut into runs of ``BLOCK_Q`` tokens. A block is (first row, rows, slot, position of the
+first row); its tokens attend causally to their own slot, token ``i`` of the block seeing keys
+``0 .. position + i``. One program handles one block and one key/value head, with all the query
+heads of that group stacked as tile rows, so grouped-query attention reads each key once per
+group. Keys are visited in tiles with a running softmax (flash attention), so no mask tensor
+and no per-chunk Python loop exist. The grid depends on the block count, so this kernel runs
+between the pieces of PIECEWISE graphs, never inside one.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from graphkeeper.worker.kernels.triton_support import tl, triton
+
+#: Query tokens per block (a prefill chunk of n tokens makes ceil(n / BLOCK_Q) blocks).
+BLOCK_Q = 16
+
+
+if triton is not None:
+    from graphkeeper.worker.kernels.decode_kernel import online_softmax_step
+
+    @triton.jit
+    def _varlen_kernel(
+        q_ptr, k_ptr, v_ptr, out_ptr, block_row_ptr, block_len_ptr, block_slot_ptr, block_pos_ptr, scale,
+        stride_qt, stride_qh, stride_ks, stride_kh, stride_kl, stride_ot, stride_oh,
+        GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, HEAD_DIM: tl.constexpr,
+        BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+    ):
+        block = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        first_row = tl.load(block_row_ptr + block)
+        n_rows = tl.load(block_len_ptr + block)
+        slot = tl.load(block_slot_ptr + block)
+        first_pos = tl.load(block_pos_ptr + block)
+        # Tile row r is token r // GROUP_PAD of the block, query head r % GROUP_PAD of the group.
+        r = tl.arange(0, BLOCK_Q * GROUP_PAD)
+        token = r // GROUP_PAD
+        head_in_group = r % GROUP_PAD
+        row_ok = (token < n_rows) & (head_in_group < GROUP)
+        # Rows past the block's end compute as its last token (finite values) and are not stored.
+        pos = first_pos + tl.minimum(token, n_rows - 1)
+        head = kv_head * GROUP + head_in_group
+        dims = tl.arange(0, HEAD_DIM)
+        q_offsets = (first_row + token)[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :]
+        q = tl.load(q_ptr + q_offsets, mask=row_ok[:, None], other=0.0)
+        k_base = k_ptr + slot * stride_ks + kv_head * stride_kh
+        v_base = v_ptr + slot * stride_ks + kv_head * stride_kh
+        m_i = tl.full([BLOCK_Q * GROUP_PAD], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_Q * GROUP_PAD], tl.float32)
+        acc = tl.zeros([BLOCK_Q * GROUP_PAD, HEAD_DIM], tl.float32)
+        end = first_pos + n_rows  # keys the block's last token sees
+        for start in range(0, end, BLOCK_N):
+            keys = start + tl.arange(0, BLOCK_N)
+            offsets = keys[:, None] * stride_kl + dims[None, :]
+            key_ok = keys < end
+            k = tl.load(k_base + offsets, mask=key_ok[:, None], other=0.0)
+            v = tl.load(v_base + offsets, mask=key_ok[:, None], other=0.0)
+            visible = keys[None, :] <= pos[:, None]
+            m_i, l_i, acc = online_softmax_step(q, k, v, visible, scale, m_i, l_i, acc, IEEE)
+        acc = acc / l_i[:, None]
+        o_offsets = (first_row + token)[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :]
+        tl.store(out_ptr + o_offsets, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+def varlen_attention(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, block_row: Tensor, block_len: Tensor, block_slot: Tensor,
+    block_pos: Tensor, num_blocks: int, out: Tensor | None = None,
+) -> Tensor:
+    """``q [T, heads, d]`` over ``k_cache/v_cache [slots, L, kv_heads, d]`` -> ``[T, heads * d]``,
+    written into ``out`` (contiguous ``[T, heads * d]``) when given.
+
+    Rows that no block covers (padding) are left as they are in ``out`` (zeros when allocated here):
+    they belong to no sequence, and only their finiteness matters.
+    """
+    rows, heads, head_dim = q.shape
+    kv_heads = k_cache.shape[2]
+    group = heads // kv_heads
+    if out is None:
+        out = torch.zeros(rows, heads, head_dim, dtype=q.dtype, device=q.device)
+    out3 = out.view(rows, heads, head_dim)
+    if num_blocks:
+        group_pad = triton.next_power_of_2(group)
+        _varlen_kernel[(num_blocks, kv_heads)](
+            q, k_cache, v_cache, out3, block_row, block_len, block_slot, block_pos, head_dim ** -0.5,
+            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(2), k_cache.stride(1),
+            out3.stride(0), out3.stride(1),
+            GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=BLOCK_Q, HEAD_DIM=head_dim,
+            BLOCK_N=32 if head_dim > 64 else 64, IEEE=q.dtype == torch.float32,
+            num_warps=8 if group_pad >= 8 else 4,
+        )
+    return out.view(rows, heads * head_dim)

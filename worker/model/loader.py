@@ -1,0 +1,390 @@
+"""Loads model weights from a Hugging Face style directory or from a seeded random preset.
+
+A directory holds ``config.json`` and ``*.safetensors`` (bf16, fp16 or fp32); nothing is ever
+downloaded. ``random:<preset>[@seed]`` builds seeded random weights of a named shape, for tests
+and benchmarks. Weight layout changes (fusing Q/K/V and gate/up) happen here, once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from graphkeeper.proto.policy import clipped_repr
+from graphkeeper.worker.model.config import PRESETS, ModelConfig
+from graphkeeper.worker.model.llama import Transformer, rope_tables
+from graphkeeper.worker.model.quantization import quantize_model
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DEFAULT_SEED = 0
+INIT_STD = 0.02
+
+
+class ModelSourceError(ValueError):
+    """The model source cannot be loaded (missing files, unknown preset, bad config)."""
+
+
+#: The longest path a loader error repeats; the tail is kept, since it names the model.
+SHOWN_PATH_CHARS = 96
+
+
+def shown(path: str | Path) -> str:
+    """``path`` for an error message: a source comes from LoadModelRevision callers and may be
+    4 KiB long; the message keeps its last characters, which name the model and the file."""
+    text = str(path)
+    return text if len(text) <= SHOWN_PATH_CHARS else "…" + text[-(SHOWN_PATH_CHARS - 1):]
+
+
+@dataclass
+class LoadedModel:
+    model: Transformer
+    config: ModelConfig
+    source: str
+    revision: str
+    dtype: torch.dtype
+    device: torch.device
+    quantization: str = "none"
+
+    @property
+    def parameter_count(self) -> int:
+        return sum(p.numel() for p in self.model.parameters())
+
+
+def load_model(
+    source: str, *, device: str | torch.device, dtype: str = "auto", max_positions: int,
+    revision: str = "", quantization: str = "none",
+) -> LoadedModel:
+    """Builds the model for ``source`` on ``device``; ``revision`` defaults to a content hash.
+
+    ``quantization`` ``fp8``/``fp8-tensor`` stores the decoder projections in float8 after loading.
+    """
+    device = torch.device(device)
+    if source.startswith("random:"):
+        preset, seed = _parse_random(source)
+        config = PRESETS[preset]
+        torch_dtype = _pick_dtype(dtype, device, None)
+        model = _empty_model(config, max_positions, device, torch_dtype)
+        _fill_random(model, seed, device)
+        revision = revision or _hash_text(f"{source}|{seed}|{json.dumps(config.as_dict(), sort_keys=True)}")
+    else:
+        with _filesystem_errors(source):
+            path = Path(source)
+            config, hf_dtype = _read_config(path)
+            torch_dtype = _pick_dtype(dtype, device, hf_dtype)
+            model = _empty_model(config, max_positions, device, torch_dtype)
+            _load_safetensors(model, config, path)
+            revision = revision or _hash_directory(path)
+    model.eval().requires_grad_(False)
+    quantize_model(model, quantization)
+    return LoadedModel(model, config, source, revision, torch_dtype, device, quantization)
+
+
+def check_source(source: str) -> None:
+    """Raises ModelSourceError when ``source`` cannot be loaded, without reading any weights.
+
+    A random preset must exist and its seed parse; a directory must hold a readable, valid
+    ``config.json`` and at least one ``*.safetensors`` file. Cheap, so the worker can refuse a
+    bad ``--model`` before it starts serving anything.
+    """
+    if source.startswith("random:"):
+        _parse_random(source)
+        return
+    with _filesystem_errors(source):
+        path = Path(source)
+        if not path.is_dir():
+            raise ModelSourceError(f"{shown(source)}: not a directory, and not random:<preset>[@seed]")
+        _read_config(path)
+        _weight_files(path)
+
+
+@contextmanager
+def _filesystem_errors(source: str) -> Iterator[None]:
+    """An OSError (name too long, permission denied, I/O error) or a path the OS refuses (a NUL
+    byte) while reading ``source`` is a ModelSourceError naming the source, clipped."""
+    try:
+        yield
+    except ModelSourceError:
+        raise
+    except OSError as err:
+        raise ModelSourceError(f"{shown(source)}: {err.strerror or type(err).__name__}") from None
+    except ValueError as err:
+        raise ModelSourceError(f"{shown(source)}: {clipped_repr(str(err))}") from None
+
+
+def _parse_random(source: str) -> tuple[str, int]:
+    spec = source.removeprefix("random:")
+    preset, _, seed_text = spec.partition("@")
+    if preset not in PRESETS:
+        raise ModelSourceError(f"unknown preset {clipped_repr(preset)}; known: {', '.join(sorted(PRESETS))}")
+    try:
+        seed = int(seed_text) if seed_text else DEFAULT_SEED
+    except ValueError:
+        raise ModelSourceError(f"seed {clipped_repr(seed_text)} in {clipped_repr(source)} is not an integer") from None
+    return preset, seed
+
+
+def _pick_dtype(dtype: str, device: torch.device, hf_dtype: str | None) -> torch.dtype:
+    if dtype != "auto":
+        if dtype not in DTYPES:
+            raise ModelSourceError(f"dtype {clipped_repr(dtype)} is not one of {', '.join(DTYPES)}")
+        return DTYPES[dtype]
+    if device.type == "cpu":
+        return torch.float32  # CPU bf16 matmuls are slow and not what tests compare against
+    return DTYPES.get(hf_dtype or "bfloat16", torch.bfloat16)
+
+
+def _empty_model(config: ModelConfig, max_positions: int, device: torch.device, dtype: torch.dtype) -> Transformer:
+    """The module with uninitialised parameters allocated once, directly in ``dtype`` on ``device``.
+
+    Built on the meta device and cast there (free), so no float32 copy ever exists: the
+    parameters take exactly the weights' size, which is what loading fills in place.
+    """
+    with torch.device("meta"):
+        model = Transformer(config, max_positions).to(dtype)
+    model = model.to_empty(device=device).requires_grad_(False)
+    if config.tie_word_embeddings:
+        model.output.weight = model.tok_embeddings.weight
+    cos, sin = rope_tables(config, max_positions)
+    # In the model's dtype once, here: a step looks rows up without a conversion kernel.
+    model.rope_cos = cos.to(device=device, dtype=dtype)
+    model.rope_sin = sin.to(device=device, dtype=dtype)
+    return model
+
+
+@torch.no_grad()
+def _fill_random(model: Transformer, seed: int, device: torch.device) -> None:
+    generator = torch.Generator(device=device).manual_seed(seed)
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            param.fill_(1.0)
+        else:
+            param.normal_(0.0, INIT_STD, generator=generator)
+
+
+def _read_config(path: Path) -> tuple[ModelConfig, str | None]:
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise ModelSourceError(f"{shown(path)}: no config.json (expected a Hugging Face style directory)")
+    try:
+        hf = json.loads(config_file.read_bytes().decode("utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        raise ModelSourceError(f"{shown(config_file)}: not a readable JSON document: {err}") from None
+    if not isinstance(hf, dict):
+        raise ModelSourceError(f"{shown(config_file)}: not a JSON object")
+    try:
+        config = ModelConfig.from_hf(hf)
+    except (KeyError, ValueError, TypeError) as err:
+        raise ModelSourceError(f"{shown(config_file)}: {err!r}") from None
+    return config, hf.get("torch_dtype") or hf.get("dtype")
+
+
+# --- safetensors, one tensor at a time -------------------------------------------------------
+#
+# The format is an 8-byte little-endian header length, a JSON header mapping each name to its
+# dtype, shape and byte range, then the data. The loader reads each tensor's bytes with plain
+# file reads straight into its parameter (or into a staging buffer of that one tensor when the
+# dtype or the device differs) instead of memory-mapping whole files: mapped pages count
+# towards the process's resident memory for as long as the file stays open, which would double
+# the host peak while loading.
+
+_ST_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+_MAX_HEADER_BYTES = 100 << 20
+INDEX_FILE = "model.safetensors.index.json"
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """Where one checkpoint tensor lives: its file, byte range, dtype and shape."""
+
+    file: Path
+    start: int
+    end: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+def read_safetensors_header(file: Path) -> dict[str, TensorEntry]:
+    """The tensors of one safetensors file, by checkpoint name, without reading their data."""
+    try:
+        with file.open("rb") as f:
+            raw = f.read(8)
+            if len(raw) != 8:
+                raise ModelSourceError(f"{shown(file)}: not a safetensors file (too short)")
+            size = int.from_bytes(raw, "little")
+            if size > _MAX_HEADER_BYTES:
+                raise ModelSourceError(f"{shown(file)}: safetensors header of {size} bytes is implausible")
+            header = json.loads(f.read(size).decode("utf-8"))
+        base = 8 + size
+        out = {}
+        for name, meta in header.items():
+            if name == "__metadata__":
+                continue
+            if meta["dtype"] not in _ST_DTYPES:
+                raise ModelSourceError(f"{shown(file)}: tensor {clipped_repr(name)} has unsupported dtype "
+                                       f"{clipped_repr(str(meta['dtype']))}")
+            start, end = meta["data_offsets"]
+            out[name] = TensorEntry(file, base + start, base + end, _ST_DTYPES[meta["dtype"]], tuple(meta["shape"]))
+        return out
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as err:
+        raise ModelSourceError(f"{shown(file)}: unreadable safetensors header: {err!r}") from None
+
+
+def _weight_files(path: Path) -> list[Path]:
+    """The checkpoint's files: those ``model.safetensors.index.json`` names, else every ``*.safetensors``."""
+    index = path / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_bytes().decode("utf-8"))["weight_map"]
+            names = sorted(set(weight_map.values()))
+        except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as err:
+            raise ModelSourceError(f"{shown(index)}: not a safetensors index: {err!r}") from None
+        files = [path / name for name in names]
+        missing = [f.name for f in files if not f.is_file() or f.parent != path]
+        if missing:
+            listed = ", ".join(clipped_repr(name) for name in missing[:4])
+            raise ModelSourceError(f"{shown(index)}: names files that are not in {shown(path)}: {listed}")
+        return files
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelSourceError(f"{shown(path)}: no *.safetensors files")
+    return files
+
+
+def checkpoint_index(path: Path) -> dict[str, TensorEntry]:
+    """Every tensor of the checkpoint by its name without the ``model.`` prefix (headers only)."""
+    entries: dict[str, TensorEntry] = {}
+    for file in _weight_files(path):
+        for key, entry in read_safetensors_header(file).items():
+            entries[key.removeprefix("model.")] = entry
+    return entries
+
+
+class _TensorReader:
+    """Reads checkpoint tensors into destination tensors, one at a time, files kept open."""
+
+    def __init__(self, path: Path, entries: dict[str, TensorEntry]) -> None:
+        self.path = path
+        self.entries = entries
+        self._files: dict[Path, object] = {}
+
+    def close(self) -> None:
+        for f in self._files.values():
+            f.close()
+        self._files.clear()
+
+    def entry(self, name: str, shape: tuple[int, ...]) -> TensorEntry:
+        entry = self.entries.get(name)
+        if entry is None:
+            raise ModelSourceError(f"{shown(self.path)}: tensor {clipped_repr(name)} missing from the checkpoint")
+        if entry.shape != shape:
+            raise ModelSourceError(f"{shown(self.path)}: tensor {clipped_repr(name)} has shape "
+                                   f"{clipped_repr(str(list(entry.shape)))}, expected {list(shape)}")
+        if entry.end - entry.start != math.prod(shape) * entry.dtype.itemsize:
+            raise ModelSourceError(
+                f"{shown(self.path)}: tensor {clipped_repr(name)} has a byte range that does not match its shape")
+        return entry
+
+    def read_into(self, name: str, dest: Tensor) -> None:
+        """Fills ``dest`` (contiguous) with the checkpoint tensor ``name``, converting its dtype."""
+        entry = self.entry(name, tuple(dest.shape))
+        f = self._files.get(entry.file)
+        if f is None:
+            f = self._files[entry.file] = entry.file.open("rb", buffering=0)
+        direct = dest.device.type == "cpu" and dest.dtype == entry.dtype and dest.is_contiguous()
+        staging = dest if direct else torch.empty(entry.shape, dtype=entry.dtype)
+        buffer = memoryview(staging.view(-1).view(torch.uint8).numpy())
+        f.seek(entry.start)
+        done = 0
+        while done < len(buffer):
+            n = f.readinto(buffer[done:])
+            if not n:
+                raise ModelSourceError(f"{shown(entry.file)}: truncated while reading {clipped_repr(name)}")
+            done += n
+        if not direct:
+            dest.copy_(staging)
+
+
+@torch.no_grad()
+def _load_safetensors(model: Transformer, config: ModelConfig, path: Path) -> None:
+    """Fills every parameter in place; fused Q/K/V and gate/up rows are written slice by slice."""
+    reader = _TensorReader(path, checkpoint_index(path))
+    try:
+        reader.read_into("embed_tokens.weight", model.tok_embeddings.weight)
+        reader.read_into("norm.weight", model.norm.weight)
+        if not config.tie_word_embeddings:
+            reader.read_into("lm_head.weight", model.output.weight)
+        q_size, kv_size = config.n_heads * config.head_dim, config.n_kv_heads * config.head_dim
+        for i, layer in enumerate(model.layers):
+            p = f"layers.{i}."
+            attn, mlp = p + "self_attn.", p + "mlp."
+            q, k, v = layer.attention.wqkv.weight.split([q_size, kv_size, kv_size])
+            for name, rows in zip("qkv", (q, k, v), strict=True):
+                reader.read_into(attn + f"{name}_proj.weight", rows)
+            reader.read_into(attn + "o_proj.weight", layer.attention.wo.weight)
+            gate, up = layer.feed_forward.w13.weight.split(config.intermediate_size)
+            reader.read_into(mlp + "gate_proj.weight", gate)
+            reader.read_into(mlp + "up_proj.weight", up)
+            reader.read_into(mlp + "down_proj.weight", layer.feed_forward.w2.weight)
+            reader.read_into(p + "input_layernorm.weight", layer.attention_norm.weight)
+            reader.read_into(p + "post_attention_layernorm.weight", layer.ffn_norm.weight)
+    finally:
+        reader.close()
+
+
+def _hash_text(text: str) -> str:
+    return "sha256:" + hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _hash_directory(path: Path) -> str:
+    """A content hash of config.json and the weights: a changed file is a new revision.
+
+    Read through one reused 1 MiB buffer, so hashing adds nothing noticeable to the load's peak.
+    """
+    digest = hashlib.sha256()
+    buffer = bytearray(1 << 20)
+    view = memoryview(buffer)
+    index = [path / INDEX_FILE] if (path / INDEX_FILE).is_file() else []
+    for file in [path / "config.json", *index, *_weight_files(path)]:
+        digest.update(file.name.encode())
+        with file.open("rb", buffering=0) as f:
+            while n := f.readinto(buffer):
+                digest.update(view[:n])
+    return "sha256:" + digest.hexdigest()[:16]
+
+
+def save_hf_directory(model: Transformer, path: Path) -> None:
+    """Writes ``model`` as a Hugging Face Llama directory (unfused names), for tests and tools."""
+    from safetensors.torch import save_file
+
+    config = model.config
+    path.mkdir(parents=True, exist_ok=True)
+    out: dict[str, Tensor] = {
+        "model.embed_tokens.weight": model.tok_embeddings.weight,
+        "model.norm.weight": model.norm.weight,
+    }
+    if not config.tie_word_embeddings:
+        out["lm_head.weight"] = model.output.weight
+    q_size, kv_size = config.n_heads * config.head_dim, config.n_kv_heads * config.head_dim
+    for i, layer in enumerate(model.layers):
+        p = f"model.layers.{i}."
+        q, k, v = layer.attention.wqkv.weight.split([q_size, kv_size, kv_size])
+        gate, up = layer.feed_forward.w13.weight.split(config.intermediate_size)
+        out |= {
+            p + "self_attn.q_proj.weight": q, p + "self_attn.k_proj.weight": k,
+            p + "self_attn.v_proj.weight": v, p + "self_attn.o_proj.weight": layer.attention.wo.weight,
+            p + "mlp.gate_proj.weight": gate, p + "mlp.up_proj.weight": up,
+            p + "mlp.down_proj.weight": layer.feed_forward.w2.weight,
+            p + "input_layernorm.weight": layer.attention_norm.weight,
+            p + "post_attention_layernorm.weight": layer.ffn_norm.weight,
+        }
+    save_file({k: t.detach().contiguous().cpu() for k, t in out.items()}, str(path / "model.safetensors"))
+    hf = config.to_hf() | {"torch_dtype": str(model.tok_embeddings.weight.dtype).removeprefix("torch.")}
+    (path / "config.json").write_text(json.dumps(hf, indent=2))

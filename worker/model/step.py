@@ -1,0 +1,253 @@
+"""Compiling the step before it is captured, as vLLM does: ``torch.compile`` of the pieces between
+attention calls, one compilation per piece for every batch size, recorded afterwards in the
+worker's own CUDA graphs.
+
+- **Presets** trade startup for speed (``-O``): 0 runs eagerly with no graphs, 1 captures graphs
+  of the uncompiled step (fused Triton kernels where they pay), 2 compiles the pieces and then
+  captures. An explicit ``--compile``/``--no-compile`` or a policy's graph mode overrides the
+  preset; ``resolve`` is the one place that decides, and says why.
+- **Dynamic batch dimension.** The activations' first dimension is marked dynamic at the first
+  call, which happens at the largest warm-up size; backed sizes are treated size-obliviously, so
+  size 1 needs no specialised recompilation. After capture the engine forbids recompiles
+  (``torch.compiler.set_stance("fail_on_recompile")``): a recompile at run time is an error, not a
+  silent stall.
+- **On-disk cache.** Inductor's and Triton's caches live under ``<cache dir>/<key>``, where the
+  key hashes everything that changes the generated code: the model config, dtype, quantization,
+  the kernel choice, the device's compute capability, the torch and triton versions and the
+  source of the modules the step runs. A second start with the same key loads the compiled
+  kernels instead of generating them; whether it did is read from Inductor's own counters.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from graphkeeper.proto import worker_pb2 as pb
+from graphkeeper.worker.kernels import choice, decode_kernel, linear_kernel, norm_kernel, pdl, row_kernel, varlen_kernel
+from graphkeeper.worker.kernels.linear_kernel import replay_seconds
+from graphkeeper.worker.model import llama, tuning
+from graphkeeper.worker.model.cache_key import key_of, library_versions, source_digest
+from graphkeeper.worker.model.config import ModelConfig
+from graphkeeper.worker.model.llama import PieceFunctions, make_pieces, make_row_pieces, row_pieces_fit
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CACHE_DIR = "~/.cache/graphkeeper/compile"
+LEVELS = (0, 1, 2)
+
+
+@dataclass(frozen=True)
+class Optimization:
+    """What a worker runs with, after the preset, explicit flags and the device are combined."""
+
+    level: int
+    compile: bool
+    default_graph_mode: int  # the worker's graph mode when no policy names one
+    reason: str  # why compile is what it is, for status and logs
+
+
+def resolve(level: int, compile_flag: bool | None, device_type: str) -> Optimization:
+    """The preset ``level`` with explicit settings applied over it (pure).
+
+    -O0: no compile, no graphs. -O1: graphs, no compile. -O2: compile, then graphs.
+    ``compile_flag`` (``--compile``/``--no-compile``) overrides the preset's compile; compilation
+    needs CUDA (Inductor's CPU code would need a C++ toolchain on every node and is not what runs).
+    """
+    if level not in LEVELS:
+        raise ValueError(f"optimization level {level} is not one of {', '.join(map(str, LEVELS))}")
+    wanted = level >= 2 if compile_flag is None else compile_flag
+    source = f"preset -O{level}" if compile_flag is None else ("--compile" if compile_flag else "--no-compile")
+    mode = pb.GRAPH_MODE_NONE if level == 0 else pb.GRAPH_MODE_FULL_AND_PIECEWISE
+    if wanted and device_type != "cuda":
+        return Optimization(level, False, mode, f"{source} asks for compilation, but it runs only on CUDA")
+    return Optimization(level, wanted, mode, source)
+
+
+def step_modules() -> list[ModuleType]:
+    """The modules whose source is the compiled step: a change to any of them changes the key."""
+    return [llama, choice, linear_kernel, norm_kernel, sys.modules[__name__], decode_kernel, varlen_kernel,
+            row_kernel, pdl]
+
+
+def cache_key(config: ModelConfig, dtype: torch.dtype, quantization: str, kernels: str, capability: str,
+              versions: dict[str, str], source: str) -> str:
+    """The compile cache's key (pure): a hex digest of everything that changes the generated code."""
+    return key_of({
+        "config": config.as_dict(), "dtype": str(dtype), "quantization": quantization, "kernels": kernels,
+        "capability": capability, "versions": versions, "source": source,
+    })
+
+
+@dataclass
+class CompileReport:
+    """What compilation did, for GraphStatus and the metrics."""
+
+    enabled: bool = False
+    level: int = 2
+    reason: str = ""
+    key: str = ""
+    cache_dir: str = ""
+    cache: str = "off"  # off | hit | miss | partial
+    seconds: float = 0.0
+    graphs: int = 0  # graphs Dynamo compiled (one per piece when nothing recompiled)
+    tuning: tuning.TuningReport | None = None
+    row_step: str = ""  # the one-token step's choice and the two timings behind it
+
+    def read_counters(self, before: dict[str, int]) -> None:
+        """Cache outcome and graph count from torch's counters since ``before`` was taken."""
+        now = compile_counters()
+        hits = now["hits"] - before["hits"]
+        misses = now["misses"] - before["misses"]
+        self.graphs = now["graphs"] - before["graphs"]
+        self.cache = "miss" if not hits else "partial" if misses else "hit"
+
+
+    def to_proto(self, kernels: str, quantization: str) -> pb.CompileStatus:
+        return pb.CompileStatus(optimization_level=self.level, enabled=self.enabled, reason=self.reason,
+                                cache=self.cache, cache_key=self.key, seconds=self.seconds,
+                                compiled_graphs=self.graphs, kernels=kernels, quantization=quantization)
+
+
+def forbid_recompiles() -> None:
+    """From now on a recompile raises instead of stalling the step (process-wide: the worker
+    has one engine); ``prepare_step`` lifts it while it compiles a new model."""
+    torch.compiler.set_stance("fail_on_recompile")
+
+
+def compile_counters() -> dict[str, int]:
+    """Cache hits and misses (Inductor's FX graph cache or AOTAutograd's cache above it, whichever
+    answered) and the graphs Dynamo has compiled."""
+    from torch._dynamo.utils import counters
+
+    inductor, aot = counters["inductor"], counters["aot_autograd"]
+    return {"hits": max(inductor["fxgraph_cache_hit"], aot["autograd_cache_hit"]),
+            "misses": max(inductor["fxgraph_cache_miss"], aot["autograd_cache_miss"]),
+            "graphs": counters["stats"]["unique_graphs"]}
+
+
+def use_cache_dir(root: str, key: str) -> str:
+    """Points Inductor's and Triton's caches at ``root/key`` (created); returns that directory."""
+    path = Path(os.path.expanduser(root)) / key
+    (path / "inductor").mkdir(parents=True, exist_ok=True)
+    (path / "triton").mkdir(parents=True, exist_ok=True)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path / "inductor")
+    os.environ["TRITON_CACHE_DIR"] = str(path / "triton")
+    return str(path)
+
+
+def compile_in_process() -> None:
+    """Inductor compiles in this process, with no pool of compile-worker processes (as vLLM
+    sets it). A pool outlives the compilation: its processes hold memory while the worker
+    serves, and its shutdown at exit waits for them, which kept a worker that had compiled
+    cold alive for over a minute after SIGTERM."""
+    import torch._inductor.config
+
+    torch._inductor.config.compile_threads = 1
+
+
+def dynamic_batch(fn: Callable, dynamic_args: int) -> Callable:
+    """``torch.compile(fn)`` whose first ``dynamic_args`` arguments have a dynamic first dimension.
+
+    The dimension is marked on the first call only (that call traces); later calls of any size
+    pass the compiled code's guards without a recompile.
+    """
+    compiled = torch.compile(fn, fullgraph=True, dynamic=False)
+    traced = False
+
+    def call(*args):
+        nonlocal traced
+        if not traced:
+            for tensor in args[:dynamic_args]:
+                torch._dynamo.mark_dynamic(tensor, 0)
+            traced = True
+        return compiled(*args)
+
+    return call
+
+
+def compile_pieces(pieces: PieceFunctions) -> PieceFunctions:
+    """The same pieces, compiled: tokens/cos/sin are dynamic in ``first``; h/attn_out/cos/sin in
+    ``middle``; h/attn_out in ``last``."""
+    torch.fx.experimental._config.backed_size_oblivious = True
+    return PieceFunctions(dynamic_batch(pieces.first, 3), dynamic_batch(pieces.middle, 4),
+                          dynamic_batch(pieces.last, 2))
+
+
+def prepare_step(model, *, compile: bool, cache_root: str, quantization: str, warm_up: Callable[[], None],
+                 level: int, reason: str) -> CompileReport:
+    """Installs the model's step functions (fused kernels or compiled) and runs ``warm_up`` once,
+    which is when a compiled step is traced and compiled (or loaded from the cache). On CUDA the
+    kernels are tuned first (or their tuning read from the cache), and the one-token step runs the
+    fused row pieces where they measured faster than the others."""
+    device = model.tok_embeddings.weight.device
+    kernels = choice.choose_kernels(device.type, compile)
+    pieces = make_pieces(model.config, kernels.add_rms_norm)
+    report = CompileReport(enabled=compile, level=level, reason=reason)
+    rows = device.type == "cuda" and row_pieces_fit(model.config, model.tok_embeddings.weight.dtype)
+    if device.type == "cuda":
+        pdl.probe(device)
+        report.tuning = tuning.tune_model(model, cache_root, rows)
+    tuned = report.tuning.summary if report.tuning else ""
+    name = "+".join(n for n in (kernels.name, tuned) if n)
+    if compile:
+        capability = ".".join(map(str, torch.cuda.get_device_capability(device)))
+        # The tuning summary stays out of the key: the linear op is opaque to Inductor.
+        report.key = cache_key(model.config, model.tok_embeddings.weight.dtype, quantization, kernels.name,
+                               capability, library_versions(), source_digest(step_modules()))
+        report.cache_dir = use_cache_dir(cache_root, report.key)
+        compile_in_process()
+        torch.compiler.reset()  # one engine per process: its previous step's compiled code is dropped
+        pieces = compile_pieces(pieces)
+    model.use_pieces(pieces, name)
+    before = compile_counters()
+    start = time.perf_counter()
+    with torch.compiler.set_stance("default"):
+        warm_up()
+    if compile:
+        report.seconds = time.perf_counter() - start
+        report.read_counters(before)
+        log.info("compiled the step in %.1f s (%d graphs, cache %s at %s)", report.seconds, report.graphs,
+                 report.cache, report.cache_dir)
+    if rows:
+        _choose_row_step(model, report)
+    return report
+
+
+def _choose_row_step(model, report: CompileReport) -> None:
+    """Times a pass of every layer's middle piece at one token with the installed pieces and with
+    the fused row pieces, as CUDA graphs, and keeps the row pieces if they are faster."""
+    row = make_row_pieces(model.config)
+    with torch.compiler.set_stance("default"):
+        mine, theirs = _one_token_pass_seconds(model, row), _one_token_pass_seconds(model, model.pieces)
+    won = mine < theirs
+    report.row_step = (f"{'fused row kernels' if won else 'the general step'} for one token: "
+                       f"{mine * 1e3:.3f} ms against {theirs * 1e3:.3f} ms per pass of the layers")
+    log.info("one-token step: %s", report.row_step)
+    if won:
+        model.use_pieces(model.pieces, f"{model.kernels}+row1", row)
+
+
+def _one_token_pass_seconds(model, pieces: PieceFunctions, replays: int = 5) -> float:
+    """GPU seconds of one token through every layer's ``middle`` piece (attention left out: both
+    step variants share it), replayed from a CUDA graph."""
+    config, weight = model.config, model.tok_embeddings.weight
+    h = torch.randn(1, config.dim, device=weight.device, dtype=weight.dtype)
+    attn = torch.randn(1, config.n_heads * config.head_dim, device=weight.device, dtype=weight.dtype)
+    cos, sin = model.rope(torch.zeros(1, dtype=torch.long, device=weight.device))
+
+    def run() -> None:
+        x = h
+        for layer in range(1, config.n_layers):
+            x = pieces.middle(x, attn, cos, sin, *model.layers[layer - 1].tail_weights(),
+                              *model.layers[layer].head_weights())[0]
+
+    return replay_seconds(run, replays=replays)

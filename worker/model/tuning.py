@@ -1,0 +1,163 @@
+"""Kernel tuning at startup, and the on-disk cache that lets a restart skip it.
+
+Two decisions are measured on the GPU the worker runs on, for each projection shape of its model:
+cuBLAS or the skinny kernel (and which tile) per row bucket (``linear_kernel.tune``), and the
+tile of the one-row fused product (``row_kernel.tune``). Timing every candidate takes seconds, and
+a restarted pod on the same GPU, libraries and kernel source would measure the same thing, so the
+results are kept in ``<cache dir>/tuning-<key>.json``. The key hashes the GPU's name and compute
+capability, the torch/triton/CUDA versions, the kernels' source, whether programmatic dependent
+launch is on, and the shapes; a file that does not parse is measured again and rewritten.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from graphkeeper.worker.kernels import linear_kernel, pdl, row_kernel
+from graphkeeper.worker.kernels.linear_kernel import Tile
+from graphkeeper.worker.kernels.row_kernel import RowTile
+from graphkeeper.worker.model.cache_key import key_of, library_versions, source_digest
+
+log = logging.getLogger(__name__)
+
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One projection to tune: its name, its weight (and fp8 scale), and the row-kernel mode."""
+
+    name: str
+    weight: torch.Tensor
+    scale: torch.Tensor | None
+    mode: int  # row_kernel.PLAIN/GLU/ROPE; -1: not a decoder projection (the LM head)
+    half: int = 0  # half a head's width, for ROPE
+
+
+@dataclass
+class TuningReport:
+    summary: str = ""  # e.g. "skinny 4/20": row buckets where the skinny kernel beat cuBLAS
+    cache: str = "off"  # off | hit | miss
+    seconds: float = 0.0
+    path: str = ""
+
+
+def model_shapes(model) -> list[Shape]:
+    """The decoder's four projections (one layer stands for all) and the LM head."""
+    layer = model.layers[0]
+    a, f = layer.attention, layer.feed_forward
+    return [Shape("wqkv", a.wqkv.weight, a.wqkv.scale, row_kernel.ROPE, model.config.head_dim // 2),
+            Shape("wo", a.wo.weight, a.wo.scale, row_kernel.PLAIN),
+            Shape("w13", f.w13.weight, f.w13.scale, row_kernel.GLU),
+            Shape("w2", f.w2.weight, f.w2.scale, row_kernel.PLAIN),
+            Shape("output", model.output.weight, model.output.scale, -1)]
+
+
+def tuning_key(device_name: str, capability: str, versions: dict[str, str], source: str, pdl_on: bool,
+               shapes: list[tuple]) -> str:
+    """The cache key (pure): everything that changes what tuning would measure or choose."""
+    return key_of({"device": device_name, "capability": capability, "versions": versions, "source": source,
+                   "pdl": pdl_on, "shapes": sorted(map(list, shapes))})
+
+
+def kernel_source_digest() -> str:
+    """The source of the modules that decide what the tuned kernels are."""
+    return source_digest([linear_kernel, row_kernel, pdl, sys.modules[__name__]])
+
+
+def encode(linear: dict, rows: dict) -> dict:
+    """The tuning decisions as JSON-ready lists (pure)."""
+    return {
+        "linear": [[n, k, dt, b, None if t is None else [t.block_n, t.block_k, t.warps, t.stages]]
+                   for (n, k, dt, b), t in sorted(linear.items(), key=str)],
+        "row": [[mode, n, k, dt, t.block_n, t.warps] for (mode, n, k, dt), t in sorted(rows.items(), key=str)],
+    }
+
+
+def decode(data: dict) -> tuple[dict, dict]:
+    """The inverse of ``encode``; raises ValueError on anything malformed (pure)."""
+    try:
+        linear = {(int(n), int(k), str(dt), int(b)): None if t is None else Tile(*map(int, t))
+                  for n, k, dt, b, t in data["linear"]}
+        rows = {(int(m), int(n), int(k), str(dt)): RowTile(int(bn), int(w)) for m, n, k, dt, bn, w in data["row"]}
+    except (KeyError, TypeError, ValueError) as err:
+        raise ValueError(f"malformed tuning cache: {err}") from err
+    return linear, rows
+
+
+def tune_model(model, cache_root: str, row_pieces: bool) -> TuningReport:
+    """Tunes ``model``'s projections (the row kernel's only when ``row_pieces``), or installs what
+    the cache holds for the same key."""
+    shapes = model_shapes(model)
+    dtype = model.tok_embeddings.weight.dtype
+    device = model.tok_embeddings.weight.device
+    facts = [(s.name, *s.weight.shape, str(s.weight.dtype), s.scale is not None and s.scale.numel() > 1)
+             for s in shapes] + [("rows", row_pieces), ("dtype", str(dtype))]
+    key = tuning_key(torch.cuda.get_device_name(device), ".".join(map(str, torch.cuda.get_device_capability(device))),
+                     library_versions(), kernel_source_digest(), pdl.enabled(), facts)
+    path = Path(os.path.expanduser(cache_root)) / f"tuning-{key}.json"
+    report = TuningReport(cache="miss", path=str(path))
+    start = time.perf_counter()
+    if _load(path):
+        report.cache = "hit"
+    else:
+        _measure(shapes, dtype, row_pieces)
+        _save(path)
+    report.seconds = time.perf_counter() - start
+    report.summary = _summary(shapes)
+    log.info("kernel tuning %s in %.1f s (%s): %s", report.cache, report.seconds, path, report.summary)
+    return report
+
+
+def _measure(shapes: list[Shape], dtype: torch.dtype, row_pieces: bool) -> None:
+    seen = set()
+    for s in shapes:
+        key = (tuple(s.weight.shape), s.weight.dtype)
+        if key not in seen:
+            seen.add(key)
+            linear_kernel.tune(s.weight, s.scale, dtype)
+        if row_pieces and s.mode >= 0:
+            row_kernel.tune(s.mode, s.weight, s.scale, dtype, s.half)
+
+
+def _summary(shapes: list[Shape]) -> str:
+    choices = linear_kernel.choices()
+    won = total = 0
+    for n, k, dt in {(*s.weight.shape, str(s.weight.dtype)) for s in shapes}:
+        for b in linear_kernel.BUCKETS:
+            if (n, k, dt, b) in choices:
+                total += 1
+                won += choices[(n, k, dt, b)] is not None
+    return f"skinny {won}/{total}" if total else ""
+
+
+def _load(path: Path) -> bool:
+    if not path.is_file():
+        return False
+    try:
+        linear, rows = decode(json.loads(path.read_text()))
+    except (OSError, ValueError) as err:
+        log.warning("tuning cache %s unreadable, measuring again: %s", path, err)
+        return False
+    for (n, k, dt, b), tile in linear.items():
+        linear_kernel.remember(n, k, dt, b, tile)
+    for (mode, n, k, dt), tile in rows.items():
+        row_kernel.remember(mode, n, k, dt, tile)
+    return True
+
+
+def _save(path: Path) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(encode(linear_kernel.choices(), row_kernel.choices())))
+        tmp.replace(path)
+    except OSError as err:  # a read-only cache costs the next start its tuning, nothing else
+        log.warning("tuning cache %s not written: %s", path, err)

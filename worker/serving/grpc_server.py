@@ -1,0 +1,292 @@
+"""The worker's gRPC API layer: InferenceWorker and health on the inference port, GraphControl on
+its own authenticated port, both on one asyncio event loop.
+
+The engine thread never talks to a client. At the end of each step it hands the step's tokens to
+``StreamHub.publish`` once; the hub crosses to the event loop in one call and fans the tokens
+out to the streams in one pass. Each stream coroutine writes whatever has accumulated since its
+last write, so a client slower than the engine gets several tokens per message instead of a
+queue of one message per token, and the engine never waits for a client.
+
+Handlers map every refusal to a status code with a message: INVALID_ARGUMENT for bad input
+(naming the field), RESOURCE_EXHAUSTED for a full queue, FAILED_PRECONDITION for a stale policy
+generation, UNAVAILABLE while not serving, UNAUTHENTICATED for a control call without the token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import threading
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from graphkeeper.proto import SERVER_OPTIONS
+from graphkeeper.proto import worker_pb2 as pb
+from graphkeeper.proto import worker_pb2_grpc as pb_grpc
+from graphkeeper.proto.policy import PolicyError
+from graphkeeper.worker.engine import Engine, NotServing, QueueFull, StalePolicy, StepFailed
+from graphkeeper.worker.engine.lifecycle import SERVING_STATES
+from graphkeeper.worker.engine.model_roots import ReloadRefused
+from graphkeeper.worker.model.tokenizer import IncrementalDetokenizer
+from graphkeeper.worker.serving.admission import AdmissionError, validate_reload_request, validate_request
+from graphkeeper.worker.serving.wire import tolerant
+
+log = logging.getLogger(__name__)
+
+INFERENCE_SERVICE = pb.DESCRIPTOR.services_by_name["InferenceWorker"].full_name
+CONTROL_SERVICE = pb.DESCRIPTOR.services_by_name["GraphControl"].full_name
+RELOAD_TIMEOUT_SECONDS = 600.0
+#: Prompts longer than this are tokenized off the event loop.
+INLINE_TOKENIZE_CHARS = 4096
+#: Pacing under load: a stream writes at most once per (this many seconds x open streams), at most
+#: MAX_FLUSH_GAP, so the API layer's share of the interpreter stays bounded while the engine runs at
+#: the GPU's pace; tokens that arrive in between go out together in the next message. Each write
+#: costs the event loop tens of microseconds under the interpreter lock the engine thread needs: on
+#: the H200 with 64 decoding streams, 0.1 ms per stream held the engine to 0.72 of its FULL-graph
+#: step and 0.2 ms let it reach 0.89 (bench/results/README.md).
+FLUSH_GAP_PER_STREAM = 0.0002
+MAX_FLUSH_GAP = 0.016
+
+
+@dataclass(eq=False)
+class TokenStream:
+    """One Generate call's mailbox on the event loop: the hub appends, the handler drains."""
+
+    tokens: list[int] = field(default_factory=list)
+    end: pb.Completion | BaseException | None = None
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class StreamHub:
+    """Carries each step's outputs from the engine thread to the streams, in one loop callback.
+
+    Steps published while the loop has not yet run the last callback join it, so the engine
+    wakes the loop (a write to its self-pipe) at most once per loop pass rather than once per step.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.open_streams = 0
+        self._pending: list[list[tuple[Any, list[int], Any]]] = []
+        self._lock = threading.Lock()
+
+    def flush_gap(self) -> float:
+        """Seconds a stream waits after a write before its next one (0 with a single stream)."""
+        return 0.0 if self.open_streams <= 1 else min(MAX_FLUSH_GAP, FLUSH_GAP_PER_STREAM * self.open_streams)
+
+    def publish(self, updates: list[tuple[Any, list[int], Any]]) -> None:
+        """Engine thread: ``(stream, new tokens, end)`` for each stream; ``end`` is a Completion, an
+        exception that fails the stream, or None while it continues."""
+        if not updates:
+            return
+        with self._lock:
+            self._pending.append(updates)
+            wake = len(self._pending) == 1
+        if wake:
+            self.loop.call_soon_threadsafe(self._fan_out)
+
+    def _fan_out(self) -> None:
+        """Event loop: every step published since the last pass, in the order the engine made them."""
+        with self._lock:
+            steps, self._pending = self._pending, []
+        for updates in steps:
+            for stream, tokens, end in updates:
+                if tokens:
+                    stream.tokens.extend(tokens)
+                if end is not None:
+                    stream.end = end
+                stream.wake.set()
+
+
+class InferenceServicer(pb_grpc.InferenceWorkerServicer):
+    def __init__(self, engine: Engine, hub: StreamHub | None = None) -> None:
+        self.engine = engine
+        self.hub = hub
+
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):  # noqa: N802
+        stream = TokenStream()
+        engine = self.engine
+        try:
+            prompt = await self._prompt_ids(request)
+            seq = engine.submit(request, stream, prompt)
+        except AdmissionError as err:
+            engine.metrics.requests.labels("invalid").inc()
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+        except QueueFull as err:
+            engine.metrics.requests.labels("queue_full").inc()
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(err))
+        except NotServing as err:
+            engine.metrics.requests.labels("unavailable").inc()
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(err))
+        detok = IncrementalDetokenizer(engine.tokenizer, prompt) if request.prompt_text else None
+        hub = self.hub
+        if hub is not None:
+            hub.open_streams += 1
+        try:
+            while True:
+                await stream.wake.wait()
+                stream.wake.clear()
+                while stream.tokens:  # tokens that arrive during a write go out before the end
+                    tokens, stream.tokens = stream.tokens, []
+                    chunk = pb.TokenChunk(token_ids=tokens, text=detok.add(tokens) if detok else "")
+                    await context.write(pb.GenerateResponse(tokens=chunk))
+                end = stream.end
+                if isinstance(end, pb.Completion):
+                    if detok and (rest := detok.flush()):
+                        await context.write(pb.GenerateResponse(tokens=pb.TokenChunk(text=rest)))
+                    await context.write(pb.GenerateResponse(completion=end))
+                    return
+                if isinstance(end, StepFailed):
+                    await context.abort(grpc.StatusCode.INTERNAL, str(end))
+                if isinstance(end, NotServing):
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, str(end))
+                if hub is not None and (gap := hub.flush_gap()):
+                    await asyncio.sleep(gap)
+        except asyncio.CancelledError:
+            # The client cancelled or went away, or the server is stopping: free the slot.
+            engine.cancel(seq)
+            raise
+        finally:
+            if hub is not None:
+                hub.open_streams -= 1
+
+    async def _prompt_ids(self, request: pb.GenerateRequest) -> list[int]:
+        """The prompt as token ids; a text prompt is tokenized here, off the engine's path."""
+        if not request.prompt_text:
+            return list(request.prompt_token_ids)
+        loaded = self.engine.loaded
+        if loaded is None:
+            raise NotServing("model not loaded yet")
+        validate_request(request, self.engine.limits())  # sizes and rules before any tokenizing
+        tokenizer = self.engine.tokenizer
+        if len(request.prompt_text) > INLINE_TOKENIZE_CHARS:
+            return await asyncio.to_thread(tokenizer.encode_ids, request.prompt_text)
+        return tokenizer.encode_ids(request.prompt_text)
+
+    async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext):  # noqa: N802
+        info = self.engine.model_info()
+        if info is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "model not loaded yet")
+        return info
+
+
+class GraphControlServicer(pb_grpc.GraphControlServicer):
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    async def ApplyGraphPolicy(self, request: pb.ApplyGraphPolicyRequest, context: grpc.aio.ServicerContext):  # noqa: N802
+        try:
+            return self.engine.apply_policy(request.policy)
+        except PolicyError as err:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"policy.{err}")
+        except StalePolicy as err:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(err))
+
+    async def GetGraphStatus(self, request: pb.GetGraphStatusRequest, context: grpc.aio.ServicerContext):  # noqa: N802
+        return self.engine.status()
+
+    async def LoadModelRevision(self, request: pb.LoadModelRevisionRequest, context: grpc.aio.ServicerContext):  # noqa: N802
+        try:
+            validate_reload_request(request)
+            future = self.engine.load_revision(request.source, request.revision)
+        except AdmissionError as err:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+        except ReloadRefused as err:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(err))
+        try:
+            revision = await asyncio.wait_for(asyncio.wrap_future(future), RELOAD_TIMEOUT_SECONDS)
+        except TimeoutError:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "model reload did not finish in time")
+        except Exception as err:  # noqa: BLE001 - reported to the caller; the worker keeps serving
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"source: {err}")
+        return pb.LoadModelRevisionResponse(revision=revision, recapture_started=self.engine.device.type == "cuda")
+
+
+class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
+    """Refuses every call that does not carry ``authorization: Bearer <token>`` (health excepted)."""
+
+    def __init__(self, token: str) -> None:
+        self.expected = f"Bearer {token}".encode()
+
+    async def intercept_service(
+        self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        if details.method.startswith(f"/{health.SERVICE_NAME}/"):
+            return await continuation(details)
+        given = dict(details.invocation_metadata or ()).get("authorization", "")
+        given = given.encode() if isinstance(given, str) else given
+        if hmac.compare_digest(given, self.expected):
+            return await continuation(details)
+        return _deny_handler(await continuation(details))
+
+
+def _deny_handler(handler: grpc.RpcMethodHandler | None) -> grpc.RpcMethodHandler:
+    async def deny(request: Any, context: grpc.aio.ServicerContext) -> None:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, "GraphControl needs 'authorization: Bearer <token>'")
+
+    if handler is not None and handler.response_streaming:
+        return grpc.unary_stream_rpc_method_handler(deny)
+    return grpc.unary_unary_rpc_method_handler(deny)
+
+
+@dataclass
+class Servers:
+    inference: grpc.aio.Server
+    control: grpc.aio.Server
+    inference_port: int
+    control_port: int
+    health: health.aio.HealthServicer
+
+
+def build_servers(engine: Engine, host: str, port: int, control_host: str, control_port: int,
+                  token: str, hub: StreamHub | None = None) -> Servers:
+    """Both servers with their services registered, bound and unstarted.
+
+    Raises OSError naming the address when a port cannot be bound (in use, or not an address here).
+    """
+    inference = grpc.aio.server(options=SERVER_OPTIONS)
+    pb_grpc.add_InferenceWorkerServicer_to_server(InferenceServicer(engine, hub), tolerant(inference))
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, inference)
+    reflection.enable_server_reflection((INFERENCE_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), inference)
+    interceptors = (BearerTokenInterceptor(token),) if token else ()
+    control = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors)
+    pb_grpc.add_GraphControlServicer_to_server(GraphControlServicer(engine), tolerant(control))
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, control)
+    bound = _bind(inference, host, port)
+    bound_control = _bind(control, control_host, control_port)
+    return Servers(inference, control, bound, bound_control, health_servicer)
+
+
+def _bind(server: grpc.aio.Server, host: str, port: int) -> int:
+    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    try:
+        bound = server.add_insecure_port(address)
+    except RuntimeError as err:  # grpc raises RuntimeError when the port is taken
+        raise OSError(f"cannot bind {address}: {err}") from None
+    if bound == 0:
+        raise OSError(f"cannot bind {address}: address in use or not available")
+    return bound
+
+
+def track_health(engine: Engine, servicer: health.aio.HealthServicer, loop: asyncio.AbstractEventLoop) -> None:
+    """Inference is SERVING only while ready; the control plane answers from the start."""
+    serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+
+    async def set_all(status: int) -> None:
+        await servicer.set(INFERENCE_SERVICE, status)
+        await servicer.set("", status)
+
+    def on_state(state: int) -> None:
+        status = serving if state in SERVING_STATES and engine.failed is None else not_serving
+        asyncio.run_coroutine_threadsafe(set_all(status), loop)
+
+    asyncio.run_coroutine_threadsafe(servicer.set(CONTROL_SERVICE, serving), loop)
+    engine.lifecycle.subscribe(on_state)
