@@ -30,11 +30,13 @@ import torch
 from graphkeeper.proto import worker_pb2 as pb
 from graphkeeper.proto.policy import default_ladder, mode_name, reason_name
 from graphkeeper.worker.engine import Engine, EngineSettings
-from graphkeeper.worker.executor.graphs.capture import CapturedGraph, CaptureJob, GraphSet
-from graphkeeper.worker.executor.runner import ModelRunner, StepPlan
+from graphkeeper.worker.executor.graphs.capture import CaptureJob
+from graphkeeper.worker.executor.graphs.graph_set import CapturedGraph, GraphSet
+from graphkeeper.worker.executor.runner import ModelRunner
 from graphkeeper.worker.executor.sampling import sample
 from graphkeeper.worker.model.kv_cache import KVCache
 from graphkeeper.worker.model.loader import LoadedModel, load_model, save_hf_directory
+from graphkeeper.worker.plan import StepPlan
 
 FULL = pb.GRAPH_MODE_FULL
 
@@ -77,13 +79,14 @@ def decode_plan(batch: int, context: int, vocab: int) -> StepPlan:
 def prepare(runner: ModelRunner, step: str, cache_root: str = "") -> dict:
     """Builds the runner's step as the worker would: ``plain`` torch ops, ``fused`` (-O1: Triton
     kernels, uncompiled) or ``compiled`` (-O2); returns the compile report as a dict."""
-    from graphkeeper.worker.model.step import DEFAULT_CACHE_DIR, prepare_step
+    from graphkeeper.worker.model.step import prepare_step
+    from graphkeeper.worker.settings import DEFAULT_COMPILE_CACHE_DIR
 
     rows = min(64, runner.max_tokens)
     if step == "plain":
         runner.warm_up(rows)
         return {}
-    report = prepare_step(runner.model, compile=step == "compiled", cache_root=cache_root or DEFAULT_CACHE_DIR,
+    report = prepare_step(runner.model, compile=step == "compiled", cache_root=cache_root or DEFAULT_COMPILE_CACHE_DIR,
                           quantization=runner.loaded.quantization, warm_up=lambda: runner.warm_up(rows), level=2,
                           reason="bench")
     return {"compile_seconds": report.seconds, "cache": report.cache, "compiled_graphs": report.graphs,
@@ -191,18 +194,14 @@ def _transformers_batch(hf, static_cache, b: int, context: int, steps: int) -> d
 
 def bench_ladder(loaded: LoadedModel, max_num_seqs: int, max_tokens: int, mode: int, context: int) -> dict:
     """Captures a whole default ladder the way the worker does; returns per-size cost."""
-    from graphkeeper.worker.executor.graphs.dispatcher import full_sizes, mode_has_full, mode_has_piecewise
+    from graphkeeper.worker.executor.graphs.modes import capture_plan
 
     ladder = default_ladder(min(2 * max_num_seqs, 512, max_tokens))
     cache = KVCache(loaded.config, max_num_seqs, context + 16, device=loaded.device, dtype=loaded.dtype)
     runner = ModelRunner(loaded, cache, max_tokens)
     runner.warm_up(max_num_seqs)
     torch.cuda.synchronize()
-    plan = []
-    if mode_has_full(mode):
-        plan += [(FULL, n) for n in reversed(full_sizes(ladder, max_num_seqs))]
-    if mode_has_piecewise(mode):
-        plan += [(pb.GRAPH_MODE_PIECEWISE, n) for n in reversed(ladder)]
+    plan = capture_plan(mode, ladder, max_num_seqs)
     graphs = GraphSet(runner)
     job = CaptureJob(graphs, plan, tolerance=2e-2)
     start = time.perf_counter()

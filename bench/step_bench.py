@@ -30,7 +30,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from decode_bench import _transformers_batch, bench_ours, decode_plan, prepare, timed  # noqa: E402
 from load_bench import _commit  # noqa: E402
 
-from graphkeeper.worker.executor.graphs.capture import FULL, CapturedGraph, GraphSet  # noqa: E402
+from graphkeeper.worker.executor.graphs.graph_set import CapturedGraph, GraphSet  # noqa: E402
+from graphkeeper.worker.executor.graphs.modes import FULL  # noqa: E402
 from graphkeeper.worker.executor.runner import ModelRunner  # noqa: E402
 from graphkeeper.worker.kernels import linear_kernel, row_kernel  # noqa: E402
 from graphkeeper.worker.model.config import PRESETS  # noqa: E402

@@ -218,7 +218,7 @@ def test_the_worker_has_its_five_rooms_and_leaves():
     names = set(_worker_files())
     for room in ROOMS[1:]:
         assert f"{WORKER}.{room}" in names, f"worker/{room}/ is missing"
-    assert {n.removeprefix(WORKER + ".").split(".")[0] for n in names} <= {*ROOMS, *LEAVES, WORKER}
+    assert {n.removeprefix(WORKER + ".").split(".")[0] for n in names - {WORKER}} <= {*ROOMS, *LEAVES}
 
 
 def test_worker_imports_point_down_the_arrow_only():
@@ -237,6 +237,31 @@ def test_the_import_check_catches_upward_imports():
     assert not import_violations({f"{WORKER}.engine.core": "from graphkeeper.worker.executor.runner import X\n"
                                                           "from graphkeeper.worker.plan import StepPlan"})
     assert not import_violations({f"{WORKER}.main": "from graphkeeper.worker.serving import grpc_server"})
+
+
+def _imports_torch(source: str) -> bool:
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import) and any(a.name.split(".")[0] == "torch" for a in node.names):
+            return True
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "torch":
+            return True
+    return False
+
+
+def test_the_scheduler_and_the_step_plan_import_no_torch():
+    """The scheduler decides on plain data (the step plan), so it and everything it imports from
+    the worker stay free of torch: testable and reusable without the device stack."""
+    files = _worker_files()
+    seen, todo = set(), [f"{WORKER}.engine.scheduler"]
+    while todo:
+        module = todo.pop()
+        if module in seen or module not in files:
+            continue
+        seen.add(module)
+        assert not _imports_torch(files[module]), f"{module} imports torch"
+        todo += _imports(files[module])
+    assert {f"{WORKER}.plan", f"{WORKER}.engine.sequence"} <= seen
+    assert _imports_torch(files[f"{WORKER}.executor.runner"]), "the torch check is broken"
 
 
 def test_triton_kernels_live_only_in_kernels():

@@ -7,10 +7,11 @@ import dataclasses
 import pytest
 import torch
 
-from graphkeeper.worker.model.attention import AttentionMetadata, PrefillChunk, SlotAttention
+from graphkeeper.worker.model.attention import AttentionMetadata, SlotAttention
 from graphkeeper.worker.model.config import PRESETS, ModelConfig
 from graphkeeper.worker.model.kv_cache import KVCache
 from graphkeeper.worker.model.loader import load_model, save_hf_directory
+from graphkeeper.worker.plan import PrefillChunk
 
 transformers = pytest.importorskip("transformers")
 

@@ -20,11 +20,12 @@ import torch
 
 from graphkeeper.proto import worker_pb2 as pb
 from graphkeeper.proto.policy import MODE_BY_NAME, PolicyError, lifecycle_name, policy_from_json, validate_policy
-from graphkeeper.worker.engine import Engine, EngineSettings
+from graphkeeper.worker.engine import Engine
 from graphkeeper.worker.model.loader import ModelSourceError, check_source
 from graphkeeper.worker.model.step import resolve as resolve_optimization
 from graphkeeper.worker.serving.grpc_server import StreamHub, build_servers, track_health
 from graphkeeper.worker.serving.metrics_server import serve_http
+from graphkeeper.worker.settings import DTYPES, EngineSettings
 
 log = logging.getLogger("graphkeeper.worker")
 INJECT_ENV = "GRAPHKEEPER_INJECT_CAPTURE_FAILURE"
@@ -37,7 +38,6 @@ STOP_GRACE_SECONDS = 2.0
 #: A GraphPolicy JSON is a ConfigMap value, and ConfigMaps hold at most 1 MiB.
 MAX_POLICY_FILE_BYTES = 1 << 20
 MAX_TOKEN_FILE_BYTES = 64 << 10
-DTYPE_FLAGS = ("auto", "float32", "bfloat16", "float16")
 PORT_FLAGS = ("port", "control_port", "metrics_port")
 
 
@@ -70,8 +70,8 @@ def port_error(flag: str, port: int) -> str | None:
 
 
 def dtype_error(dtype: str) -> str | None:
-    if dtype not in DTYPE_FLAGS:
-        return f"--dtype {dtype!r} is not one of {', '.join(DTYPE_FLAGS)}"
+    if dtype not in DTYPES:
+        return f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}"
     return None
 
 
@@ -221,7 +221,7 @@ def settings_from_args(args: argparse.Namespace) -> EngineSettings:
         max_num_batched_tokens=args.max_num_batched_tokens, max_queue=args.max_queue,
         prefill_chunk=args.prefill_chunk, policy=policy, inject_capture_failures=inject,
         inject_step_failure=_step_injection(os.environ.get(INJECT_STEP_ENV, "")),
-        model_roots=tuple(args.model_root), optimization=optimization,
+        model_roots=tuple(args.model_root), optimization_level=args.optimization_level, compile=args.compile,
         compile_cache_dir=args.compile_cache_dir, quantization=args.quantization,
     )
 

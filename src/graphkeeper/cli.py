@@ -28,8 +28,10 @@ def _one_line_errors(parser: argparse.ArgumentParser) -> None:
 
 
 def _worker(sub: argparse._SubParsersAction) -> None:
+    from graphkeeper.worker import settings as d  # the engine's defaults (a leaf: no torch)
+
     p = sub.add_parser("worker", help="serve a model over gRPC until stopped")
-    p.add_argument("--model", default="random:tiny", help="HF-style directory or random:<preset>[@seed]")
+    p.add_argument("--model", default=d.DEFAULT_MODEL, help="HF-style directory or random:<preset>[@seed]")
     p.add_argument("--model-revision", default="", help="revision to report (default: content hash)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50051, help="inference gRPC port (InferenceWorker, health)")
@@ -40,22 +42,24 @@ def _worker(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model-root", action="append", default=[],
                    help="where LoadModelRevision may load from (repeatable; default: --model's parent)")
     p.add_argument("--metrics-port", type=int, default=9400, help="0 disables /metrics")
-    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
-    p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
-    p.add_argument("--max-num-seqs", type=int, default=16)
-    p.add_argument("--max-seq-len", type=int, default=512)
-    p.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget per step")
-    p.add_argument("--max-queue", type=int, default=256, help="queued requests before RESOURCE_EXHAUSTED")
+    p.add_argument("--device", default=d.DEFAULT_DEVICE, help="cpu, cuda or cuda:N")
+    p.add_argument("--dtype", default=d.DEFAULT_DTYPE, help=", ".join(d.DTYPES))
+    p.add_argument("--max-num-seqs", type=int, default=d.DEFAULT_MAX_NUM_SEQS)
+    p.add_argument("--max-seq-len", type=int, default=d.DEFAULT_MAX_SEQ_LEN)
+    p.add_argument("--max-num-batched-tokens", type=int, default=d.DEFAULT_MAX_NUM_BATCHED_TOKENS,
+                   help="token budget per step")
+    p.add_argument("--max-queue", type=int, default=d.DEFAULT_MAX_QUEUE,
+                   help="queued requests before RESOURCE_EXHAUSTED")
     p.add_argument("--prefill-chunk", type=int, default=0, help="longest prefill chunk (0: token budget)")
     p.add_argument("--policy-file", default="", help="GraphPolicy JSON to capture before ready")
     p.add_argument("--graph-mode", default="", help="graph mode without a policy (e.g. FullAndPiecewise)")
-    p.add_argument("-O", "--optimization-level", type=int, default=2, choices=(0, 1, 2),
+    p.add_argument("-O", "--optimization-level", type=int, default=d.DEFAULT_OPTIMIZATION_LEVEL, choices=(0, 1, 2),
                    help="0: eager, no graphs; 1: graphs, no compile; 2: compile, then graphs (default)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.compile the step before capture (default: the -O preset; CUDA only)")
-    p.add_argument("--compile-cache-dir", default="~/.cache/graphkeeper/compile",
+    p.add_argument("--compile-cache-dir", default=d.DEFAULT_COMPILE_CACHE_DIR,
                    help="on-disk cache of compiled steps, keyed by model, dtype, versions and source")
-    p.add_argument("--quantization", default="none", choices=("none", "fp8", "fp8-tensor"),
+    p.add_argument("--quantization", default="none", choices=d.QUANTIZATIONS,
                    help="fp8: decoder weights in float8 e4m3 with per-channel scales (fp8-tensor: one scale)")
     p.add_argument("--drain-seconds", type=float, default=30.0)
     p.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS)

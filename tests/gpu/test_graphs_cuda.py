@@ -11,12 +11,13 @@ import torch
 
 from graphkeeper.proto import worker_pb2 as pb
 from graphkeeper.worker.engine import Engine, EngineSettings
-from graphkeeper.worker.executor.graphs.capture import CaptureJob, GraphSet, StaleGraphError
-from graphkeeper.worker.executor.runner import ModelRunner, StepPlan
-from graphkeeper.worker.model.attention import PrefillChunk
+from graphkeeper.worker.executor.graphs.capture import CaptureJob
+from graphkeeper.worker.executor.graphs.graph_set import GraphSet, StaleGraphError
+from graphkeeper.worker.executor.runner import ModelRunner
 from graphkeeper.worker.model.kv_cache import KVCache
 from graphkeeper.worker.model.loader import load_model
 from graphkeeper.worker.model.step import resolve as resolve_optimization
+from graphkeeper.worker.plan import PrefillChunk, StepPlan
 
 pytestmark = [
     pytest.mark.cuda,
@@ -26,6 +27,11 @@ pytestmark = [
 FULL, PIECEWISE = pb.GRAPH_MODE_FULL, pb.GRAPH_MODE_PIECEWISE
 SIZES = [1, 2, 4, 8, 16, 24, 32]
 MAX_LEN = 256
+
+
+def sample_logits(runner: ModelRunner, hidden, plan: StepPlan):
+    """Float32 logits of the plan's sample rows."""
+    return runner.model.logits(runner.sample_rows(hidden, plan))
 
 
 def make_runner(dtype: str, seed: int = 0, preset: str = "tiny", slots: int = 32) -> ModelRunner:
@@ -56,7 +62,7 @@ def prefill(runner: ModelRunner, prompts: list[list[int]]) -> list[int]:
         n = len(prompt)
         plan = mkplan(prompt, list(range(n)), [slot] * n, 0, [PrefillChunk(0, n, slot, 0)], [n - 1])
         hidden = runner.forward_eager(runner.prepare(plan, n), n)
-        first.append(int(runner.logits(hidden, plan).argmax(-1)[0]))
+        first.append(int(sample_logits(runner, hidden, plan).argmax(-1)[0]))
     return first
 
 
@@ -70,7 +76,7 @@ def decode(runner: ModelRunner, graphs: GraphSet | None, mode: int, prompts, ste
         plan = mkplan(tokens, lengths, list(range(b)), b, [], list(range(b)))
         meta = runner.prepare(plan, b)
         hidden = graphs.replay(mode, b, meta) if graphs else runner.forward_eager(meta, b)
-        logits = runner.logits(hidden, plan)
+        logits = sample_logits(runner, hidden, plan)
         tokens = logits.argmax(-1).tolist()
         trajectory.append(tokens)
         all_logits.append(logits.clone())
@@ -115,14 +121,14 @@ def test_padding_never_changes_outputs_or_other_sequences():
     runner.cache.k[:, bystander].normal_()
     before = runner.cache.k[:, bystander].clone(), runner.cache.v[:, bystander].clone()
     plan = mkplan(tokens, [len(p) for p in prompts], list(range(5)), 5, [], list(range(5)))
-    eager = runner.logits(runner.forward_eager(runner.prepare(plan, 5), 5), plan)
+    eager = sample_logits(runner, runner.forward_eager(runner.prepare(plan, 5), 5), plan)
     eager_kv = runner.cache.k[:, :5].clone()
     for mode in (FULL, PIECEWISE):
         outs = []
         for junk in (0, 499):  # different padded-row contents must not matter
             meta = runner.prepare(plan, 8)
             runner.inputs[runner.TOKENS, 5:8] = junk
-            outs.append(runner.logits(graphs.replay(mode, 8, meta), plan).clone())
+            outs.append(sample_logits(runner, graphs.replay(mode, 8, meta), plan).clone())
             assert torch.allclose(runner.cache.k[:, :5], eager_kv, rtol=1e-4, atol=1e-5)
         assert torch.equal(outs[0], outs[1])
         assert torch.equal(outs[0].argmax(-1), eager.argmax(-1))
@@ -140,10 +146,10 @@ def test_piecewise_mixed_step_matches_eager():
     plan = mkplan(tokens + new_prompt, [len(p) for p in prompts] + list(range(7)), [0, 1] + [5] * 7, 2,
                   [PrefillChunk(2, 7, 5, 0)], [0, 1, 8])
     kv = runner.cache.k.clone(), runner.cache.v.clone()
-    eager = runner.logits(runner.forward_eager(runner.prepare(plan, 9), 9), plan)
+    eager = sample_logits(runner, runner.forward_eager(runner.prepare(plan, 9), 9), plan)
     runner.cache.k.copy_(kv[0])
     runner.cache.v.copy_(kv[1])
-    got = runner.logits(graphs.replay(PIECEWISE, 16, runner.prepare(plan, 16)), plan)
+    got = sample_logits(runner, graphs.replay(PIECEWISE, 16, runner.prepare(plan, 16)), plan)
     assert torch.equal(got.argmax(-1), eager.argmax(-1))
     assert ((got - eager).norm() / eager.norm()).item() < 1e-4
 
@@ -404,7 +410,7 @@ def test_mixed_steps_through_the_varlen_kernel_and_piecewise_graphs_equal_the_sd
     def run(fn):
         runner.cache.k.copy_(kv[0])
         runner.cache.v.copy_(kv[1])
-        return runner.logits(fn(), plan).clone()
+        return sample_logits(runner, fn(), plan).clone()
 
     runner.attention.triton_varlen = False  # SDPA per decode batch and per chunk: the reference
     reference = run(lambda: runner.forward_eager(runner.prepare(plan, n), n))

@@ -15,8 +15,9 @@ import torch
 
 from graphkeeper.proto import worker_pb2 as pb
 from graphkeeper.worker.engine import Engine, EngineSettings
-from graphkeeper.worker.executor.graphs.capture import CaptureJob, GraphSet
-from graphkeeper.worker.executor.runner import ModelRunner, StepPlan
+from graphkeeper.worker.executor.graphs.capture import CaptureJob
+from graphkeeper.worker.executor.graphs.graph_set import GraphSet
+from graphkeeper.worker.executor.runner import ModelRunner
 from graphkeeper.worker.kernels import choice as ops
 from graphkeeper.worker.kernels import linear_kernel, norm_kernel, pdl, row_kernel
 from graphkeeper.worker.model.kv_cache import KVCache
@@ -24,6 +25,7 @@ from graphkeeper.worker.model.llama import apply_rope, make_row_pieces
 from graphkeeper.worker.model.loader import load_model, save_hf_directory
 from graphkeeper.worker.model.quantization import quantize
 from graphkeeper.worker.model.step import compile_counters, prepare_step
+from graphkeeper.worker.plan import StepPlan
 
 pytestmark = [
     pytest.mark.cuda,
@@ -296,7 +298,7 @@ def hf_logits(model_dir: Path, tokens: torch.Tensor) -> torch.Tensor:
                                                    ("compiled", "none", 2e-2), ("compiled", "fp8", 0.12)])
 def test_worker_step_matches_transformers_on_the_same_weights(cache_root, tmp_path, step, quantization, tol):
     """A whole prompt through our step (prefill through the varlen kernel) against HF's forward."""
-    from graphkeeper.worker.model.attention import PrefillChunk
+    from graphkeeper.worker.plan import PrefillChunk
 
     with torch.inference_mode():
         runner = make_runner(step, cache_root, quantization="none")
@@ -321,7 +323,7 @@ def test_worker_step_matches_transformers_on_the_same_weights(cache_root, tmp_pa
 def test_one_token_row_step_matches_transformers_on_the_same_weights(cache_root, tmp_path, step):
     """A prompt prefilled by the general step, then one decode token through the row kernels,
     against HF's forward over the whole sequence."""
-    from graphkeeper.worker.model.attention import PrefillChunk
+    from graphkeeper.worker.plan import PrefillChunk
 
     with torch.inference_mode():
         runner = make_runner(step, cache_root)

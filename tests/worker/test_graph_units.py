@@ -43,9 +43,8 @@ from graphkeeper.worker.executor.graphs.dispatcher import (
     Dispatcher,
     GraphState,
     decide,
-    downgrade_mode,
-    full_sizes,
 )
+from graphkeeper.worker.executor.graphs.modes import downgrade_mode, full_sizes
 from graphkeeper.worker.metrics import WorkerMetrics
 
 R = pb.FallbackReason
@@ -135,8 +134,8 @@ def test_full_sizes_are_the_decode_buckets():
 
 LADDER = (1, 2, 4, 8, 16)
 TABLE = padding_table(list(LADDER))
-DECODE3 = BatchDescriptor(num_tokens=3, num_reqs=3, uniform_decode=True, graphs_allowed=True)
-MIXED5 = BatchDescriptor(num_tokens=5, num_reqs=2, uniform_decode=False, graphs_allowed=True)
+DECODE3 = BatchDescriptor(num_tokens=3, uniform_decode=True, graphs_allowed=True)
+MIXED5 = BatchDescriptor(num_tokens=5, uniform_decode=False, graphs_allowed=True)
 
 
 def _captured(*pairs):
@@ -198,7 +197,7 @@ def test_every_fallback_reason_has_a_dispatcher_case():
 
 def test_reasons_are_checked_in_a_fixed_order():
     # A step with every problem at once gets exactly one reason: the first in the order.
-    bad = BatchDescriptor(num_tokens=100, num_reqs=1, uniform_decode=False, graphs_allowed=False)
+    bad = BatchDescriptor(num_tokens=100, uniform_decode=False, graphs_allowed=False)
     everything = GraphState(effective_mode=pb.GRAPH_MODE_NONE, ladder=LADDER,
                             backend_unsupported=True, recapturing=True)
     assert decide(bad, everything, TABLE).reason == R.FALLBACK_REASON_BACKEND_UNSUPPORTED
@@ -214,7 +213,7 @@ def test_reasons_are_checked_in_a_fixed_order():
 def test_graph_decisions_pad_to_the_captured_size():
     assert decide(DECODE3, READY, TABLE) == Decision(FULL, 4)
     assert decide(MIXED5, READY, TABLE) == Decision(PIECEWISE, 8)
-    exact = BatchDescriptor(16, 16, True, True)
+    exact = BatchDescriptor(16, True, True)
     # No FULL graph of 16 (decode buckets stop at max_num_seqs): PIECEWISE serves the decode step.
     assert decide(exact, READY, TABLE) == Decision(PIECEWISE, 16)
     piecewise_only = GraphState(effective_mode=pb.GRAPH_MODE_PIECEWISE, ladder=LADDER,

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from graphkeeper.proto import worker_pb2 as pb
-from graphkeeper.worker.engine.core import process_age, step_phases
+from graphkeeper.worker.engine.startup import process_age, step_phases
 from graphkeeper.worker.kernels import linear_kernel, row_kernel
 from graphkeeper.worker.kernels.decode_kernel import decode_splits
 from graphkeeper.worker.model import tuning

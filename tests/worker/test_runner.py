@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-from graphkeeper.worker.executor.runner import ModelRunner, StepPlan
-from graphkeeper.worker.executor.sampling import SamplingBatch, SamplingSpec, sample
-from graphkeeper.worker.model.attention import PrefillChunk
+from graphkeeper.worker.executor.runner import ModelRunner
+from graphkeeper.worker.executor.sampling import sample
 from graphkeeper.worker.model.kv_cache import KVCache
 from graphkeeper.worker.model.loader import load_model
+from graphkeeper.worker.plan import PrefillChunk, SamplingBatch, SamplingSpec, StepPlan
 
 ROWS = 8
 

@@ -8,8 +8,9 @@ import asyncio
 
 import numpy as np
 
-from graphkeeper.worker.engine.scheduler import Scheduler, Sequence
-from graphkeeper.worker.executor.sampling import SamplingSpec
+from graphkeeper.worker.engine.scheduler import Scheduler
+from graphkeeper.worker.engine.sequence import Sequence
+from graphkeeper.worker.plan import SamplingSpec
 from graphkeeper.worker.serving.grpc_server import MAX_FLUSH_GAP, StreamHub, TokenStream
 
 

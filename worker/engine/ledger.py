@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from graphkeeper.proto import worker_pb2 as pb
+from graphkeeper.worker.metrics import WorkerMetrics
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,14 @@ class Ledger:
         entry = measure(stage, device)
         self.entries[stage] = entry
         return entry
+
+    def export(self, metrics: WorkerMetrics) -> None:
+        """Every stage's figures as the ledger gauge."""
+        for entry in list(self.entries.values()):
+            stage = pb.LedgerStage.Name(entry.stage).removeprefix("LEDGER_STAGE_").lower()
+            for kind, value in (("device_used", entry.device_used), ("torch_allocated", entry.torch_allocated),
+                                ("torch_reserved", entry.torch_reserved), ("residual", entry.residual)):
+                metrics.ledger.labels(stage, kind).set(value)
 
     def to_proto(self) -> list[pb.LedgerEntry]:
         return [self.entries[s].to_proto() for s in sorted(self.entries)]

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from graphkeeper.proto.policy import FieldError
 
-class ReloadRefused(RuntimeError):
+
+class ReloadRefused(FieldError):
     """A LoadModelRevision source outside the configured model roots."""
 
 
@@ -15,18 +17,18 @@ def check_model_root(source: str, model: str, roots: tuple[str, ...]) -> None:
     """Raises ReloadRefused unless ``source`` may be loaded by a worker serving ``model``."""
     if source.startswith("random:"):
         if not model.startswith("random:"):
-            raise ReloadRefused("source: random presets are only served by workers started with one")
+            raise ReloadRefused("source", "random presets are only served by workers started with one")
         if _preset(source) != _preset(model):
-            raise ReloadRefused("source: a random-model worker reloads only its own preset (another seed)")
+            raise ReloadRefused("source", "a random-model worker reloads only its own preset (another seed)")
         return
     if not roots and not model.startswith("random:"):
         roots = (str(Path(model).resolve().parent),)
     try:
         resolved = Path(source).resolve()
     except (OSError, ValueError):
-        raise ReloadRefused("source: not a usable path") from None
+        raise ReloadRefused("source", "not a usable path") from None
     if not any(resolved.is_relative_to(Path(r).resolve()) for r in roots):
-        raise ReloadRefused("source: not under any --model-root of this worker")
+        raise ReloadRefused("source", "not under any --model-root of this worker")
 
 
 def _preset(source: str) -> str:

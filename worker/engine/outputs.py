@@ -7,10 +7,14 @@ for the engine to publish in one call.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from graphkeeper.proto import worker_pb2 as pb
-from graphkeeper.worker.engine.scheduler import Scheduler, Sequence
+from graphkeeper.worker.engine.scheduler import ScheduledStep, Scheduler
+from graphkeeper.worker.engine.sequence import Sequence
+from graphkeeper.worker.executor.graphs.dispatcher import BatchDescriptor, Decision
+from graphkeeper.worker.executor.runner import Launched
 from graphkeeper.worker.metrics import WorkerMetrics, observe_many
 
 Update = tuple[Any, list[int], Any]  # (stream, new tokens, end: Completion, an exception, or None)
@@ -73,3 +77,21 @@ class OutputProcessor:
                     self.metrics.requests.labels(outcome).inc()
                 updates.append((seq.stream, [], err))
         return updates
+
+
+def direct_publish(updates: list[tuple[Any, list[int], Any]]) -> None:
+    """Without an API layer (tests, benchmarks): each stream is a callable ``(tokens, end)``."""
+    for stream, tokens, end in updates:
+        if stream is not None:
+            stream(tokens, end)
+
+
+@dataclass
+class InFlight:
+    """A launched step whose tokens the host has not read yet."""
+
+    step: ScheduledStep
+    decision: Decision
+    desc: BatchDescriptor
+    launched: Launched
+    started: float

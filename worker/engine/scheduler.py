@@ -19,63 +19,13 @@ grows with the sequences that changed, not with the batch.
 
 from __future__ import annotations
 
-import threading
-import time
-from collections import Counter, deque
-from dataclasses import dataclass, field
-from typing import Any
+from collections import deque
+from dataclasses import dataclass
 
 import numpy as np
 
-from graphkeeper.proto import worker_pb2 as pb
-from graphkeeper.worker.executor.runner import StepPlan
-from graphkeeper.worker.executor.sampling import SamplingBatch, SamplingSpec
-from graphkeeper.worker.model.attention import PrefillChunk
-
-
-@dataclass(eq=False)
-class Sequence:
-    """One request's state in the engine. ``stream`` is the API layer's handle for its outputs."""
-
-    request_id: str
-    tenant: str
-    prompt: list[int]
-    max_new_tokens: int
-    sampling: SamplingSpec
-    stream: Any = None
-    stop_ids: frozenset[int] = frozenset()
-    eos_id: int | None = None
-    seed: int = 0
-    output: list[int] = field(default_factory=list)  # tokens the host has received
-    slot: int | None = None
-    computed: int = 0  # tokens whose keys and values are in the cache or being written by a launched step
-    samples_scheduled: int = 0  # tokens sampled or being sampled by a launched step
-    finished: bool = False
-    cancelled: threading.Event = field(default_factory=threading.Event)
-    graph_steps: Counter = field(default_factory=Counter)  # (mode, size) -> steps
-    eager_steps: Counter = field(default_factory=Counter)  # reason -> steps
-    arrived: float = field(default_factory=time.perf_counter)
-    first_token_at: float | None = None
-    last_token_at: float | None = None
-
-    @property
-    def prefilling(self) -> bool:
-        return self.computed < len(self.prompt)
-
-    @property
-    def wants_samples(self) -> bool:
-        return self.samples_scheduled < self.max_new_tokens
-
-    def stop_reason(self) -> int:
-        """The finish reason after the latest received token, or UNSPECIFIED to continue."""
-        last = self.output[-1]
-        if last in self.stop_ids:
-            return pb.FINISH_REASON_STOP
-        if self.eos_id is not None and last == self.eos_id:
-            return pb.FINISH_REASON_EOS
-        if len(self.output) >= self.max_new_tokens:
-            return pb.FINISH_REASON_LENGTH
-        return pb.FINISH_REASON_UNSPECIFIED
+from graphkeeper.worker.engine.sequence import Sequence
+from graphkeeper.worker.plan import PrefillChunk, SamplingBatch, StepPlan
 
 
 @dataclass

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from graphkeeper.proto import worker_pb2 as pb
 from graphkeeper.proto.policy import effective_requested_mode
+from graphkeeper.worker.engine.control import Snapshot
 from graphkeeper.worker.engine.ledger import Ledger
 from graphkeeper.worker.engine.recorder import StepRecorder
 from graphkeeper.worker.executor.graphs.controller import CaptureController
@@ -27,17 +28,17 @@ def model_info(loaded: LoadedModel | None, max_seq_len: int, max_num_seqs: int) 
     )
 
 
-def graph_status(*, state: int, capture: CaptureController, recorder: StepRecorder, ledger: Ledger,
-                 policy: pb.GraphPolicy, pending: pb.GraphPolicy | None, pending_revision: str,
-                 model_revision: str, last_error: str, running: int, queued: int,
+def graph_status(snap: Snapshot, *, capture: CaptureController, recorder: StepRecorder, ledger: Ledger,
+                 model_revision: str, running: int, queued: int,
                  compile: pb.CompileStatus | None = None) -> pb.GraphStatus:
-    c = capture
+    """``GraphStatus`` from a snapshot of the GraphControl state and the engine's counters (pure)."""
+    c, policy, pending = capture, snap.policy, snap.pending
     graphs = c.graph_set
     captured = dict(graphs.captured) if graphs else {}
     skipped = dict(graphs.skipped) if graphs else {}
     eager = dict(recorder.eager_steps)
     return pb.GraphStatus(
-        state=state,
+        state=snap.state,
         # From the adopted policy (read under the engine's status lock), not from the capture
         # controller, which learns it a moment later when the recapture begins.
         requested_mode=effective_requested_mode(policy),
@@ -47,7 +48,7 @@ def graph_status(*, state: int, capture: CaptureController, recorder: StepRecord
         policy_generation=policy.generation,
         pending_policy_uid=pending.policy_uid if pending else "",
         pending_policy_generation=pending.generation if pending else 0,
-        pending_model_revision=pending_revision[:MAX_PENDING_REVISION],
+        pending_model_revision=snap.pending_revision[:MAX_PENDING_REVISION],
         model_revision=model_revision,
         captured=[pb.CapturedSize(size=s, mode=m, capture_seconds=e.seconds, device_bytes=e.device_bytes,
                                   reserved_bytes=e.reserved_bytes) for (m, s), e in sorted(captured.items())],
@@ -61,6 +62,6 @@ def graph_status(*, state: int, capture: CaptureController, recorder: StepRecord
         ledger=ledger.to_proto(),
         running_sequences=running,
         queued_requests=queued,
-        last_error=last_error,
+        last_error=snap.last_error,
         compile=compile,
     )

@@ -2,60 +2,30 @@
 FULL graph replay, or as PIECEWISE graph replays around eager attention), samples on the device
 and starts one asynchronous copy of the sampled tokens back to the host.
 
-The runner owns every buffer a graph reads or writes, allocated once at the largest size, so
-their addresses never move: step inputs (tokens, positions, KV slots, context lengths, the
-attention's block table, sample rows) in one device tensor filled by a single host-to-device
-copy, the hidden states the step produces, and ``last_tokens``, each slot's latest sampled
-token. A decoding row's input token is read from ``last_tokens`` on the device, so the host can
-prepare and launch step N+1 before step N's tokens have reached it.
+The runner owns the step's buffers, allocated once at the largest size, so their addresses never
+move: step inputs (tokens, positions, KV slots, context lengths, the attention's block table,
+sample rows) in one device tensor filled by a single host-to-device copy, the hidden states the
+step produces, and ``last_tokens``, each slot's latest sampled token. (PIECEWISE graphs add the
+buffers between their pieces, which the graph set owns.) A decoding row's input token is read
+from ``last_tokens`` on the device, so the host can prepare and launch step N+1 before step N's
+tokens have reached it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 from torch import Tensor
 
 from graphkeeper.worker.executor.graphs.dispatcher import Decision
-from graphkeeper.worker.executor.sampling import SamplingBatch, SamplingSpec, sample
+from graphkeeper.worker.executor.sampling import sample
 from graphkeeper.worker.kernels.linear_kernel import warm_rows
-from graphkeeper.worker.model.attention import BLOCK_Q, AttentionMetadata, PrefillChunk, SlotAttention
+from graphkeeper.worker.model.attention import BLOCK_Q, AttentionMetadata, SlotAttention
 from graphkeeper.worker.model.kv_cache import KVCache
 from graphkeeper.worker.model.loader import LoadedModel
-
-
-@dataclass
-class StepPlan:
-    """A scheduled step, flat: decode rows first, then prefill chunks.
-
-    Decode rows carry no token here: each reads its slot's latest sampled token on the device.
-    ``sample_rows`` are the rows whose next token is needed (every decode row, and the last row
-    of a prefill chunk that completes its prompt); ``sample_slots`` their slots.
-    """
-
-    prompt_tokens: list[int]
-    positions: np.ndarray
-    slots: np.ndarray
-    num_decode: int
-    prefill: list[PrefillChunk] = field(default_factory=list)
-    sample_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
-    sample_slots: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
-    sampling: SamplingBatch | None = None
-    decode_tokens: np.ndarray | None = None  # given only by probes and warm-up, which have no history
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.positions)
-
-    @property
-    def num_samples(self) -> int:
-        return len(self.sample_rows)
-
-    @property
-    def uniform_decode(self) -> bool:
-        return not self.prefill and self.num_decode == self.num_tokens
+from graphkeeper.worker.plan import PrefillChunk, SamplingBatch, SamplingSpec, StepPlan
 
 
 @dataclass
@@ -190,6 +160,17 @@ class ModelRunner:
     def tokens(self, rows: int) -> Tensor:
         return self._row(self.TOKENS, rows)
 
+    def output(self, rows: int) -> Tensor:
+        """The hidden states a step of ``rows`` rows leaves (a graph's output buffer)."""
+        return self.hidden[:rows]
+
+    def addresses(self) -> tuple[int, ...]:
+        """The device addresses a recorded step reads or writes: weights, KV cache, input and
+        output buffers. Graphs recorded against other addresses are stale."""
+        model = self.model
+        weights = model.tok_embeddings.weight.data_ptr(), model.layers[0].attention.wqkv.weight.data_ptr()
+        return (*weights, *self.cache.addresses(), self.inputs.data_ptr(), self.hidden.data_ptr())
+
     def positions(self, rows: int) -> Tensor:
         return self._row(self.POSITIONS, rows)
 
@@ -207,10 +188,6 @@ class ModelRunner:
         """Hidden states for ``rows`` rows, computed eagerly (also the capture-time reference)."""
         self.attention.bind(meta)
         return self.model(self.tokens(rows), self.positions(rows), self.attention)
-
-    def logits(self, hidden: Tensor, plan: StepPlan) -> Tensor:
-        """Float32 logits for the plan's sample rows."""
-        return self.model.logits(self.sample_rows(hidden, plan))
 
     def sample_rows(self, hidden: Tensor, plan: StepPlan) -> Tensor:
         """The hidden states of the plan's sample rows; decode rows come first, so usually a slice."""

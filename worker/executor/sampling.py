@@ -18,49 +18,16 @@ temperature of 1e-45.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-import numpy as np
 import torch
 from torch import Tensor
 
 from graphkeeper.worker.kernels.argmax_kernel import argmax
+from graphkeeper.worker.plan import SamplingBatch
 
 # splitmix64 constants, as signed 64-bit integers (torch has no unsigned 64-bit arithmetic).
 _GOLDEN = -0x61C8864680B583EB  # 0x9E3779B97F4A7C15
 _MIX1 = -0x40A7B892E31B1A47  # 0xBF58476D1CE4E5B9
 _MIX2 = -0x6B2FB644ECCEEE15  # 0x94D049BB133111EB
-
-
-@dataclass(frozen=True)
-class SamplingSpec:
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
-
-
-@dataclass
-class SamplingBatch:
-    """Per-sample-row parameters of a step that has at least one non-greedy row (host arrays)."""
-
-    temperature: np.ndarray  # float32, 0 for greedy rows
-    top_k: np.ndarray  # int64, 0 for no limit
-    top_p: np.ndarray  # float32
-    seeds: np.ndarray  # int64
-    sample_index: np.ndarray  # int64: which token of its request each row samples
-
-    @classmethod
-    def build(cls, specs: list[SamplingSpec], seeds: list[int], sample_index: np.ndarray) -> SamplingBatch:
-        return cls(
-            temperature=np.array([s.temperature for s in specs], dtype=np.float32),
-            top_k=np.array([s.top_k for s in specs], dtype=np.int64),
-            top_p=np.array([s.top_p for s in specs], dtype=np.float32),
-            seeds=np.array(seeds, dtype=np.int64), sample_index=np.asarray(sample_index, dtype=np.int64),
-        )
 
 
 def sample(logits: Tensor, batch: SamplingBatch | None) -> Tensor:

@@ -17,12 +17,12 @@ weight shape and row bucket, cuBLAS included: the kernel replaces cuBLAS only wh
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
+from graphkeeper.worker.kernels.timing import graph_time, weight_copies
 from graphkeeper.worker.kernels.triton_support import tl, triton
 
 #: Up to this many rows the bandwidth kernel may replace cuBLAS for bf16/fp16 weights.
@@ -106,6 +106,11 @@ def remember(n: int, k: int, weight_dtype: str, rows: int, tile: Tile | None) ->
 measurements: list[tuple[int, int, str, int, str, float]] = []
 
 
+#: Smaller weights are not tuned (cuBLAS for bf16): they are launch-bound, and copies enough to
+#: leave L2 would be thousands.
+MIN_TUNED_BYTES = 2**20
+
+
 def tune(weight: Tensor, scale: Tensor | None, dtype: torch.dtype) -> dict[int, str]:
     """Times cuBLAS (bf16/fp16 weights) and every candidate tile on ``weight`` for each row bucket,
     keeps the fastest; returns bucket -> what won. Runs at warm-up, before anything is captured.
@@ -141,54 +146,6 @@ def tune(weight: Tensor, scale: Tensor | None, dtype: torch.dtype) -> dict[int, 
     del copies
     torch.cuda.empty_cache()
     return won
-
-
-#: Weight bytes a tuning run cycles through: several times an H200's 50 MB L2 cache.
-L2_FLUSH_BYTES = 256 * 2**20
-#: Smaller weights are not tuned (cuBLAS for bf16): they are launch-bound, and copies enough to
-#: leave L2 would be thousands; at most this many copies are made.
-MIN_TUNED_BYTES = 2**20
-MAX_COPIES = 64
-
-
-def weight_copies(weight: Tensor) -> list[Tensor]:
-    """``weight`` and enough clones of it that cycling through them leaves the L2 cache."""
-    nbytes = weight.numel() * weight.element_size()
-    return [weight] + [weight.clone() for _ in range(min(MAX_COPIES, -(-L2_FLUSH_BYTES // nbytes)) - 1)]
-
-
-def graph_time(fn, weights: list[Tensor], replays: int = 5) -> float:
-    """Seconds per launch of ``fn(weight)``, replayed from a CUDA graph that launches it once per
-    weight copy (at least 20 launches)."""
-    launches = max(20, len(weights))
-
-    def record() -> None:
-        for i in range(launches):
-            fn(weights[i % len(weights)])
-
-    return replay_seconds(record, warm=lambda: [fn(w) for w in weights[:2]], replays=replays) / launches
-
-
-def replay_seconds(record: Callable[[], None], warm: Callable[[], object] | None = None, replays: int = 5) -> float:
-    """GPU seconds per replay of a CUDA graph of ``record()``. ``warm`` (default: ``record``) runs
-    first, outside capture, so lazy state exists; one untimed replay precedes the timed ones."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        (warm or record)()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            record()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    graph.reset()
-    return start.elapsed_time(end) / 1e3 / replays
 
 
 def reference(x: Tensor, weight: Tensor, scale: Tensor | None = None) -> Tensor:

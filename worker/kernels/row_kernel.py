@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 
 from graphkeeper.worker.kernels import pdl
-from graphkeeper.worker.kernels.linear_kernel import graph_time, weight_copies
+from graphkeeper.worker.kernels.timing import graph_time, weight_copies
 from graphkeeper.worker.kernels.triton_support import tl, triton
 
 #: What a program may hold in registers: band rows times the padded reduction length, and at most
@@ -203,7 +203,7 @@ measurements: list[tuple[int, int, int, str, str, float]] = []
 
 def tune(mode: int, weight: Tensor, scale: Tensor | None, dtype: torch.dtype, half: int = 0) -> RowTile:
     """Times every tile that fits on ``weight`` for ``mode`` and keeps the fastest, as CUDA graphs
-    of back-to-back launches over weight copies that leave L2 (``linear_kernel.graph_time``)."""
+    of back-to-back launches over weight copies that leave L2 (``timing.graph_time``)."""
     n_w, k = weight.shape
     key = (mode, n_w, k, str(weight.dtype))
     x = torch.randn(1, k, device=weight.device, dtype=dtype)

@@ -22,6 +22,7 @@ from graphkeeper.worker.kernels.triton_support import available
 from graphkeeper.worker.kernels.varlen_kernel import BLOCK_Q
 from graphkeeper.worker.model.config import ModelConfig
 from graphkeeper.worker.model.kv_cache import KVCache
+from graphkeeper.worker.plan import PrefillChunk
 
 __all__ = ["BLOCK_Q", "AttentionMetadata", "GraphSupport", "PrefillChunk", "SlotAttention"]
 
@@ -32,14 +33,6 @@ class GraphSupport(enum.IntEnum):
     NEVER = 0
     UNIFORM_DECODE = 1  # only steps where every row is one decode token
     ALWAYS = 2
-
-
-@dataclass(frozen=True)
-class PrefillChunk:
-    row: int  # first row of the chunk in the flat batch
-    length: int  # tokens in the chunk
-    slot: int
-    start: int  # position of the chunk's first token
 
 
 @dataclass

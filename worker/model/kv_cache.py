@@ -48,8 +48,7 @@ class KVCache:
     def write(self, layer: int, rows: Tensor, k: Tensor, v: Tensor) -> None:
         """Stores ``k``/``v`` ``[T, n_kv, head_dim]`` at flat ``rows`` (see row_index); no host sync.
 
-        On CUDA one Triton launch writes both (each token's heads are contiguous in ``k`` and ``v``,
-        which are views of the QKV projection's output); elsewhere two ``index_copy_``.
+        On CUDA one launch of ``kv_write_kernel`` writes both; elsewhere two ``index_copy_``.
         """
         t = k.shape[0]
         row = k.shape[1] * k.shape[2]

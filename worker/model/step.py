@@ -33,7 +33,7 @@ import torch
 
 from graphkeeper.proto import worker_pb2 as pb
 from graphkeeper.worker.kernels import choice, decode_kernel, linear_kernel, norm_kernel, pdl, row_kernel, varlen_kernel
-from graphkeeper.worker.kernels.linear_kernel import replay_seconds
+from graphkeeper.worker.kernels.timing import replay_seconds
 from graphkeeper.worker.model import llama, tuning
 from graphkeeper.worker.model.cache_key import key_of, library_versions, source_digest
 from graphkeeper.worker.model.config import ModelConfig
@@ -41,7 +41,6 @@ from graphkeeper.worker.model.llama import PieceFunctions, make_pieces, make_row
 
 log = logging.getLogger(__name__)
 
-DEFAULT_CACHE_DIR = "~/.cache/graphkeeper/compile"
 LEVELS = (0, 1, 2)
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from graphkeeper.worker.kernels import linear_kernel, pdl, row_kernel
+from graphkeeper.worker.kernels import linear_kernel, pdl, row_kernel, timing
 from graphkeeper.worker.kernels.linear_kernel import Tile
 from graphkeeper.worker.kernels.row_kernel import RowTile
 from graphkeeper.worker.model.cache_key import key_of, library_versions, source_digest
@@ -69,7 +69,7 @@ def tuning_key(device_name: str, capability: str, versions: dict[str, str], sour
 
 def kernel_source_digest() -> str:
     """The source of the modules that decide what the tuned kernels are."""
-    return source_digest([linear_kernel, row_kernel, pdl, sys.modules[__name__]])
+    return source_digest([linear_kernel, row_kernel, pdl, timing, sys.modules[__name__]])
 
 
 def encode(linear: dict, rows: dict) -> dict:

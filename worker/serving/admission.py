@@ -9,10 +9,10 @@ string is bounded before anything else looks at it, and a refused value is echoe
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 from graphkeeper.proto import worker_pb2 as pb
-from graphkeeper.proto.policy import check_string, clipped_repr, utf8_len, valid_tenant
+from graphkeeper.proto.policy import FieldError, check_string, clipped_repr, utf8_len, valid_tenant
+from graphkeeper.worker.engine import Limits
 
 MAX_TEMPERATURE = 100.0
 MAX_STOP_IDS = 64
@@ -26,20 +26,8 @@ MAX_REVISION_BYTES = 128
 MAX_SOURCE_BYTES = 4096
 
 
-class AdmissionError(ValueError):
-    """A request refused before it reaches the engine; ``field`` names the offending field."""
-
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(f"{field}: {message}")
-        self.field = field
-
-
-@dataclass(frozen=True)
-class Limits:
-    vocab_size: int
-    max_seq_len: int
-    #: Whether the served model carries a tokenizer, so that ``prompt_text`` can be served.
-    text_prompts: bool = False
+class AdmissionError(FieldError):
+    """A request refused before it reaches the engine."""
 
 
 def validate_request(req: pb.GenerateRequest, limits: Limits) -> None:

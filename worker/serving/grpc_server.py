@@ -30,10 +30,16 @@ from graphkeeper.proto import SERVER_OPTIONS
 from graphkeeper.proto import worker_pb2 as pb
 from graphkeeper.proto import worker_pb2_grpc as pb_grpc
 from graphkeeper.proto.policy import PolicyError
-from graphkeeper.worker.engine import Engine, NotServing, QueueFull, StalePolicy, StepFailed
-from graphkeeper.worker.engine.lifecycle import SERVING_STATES
-from graphkeeper.worker.engine.model_roots import ReloadRefused
-from graphkeeper.worker.model.tokenizer import IncrementalDetokenizer
+from graphkeeper.worker.engine import (
+    SERVING_STATES,
+    Engine,
+    IncrementalDetokenizer,
+    NotServing,
+    QueueFull,
+    ReloadRefused,
+    StalePolicy,
+    StepFailed,
+)
 from graphkeeper.worker.serving.admission import AdmissionError, validate_reload_request, validate_request
 from graphkeeper.worker.serving.wire import tolerant
 
@@ -112,9 +118,10 @@ class InferenceServicer(pb_grpc.InferenceWorkerServicer):
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):  # noqa: N802
         stream = TokenStream()
         engine = self.engine
+        text = bool(request.prompt_text)
         try:
-            prompt = await self._prompt_ids(request)
-            seq = engine.submit(request, stream, prompt)
+            request = await self._admitted(request)
+            seq = engine.submit(request, stream)
         except AdmissionError as err:
             engine.metrics.requests.labels("invalid").inc()
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
@@ -124,7 +131,7 @@ class InferenceServicer(pb_grpc.InferenceWorkerServicer):
         except NotServing as err:
             engine.metrics.requests.labels("unavailable").inc()
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(err))
-        detok = IncrementalDetokenizer(engine.tokenizer, prompt) if request.prompt_text else None
+        detok = IncrementalDetokenizer(engine.tokenizer, list(request.prompt_token_ids)) if text else None
         hub = self.hub
         if hub is not None:
             hub.open_streams += 1
@@ -156,18 +163,26 @@ class InferenceServicer(pb_grpc.InferenceWorkerServicer):
             if hub is not None:
                 hub.open_streams -= 1
 
-    async def _prompt_ids(self, request: pb.GenerateRequest) -> list[int]:
-        """The prompt as token ids; a text prompt is tokenized here, off the engine's path."""
-        if not request.prompt_text:
-            return list(request.prompt_token_ids)
-        loaded = self.engine.loaded
-        if loaded is None:
+    async def _admitted(self, request: pb.GenerateRequest) -> pb.GenerateRequest:
+        """The request checked against the served model, a text prompt tokenized (off the event
+        loop when long) and checked again as token ids; raises AdmissionError or NotServing."""
+        limits = self.engine.limits()
+        if limits is None:
             raise NotServing("model not loaded yet")
-        validate_request(request, self.engine.limits())  # sizes and rules before any tokenizing
+        validate_request(request, limits)  # sizes and rules before any tokenizing
+        if not request.prompt_text:
+            return request
         tokenizer = self.engine.tokenizer
         if len(request.prompt_text) > INLINE_TOKENIZE_CHARS:
-            return await asyncio.to_thread(tokenizer.encode_ids, request.prompt_text)
-        return tokenizer.encode_ids(request.prompt_text)
+            ids = await asyncio.to_thread(tokenizer.encode_ids, request.prompt_text)
+        else:
+            ids = tokenizer.encode_ids(request.prompt_text)
+        tokenized = pb.GenerateRequest()
+        tokenized.CopyFrom(request)
+        tokenized.ClearField("prompt_text")
+        tokenized.prompt_token_ids.extend(ids)
+        validate_request(tokenized, limits)
+        return tokenized
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext):  # noqa: N802
         info = self.engine.model_info()
@@ -205,7 +220,7 @@ class GraphControlServicer(pb_grpc.GraphControlServicer):
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "model reload did not finish in time")
         except Exception as err:  # noqa: BLE001 - reported to the caller; the worker keeps serving
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"source: {err}")
-        return pb.LoadModelRevisionResponse(revision=revision, recapture_started=self.engine.device.type == "cuda")
+        return pb.LoadModelRevisionResponse(revision=revision, recapture_started=self.engine.captures_graphs)
 
 
 class BearerTokenInterceptor(grpc.aio.ServerInterceptor):

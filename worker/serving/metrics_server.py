@@ -79,7 +79,7 @@ def engine_endpoints(engine: Engine) -> dict[str, Callable[[], tuple[int, bytes,
         return 200, generate_latest(engine.metrics.registry), CONTENT_TYPE_LATEST
 
     def healthz() -> tuple[int, bytes, str]:
-        alive = engine.thread.is_alive() and engine.failed is None
+        alive = engine.alive()
         return (200, b"ok\n", TEXT) if alive else (503, b"engine stopped\n", TEXT)
 
     def readyz() -> tuple[int, bytes, str]:

@@ -9,42 +9,20 @@ the engine decides when to capture and moves the lifecycle.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 import torch
 
 from graphkeeper.proto import worker_pb2 as pb
 from graphkeeper.proto.policy import effective_requested_mode, mode_name, reason_name, resolve_capture_sizes
-from graphkeeper.worker.executor.graphs.capture import CaptureJob, GraphSet
-from graphkeeper.worker.executor.graphs.dispatcher import (
-    FULL,
-    PIECEWISE,
-    Dispatcher,
-    GraphState,
-    downgrade_mode,
-    full_sizes,
-    mode_has_full,
-    mode_has_piecewise,
-)
+from graphkeeper.worker.executor.graphs.capture import CaptureJob
+from graphkeeper.worker.executor.graphs.dispatcher import Dispatcher, GraphState
+from graphkeeper.worker.executor.graphs.graph_set import GraphSet
+from graphkeeper.worker.executor.graphs.modes import capture_plan, downgrade_mode
 from graphkeeper.worker.executor.runner import ModelRunner
 from graphkeeper.worker.metrics import WorkerMetrics
 from graphkeeper.worker.model.attention import SlotAttention
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class CaptureConfig:
-    """What decides the captured set: a change of any of these recaptures."""
-
-    mode: int
-    sizes: tuple[int, ...]
-    budget_bytes: int
-
-
-def capture_config(policy: pb.GraphPolicy, max_num_seqs: int, max_num_batched_tokens: int) -> CaptureConfig:
-    sizes = resolve_capture_sizes(policy.capture_sizes, max_num_seqs, max_num_batched_tokens)
-    return CaptureConfig(effective_requested_mode(policy), tuple(sizes), policy.memory_budget_bytes)
 
 
 class CaptureController:
@@ -68,9 +46,6 @@ class CaptureController:
     def active(self) -> bool:
         return self.job is not None
 
-    def config(self, policy: pb.GraphPolicy) -> CaptureConfig:
-        return capture_config(policy, self.max_num_seqs, self.max_num_batched_tokens)
-
     def begin(self, policy: pb.GraphPolicy, runner: ModelRunner) -> None:
         """Resolves modes and sizes for ``policy`` and plans the capture, largest size first."""
         cuda = runner.device.type == "cuda"
@@ -86,11 +61,7 @@ class CaptureController:
             self.dispatcher.update(GraphState(effective_mode=self.effective_mode, ladder=tuple(self.ladder),
                                               backend_unsupported=not cuda))
             return
-        plan = []
-        if mode_has_full(self.effective_mode):
-            plan += [(FULL, n) for n in reversed(full_sizes(self.ladder, self.max_num_seqs))]
-        if mode_has_piecewise(self.effective_mode):
-            plan += [(PIECEWISE, n) for n in reversed(self.ladder)]
+        plan = capture_plan(self.effective_mode, self.ladder, self.max_num_seqs)
         self.graph_set = GraphSet(runner)
         tolerance = 1e-4 if runner.loaded.dtype == torch.float32 else 2e-2
         self.job = CaptureJob(self.graph_set, plan, policy.memory_budget_bytes, self.inject_failures, tolerance)
@@ -145,6 +116,12 @@ class CaptureController:
 
     def captured_count(self) -> int:
         return len(self.graph_set.captured) if self.graph_set else 0
+
+    def summary(self) -> str:
+        """The modes and what the last capture phase held, for the READY log line."""
+        why = f" ({self.downgrade_reason})" if self.downgrade_reason else ""
+        return (f"requested {mode_name(self.requested_mode)}, effective {mode_name(self.effective_mode)}{why}; "
+                f"{self.captured_count()} graphs captured in {self.total_seconds:.2f} s")
 
     def _export(self) -> None:
         m, graphs = self.metrics, self.graph_set

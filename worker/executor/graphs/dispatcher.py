@@ -3,7 +3,8 @@ with exactly one reason.
 
 Graph wrappers trust the answer; nothing else re-decides. The decision is a pure function of the
 step's descriptor and the captured state, so every reason is testable without a GPU; the
-``Dispatcher`` wraps it with the precomputed padding table and counts each decision once.
+``Dispatcher`` wraps it with the precomputed padding table. It counts nothing: the engine's step
+recorder counts each step once, after it ran.
 """
 
 from __future__ import annotations
@@ -13,17 +14,13 @@ from typing import NamedTuple
 
 from graphkeeper.proto import worker_pb2 as pb
 from graphkeeper.proto.policy import padding_table
-
-NONE, PIECEWISE, FULL = pb.GRAPH_MODE_NONE, pb.GRAPH_MODE_PIECEWISE, pb.GRAPH_MODE_FULL
-_HAS_FULL = {pb.GRAPH_MODE_FULL, pb.GRAPH_MODE_FULL_DECODE_ONLY, pb.GRAPH_MODE_FULL_AND_PIECEWISE}
-_HAS_PIECEWISE = {pb.GRAPH_MODE_PIECEWISE, pb.GRAPH_MODE_FULL_AND_PIECEWISE}
+from graphkeeper.worker.executor.graphs.modes import FULL, NONE, PIECEWISE, mode_has_full, mode_has_piecewise
 
 
 class BatchDescriptor(NamedTuple):
     """What the dispatcher needs to know about a step."""
 
     num_tokens: int
-    num_reqs: int
     uniform_decode: bool  # every sequence contributes exactly one (decode) token
     graphs_allowed: bool  # every sequence's tenant may use graphs
 
@@ -44,7 +41,8 @@ class Decision(NamedTuple):
 class GraphState:
     """What is captured now, as the dispatcher sees it.
 
-    ``backend_reason`` is set when graphs cannot be recorded at all (no CUDA, or the backend);
+    ``backend_unsupported`` is set when graphs cannot be recorded at all (no CUDA);
+    ``recapturing`` while a new set is being captured (every step runs eager meanwhile);
     ``skipped`` maps (mode, size) to SIZE_OVER_BUDGET or SIZE_CAPTURE_FAILED.
     """
 
@@ -54,14 +52,6 @@ class GraphState:
     skipped: dict[tuple[int, int], int] = field(default_factory=dict)
     backend_unsupported: bool = False
     recapturing: bool = False
-
-
-def mode_has_full(mode: int) -> bool:
-    return mode in _HAS_FULL
-
-
-def mode_has_piecewise(mode: int) -> bool:
-    return mode in _HAS_PIECEWISE
 
 
 def decide(desc: BatchDescriptor, state: GraphState, table: list[int]) -> Decision:
@@ -111,33 +101,3 @@ class Dispatcher:
 
     def dispatch(self, desc: BatchDescriptor) -> Decision:
         return decide(desc, self.state, self.table)
-
-
-def full_sizes(ladder: list[int], max_num_seqs: int) -> list[int]:
-    """The sizes uniform decode steps pad to: FULL graphs beyond them would never be replayed."""
-    table = padding_table(ladder)
-    top = min(max_num_seqs, ladder[-1]) if ladder else 0
-    return sorted({table[n] for n in range(1, top + 1)})
-
-
-def downgrade_mode(requested: int, support: int, cuda: bool) -> tuple[int, str]:
-    """The nearest mode this backend can record, and why it differs from ``requested``.
-
-    ``support`` is a GraphSupport value: 0 never, 1 uniform decode only, 2 always.
-    """
-    if requested == pb.GRAPH_MODE_NONE:
-        return pb.GRAPH_MODE_NONE, ""
-    if not cuda:
-        return pb.GRAPH_MODE_NONE, "no CUDA device: graphs cannot be recorded"
-    if support == 0:
-        if requested == pb.GRAPH_MODE_PIECEWISE:
-            return requested, ""  # PIECEWISE never records attention: nothing to downgrade
-        if mode_has_piecewise(requested) or requested == pb.GRAPH_MODE_FULL:
-            return pb.GRAPH_MODE_PIECEWISE, "attention backend cannot be recorded: PIECEWISE only"
-        return pb.GRAPH_MODE_NONE, "attention backend cannot be recorded and the mode has no PIECEWISE"
-    if support == 1 and requested == pb.GRAPH_MODE_FULL:
-        return (
-            pb.GRAPH_MODE_FULL_AND_PIECEWISE,
-            "attention backend records only uniform decode steps: mixed steps use PIECEWISE",
-        )
-    return requested, ""

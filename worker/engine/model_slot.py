@@ -1,0 +1,92 @@
+"""The model the engine serves: weights, KV cache, runner, tokenizer and the built step.
+
+A new model (a reload) is loaded beside the one serving and installed only once it loaded
+completely; the KV cache and the compiled step are kept when the shapes allow.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+
+from graphkeeper.proto import worker_pb2 as pb
+from graphkeeper.worker.engine.ledger import Ledger
+from graphkeeper.worker.executor.runner import ModelRunner
+from graphkeeper.worker.metrics import WorkerMetrics
+from graphkeeper.worker.model.kv_cache import KVCache
+from graphkeeper.worker.model.loader import LoadedModel, load_model
+from graphkeeper.worker.model.step import CompileReport, prepare_step, resolve
+from graphkeeper.worker.model.tokenizer import Tokenizer, load_tokenizer
+from graphkeeper.worker.settings import EngineSettings
+
+log = logging.getLogger(__name__)
+L = pb.LedgerStage
+#: KV rows are allocated in multiples of this, as the attention kernels read them.
+KV_ROW_ALIGN = 16
+
+
+class ModelSlot:
+    def __init__(self, settings: EngineSettings, device: torch.device, ledger: Ledger,
+                 metrics: WorkerMetrics) -> None:
+        self.settings = settings
+        self.device = device
+        self.ledger = ledger
+        self.metrics = metrics
+        self.loaded: LoadedModel | None = None
+        self.tokenizer: Tokenizer | None = None
+        self.runner: ModelRunner | None = None
+        self.optimization = resolve(settings.optimization_level, settings.compile, device.type)
+        self.compile_report = CompileReport(level=self.optimization.level, reason=self.optimization.reason)
+
+    def load(self, source: str, revision: str) -> tuple[LoadedModel, KVCache]:
+        """New weights (and a KV cache for their shapes); nothing the engine serves is touched."""
+        s = self.settings
+        cache_len = KV_ROW_ALIGN * math.ceil(s.max_seq_len / KV_ROW_ALIGN)
+        loaded = load_model(source, device=self.device, dtype=s.dtype, max_positions=cache_len, revision=revision,
+                            quantization=s.quantization)
+        self.ledger.record(L.LEDGER_STAGE_WEIGHTS, self.device)
+        old = self.runner
+        if old is not None and old.loaded.config == loaded.config and old.loaded.dtype == loaded.dtype:
+            cache = old.cache  # same shapes: keep the allocation, only the weights move
+        else:
+            scratch = math.ceil(s.max_num_batched_tokens / cache_len)
+            cache = KVCache(loaded.config, s.max_num_seqs, cache_len, device=self.device, dtype=loaded.dtype,
+                            scratch_slots=scratch)
+        self.ledger.record(L.LEDGER_STAGE_KV_CACHE, self.device)
+        return loaded, cache
+
+    def install(self, fresh: tuple[LoadedModel, KVCache]) -> bool:
+        """Makes the new model the one that runs; True when it kept the old step functions (same
+        config, dtype and quantization: the compiled pieces are functions of tensors and serve
+        new weights)."""
+        loaded, cache = fresh
+        old = self.runner
+        kept = old is not None and (old.loaded.config, old.loaded.dtype, old.loaded.quantization) == (
+            loaded.config, loaded.dtype, loaded.quantization)
+        if kept:
+            loaded.model.use_pieces(old.model.pieces, old.model.kernels, old.model.row_pieces)
+        self.runner = ModelRunner(loaded, cache, self.settings.max_num_batched_tokens)
+        self.loaded = loaded
+        self.tokenizer = load_tokenizer(loaded.source)
+        self.metrics.set_model(loaded.revision, loaded.source, str(loaded.dtype).removeprefix("torch."),
+                               str(self.device))
+        log.info("model %s revision %s loaded: %d parameters, %s on %s%s", loaded.source, loaded.revision,
+                 loaded.parameter_count, loaded.dtype, self.device, ", with tokenizer" if self.tokenizer else "")
+        return kept
+
+    def prepare_step(self) -> None:
+        """Builds the step (fused kernels, or compiled: traced at the largest warm-up size, or loaded
+        from the on-disk cache) and runs it once, before anything is captured."""
+        s, o = self.settings, self.optimization
+        rows = min(max(2, min(s.max_num_seqs, s.max_num_batched_tokens)), s.max_num_batched_tokens)
+        self.compile_report = prepare_step(
+            self.runner.model, compile=o.compile, cache_root=s.compile_cache_dir, quantization=s.quantization,
+            warm_up=lambda: self.runner.warm_up(rows), level=o.level, reason=o.reason)
+        r = self.compile_report
+        self.metrics.set_compile(o.level, r.enabled, r.cache, self.runner.model.kernels, s.quantization, r.seconds)
+
+    def compile_status(self) -> pb.CompileStatus:
+        kernels = self.runner.model.kernels if self.runner else ""
+        return self.compile_report.to_proto(kernels, self.settings.quantization)

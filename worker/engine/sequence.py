@@ -1,0 +1,81 @@
+"""One request's state in the engine, from admission to its last token."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from graphkeeper.proto import worker_pb2 as pb
+from graphkeeper.worker.plan import SamplingSpec
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One request's state in the engine. ``stream`` is the API layer's handle for its outputs."""
+
+    request_id: str
+    tenant: str
+    prompt: list[int]
+    max_new_tokens: int
+    sampling: SamplingSpec
+    stream: Any = None
+    stop_ids: frozenset[int] = frozenset()
+    eos_id: int | None = None
+    seed: int = 0
+    output: list[int] = field(default_factory=list)  # tokens the host has received
+    slot: int | None = None
+    computed: int = 0  # tokens whose keys and values are in the cache or being written by a launched step
+    samples_scheduled: int = 0  # tokens sampled or being sampled by a launched step
+    finished: bool = False
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    graph_steps: Counter = field(default_factory=Counter)  # (mode, size) -> steps
+    eager_steps: Counter = field(default_factory=Counter)  # reason -> steps
+    arrived: float = field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+
+    @property
+    def prefilling(self) -> bool:
+        return self.computed < len(self.prompt)
+
+    @property
+    def wants_samples(self) -> bool:
+        return self.samples_scheduled < self.max_new_tokens
+
+    def stop_reason(self) -> int:
+        """The finish reason after the latest received token, or UNSPECIFIED to continue."""
+        last = self.output[-1]
+        if last in self.stop_ids:
+            return pb.FINISH_REASON_STOP
+        if self.eos_id is not None and last == self.eos_id:
+            return pb.FINISH_REASON_EOS
+        if len(self.output) >= self.max_new_tokens:
+            return pb.FINISH_REASON_LENGTH
+        return pb.FINISH_REASON_UNSPECIFIED
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What a request may ask of the model being served (the API layer checks requests against it)."""
+
+    vocab_size: int
+    max_seq_len: int
+    #: Whether the served model carries a tokenizer, so that ``prompt_text`` can be served.
+    text_prompts: bool = False
+
+
+def sequence_for(req: pb.GenerateRequest, stream: Any, eos_token_id: int | None) -> Sequence:
+    """A new sequence for an admitted request (token ids; text was tokenized by the API layer)."""
+    sp = req.sampling
+    seed = sp.seed if sp.HasField("seed") else random.getrandbits(63)
+    return Sequence(
+        request_id=req.request_id or f"req-{random.getrandbits(48):012x}", tenant=req.tenant,
+        prompt=list(req.prompt_token_ids), max_new_tokens=req.stopping.max_new_tokens,
+        sampling=SamplingSpec(temperature=sp.temperature, top_k=sp.top_k, top_p=sp.top_p or 1.0), stream=stream,
+        stop_ids=frozenset(req.stopping.stop_token_ids), eos_id=None if req.stopping.ignore_eos else eos_token_id,
+        seed=seed & (2**63 - 1),
+    )

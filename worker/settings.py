@@ -1,0 +1,56 @@
+"""The engine's settings and their defaults, once: the CLI's flags default to these, and tests and
+benchmarks that build an engine directly get the same worker a user gets.
+
+A leaf of the worker: it imports no room, so anything (the CLI included) may read it without
+loading torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from graphkeeper.proto import worker_pb2 as pb
+
+DEFAULT_MODEL = "random:tiny"
+DEFAULT_DEVICE = "cpu"
+DEFAULT_DTYPE = "auto"
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEFAULT_MAX_NUM_SEQS = 16
+DEFAULT_MAX_SEQ_LEN = 512
+#: Tokens per step: decode rows plus prefill chunks.
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 512
+#: Queued requests before RESOURCE_EXHAUSTED.
+DEFAULT_MAX_QUEUE = 256
+#: -O2: compile the step, then capture graphs.
+DEFAULT_OPTIMIZATION_LEVEL = 2
+DEFAULT_COMPILE_CACHE_DIR = "~/.cache/graphkeeper/compile"
+QUANTIZATIONS = ("none", "fp8", "fp8-tensor")
+
+
+@dataclass
+class EngineSettings:
+    """What one engine runs with (``graphkeeper worker``'s flags, after the boot checks)."""
+
+    model: str = DEFAULT_MODEL
+    model_revision: str = ""
+    device: str = DEFAULT_DEVICE
+    dtype: str = DEFAULT_DTYPE
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
+    max_seq_len: int = DEFAULT_MAX_SEQ_LEN
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
+    max_queue: int = DEFAULT_MAX_QUEUE
+    #: Longest prefill chunk (0: the token budget).
+    prefill_chunk: int = 0
+    #: The policy to capture before READY (None or one without a uid: the default ladder).
+    policy: pb.GraphPolicy | None = None
+    #: Where LoadModelRevision may load from (empty: the served model's parent directory).
+    model_roots: tuple[str, ...] = ()
+    #: The -O preset and an explicit --compile/--no-compile over it (None: the preset decides).
+    optimization_level: int = DEFAULT_OPTIMIZATION_LEVEL
+    compile: bool | None = None
+    compile_cache_dir: str = DEFAULT_COMPILE_CACHE_DIR
+    quantization: str = "none"
+    #: Fault injection for tests: capture sizes that fail.
+    inject_capture_failures: frozenset[int] = frozenset()
+    #: Fault injection for tests: a step holding this prompt token raises (fatally: as a broken device).
+    inject_step_failure: tuple[int, bool] | None = None
