@@ -1,1 +1,2 @@
-"""The inference worker: model, KV cache, scheduler, graph runner, gRPC server and metrics."""
+"""The inference worker, in five rooms imported down one arrow: serving -> engine -> executor ->
+model -> kernels, with main.py on top and three leaves anyone may import (settings, plan, metrics)."""

@@ -16,7 +16,6 @@ from graphkeeper.worker.executor.graphs.graph_set import GraphSet, StaleGraphErr
 from graphkeeper.worker.executor.runner import ModelRunner
 from graphkeeper.worker.model.kv_cache import KVCache
 from graphkeeper.worker.model.loader import load_model
-from graphkeeper.worker.model.step import resolve as resolve_optimization
 from graphkeeper.worker.plan import PrefillChunk, StepPlan
 
 pytestmark = [
@@ -230,17 +229,16 @@ def test_budget_that_fits_part_of_the_ladder_captures_what_fits():
     # The premise is that a size costs the same in two engines of one process. The process's first
     # engine also pays one-time costs in its first graph (Triton modules loaded, library
     # workspaces), so the cost is read from a second one.
-    o1 = resolve_optimization(1, None, "cuda")
     for _ in range(2):
         unlimited = engine_for(pieces(0), model="random:llama-1b", max_num_batched_tokens_override=512,
-                               optimization=o1)
+                               optimization_level=1)
         cost = {c.size: c.device_bytes for c in unlimited.status().captured}
         unlimited.drain_and_stop(5)
         del unlimited
     # Just under what the largest size alone costs: it cannot fit, the small ones can.
     budget = cost[512] - 1
     engine = engine_for(pieces(budget), model="random:llama-1b", max_num_batched_tokens_override=512,
-                        optimization=o1)
+                        optimization_level=1)
     try:
         status = engine.status()
         captured = {c.size for c in status.captured}

@@ -368,7 +368,7 @@ def test_engine_reports_preset_compilation_and_a_cache_hit_on_the_second_start(c
         engine.drain_and_stop(10)
         assert done and engine.failed is None
         reports.append(status.compile)
-        tunings.append(engine.compile_report.tuning.cache)
+        tunings.append(engine.slot.compile_report.tuning.cache)
         assert status.compile.enabled and status.compile.optimization_level == 2
         assert status.compile.compiled_graphs == 3
         assert status.compile.kernels.startswith("inductor")
