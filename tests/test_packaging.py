@@ -61,10 +61,15 @@ def test_wheel_holds_only_the_graphkeeper_namespace(wheel):
         scripts = zf.read(entry_points).decode()
     top = {n.split("/", 1)[0] for n in names}
     assert {t for t in top if not t.endswith(".dist-info")} == {"graphkeeper"}
-    for needed in ("graphkeeper/cli.py", "graphkeeper/operator/__init__.py", "graphkeeper/worker/engine.py",
+    for needed in ("graphkeeper/cli.py", "graphkeeper/operator/__init__.py", "graphkeeper/worker/main.py",
                    "graphkeeper/proto/worker_pb2.py", "graphkeeper/proto/worker_pb2_grpc.py",
                    "graphkeeper/proto/worker.proto", "graphkeeper/proto/policy.py"):
         assert needed in names, needed
+    # Every module of the worker's rooms ships (pyproject.toml lists each subpackage).
+    worker = ROOT / "worker"
+    modules = {"graphkeeper/worker/" + str(p.relative_to(worker)) for p in worker.rglob("*.py")}
+    assert "graphkeeper/worker/engine/core.py" in modules
+    assert not modules - set(names), f"worker modules missing from the wheel: {sorted(modules - set(names))}"
     assert not [n for n in names if n.startswith("graphkeeper/src/") or "/tests/" in n]
     assert "graphkeeper = graphkeeper.cli:main" in scripts
 

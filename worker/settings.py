@@ -1,15 +1,17 @@
 """The engine's settings and their defaults, once: the CLI's flags default to these, and tests and
 benchmarks that build an engine directly get the same worker a user gets.
 
-A leaf of the worker: it imports no room, so anything (the CLI included) may read it without
-loading torch.
+A leaf of the worker: it imports no room and no dependency, so anything (the CLI's ``--help``
+included) may read it without loading torch or protobuf.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from graphkeeper.proto import worker_pb2 as pb
+if TYPE_CHECKING:  # the CLI reads these defaults before any dependency is imported
+    from graphkeeper.proto import worker_pb2 as pb
 
 DEFAULT_MODEL = "random:tiny"
 DEFAULT_DEVICE = "cpu"
