@@ -1,4 +1,4 @@
-"""Issue 8, loading at the checkpoint's size: parameters are allocated once in the target dtype
+"""Loading at the checkpoint's size: parameters are allocated once in the target dtype
 and filled tensor by tensor, so the host's peak while loading a bf16 checkpoint stays near the
 weights' size; sharded checkpoints (``model.safetensors.index.json``) load the same weights."""
 

@@ -1,4 +1,4 @@
-"""Issue 8, admission bounds (pure): oversized or malformed strings are refused naming the field,
+"""Admission bounds (pure): oversized or malformed strings are refused naming the field,
 and what an error repeats of a refused value is clipped, never the whole value."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 8, clean boot edges: every bad flag is one clear line on stderr and a non-zero exit,
+"""Clean boot edges: every bad flag is one clear line on stderr and a non-zero exit,
 never a traceback. The checks are pure functions (tested here directly); a few real
 ``graphkeeper worker`` processes prove the line is what an operator actually sees."""
 
@@ -9,15 +9,19 @@ import os
 import py_compile
 import socket
 import subprocess
+import time
 import types
 from pathlib import Path
 
+import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from ports import free_port
-from worker_harness import GRAPHKEEPER
+from worker_harness import GRAPHKEEPER, INFERENCE_SERVICE
 
 from graphkeeper.cli import build_parser
 from graphkeeper.proto import worker_pb2 as pb
+from graphkeeper.proto import worker_pb2_grpc as pb_grpc
 from graphkeeper.proto.policy import policy_to_json
 from graphkeeper.worker.main import (
     boot_errors,
@@ -179,9 +183,11 @@ def test_bad_flag_is_one_line_and_a_nonzero_exit(tmp_path, case):
 
 
 def test_missing_policy_file_still_starts(tmp_path):
-    """The ConfigMap may appear later: a missing file warns and boots (the exit here is the drain)."""
+    """The ConfigMap may appear later: a missing file warns, and the worker still comes up READY,
+    serving the default policy (the exit here is the drain)."""
+    port, control_port = free_port(), free_port()
     proc = subprocess.Popen(
-        [str(GRAPHKEEPER), "worker", "--port", str(free_port()), "--metrics-port", "0",
+        [str(GRAPHKEEPER), "worker", "--port", str(port), "--control-port", str(control_port), "--metrics-port", "0",
          "--policy-file", str(tmp_path / "later.json"), "--max-num-seqs", "2", "--max-seq-len", "32",
          "--max-num-batched-tokens", "16"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path,
@@ -192,10 +198,31 @@ def test_missing_policy_file_still_starts(tmp_path):
                 break
         else:
             pytest.fail("the worker exited without the missing-policy warning")
-        assert proc.poll() is None
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            wait_for_health(channel, proc)
+        with grpc.insecure_channel(f"127.0.0.1:{control_port}") as channel:
+            status = pb_grpc.GraphControlStub(channel).GetGraphStatus(pb.GetGraphStatusRequest(), timeout=10)
+        assert status.state == pb.LIFECYCLE_STATE_READY
+        assert status.policy_generation == 0  # the worker's default policy: no file was read
     finally:
         proc.terminate()
         proc.wait(timeout=60)
+
+
+def wait_for_health(channel: grpc.Channel, proc: subprocess.Popen, timeout: float = 120.0) -> None:
+    """Polls grpc.health.v1 for the inference service until SERVING (the worker is READY)."""
+    stub = health_pb2_grpc.HealthStub(channel)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"the worker exited with {proc.returncode}"
+        try:
+            response = stub.Check(health_pb2.HealthCheckRequest(service=INFERENCE_SERVICE), timeout=2)
+        except grpc.RpcError:
+            response = None
+        if response is not None and response.status == health_pb2.HealthCheckResponse.SERVING:
+            return
+        time.sleep(0.1)
+    pytest.fail(f"the worker did not report SERVING within {timeout} s")
 
 
 def test_port_in_use_is_one_line_and_a_nonzero_exit(tmp_path):

@@ -1,4 +1,4 @@
-"""Issue 4 over gRPC on the CPU: ApplyGraphPolicy (idempotent, stale, invalid, tenant toggles), a
+"""GraphControl over gRPC on the CPU: ApplyGraphPolicy (idempotent, stale, invalid, tenant toggles), a
 policy read from a file before ready, and LoadModelRevision serving the new weights."""
 
 from __future__ import annotations

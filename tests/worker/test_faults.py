@@ -1,4 +1,4 @@
-"""Issue 8, faults a client or a bad step can cause: sampling stays finite for every accepted
+"""Faults a client or a bad step can cause: sampling stays finite for every accepted
 parameter, a failing step fails only its own requests, a dead engine takes readiness down and
 exits, status never reports a policy the engine has not adopted, generations never go back, and
 the drain deadline holds whatever clients do."""

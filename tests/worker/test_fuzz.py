@@ -1,5 +1,5 @@
-"""Issue 8, keep it fixed: property-based fuzzing of everything a client can send, against one
-live worker process over real gRPC.
+"""Property-based fuzzing of everything a client can send, against one live worker process over
+real gRPC.
 
 Every call must end OK or with a status that says "your request" or "not now" (never INTERNAL
 or UNKNOWN), with short error details, and the worker must still be alive and READY afterwards.
@@ -12,6 +12,7 @@ the same examples run on every machine, in well under a minute on two cores.
 from __future__ import annotations
 
 import math
+from collections import Counter
 
 import grpc
 import pytest
@@ -34,6 +35,10 @@ FUZZ = settings(max_examples=120, deadline=None, derandomize=True, database=None
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                        HealthCheck.function_scoped_fixture])
 FEW = settings(FUZZ, max_examples=40)
+#: Calls each property sent to the worker, and how it answered the Generate calls: the last test
+#: requires every property's whole budget, so it fails unless the fuzzing ran first.
+SENT: Counter[str] = Counter()
+GENERATE_ANSWERS: Counter[str] = Counter()
 
 # --- strategies ---------------------------------------------------------------------------------
 
@@ -162,7 +167,9 @@ def fuzz_worker(module_workers) -> Worker:
 @FUZZ
 @given(request=generate_requests())
 def test_generate_never_hurts_the_worker(fuzz_worker, request):
+    SENT["generate"] += 1
     result = check_outcome(lambda: drain(fuzz_worker.inference.Generate(request, timeout=CALL_TIMEOUT)))
+    GENERATE_ANSWERS["accepted" if isinstance(result, list) else result.code().name] += 1
     if isinstance(result, list):  # accepted: a whole stream whose counts add up
         assert result and result[-1].HasField("completion")
         tokens = sum(len(r.tokens.token_ids) for r in result[:-1])
@@ -172,6 +179,7 @@ def test_generate_never_hurts_the_worker(fuzz_worker, request):
 @FUZZ
 @given(policy=policies())
 def test_apply_graph_policy_never_hurts_the_worker(fuzz_worker, policy):
+    SENT["policy"] += 1
     check_outcome(lambda: fuzz_worker.control.ApplyGraphPolicy(
         pb.ApplyGraphPolicyRequest(policy=policy), timeout=CALL_TIMEOUT))
 
@@ -185,6 +193,7 @@ def test_load_model_revision_refuses_what_cannot_load(fuzz_worker, source, revis
         pass
     else:
         assume(False)  # this source would really load a model: not this loop's business
+    SENT["load"] += 1
     result = check_outcome(lambda: fuzz_worker.control.LoadModelRevision(
         pb.LoadModelRevisionRequest(source=source, revision=revision), timeout=CALL_TIMEOUT))
     assert isinstance(result, grpc.RpcError), "a source that cannot load was accepted"
@@ -216,11 +225,19 @@ def test_raw_bytes_never_hurt_the_worker(fuzz_worker, method, payload):
     if method.endswith("/LoadModelRevision"):
         assume(not loadable(payload))
     streaming = METHODS[method] == "unary_stream"
+    SENT["raw"] += 1
     check_outcome(lambda: raw_call(fuzz_worker, method, payload, streaming=streaming, timeout=CALL_TIMEOUT))
 
 
 def test_worker_is_still_serving_after_the_fuzzing(fuzz_worker):
-    """Runs last in this module (pytest keeps file order): everything above left it healthy."""
+    """Runs last in this module (pytest keeps file order): every property above ran its whole budget
+    against this worker, the worker counted the Generate requests it saw, and it is still healthy."""
+    budgets = {"generate": FUZZ.max_examples, "policy": FUZZ.max_examples, "load": FEW.max_examples,
+               "raw": FUZZ.max_examples}
+    assert {name: SENT[name] for name in budgets} == budgets, "the fuzzing did not run (in full) before this test"
+    assert GENERATE_ANSWERS["accepted"] > 0, "no fuzzed Generate request reached the engine"
+    counted = sum(v for (name, _), v in fuzz_worker.metrics().items() if name == "graphkeeper_requests_total")
+    assert counted >= GENERATE_ANSWERS["accepted"] + GENERATE_ANSWERS["INVALID_ARGUMENT"]
     assert_still_serving(fuzz_worker)
     for name, labels in fuzz_worker.metrics():
         for value in dict(labels).values():

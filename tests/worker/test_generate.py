@@ -1,7 +1,7 @@
-"""Issue 2 through a running worker: greedy tokens equal transformers' greedy generation on the same
+"""Generation through a running worker: greedy tokens equal transformers' greedy generation on the same
 weights, continuous batching and chunked prefill change nothing, seeded sampling reproduces, stopping
 criteria, bad input, model info, health, reflection and the CLI; on the CPU every step is eager with
-reason backend_unsupported (issue 4)."""
+reason backend_unsupported."""
 
 from __future__ import annotations
 
@@ -102,7 +102,7 @@ def test_concurrent_greedy_requests_equal_each_alone(worker, alone):
         assert completion.prompt_tokens == len(prompt)
         assert completion.generated_tokens == MAX_NEW
         assert completion.total_seconds >= completion.time_to_first_token_seconds > 0
-        # Issue 4 on the CPU: every step that served the request ran eager, backend_unsupported.
+        # On the CPU every step that served the request ran eager, backend_unsupported.
         assert not completion.execution.graph_steps
         assert set(eager_reasons(completion)) == {BACKEND}
         assert eager_reasons(completion)[BACKEND] >= MAX_NEW

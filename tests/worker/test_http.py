@@ -1,5 +1,5 @@
-"""Issue 8, the metrics port: exact paths, a bounded number of connections, and a timeout so
-half-open connections hold neither threads nor slots. Real sockets throughout; the last tests
+"""The metrics port serves exact paths only, holds a bounded number of connections, and times out
+half-open connections so they hold neither threads nor slots. Real sockets throughout; the last tests
 run against a real worker process and count its threads from /proc."""
 
 from __future__ import annotations

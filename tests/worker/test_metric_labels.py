@@ -1,4 +1,4 @@
-"""Issue 8, metric labels expose no paths: the model-info series names a directory model by its
+"""Metric labels expose no paths: the model-info series names a directory model by its
 basename, and every label value the worker derives from outside input is bounded."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 7, the step loop's decisions without a model: scheduling ahead of the previous step's
+"""The step loop's decisions without a model: scheduling ahead of the previous step's
 tokens, the decode batch as arrays, length limits known ahead, finished and cancelled sequences
 leaving the batch, and the API layer's one-pass fan-out with coalescing."""
 

@@ -1,4 +1,4 @@
-"""Issue 2, serving under pressure: a cancelled or disconnected stream frees its slot, a full queue
+"""Serving under pressure: a cancelled or disconnected stream frees its slot, a full queue
 answers RESOURCE_EXHAUSTED, and SIGTERM drains running requests before the process exits 0."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 7, text at the API layer: a model directory with tokenizer.json takes text prompts and
+"""Text at the API layer: a model directory with tokenizer.json takes text prompts and
 streams text deltas beside the token ids; the deltas add up to the decoded output, multi-byte
 characters included; without a tokenizer a text prompt is refused by name."""
 

@@ -1,4 +1,4 @@
-"""Issue 8: bytes that do not decode as the method's request are INVALID_ARGUMENT, not INTERNAL,
+"""Bytes that do not decode as the method's request are INVALID_ARGUMENT, not INTERNAL,
 on a real gRPC server (sync and grpc.aio), for unary and streaming methods alike."""
 
 from __future__ import annotations
