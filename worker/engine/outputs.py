@@ -63,7 +63,7 @@ class OutputProcessor:
         return pb.Completion(
             request_id=seq.request_id, finish_reason=reason, prompt_tokens=len(seq.prompt),
             generated_tokens=len(seq.output),
-            time_to_first_token_seconds=(seq.first_token_at - seq.arrived) if seq.first_token_at else 0.0,
+            time_to_first_token_seconds=(seq.first_token_at - seq.arrived) if seq.first_token_at is not None else 0.0,
             total_seconds=time.perf_counter() - seq.arrived, execution=summary,
         )
 

@@ -13,6 +13,8 @@ from graphkeeper.worker.model.loader import LoadedModel
 
 #: Longest pending revision or source echoed in status.
 MAX_PENDING_REVISION = 128
+#: Longest last error reported (a capture failure carries the exception's text, which can be long).
+MAX_LAST_ERROR = 1024
 
 
 def model_info(loaded: LoadedModel | None, max_seq_len: int, max_num_seqs: int) -> pb.GetModelInfoResponse | None:
@@ -62,6 +64,6 @@ def graph_status(snap: Snapshot, *, capture: CaptureController, recorder: StepRe
         ledger=ledger.to_proto(),
         running_sequences=running,
         queued_requests=queued,
-        last_error=snap.last_error,
+        last_error=snap.last_error[:MAX_LAST_ERROR],
         compile=compile,
     )

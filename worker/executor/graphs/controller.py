@@ -71,7 +71,12 @@ class CaptureController:
                  self.ladder[0], self.ladder[-1], policy.memory_budget_bytes or "unlimited")
 
     def step(self) -> bool:
-        """Captures the next key; True once the whole set is in and swapped into the dispatcher."""
+        """Captures the next key; True once the whole set is in and swapped into the dispatcher.
+
+        Called only while ``active`` (a job is planned); without one there is nothing to finish.
+        """
+        if self.job is None:
+            return False
         if not self.job.done:
             self.job.step()
         if self.job.done:
