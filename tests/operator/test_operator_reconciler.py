@@ -1,4 +1,4 @@
-"""The reconciler against light GraphControl stand-ins (``operator.testing``, no model): the
+"""The reconciler against light GraphControl stand-ins (``tests/fakes/fake_worker.py``, no model): the
 rollout, independent workers and the status it writes, without a cluster.
 
 The Kubernetes side is a recorder of the status patches and Events the reconciler makes; the
@@ -12,9 +12,10 @@ import asyncio
 import time
 from typing import Any
 
+from fakes.fake_worker import FakeWorkerServer, FakeWorkerState  # tests/fakes, not shipped
+
 from graphkeeper.operator.reconciler import Reconciler
 from graphkeeper.operator.selection import PolicyRef, WorkerPod
-from graphkeeper.operator.testing import FakeWorkerServer, FakeWorkerState
 from graphkeeper.operator.workerclient import GraphControlClient
 
 LABELS = {"app": "w"}
