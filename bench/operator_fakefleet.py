@@ -1,6 +1,6 @@
 """SIMULATION: many light GraphControl servers in one process, standing in for workers.
 
-Each server is ``graphkeeper.operator.testing.FakeWorkerServer`` (the worker's policy
+Each server is ``tests/fakes/fake_worker.py``'s ``FakeWorkerServer`` (the worker's policy
 bookkeeping, no model, no capture). The fleet writes its ports as one JSON line on stdout, then
 one line per policy it accepts: ``applied <port> <policy_uid> <generation> <unix time>``, so the
 benchmark learns when each simulated worker acknowledged a generation without polling it.
@@ -17,8 +17,12 @@ import asyncio
 import json
 import sys
 import time
+from pathlib import Path
 
-from graphkeeper.operator.testing import FakeGraphControl, FakeWorkerServer, FakeWorkerState
+# The operator's test double lives with the tests (it never ships in the wheel).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+from fakes.fake_worker import FakeGraphControl, FakeWorkerServer, FakeWorkerState  # noqa: E402
 
 
 class ReportingFake(FakeGraphControl):

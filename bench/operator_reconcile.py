@@ -42,7 +42,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+# The cluster suite's harness, and tests/ports.py that it imports as ``ports`` (as pytest does).
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 from tests.cluster.conftest import (  # noqa: E402
     Cluster,

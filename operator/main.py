@@ -16,13 +16,18 @@ from graphkeeper.operator import metrics, naming, pod_handlers, policy_handlers
 from graphkeeper.operator.kube import Kube, load_client_config
 from graphkeeper.operator.outage import OUTAGE
 from graphkeeper.operator.reconciler import Reconciler
+from graphkeeper.operator.selection import PolicyRef, WorkerPod
 from graphkeeper.operator.workerclient import GraphControlClient
 
 POLICIES = (naming.GROUP, naming.VERSION, naming.PLURAL)
 
 
 async def startup(
-    settings: kopf.OperatorSettings, memo: Any, worker_pods: Any, graph_policies: Any, **_: Any
+    settings: kopf.OperatorSettings,
+    memo: kopf.Memo,
+    worker_pods: kopf.Index[str, WorkerPod],
+    graph_policies: kopf.Index[str, PolicyRef],
+    **_: Any,
 ) -> None:
     """kopf's settings, then the shared state every handler finds in ``memo``."""
     # Bookkeeping in annotations under our prefix, so .status holds only what our schema declares.
@@ -62,7 +67,8 @@ async def startup(
         memo.http = await metrics.serve(memo.metrics_port, memo.reconciler.health)
 
 
-async def cleanup(memo: Any, **_: Any) -> None:
+async def cleanup(memo: kopf.Memo, **_: Any) -> None:
+    """Stops the loops and the worker client, then the metrics server."""
     await memo.reconciler.shutdown()
     if memo.http is not None:
         await memo.http.cleanup()

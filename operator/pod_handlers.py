@@ -8,14 +8,16 @@ from __future__ import annotations
 
 from typing import Any
 
+import kopf
+
 from graphkeeper.operator.selection import WorkerPod, worker_from_pod
 
 
-def index_pod(body: Any, namespace: str, **_: Any) -> dict[str, WorkerPod]:
+def index_pod(body: kopf.Body, namespace: str, **_: Any) -> dict[str, WorkerPod]:
     """``pods[namespace]`` -> the pods there, reduced to what the operator needs."""
     return {namespace: worker_from_pod(body)}
 
 
-async def on_pod_event(event: dict, body: Any, memo: Any, **_: Any) -> None:
+async def on_pod_event(event: kopf.RawEvent, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
     """A new, restarted, re-annotated or deleted pod wakes the policies that select it."""
     memo.reconciler.on_pod(worker_from_pod(body), deleted=event.get("type") == "DELETED")

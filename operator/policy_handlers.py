@@ -7,25 +7,26 @@ never waits for the operator.
 
 from __future__ import annotations
 
-import logging
 from typing import Any
+
+import kopf
 
 from graphkeeper.operator.render import build_configmap, configmap_differs
 from graphkeeper.operator.selection import PolicyRef, policy_ref_from_body
 from graphkeeper.proto.policy import PolicyError, policy_from_spec
 
 
-def index_policy(body: Any, namespace: str, **_: Any) -> dict[str, PolicyRef]:
+def index_policy(body: kopf.Body, namespace: str, **_: Any) -> dict[str, PolicyRef]:
     """``graphpolicies[namespace]`` -> the policies there, for selection and conflicts."""
     return {namespace: policy_ref_from_body(body)}
 
 
-async def on_policy_event(event: dict, body: Any, memo: Any, **_: Any) -> None:
+async def on_policy_event(event: kopf.RawEvent, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
     """Every watch event: start the policy's loop, wake it on a new generation, stop it if gone."""
     memo.reconciler.on_policy(policy_ref_from_body(body), deleted=event.get("type") == "DELETED")
 
 
-async def render_policy(body: Any, memo: Any, logger: logging.Logger, **_: Any) -> None:
+async def render_policy(body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **_: Any) -> None:
     """Create, update and resume: write the ConfigMap workers read at boot, then reconcile now.
 
     An invalid spec (one that slipped past the CRD's rules) leaves the last good ConfigMap in

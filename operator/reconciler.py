@@ -27,6 +27,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any
 
@@ -38,8 +39,9 @@ from graphkeeper.operator.outage import OUTAGE
 from graphkeeper.operator.render import build_status_patch
 from graphkeeper.operator.rollout import (
     RolloutPlan,
-    capture_key,
+    RolloutWorker,
     plan_rollout,
+    push_recaptures,
     rollout_settings,
     rollout_status,
 )
@@ -50,7 +52,7 @@ from graphkeeper.operator.selection import (
     selector_error,
     senior_claimant,
 )
-from graphkeeper.operator.status import WorkerObservation, WorkerState, build_status
+from graphkeeper.operator.status import FAILURE_REASONS, WorkerObservation, WorkerState, build_status
 from graphkeeper.operator.sync import (
     PUSH,
     RELOAD,
@@ -63,7 +65,7 @@ from graphkeeper.operator.sync import (
 )
 from graphkeeper.operator.workerclient import GraphControlClient, WorkerError
 from graphkeeper.proto import worker_pb2 as pb
-from graphkeeper.proto.policy import PolicyError, policy_from_spec
+from graphkeeper.proto.policy import PolicyError, RecaptureKey, policy_from_spec, recapture_key
 
 logger = logging.getLogger("graphkeeper.operator")
 
@@ -75,16 +77,53 @@ COALESCE_SECONDS = 0.02
 READ_WAIT_SECONDS = 0.5
 #: Retry delay while the Kubernetes API does not answer.
 API_RETRY_SECONDS = 1.0
-#: Capture keys remembered per policy (generations a worker may still hold).
-MAX_CAPTURE_KEYS = 64
+#: Recapture keys remembered per policy (generations a worker may still hold).
+MAX_RECAPTURE_KEYS = 64
 
 _STATES = [str(s) for s in WorkerState]
-_EVENT_FOR_STATE = {
-    WorkerState.REJECTED: "PolicyRejected",
-    WorkerState.CAPTURE_FAILED: "CaptureFailed",
-    WorkerState.UNREACHABLE: "WorkerUnreachable",
-    WorkerState.CONFLICT: "Conflict",
-}
+
+
+@dataclass(frozen=True)
+class Desired:
+    """What a valid spec asks for: the wire policy and how fast it may roll out."""
+
+    wire: pb.GraphPolicy
+    max_unavailable: int
+    #: Seconds a push or reload may take to settle before the worker counts as failed.
+    deadline: float
+
+
+@dataclass
+class RunOutcome:
+    """What one run observed and did; ``plan`` and ``rollout`` are None when nothing was planned."""
+
+    observations: list[WorkerObservation]
+    plan: RolloutPlan | None = None
+    rollout: dict[str, Any] | None = None
+    fired: dict[str, list[str]] = field(default_factory=lambda: {PUSH: [], RELOAD: []})
+
+
+def desired_policy(ref: PolicyRef, total: int) -> tuple[Desired | None, str | None]:
+    """The policy to roll out to ``total`` selected workers, or why there is none (pure): the
+    operator checks the spec again, so one that slipped past the CRD is reported, not pushed."""
+    invalid = selector_error(ref.spec.get("selector"))
+    if invalid is not None:
+        return None, invalid
+    try:
+        wire = policy_from_spec(ref.spec, uid=ref.uid, name=ref.key, generation=ref.generation)
+        max_unavailable, deadline = rollout_settings(ref.spec, total)
+    except PolicyError as err:
+        return None, f"{err.field}: {err.message}"
+    except ValueError as err:
+        return None, f"spec.rollout: {err}"
+    return Desired(wire, max_unavailable, deadline), None
+
+
+def mark_waiting(observations: list[WorkerObservation], waiting: set[str]) -> list[WorkerObservation]:
+    """Pending workers the rollout did not reach this run say that they wait for their turn."""
+    return [replace(o, message=f"waiting for its turn in the rollout ({o.message})")
+            if o.name in waiting and o.state == WorkerState.PENDING else o
+            for o in observations]
 
 
 class PolicyLoop:
@@ -151,7 +190,8 @@ class Reconciler:
         self.loops: dict[str, PolicyLoop] = {}
         self.tracks: dict[str, Track] = {}
         self._fingerprints: dict[str, tuple] = {}
-        self._capture_keys: dict[tuple[str, int], bytes] = {}
+        #: (policy uid, generation) -> its recapture key, for the generations this operator built.
+        self._recapture_keys: dict[tuple[str, int], RecaptureKey | None] = {}
         self._post_event = post_event
         self.runs = 0
 
@@ -318,21 +358,22 @@ class Reconciler:
         return [p for refs in self.policies.values() for p in refs]
 
     def _recaptures(self, status: pb.GraphStatus | None, wire: pb.GraphPolicy) -> bool:
-        """Whether moving a worker from what it holds to ``wire`` recaptures graphs. Unknown
-        (a generation from before this operator started) counts as yes: the safe answer."""
-        if status is None or not status.policy_uid:
-            return True
-        held = self._capture_keys.get((status.policy_uid, status.policy_generation))
-        return held is None or held != capture_key(wire)
+        """Whether moving a worker from what it reports holding to ``wire`` recaptures graphs."""
+        held = None
+        if status is not None and status.policy_uid:
+            held = self._recapture_keys.get((status.policy_uid, status.policy_generation))
+        return push_recaptures(held, wire)
 
-    def _remember_capture_key(self, wire: pb.GraphPolicy) -> None:
-        self._capture_keys[(wire.policy_uid, wire.generation)] = capture_key(wire)
-        if len(self._capture_keys) > MAX_CAPTURE_KEYS * max(1, len(self.loops)):
-            for key in list(self._capture_keys)[: len(self._capture_keys) // 2]:
-                del self._capture_keys[key]
+    def _remember_recapture_key(self, wire: pb.GraphPolicy) -> None:
+        """Keeps ``wire``'s key, so that a later generation can tell whether leaving it recaptures."""
+        self._recapture_keys[(wire.policy_uid, wire.generation)] = recapture_key(wire)
+        if len(self._recapture_keys) > MAX_RECAPTURE_KEYS * max(1, len(self.loops)):
+            for key in list(self._recapture_keys)[: len(self._recapture_keys) // 2]:
+                del self._recapture_keys[key]
 
     async def reconcile(self, loop: PolicyLoop) -> float:
-        """Reads the selected workers, hands out what the rollout allows, writes status."""
+        """Reads the selected workers, hands out what the rollout allows, writes status; returns
+        the seconds until the next run."""
         ref = self._ref(loop)
         if ref is None or ref.deleting:
             return self.interval
@@ -341,96 +382,111 @@ class Reconciler:
         pods = selected_workers(ref, self.pods.get(ref.namespace, ()))
         loop.seen_pods = {p.uid for p in pods}
         loop.seen_targets = {p.control_target for p in pods if p.address}
-        invalid = selector_error(ref.spec.get("selector"))
-        wire = None
-        if invalid is None:
-            try:
-                wire = policy_from_spec(ref.spec, uid=ref.uid, name=ref.key,
-                                        generation=ref.generation)
-                max_unavailable, deadline = rollout_settings(ref.spec, len(pods))
-            except PolicyError as err:
-                wire, invalid = None, f"{err.field}: {err.message}"
-            except ValueError as err:
-                wire, invalid = None, f"spec.rollout: {err}"
-
-        observations: list[WorkerObservation] = []
-        plan: RolloutPlan | None = None
-        rollout: dict[str, Any] | None = None
-        fired: dict[str, list[str]] = {PUSH: [], RELOAD: []}
-        if wire is None:
-            observations = [WorkerObservation(p.key, WorkerState.PENDING, "not pushed")
-                            for p in pods]
+        desired, invalid = desired_policy(ref, len(pods))
+        if desired is None:
+            outcome = RunOutcome([WorkerObservation(p.key, WorkerState.PENDING, "not pushed") for p in pods])
         else:
-            self._remember_capture_key(wire)
-            everyone = self._all_policies()
-            mine: list[WorkerPod] = []
-            for pod in pods:
-                rival = senior_claimant(ref, pod, everyone, self.pods,
-                                        holder=self._holder(pod))
-                if rival is None:
-                    mine.append(pod)
-                    continue
-                other, via = rival
-                where = "" if via.uid == pod.uid else f" through pod {via.key} at {pod.control_target}"
-                observations.append(WorkerObservation(
-                    pod.key, WorkerState.CONFLICT,
-                    f"also claimed by the older policy {other.key}{where}, which keeps it; "
-                    "not pushed"))
-            reads = [t for p in mine if p.running
-                     and (t := self._start_read(p, self._track(p))) is not None]
-            if reads:
-                _, late = await asyncio.wait(reads, timeout=self.read_wait)
-                for pod in mine:
-                    track = self.tracks.get(pod.uid)
-                    if track is not None and track.read in late:
-                        track.read_orphaned = True
-            now = time.monotonic()
-            recapture = ref.spec.get("onModelRevisionChange", "Recapture") == "Recapture"
-            views = {}
-            for pod in mine:
-                track = self._track(pod)
-                settle(track)
-                obs, view = classify(
-                    pod, track, wire, want_revision=pod.model_revision if recapture else "",
-                    recaptures=self._recaptures(track.status, wire), now=now, deadline=deadline)
-                observations.append(obs)
-                views[pod.key] = (pod, track, view)
-            plan = plan_rollout([v for _, _, v in views.values()], max_unavailable)
-            for name in plan.push:
-                pod, track, _ = views[name]
-                self._start_push(pod, track, wire)
-                fired[PUSH].append(name)
-            for name in plan.reload:
-                pod, track, _ = views[name]
-                self._start_reload(pod, track, pod.model_revision)
-                fired[RELOAD].append(f"{name} ({pod.model_revision})")
-            waiting = set(plan.waiting)
-            observations = [
-                WorkerObservation(**{**o.__dict__, "message": (
-                    f"waiting for its turn in the rollout ({o.message})")})
-                if o.name in waiting and o.state == WorkerState.PENDING else o
-                for o in observations]
-            updated = sum(1 for o in observations if o.state == WorkerState.CAPTURED)
-            rollout = rollout_status(plan, updated=updated, total=len(mine))
-
-        await self._write_status(loop, ref, observations, invalid, rollout, plan)
-        self._post_events(loop, ref, observations, fired, invalid, plan)
-        await self.client.prune(self._live_targets())
-
-        counts = Counter(str(o.state) for o in observations)
-        metrics.set_worker_states(ref.namespace, ref.name, dict(counts), _STATES)
+            outcome = await self._roll_out(ref, pods, desired)
+        await self._report(loop, ref, outcome, invalid)
         metrics.RECONCILE_SECONDS.observe(time.monotonic() - started)
-        busy = any(not t.settled or t.busy() for p in pods
-                   if (t := self.tracks.get(p.uid)) is not None)
-        pending = any(o.state in (WorkerState.PENDING, WorkerState.STARTING)
-                      for o in observations)
+        return self._next_delay(pods, outcome.observations, invalid)
+
+    async def _roll_out(self, ref: PolicyRef, pods: list[WorkerPod], desired: Desired) -> RunOutcome:
+        """Reads the workers this policy owns, classifies them, and starts what the plan allows."""
+        self._remember_recapture_key(desired.wire)
+        mine, observations = self._claimed(ref, pods)
+        await self._read_statuses(mine)
+        worker_observations, views = self._classify(ref, mine, desired)
+        observations += worker_observations
+        plan = plan_rollout([view for _, _, view in views.values()], desired.max_unavailable)
+        fired = self._hand_out(plan, views, desired.wire)
+        observations = mark_waiting(observations, set(plan.waiting))
+        updated = sum(1 for o in observations if o.state == WorkerState.CAPTURED)
+        rollout = rollout_status(plan, updated=updated, total=len(mine))
+        return RunOutcome(observations, plan, rollout, fired)
+
+    def _claimed(self, ref: PolicyRef, pods: list[WorkerPod]) -> tuple[list[WorkerPod], list[WorkerObservation]]:
+        """The pods this policy owns, and a CONFLICT observation for each that an older policy
+        keeps (it selects the pod, or the worker behind it, too)."""
+        everyone = self._all_policies()
+        mine: list[WorkerPod] = []
+        conflicts: list[WorkerObservation] = []
+        for pod in pods:
+            rival = senior_claimant(ref, pod, everyone, self.pods, holder=self._holder(pod))
+            if rival is None:
+                mine.append(pod)
+                continue
+            other, via = rival
+            where = "" if via.uid == pod.uid else f" through pod {via.key} at {pod.control_target}"
+            conflicts.append(WorkerObservation(
+                pod.key, WorkerState.CONFLICT,
+                f"also claimed by the older policy {other.key}{where}, which keeps it; not pushed"))
+        return mine, conflicts
+
+    async def _read_statuses(self, pods: list[WorkerPod]) -> None:
+        """Starts a status read per running pod and waits at most ``read_wait`` for them; a read
+        still under way is marked orphaned, so that its end wakes the loops."""
+        reads = [t for p in pods if p.running and (t := self._start_read(p, self._track(p))) is not None]
+        if not reads:
+            return
+        _, late = await asyncio.wait(reads, timeout=self.read_wait)
+        for pod in pods:
+            track = self.tracks.get(pod.uid)
+            if track is not None and track.read in late:
+                track.read_orphaned = True
+
+    def _classify(self, ref: PolicyRef, pods: list[WorkerPod], desired: Desired) -> tuple[
+            list[WorkerObservation], dict[str, tuple[WorkerPod, Track, RolloutWorker]]]:
+        """Each owned worker's observation for ``.status`` and its view for the planner, by pod key."""
+        now = time.monotonic()
+        reload_on_revision = ref.spec.get("onModelRevisionChange", "Recapture") == "Recapture"
+        observations: list[WorkerObservation] = []
+        views: dict[str, tuple[WorkerPod, Track, RolloutWorker]] = {}
+        for pod in pods:
+            track = self._track(pod)
+            settle(track)
+            obs, view = classify(
+                pod, track, desired.wire, want_revision=pod.model_revision if reload_on_revision else "",
+                recaptures=self._recaptures(track.status, desired.wire), now=now, deadline=desired.deadline)
+            observations.append(obs)
+            views[pod.key] = (pod, track, view)
+        return observations, views
+
+    def _hand_out(self, plan: RolloutPlan, views: Mapping[str, tuple[WorkerPod, Track, RolloutWorker]],
+                  wire: pb.GraphPolicy) -> dict[str, list[str]]:
+        """Starts the pushes and reloads the plan allows; returns what was started, for Events."""
+        fired: dict[str, list[str]] = {PUSH: [], RELOAD: []}
+        for name in plan.push:
+            pod, track, _ = views[name]
+            self._start_push(pod, track, wire)
+            fired[PUSH].append(name)
+        for name in plan.reload:
+            pod, track, _ = views[name]
+            self._start_reload(pod, track, pod.model_revision)
+            fired[RELOAD].append(f"{name} ({pod.model_revision})")
+        return fired
+
+    async def _report(self, loop: PolicyLoop, ref: PolicyRef, outcome: RunOutcome, invalid: str | None) -> None:
+        """Writes status, posts Events, drops connections to gone workers and sets the gauges."""
+        await self._write_status(loop, ref, outcome.observations, invalid, outcome.rollout)
+        self._post_events(loop, ref, outcome.observations, outcome.fired, invalid, outcome.plan)
+        await self.client.prune(self._live_targets())
+        counts = Counter(str(o.state) for o in outcome.observations)
+        metrics.set_worker_states(ref.namespace, ref.name, dict(counts), _STATES)
+
+    def _next_delay(self, pods: list[WorkerPod], observations: list[WorkerObservation],
+                    invalid: str | None) -> float:
+        """Soon while a worker is still moving (a call under way, a change not settled, a worker
+        pending or starting); otherwise the interval."""
+        busy = any(not t.settled or t.busy() for p in pods if (t := self.tracks.get(p.uid)) is not None)
+        pending = any(o.state in (WorkerState.PENDING, WorkerState.STARTING) for o in observations)
         if (pending or busy) and invalid is None:
             return min(self.interval, FOLLOW_UP_SECONDS)
         return self.interval
 
     async def _write_status(self, loop: PolicyLoop, ref: PolicyRef,
                             observations: list[WorkerObservation], invalid: str | None,
-                            rollout: dict[str, Any] | None, plan: RolloutPlan | None) -> None:
+                            rollout: dict[str, Any] | None) -> None:
         previous = loop.last_status if loop.last_status is not None else dict(ref.status)
         status = build_status(generation=ref.generation, observations=observations,
                               previous=previous, now=datetime.now(UTC), invalid=invalid,
@@ -457,12 +513,12 @@ class Reconciler:
         states: dict[str, WorkerState] = {}
         for o in observations:
             states[o.name] = o.state
-            if o.state in _EVENT_FOR_STATE and loop.worker_states.get(o.name) != o.state:
+            if o.state in FAILURE_REASONS and loop.worker_states.get(o.name) != o.state:
                 fresh.setdefault(o.state, []).append(o)
         for state, obs in fresh.items():
             detail = "; ".join(f"{o.name}: {o.message}" for o in obs[:3])
             more = f"; and {len(obs) - 3} more" if len(obs) > 3 else ""
-            self._event(body, "Warning", _EVENT_FOR_STATE[state], detail + more)
+            self._event(body, "Warning", FAILURE_REASONS[state], detail + more)
         paused = plan.failed if plan is not None and plan.paused else ()
         if paused and not loop.paused:
             self._event(body, "Warning", "RolloutPaused",

@@ -6,8 +6,9 @@ reports READY again. ``plan_rollout`` hands such changes to at most ``maxUnavail
 a time, counting every worker that is already unavailable (not READY, unreachable, or still
 busy with an earlier change) against that budget, so the next batch starts only when the
 previous one reports READY with the new generation or revision. Changes that recapture nothing
-(tenant toggles) go to every worker at once. A worker whose capture or reload failed or timed
-out pauses the rollout: nothing more is handed out until it recovers or the spec changes.
+(tenant toggles, equivalent rewrites: ``push_recaptures``) go to every worker at once. A worker
+whose capture or reload failed or timed out pauses the rollout: nothing more is handed out
+until it recovers or the spec changes.
 
 Nothing here does I/O; the reconciler builds ``RolloutWorker`` values from what it observed.
 """
@@ -21,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from graphkeeper.proto import worker_pb2 as pb
+from graphkeeper.proto.policy import RecaptureKey, recapture_key
 
 DEFAULT_MAX_UNAVAILABLE = "25%"
 #: Seconds a worker may take to report READY with a change before the rollout pauses.
@@ -66,14 +68,15 @@ def rollout_settings(spec: Mapping[str, Any], total: int) -> tuple[int, float]:
     return count, deadline
 
 
-def capture_key(policy: pb.GraphPolicy) -> bytes:
-    """What, when it differs between two generations, makes a worker recapture: the mode, the
-    capture sizes and the memory budget (tenant toggles are not part of it)."""
-    return b"|".join((
-        str(policy.mode).encode(),
-        policy.capture_sizes.SerializeToString(deterministic=True),
-        str(policy.memory_budget_bytes).encode(),
-    ))
+def push_recaptures(held: RecaptureKey | None, policy: pb.GraphPolicy) -> bool:
+    """Whether moving a worker from the generation whose key is ``held`` to ``policy`` recaptures
+    graphs. An unknown key (a generation this operator never built) counts as yes: the safe answer.
+
+    The key is ``recapture_key`` without a worker's limits, the rule the worker applies too, so an
+    equivalent rewrite (sizes reordered, the default mode or ladder spelled out) is no recapture
+    and goes to every worker at once, like a tenant toggle.
+    """
+    return held is None or held != recapture_key(policy)
 
 
 @dataclass(frozen=True)
@@ -85,7 +88,7 @@ class RolloutWorker:
     available: bool
     #: Lacks the policy's generation (neither adopted nor pending) and a push would reach it.
     needs_push: bool = False
-    #: That push makes it recapture (False: only tenant toggles differ from what it holds).
+    #: That push makes it recapture (False: only tenant toggles or spellings differ from what it holds).
     push_recaptures: bool = True
     #: Serves another model revision than its pod asks for, and no reload is under way.
     needs_reload: bool = False
@@ -121,7 +124,7 @@ def plan_rollout(workers: Iterable[RolloutWorker], max_unavailable: int) -> Roll
         if w.blocked:
             continue
         if w.needs_push and not w.push_recaptures:
-            push.append(w.name)  # tenant toggles: nothing recaptures, everyone at once
+            push.append(w.name)  # nothing recaptures (tenant toggles, rewrites): everyone at once
             continue
         if not (w.needs_push or w.needs_reload):
             continue

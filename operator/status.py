@@ -37,9 +37,10 @@ FAILED_STATES = frozenset({
     WorkerState.UNREACHABLE, WorkerState.REJECTED, WorkerState.CAPTURE_FAILED, WorkerState.CONFLICT,
 })
 
-# Which failure names the Degraded condition when several kinds are present: the one a person
-# can act on first.
-_DEGRADED_REASON = {
+#: The CamelCase reason for each failing worker state, used by the Degraded condition and by the
+#: reconciler's Warning Events. In priority order: when several kinds fail, Degraded names the
+#: first one present (the one a person can act on first).
+FAILURE_REASONS: dict[WorkerState, str] = {
     WorkerState.CONFLICT: "Conflict",
     WorkerState.REJECTED: "PolicyRejected",
     WorkerState.CAPTURE_FAILED: "CaptureFailed",
@@ -168,8 +169,8 @@ def _conditions(
     else:
         progressing = cond("Progressing", False, "AllWorkersCaptured", done)
     if failed:
-        worst = min(failed, key=lambda o: list(_DEGRADED_REASON).index(o.state))
-        reason = _DEGRADED_REASON[worst.state]
+        worst = min(failed, key=lambda o: list(FAILURE_REASONS).index(o.state))
+        reason = FAILURE_REASONS[worst.state]
         shown = failed[:MAX_NAMED_IN_MESSAGE]
         details = "; ".join(f"{o.name}: {o.state}: {o.message}" for o in shown)
         more = len(failed) - MAX_NAMED_IN_MESSAGE

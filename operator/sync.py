@@ -15,14 +15,14 @@ READY.
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from graphkeeper.operator.rollout import RolloutWorker
 from graphkeeper.operator.selection import WorkerPod
 from graphkeeper.operator.status import WorkerObservation, WorkerState
 from graphkeeper.operator.workerclient import ErrorKind, WorkerError
 from graphkeeper.proto import worker_pb2 as pb
-from graphkeeper.proto.policy import MODE_BY_NAME
+from graphkeeper.proto.policy import MODE_BY_NAME, lifecycle_name
 
 #: A LoadModelRevision for the same pod and revision is not retried sooner than this.
 MODEL_LOAD_RETRY_SECONDS = 60.0
@@ -80,10 +80,6 @@ def holds(status: pb.GraphStatus, policy: pb.GraphPolicy) -> bool:
 def has_pending(status: pb.GraphStatus, policy: pb.GraphPolicy) -> bool:
     return (status.pending_policy_uid == policy.policy_uid
             and status.pending_policy_generation == policy.generation)
-
-
-def lifecycle_name(state: int) -> str:
-    return pb.LifecycleState.Name(state).removeprefix("LIFECYCLE_STATE_")
 
 
 def settle(track: Track) -> None:
@@ -261,7 +257,7 @@ def finish_action(track: Track, policy: pb.GraphPolicy | None, error: WorkerErro
 
 
 def _with(observation: WorkerObservation, state: WorkerState, message: str) -> WorkerObservation:
-    return WorkerObservation(**{**observation.__dict__, "state": state, "message": message})
+    return replace(observation, state=state, message=message)
 
 
 def _unreachable(pod: WorkerPod, err: WorkerError) -> WorkerObservation:

@@ -10,8 +10,8 @@
 - ``operator`` (session): ``graphkeeper operator`` as a subprocess that tests can stop and start.
 
 Nothing here mocks the Kubernetes API. Set GRAPHKEEPER_TEST_WORKER=fake to run the workers as
-``graphkeeper.operator.testing`` processes (GraphControl only, no model) when the real worker
-is not available; the default is the real worker.
+``tests/fakes/fake_worker.py`` processes (GraphControl only, no model) when the real worker is
+not available; the default is the real worker.
 """
 
 from __future__ import annotations
@@ -44,6 +44,8 @@ from graphkeeper.proto import worker_pb2_grpc as pb_grpc  # noqa: E402
 ROOT = Path(__file__).resolve().parents[2]
 CLUSTER_SH = ROOT / "deploy" / "local" / "cluster.sh"
 CRD = ROOT / "deploy" / "crds" / "graphpolicy.yaml"
+#: The operator's test double, run as a process by its path (it is not part of the package).
+FAKE_WORKER = ROOT / "tests" / "fakes" / "fake_worker.py"
 GROUP, VERSION, PLURAL = "graphkeeper.io", "v1alpha1", "graphpolicies"
 INFERENCE_SERVICE = "graphkeeper.worker.v1.InferenceWorker"
 WORKER_KIND = os.environ.get("GRAPHKEEPER_TEST_WORKER", "real")
@@ -218,7 +220,7 @@ class Worker:
 
 @dataclass
 class StandIn:
-    """Options for a light GraphControl stand-in (``graphkeeper.operator.testing``): no model,
+    """Options for a light GraphControl stand-in (``tests/fakes/fake_worker.py``): no model,
     the worker's policy contract, simulated capture and reload times and capture failures."""
 
     capture_seconds: float = 0.0
@@ -259,7 +261,7 @@ class Kubelet:
         token_args = ["--control-token-file", str(self.token_file)] if self.token_file else []
         lifecycle = self.logs / f"{namespace}-{name}.lifecycle" if fake else None
         if fake:
-            args = [sys.executable, "-m", "graphkeeper.operator.testing", "--port", str(port),
+            args = [sys.executable, str(FAKE_WORKER), "--port", str(port),
                     "--control-port", str(control), "--max-num-batched-tokens", "64",
                     "--capture-seconds", str(standin.capture_seconds),
                     "--load-seconds", str(standin.load_seconds),

@@ -1,6 +1,6 @@
 """Fleet-safe rollouts against a real kube-apiserver and the operator as a process.
 
-The workers here are LIGHT STAND-INS (``graphkeeper.operator.testing`` processes: the worker's
+The workers here are LIGHT STAND-INS (``tests/fakes/fake_worker.py`` processes: the worker's
 GraphControl contract, bearer token and separate control port, no model), because these tests
 need ten workers whose captures take long enough to overlap, reloads that take 30 s, and
 captures that fail on demand. Every claim about how many workers were recapturing or reloading

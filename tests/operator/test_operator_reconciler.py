@@ -1,4 +1,4 @@
-"""The reconciler against light GraphControl stand-ins (``operator.testing``, no model): the
+"""The reconciler against light GraphControl stand-ins (``tests/fakes/fake_worker.py``, no model): the
 rollout, independent workers and the status it writes, without a cluster.
 
 The Kubernetes side is a recorder of the status patches and Events the reconciler makes; the
@@ -12,9 +12,11 @@ import asyncio
 import time
 from typing import Any
 
-from graphkeeper.operator.reconciler import Reconciler
+from fakes.fake_worker import FakeWorkerServer, FakeWorkerState  # tests/fakes, not shipped
+
+from graphkeeper.operator.reconciler import Reconciler, desired_policy, mark_waiting
 from graphkeeper.operator.selection import PolicyRef, WorkerPod
-from graphkeeper.operator.testing import FakeWorkerServer, FakeWorkerState
+from graphkeeper.operator.status import WorkerObservation, WorkerState
 from graphkeeper.operator.workerclient import GraphControlClient
 
 LABELS = {"app": "w"}
@@ -181,6 +183,25 @@ def test_tenant_toggles_go_to_every_worker_at_once():
     assert run(scenario, 6, capture_seconds=1.0) == 0, "nothing recaptured"
 
 
+def test_an_equivalent_rewrite_goes_to_every_worker_at_once_and_recaptures_nothing():
+    """Sizes reordered and the maximum listed again capture the same graphs: the operator hands
+    the new generation to everyone in one run (a budget of one would take six captures of a
+    second each), and no stand-in recaptures."""
+    async def scenario(fleet: Fleet):
+        fleet.apply(spec([4, 1, 2], rollout={"maxUnavailable": 1}), 1)
+        await fleet.until("generation 1 everywhere", lambda: fleet.holding(1) == 6)
+        t0 = time.time()
+        rewrite = spec([1, 2, 4], rollout={"maxUnavailable": 1})
+        rewrite["captureSizes"]["maxCaptureSize"] = 4
+        fleet.apply(rewrite, 2)
+        await fleet.until("generation 2 everywhere", lambda: fleet.holding(2) == 6, timeout=3)
+        return max_concurrently_busy(fleet.servers, t0), fleet.kube.events
+    most, events = run(scenario, 6, capture_seconds=1.0)
+    assert most == 0, "nothing recaptured"
+    pushed = [message for _, reason, message in events if reason == "PolicyPushed"]
+    assert any(m.startswith("pushed generation 2 to 6 worker(s)") for m in pushed), pushed
+
+
 def test_a_failed_capture_pauses_the_rollout_with_a_condition_and_an_event():
     async def scenario(fleet: Fleet):
         rollout = {"rollout": {"maxUnavailable": 2}}
@@ -296,3 +317,33 @@ def test_a_policy_loop_stops_when_cancelled_in_the_same_moment_it_is_woken():
         return bool(done) and loop.task.cancelled()
 
     assert asyncio.run(main()), "the loop kept running after it was cancelled"
+
+
+def ref_with(spec_: dict) -> PolicyRef:
+    return PolicyRef(namespace="ns", name="p", uid="u", created="2026-11-30T00:00:00Z", generation=3, spec=spec_)
+
+
+def test_a_valid_spec_is_desired_with_its_rollout_settings():
+    desired, invalid = desired_policy(ref_with(spec([1, 2], rollout={"maxUnavailable": 3,
+                                                                       "progressDeadlineSeconds": 9})), 10)
+    assert invalid is None
+    assert (desired.wire.generation, desired.wire.policy_name) == (3, "ns/p")
+    assert (desired.max_unavailable, desired.deadline) == (3, 9.0)
+
+
+def test_an_invalid_selector_sizes_or_rollout_is_reported_by_field_and_not_desired():
+    for bad, field in [({"selector": {"matchLabels": {"": "x"}}}, "selector"),
+                       ({"captureSizes": {"sizes": [0]}}, "spec.captureSizes.sizes[0]"),
+                       ({"rollout": {"maxUnavailable": "lots"}}, "spec.rollout")]:
+        desired, invalid = desired_policy(ref_with({**spec([1, 2]), **bad}), 4)
+        assert desired is None and invalid is not None and field in invalid, (bad, invalid)
+
+
+def test_only_pending_workers_the_plan_left_out_say_they_wait_for_their_turn():
+    observations = [WorkerObservation("ns/a", WorkerState.PENDING, "READY, holds generation 1"),
+                    WorkerObservation("ns/b", WorkerState.PENDING, "READY, holds generation 1"),
+                    WorkerObservation("ns/c", WorkerState.CAPTURE_FAILED, "boom")]
+    marked = mark_waiting(observations, {"ns/a", "ns/c"})
+    assert marked[0].message == "waiting for its turn in the rollout (READY, holds generation 1)"
+    assert marked[0].state == WorkerState.PENDING
+    assert marked[1:] == observations[1:]

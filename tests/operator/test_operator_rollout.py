@@ -6,13 +6,14 @@ import pytest
 
 from graphkeeper.operator.rollout import (
     RolloutWorker,
-    capture_key,
     plan_rollout,
+    push_recaptures,
     resolve_max_unavailable,
     rollout_settings,
     rollout_status,
 )
-from graphkeeper.proto.policy import policy_from_spec
+from graphkeeper.proto import worker_pb2 as pb
+from graphkeeper.proto.policy import policy_from_spec, recapture_key
 
 
 @pytest.mark.parametrize(("value", "total", "expected"), [
@@ -89,13 +90,41 @@ def test_rollout_status_counts_like_a_deployment():
         "unavailableWorkers": 1, "paused": True}
 
 
-def test_the_capture_key_ignores_tenants_but_not_sizes_mode_or_budget():
-    base = {"selector": {"matchLabels": {"a": "b"}}, "captureSizes": {"sizes": [1, 2]}}
+BASE = {"selector": {"matchLabels": {"a": "b"}}, "captureSizes": {"sizes": [1, 2]}}
 
+
+def wire(generation: int = 1, **spec) -> pb.GraphPolicy:
+    return policy_from_spec({**BASE, **spec}, uid="u", name="n", generation=generation)
+
+
+def test_the_recapture_key_ignores_tenants_but_not_sizes_mode_or_budget():
     def key(**spec):
-        return capture_key(policy_from_spec({**base, **spec}, uid="u", name="n", generation=1))
+        return recapture_key(wire(**spec))
     assert key() == key(tenants=[{"name": "t", "graphs": "Disabled"}])
     assert key() == key(defaultTenantGraphs="Disabled")
     assert key() != key(captureSizes={"sizes": [1, 2, 4]})
     assert key() != key(mode="Full")
     assert key() != key(memoryBudget="1Gi")
+
+
+@pytest.mark.parametrize(("before", "after"), [
+    ({"captureSizes": {"sizes": [4, 1, 2]}}, {"captureSizes": {"sizes": [1, 2, 4]}}),
+    ({"captureSizes": {"sizes": [1, 2, 4]}}, {"captureSizes": {"sizes": [1, 2], "maxCaptureSize": 4}}),
+    ({}, {"mode": "FullAndPiecewise"}),
+    ({"captureSizes": {}}, {"captureSizes": {"ladder": "Default"}}),
+])
+def test_an_equivalent_rewrite_is_no_recapture_and_goes_everywhere_at_once(before, after):
+    """Spelling the same captured set another way (sizes reordered, the maximum listed, the default
+    mode or ladder written out) costs no rollout slot: every worker gets it in one plan, as a
+    tenant toggle does, even with a budget of one."""
+    held, new = recapture_key(wire(1, **before)), wire(2, **after)
+    recaptures = push_recaptures(held, new)
+    assert not recaptures
+    workers = [w(f"w{i}", needs_push=True, push_recaptures=recaptures) for i in range(6)]
+    plan = plan_rollout(workers, 1)
+    assert plan.push == tuple(f"w{i}" for i in range(6)) and plan.waiting == ()
+
+
+def test_a_real_capture_change_or_an_unknown_held_generation_recaptures():
+    assert push_recaptures(recapture_key(wire()), wire(2, captureSizes={"sizes": [1, 2, 8]}))
+    assert push_recaptures(None, wire(2)), "a generation the operator never built: the safe answer"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from graphkeeper.operator.selection import WorkerPod
 from graphkeeper.operator.status import WorkerState
 from graphkeeper.operator.sync import (
@@ -151,7 +153,7 @@ def test_a_ready_pod_that_does_not_answer_is_unreachable_and_a_starting_one_is_n
     assert obs.state == WorkerState.UNREACHABLE and "UNAVAILABLE" in obs.message
     assert "10.0.0.1:50052" in obs.message, "named by its control address"
     assert not view.available and view.blocked
-    starting = WorkerPod(**{**POD.__dict__, "ready": False})
+    starting = replace(POD, ready=False)
     assert check(Track(error=err), pod=starting)[0].state == WorkerState.STARTING
     pending = WorkerPod(namespace="ns", name="w2", uid="x", phase="Pending")
     assert check(Track(), pod=pending)[0].state == WorkerState.STARTING

@@ -1,10 +1,12 @@
-"""A light in-process ``GraphControl`` server that stands in for a worker.
+"""A light in-process ``GraphControl`` server that stands in for a worker: the operator's test double.
 
-Used by the operator's unit tests and by the 200-worker simulation in
-``bench/operator_reconcile.py``. It keeps the worker's contract (idempotent by policy uid and
-generation, FAILED_PRECONDITION for an older generation, INVALID_ARGUMENT for an invalid
-policy, any other uid accepted) and counts every call, but captures nothing: it is a
-simulation, never a substitute for the real worker in a claim about the worker.
+Used by the operator's unit tests (``tests/operator``), as a process by the cluster suite
+(``python tests/fakes/fake_worker.py --port ...``, see ``main``) and by the 200-worker simulation
+in ``bench/operator_fakefleet.py``. It lives under ``tests/`` so that it never ships in the
+wheel. It keeps the worker's contract (idempotent by policy uid and generation,
+FAILED_PRECONDITION for an older generation, INVALID_ARGUMENT for an invalid policy, any other
+uid accepted) and counts every call, but captures nothing: it is a simulation, never a
+substitute for the real worker in a claim about the worker.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import grpc
 from graphkeeper.proto import SERVER_OPTIONS
 from graphkeeper.proto import worker_pb2 as pb
 from graphkeeper.proto import worker_pb2_grpc as pb_grpc
-from graphkeeper.proto.policy import PolicyError, validate_policy
+from graphkeeper.proto.policy import PolicyError, lifecycle_name, recapture_key, validate_policy
 
 
 @dataclass
@@ -49,18 +51,10 @@ class FakeWorkerState:
         if state == self.state:
             return
         self.state = state
-        stamp, name = time.time(), pb.LifecycleState.Name(state).removeprefix("LIFECYCLE_STATE_")
+        stamp, name = time.time(), lifecycle_name(state)
         self.transitions.append((stamp, name))
         if self.on_transition is not None:
             self.on_transition(stamp, name)
-
-
-def _capture_key(policy: pb.GraphPolicy | None) -> bytes:
-    if policy is None:
-        return b""
-    return b"|".join((str(policy.mode).encode(),
-                      policy.capture_sizes.SerializeToString(deterministic=True),
-                      str(policy.memory_budget_bytes).encode()))
 
 
 class FakeGraphControl(pb_grpc.GraphControlServicer, pb_grpc.InferenceWorkerServicer):
@@ -68,8 +62,9 @@ class FakeGraphControl(pb_grpc.GraphControlServicer, pb_grpc.InferenceWorkerServ
 
     Like the worker, a pushed policy is pending until its capture ends (``capture_seconds``,
     RECAPTURING meanwhile), and only then adopted; a policy that differs from the adopted one
-    only in tenant toggles is adopted at once. A reload is LOADING for ``load_seconds``, then
-    recaptures, and LoadModelRevision answers only when the revision serves.
+    only in tenant toggles or in spelling (equal ``recapture_key``) is adopted at once. A reload
+    is LOADING for ``load_seconds``, then recaptures, and LoadModelRevision answers only when the
+    revision serves.
     """
 
     def __init__(self, state: FakeWorkerState | None = None) -> None:
@@ -120,8 +115,8 @@ class FakeGraphControl(pb_grpc.GraphControlServicer, pb_grpc.InferenceWorkerServ
         copy = pb.GraphPolicy()
         copy.CopyFrom(policy)
         if (self.state.pending_policy is None and self.state.policy is not None
-                and _capture_key(self.state.policy) == _capture_key(copy)):
-            self._adopt(copy)  # tenant toggles only: nothing to recapture
+                and recapture_key(self.state.policy) == recapture_key(copy)):
+            self._adopt(copy)  # tenant toggles or an equivalent rewrite: nothing to recapture
             return pb.ApplyGraphPolicyResponse(applied_generation=policy.generation)
         self.state.pending_policy = copy
         if self._capture is None or self._capture.done():
