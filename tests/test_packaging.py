@@ -71,6 +71,7 @@ def test_wheel_holds_only_the_graphkeeper_namespace(wheel):
     assert "graphkeeper/worker/engine/core.py" in modules
     assert not modules - set(names), f"worker modules missing from the wheel: {sorted(modules - set(names))}"
     assert not [n for n in names if n.startswith("graphkeeper/src/") or "/tests/" in n]
+    assert not [n for n in names if "fake" in n or n.endswith("/testing.py")], "a test double ships in the wheel"
     assert "graphkeeper = graphkeeper.cli:main" in scripts
 
 
