@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: install this checkout, run the GPU tests, then the benchmarks named in
-# $BENCH (default: the load benchmark, with the previous commit's worker as the baseline when the
-# .baseline/ copy travels along). Everything lands in $OUT (or ./gpu-out).
+# $BENCH, separated by ';' (default: the load benchmark; a name below, or any command line). With a
+# .baseline/ copy of an older tree travelling along, "baseline" runs that worker under the same load.
+# Everything lands in $OUT (or ./gpu-out).
 set -uo pipefail
 out=${OUT:-gpu-out}; mkdir -p "$out"
 if ls .whl/*.whl >/dev/null 2>&1; then  # pure-Python wheels the GPU image lacks (grpc health, reflection)
@@ -16,7 +17,8 @@ export PYTHONUNBUFFERED=1
 if [ "${TESTS:-1}" = 1 ]; then
   timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -m cuda -q -x -p no:cacheprovider tests/gpu 2>&1 | tee "$out/pytest-cuda-h200.log" | tail -25
 fi
-for b in ${BENCH-load}; do  # BENCH="" runs the tests alone
+IFS=';' read -ra benches <<< "${BENCH-load}"
+for b in "${benches[@]}"; do  # BENCH="" runs the tests alone
   case $b in
     load) timeout 330 python3 bench/load_bench.py --seconds "${SECONDS_PER:-12}" --out "$out/load-h200.json" ;;
     baseline)
