@@ -17,6 +17,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from http import HTTPStatus
 from urllib.parse import urlsplit
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -30,10 +31,6 @@ TIMEOUT_SECONDS = 5.0
 MAX_HEAD_BYTES = 8192
 PATHS = ("/metrics", "/healthz", "/readyz")
 TEXT = "text/plain; charset=utf-8"
-_REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed",
-            503: "Service Unavailable"}
-
-
 @dataclass(frozen=True)
 class Request:
     method: str
@@ -67,7 +64,7 @@ def route(request: Request | None) -> tuple[int, str | None]:
 
 
 def render_response(status: int, body: bytes, content_type: str, head_only: bool = False) -> bytes:
-    header = (f"HTTP/1.1 {status} {_REASONS.get(status, '')}\r\nContent-Type: {content_type}\r\n"
+    header = (f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\nContent-Type: {content_type}\r\n"
               f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode("ascii")
     return header if head_only else header + body
 
@@ -162,7 +159,7 @@ class MetricsServer:
             request = parse_request_head(head)
             status, endpoint = route(request)
             if endpoint is None:
-                body, content_type = f"{_REASONS[status].lower()}\n".encode(), TEXT
+                body, content_type = f"{HTTPStatus(status).phrase.lower()}\n".encode(), TEXT
             else:
                 status, body, content_type = self.endpoints[endpoint]()
             writer.write(render_response(status, body, content_type, request is not None and request.method == "HEAD"))
