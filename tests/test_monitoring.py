@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,7 +34,6 @@ CHART_DASHBOARD = CHART / "dashboards" / "graphkeeper.json"
 CHART_RULES = CHART / "rules" / "graphkeeper-alerts.yaml"
 PROMTOOL_TESTS = ROOT / "tests" / "promtool" / "alerts-test.yaml"
 DOCS = ROOT / "docs" / "metrics.md"
-CACHE = Path(os.environ.get("GRAPHKEEPER_CACHE", Path.home() / ".cache" / "graphkeeper"))
 
 #: Labels Prometheus attaches to every scraped series (target labels), plus the name itself.
 TARGET_LABELS = frozenset({"namespace", "pod", "job", "instance", "container", "endpoint", "service",
@@ -297,12 +295,16 @@ def test_chart_copies_are_identical():
 
 @pytest.fixture(scope="session")
 def promtool() -> Path:
+    """promtool as ``deploy/local/build-promtool.sh`` built it (``.ci/run`` does, before the tests).
+
+    The fixture builds nothing: the script with GRAPHKEEPER_NO_BUILD=1 prints the cached binary's
+    path or fails at once; then the tests skip, which CI turns into failures (tests/conftest.py).
+    """
     script = ROOT / "deploy" / "local" / "build-promtool.sh"
-    cached = CACHE / "bin"
-    if shutil.which("go") is None and not any(cached.glob("prometheus-v*/promtool")):
-        pytest.skip("promtool needs Go to build (deploy/local/build-promtool.sh); go is not installed")
-    out = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=1500)
-    assert out.returncode == 0, out.stderr
+    out = subprocess.run(["bash", str(script)], env={**os.environ, "GRAPHKEEPER_NO_BUILD": "1"},
+                         capture_output=True, text=True, timeout=60)
+    if out.returncode != 0:
+        pytest.skip(f"promtool is not built: {out.stderr.strip()}")
     return Path(out.stdout.strip().splitlines()[-1])
 
 
@@ -310,13 +312,11 @@ def _promtool(promtool: Path, *args: str, cwd: Path = ROOT) -> subprocess.Comple
     return subprocess.run([str(promtool), *args], capture_output=True, text=True, timeout=300, cwd=cwd)
 
 
-@pytest.mark.timeout(1800)  # the first promtool build from a cold Go module cache takes ~12 minutes
 def test_promtool_check_rules(promtool):
     out = _promtool(promtool, "check", "rules", str(RULES))
     assert out.returncode == 0, out.stdout + out.stderr
 
 
-@pytest.mark.timeout(1800)  # the first promtool build from a cold Go module cache takes ~12 minutes
 def test_promtool_unit_tests(promtool):
     out = _promtool(promtool, "test", "rules", str(PROMTOOL_TESTS))
     assert out.returncode == 0, out.stdout + out.stderr
@@ -335,7 +335,6 @@ def test_promtool_tests_cover_every_alert():
     assert len(waited) >= 10  # most alerts are also shown silent before their `for:` has passed
 
 
-@pytest.mark.timeout(1800)  # the first promtool build from a cold Go module cache takes ~12 minutes
 def test_promtool_tests_fail_when_a_threshold_moves(promtool, tmp_path):
     """The unit tests are not vacuous: a rule file with one threshold moved fails them."""
     text = RULES.read_text()
