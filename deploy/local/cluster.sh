@@ -391,9 +391,9 @@ check_ports() { # check_ports NODE: refuse at once when a port a component would
     port_taken "${w##*:}" && taken+=("${w##*:} (${w%%:*})")
   done
   [ "${#taken[@]}" = 0 ] && return
-  log "port ${taken[*]} already in use by another process (ss -ltnp shows which); stop it or choose" \
-    "other ports (GRAPHKEEPER_APISERVER_PORT, GRAPHKEEPER_ETCD_PORT, GRAPHKEEPER_KCM_PORT," \
-    "GRAPHKEEPER_SCHEDULER_PORT, GRAPHKEEPER_KUBELET_PORT)"
+  for w in "${taken[@]}"; do log "port $w is already in use by another process (ss -ltnp shows which)"; done
+  log "refusing to start: stop it or choose other ports (GRAPHKEEPER_APISERVER_PORT," \
+    "GRAPHKEEPER_ETCD_PORT, GRAPHKEEPER_KCM_PORT, GRAPHKEEPER_SCHEDULER_PORT, GRAPHKEEPER_KUBELET_PORT)"
   exit 1
 }
 

@@ -10,6 +10,7 @@ import json
 import re
 import subprocess
 import sys
+import time
 import urllib.request
 from datetime import datetime
 from pathlib import Path
@@ -94,6 +95,22 @@ def test_the_operator_runs_in_a_pod_as_the_charts_service_account(release: Node)
     for verb, resource in (("list", "secrets"), ("create", "deployments.apps"), ("delete", "pods")):
         out = release.kubectl("auth", "can-i", verb, resource, "-n", NAMESPACE, "--as", sa, check=False)
         assert out.strip() == "no", (verb, resource)
+
+
+def test_a_second_cluster_on_the_same_ports_is_refused_at_once(node: Node, tmp_path: Path):
+    """cluster.sh up checks its ports before it starts anything and names the one that is taken."""
+    env = {**node.env, "GRAPHKEEPER_CLUSTER_DIR": str(tmp_path / "second")}
+    t0 = time.monotonic()
+    out = subprocess.run([str(ROOT / "deploy" / "local" / "cluster.sh"), "up", "--node"], env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0
+    assert time.monotonic() - t0 < 10, "refused before starting anything"
+    api_port = node.env["GRAPHKEEPER_APISERVER_PORT"]
+    assert f"port {api_port} (kube-apiserver) is already in use" in out.stderr, out.stderr
+    assert not (tmp_path / "second" / "pki").exists(), "nothing was made"
+    assert "kube-apiserver: running" in subprocess.run(
+        [str(ROOT / "deploy" / "local" / "cluster.sh"), "status"], env=node.env, capture_output=True,
+        text=True, timeout=60).stdout, "the first cluster is untouched"
 
 
 def test_workers_turn_ready_only_after_their_capture_phase(release: Node):
