@@ -409,9 +409,11 @@ def _lifecycle():
 
 
 def _health() -> dict[str, bool]:
-    """Each lifecycle state's name (READY, RECAPTURING, ...) -> whether its health is SERVING."""
-    lifecycle = _lifecycle()
-    return {lifecycle.state_name(s): s in lifecycle.SERVING_STATES for s in lifecycle.ALLOWED}
+    """Each lifecycle state's name (READY, RECAPTURING, ...), from the proto enum -> whether the
+    worker's SERVING_STATES hold it (its health is SERVING)."""
+    serving = _lifecycle().SERVING_STATES
+    return {pb.LifecycleState.Name(s).removeprefix("LIFECYCLE_STATE_"): s in serving
+            for s in pb.LifecycleState.values() if s != pb.LIFECYCLE_STATE_UNSPECIFIED}
 
 
 HEALTH_WORD_RE = re.compile(r"\bNOT_SERVING\b|(?<!NOT_)\bSERVING\b")
