@@ -420,7 +420,7 @@ HEALTH_WORD_RE = re.compile(r"\bNOT_SERVING\b|(?<!NOT_)\bSERVING\b")
 WHILE_RE = re.compile(r"\bwhile\s+((?:[A-Za-z_`]+)(?:\s*(?:,|\bor\b|\band\b)\s*[A-Za-z_`]+)*)")
 #: Docs that say which lifecycle states serve. docs/architecture.md joins once its sentence on
 #: recapturing is fixed in the worker restructure.
-HEALTH_DOCS = [DOCS, CHART / "README.md", CHART / "templates" / "workers.yaml"]
+HEALTH_DOCS = [DOCS, ROOT / "docs" / "architecture.md", CHART / "README.md", CHART / "templates" / "workers.yaml"]
 
 
 def _health_claims(text: str, states: set[str]) -> list[tuple[str, str, str]]:
