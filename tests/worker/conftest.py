@@ -43,3 +43,15 @@ def fresh_workers(tmp_path) -> Iterator[Callable[..., Worker]]:
 def worker(module_workers) -> Worker:
     """The shared default worker of a module: random:tiny, 4 sequences, 128 tokens of context."""
     return module_workers()
+
+
+@pytest.fixture(scope="module")
+def runner():
+    """A ModelRunner for ``random:tiny`` on the CPU (4 slots of 64 tokens, 64 tokens a step)."""
+    from graphkeeper.worker.executor.runner import ModelRunner
+    from graphkeeper.worker.model.kv_cache import KVCache
+    from graphkeeper.worker.model.loader import load_model
+
+    loaded = load_model("random:tiny", device="cpu", dtype="float32", max_positions=64)
+    cache = KVCache(loaded.config, 4, 64, device=loaded.device, dtype=loaded.dtype)
+    return ModelRunner(loaded, cache, max_tokens=64)

@@ -11,10 +11,7 @@ from graphkeeper.proto.policy import default_ladder
 from graphkeeper.worker.executor.graphs.controller import CaptureController
 from graphkeeper.worker.executor.graphs.dispatcher import FULL, PIECEWISE, BatchDescriptor, Dispatcher, GraphState
 from graphkeeper.worker.executor.graphs.modes import capture_plan, mode_has_full, mode_has_piecewise
-from graphkeeper.worker.executor.runner import ModelRunner
 from graphkeeper.worker.metrics import WorkerMetrics
-from graphkeeper.worker.model.kv_cache import KVCache
-from graphkeeper.worker.model.loader import load_model
 
 M = pb.GraphMode
 R = pb.FallbackReason
@@ -57,13 +54,6 @@ def test_which_runtime_modes_a_policy_mode_records(mode, full, piecewise):
 
 
 # --- the controller on a CPU --------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def runner() -> ModelRunner:
-    loaded = load_model("random:tiny", device="cpu", dtype="float32", max_positions=64)
-    cache = KVCache(loaded.config, 4, 64, device=loaded.device, dtype=loaded.dtype)
-    return ModelRunner(loaded, cache, max_tokens=64)
 
 
 def controller() -> CaptureController:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -152,3 +153,24 @@ def test_startup_phases_name_tuning_and_compilation_with_their_cache_outcomes():
     assert step_phases(report) == "tuning 0.0 s, cache hit; compile 2.0 s, cache hit"
     assert step_phases(CompileReport()) == "no tuning or compilation"
     assert 0 < process_age() < 3600
+
+
+def test_a_cache_key_hashes_module_contents_not_where_the_module_lives(tmp_path):
+    """Moving a step module to another folder keeps the compile and tuning keys (a warm cache
+    stays warm); changing its code changes them."""
+    import importlib.util
+
+    from graphkeeper.worker.kernels import pdl
+
+    def load_copy(folder: str, text: str):
+        path = tmp_path / folder / "pdl.py"
+        path.parent.mkdir()
+        path.write_text(text)
+        spec = importlib.util.spec_from_file_location(f"moved_{folder}", path)
+        module = importlib.util.module_from_spec(spec)
+        module.__file__ = str(path)
+        return module
+
+    source = Path(pdl.__file__).read_text()
+    assert source_digest([load_copy("elsewhere", source)]) == source_digest([pdl])
+    assert source_digest([load_copy("edited", source + "\n# changed\n")]) != source_digest([pdl])

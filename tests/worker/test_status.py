@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from concurrent.futures import Future
 
-import pytest
 import torch
 
 from graphkeeper.proto import worker_pb2 as pb
@@ -19,20 +18,11 @@ from graphkeeper.worker.executor.graphs.controller import CaptureController
 from graphkeeper.worker.executor.graphs.dispatcher import FULL, NONE, PIECEWISE, BatchDescriptor, Decision, Dispatcher
 from graphkeeper.worker.executor.runner import ModelRunner
 from graphkeeper.worker.metrics import WorkerMetrics
-from graphkeeper.worker.model.kv_cache import KVCache
-from graphkeeper.worker.model.loader import load_model
 
 S = pb.LifecycleState
 R = pb.FallbackReason
 READY_PATH = (S.LIFECYCLE_STATE_MODEL_LOADED, S.LIFECYCLE_STATE_WARMED, S.LIFECYCLE_STATE_CAPTURED,
               S.LIFECYCLE_STATE_READY)
-
-
-@pytest.fixture(scope="module")
-def runner() -> ModelRunner:
-    loaded = load_model("random:tiny", device="cpu", dtype="float32", max_positions=64)
-    cache = KVCache(loaded.config, 4, 64, device=loaded.device, dtype=loaded.dtype)
-    return ModelRunner(loaded, cache, max_tokens=64)
 
 
 def ready_control() -> Control:
