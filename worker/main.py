@@ -21,6 +21,7 @@ import torch
 from graphkeeper.proto import worker_pb2 as pb
 from graphkeeper.proto.policy import MODE_BY_NAME, PolicyError, lifecycle_name, policy_from_json, validate_policy
 from graphkeeper.worker.engine import Engine
+from graphkeeper.worker.engine.sizing import SizingError, parse_bytes
 from graphkeeper.worker.model.loader import ModelSourceError, check_source
 from graphkeeper.worker.model.step import resolve as resolve_optimization
 from graphkeeper.worker.serving.grpc_server import StreamHub, build_servers, track_health
@@ -48,11 +49,11 @@ def limit_errors(max_num_seqs: int, max_seq_len: int, max_num_batched_tokens: in
                  prefill_chunk: int = 0) -> list[str]:
     """The engine's size limits: each must leave the worker able to serve at least one request."""
     errors = []
-    if max_num_seqs < 1:
+    if max_num_seqs is not None and max_num_seqs < 1:
         errors.append(f"--max-num-seqs must be at least 1, got {max_num_seqs}")
-    if max_seq_len < 2:
+    if max_seq_len is not None and max_seq_len < 2:
         errors.append(f"--max-seq-len must be at least 2 (one prompt token and one new token), got {max_seq_len}")
-    if max_num_batched_tokens < max(1, max_num_seqs):
+    if max_num_batched_tokens < max(1, max_num_seqs or 1):
         errors.append(f"--max-num-batched-tokens ({max_num_batched_tokens}) must be at least "
                       f"--max-num-seqs ({max_num_seqs}): every running sequence needs a token per step")
     if max_queue < 1:
@@ -212,12 +213,16 @@ def settings_from_args(args: argparse.Namespace) -> EngineSettings:
                              f"{', '.join(MODE_BY_NAME)}")
         policy.mode = MODE_BY_NAME[args.graph_mode]
     try:
+        kv_cache_memory = parse_bytes(args.kv_cache_memory) if getattr(args, "kv_cache_memory", "") else 0
+    except ValueError as err:
+        raise SystemExit(f"graphkeeper worker: --kv-cache-memory {err}") from None
+    try:
         inject = frozenset(int(x) for x in os.environ.get(INJECT_ENV, "").split(",") if x.strip())
     except ValueError:
         raise SystemExit(f"graphkeeper worker: {INJECT_ENV} must be comma-separated integers") from None
     return EngineSettings(
         model=args.model, model_revision=args.model_revision, device=args.device, dtype=args.dtype,
-        max_num_seqs=args.max_num_seqs, max_seq_len=args.max_seq_len,
+        max_num_seqs=args.max_num_seqs, max_seq_len=args.max_seq_len, kv_cache_memory=kv_cache_memory,
         max_num_batched_tokens=args.max_num_batched_tokens, max_queue=args.max_queue,
         prefill_chunk=args.prefill_chunk, policy=policy, inject_capture_failures=inject,
         inject_step_failure=_step_injection(os.environ.get(INJECT_STEP_ENV, "")),
@@ -250,6 +255,8 @@ def run(args: argparse.Namespace) -> int:
     sys.setswitchinterval(SWITCH_INTERVAL_SECONDS)
     try:
         return asyncio.run(_serve(args, settings, token))
+    except (SizingError, ModelSourceError) as err:
+        raise SystemExit(f"graphkeeper worker: {one_line(str(err))}") from None
     except OSError as err:
         raise SystemExit(f"graphkeeper worker: {err}") from None
 

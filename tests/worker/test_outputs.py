@@ -42,7 +42,8 @@ def running(scheduler: Scheduler, *seqs: Sequence) -> None:
 def sequence(max_new_tokens: int = 4, stop: frozenset[int] = frozenset(), eos: int | None = None,
              request_id: str = "r") -> Sequence:
     return Sequence(request_id=request_id, tenant="", prompt=[1, 2, 3], max_new_tokens=max_new_tokens,
-                    sampling=SamplingSpec(), stream=Stream(), stop_ids=stop, eos_id=eos)
+                    sampling=SamplingSpec(), stream=Stream(), stop_ids=stop,
+                    eos_ids=frozenset() if eos is None else frozenset({eos}))
 
 
 def processor() -> tuple[OutputProcessor, Scheduler]:

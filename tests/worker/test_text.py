@@ -43,7 +43,7 @@ def text_model(tmp_path_factory) -> Path:
 
 
 def test_deltas_add_up_to_the_decoded_ids_one_id_at_a_time(tmp_path):
-    tok = WorkerTokenizer(build_tokenizer(tmp_path))
+    tok = WorkerTokenizer.from_file(build_tokenizer(tmp_path))
     for text in CORPUS[:4]:
         ids = tok.encode_ids(text)
         detok = IncrementalDetokenizer(tok, [])
@@ -54,7 +54,7 @@ def test_deltas_add_up_to_the_decoded_ids_one_id_at_a_time(tmp_path):
 
 def test_a_text_prompt_streams_text_beside_the_ids(fresh_workers, text_model):
     worker = fresh_workers("--max-seq-len", "256", "--max-num-batched-tokens", "64", model=str(text_model))
-    tok = WorkerTokenizer(text_model / "tokenizer.json")
+    tok = WorkerTokenizer.from_file(text_model / "tokenizer.json")
     text = "café crème 🚀 the graphs"
     request = pb.GenerateRequest(prompt_text=text, stopping=pb.StoppingCriteria(max_new_tokens=24, ignore_eos=True))
     ids, deltas, completion = [], [], None

@@ -11,10 +11,11 @@ from graphkeeper.worker.engine.errors import NotServing, QueueFull, StalePolicy,
 from graphkeeper.worker.engine.lifecycle import SERVING_STATES
 from graphkeeper.worker.engine.model_roots import ReloadRefused
 from graphkeeper.worker.engine.sequence import Limits
-from graphkeeper.worker.model.tokenizer import IncrementalDetokenizer
+from graphkeeper.worker.model.tokenizer import ChatError, IncrementalDetokenizer
 from graphkeeper.worker.settings import EngineSettings
 
 __all__ = [
-    "SERVING_STATES", "Engine", "EngineSettings", "IncrementalDetokenizer", "Limits", "NotServing", "QueueFull",
+    "SERVING_STATES", "ChatError", "Engine", "EngineSettings", "IncrementalDetokenizer", "Limits", "NotServing",
+    "QueueFull",
     "ReloadRefused", "StalePolicy", "StepFailed",
 ]

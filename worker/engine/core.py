@@ -36,6 +36,7 @@ from graphkeeper.worker.engine.outputs import InFlight, OutputProcessor, direct_
 from graphkeeper.worker.engine.recorder import StepRecorder
 from graphkeeper.worker.engine.scheduler import ScheduledStep, Scheduler
 from graphkeeper.worker.engine.sequence import Limits, Sequence, sequence_for
+from graphkeeper.worker.engine.sizing import settle
 from graphkeeper.worker.engine.startup import Laps, step_phases
 from graphkeeper.worker.engine.status import graph_status, model_info
 from graphkeeper.worker.executor.graphs.controller import CaptureController
@@ -53,12 +54,16 @@ STEADY_AFTER_STEPS = 16
 
 class Engine:
     def __init__(self, settings: EngineSettings, metrics: WorkerMetrics | None = None) -> None:
+        """Raises SizingError (or ModelSourceError) when the KV cache asked for cannot fit: checked
+        here, from the model's config and the memory there is, before anything is allocated."""
+        self.device = torch.device(settings.device)
+        settings, self.sizes = settle(settings, self.device)
+        log.info("sizes: %s", self.sizes.explanation)
         self.settings = settings
         self.metrics = metrics or WorkerMetrics()
         self.lifecycle = Lifecycle()
         self.lifecycle.subscribe(self.metrics.set_lifecycle)
         self.ledger = Ledger()
-        self.device = torch.device(settings.device)
         #: Whether this worker records graphs at all (a recapture starts only where they exist).
         self.captures_graphs = self.device.type == "cuda"
         self.slot = ModelSlot(settings, self.device, self.ledger, self.metrics)
@@ -97,7 +102,9 @@ class Engine:
         loaded = self.slot.loaded
         if loaded is None:
             return None
-        return Limits(loaded.config.vocab_size, self.settings.max_seq_len, text_prompts=self.tokenizer is not None)
+        tok = self.tokenizer
+        return Limits(loaded.config.vocab_size, self.settings.max_seq_len, text_prompts=tok is not None,
+                      chat=tok is not None and tok.has_chat_template)
 
     def submit(self, req: pb.GenerateRequest, stream: Any) -> Sequence:
         """Queues an admitted request (the API layer validated it); raises QueueFull or NotServing."""
@@ -106,7 +113,7 @@ class Engine:
             raise NotServing(f"worker is {lifecycle_name(self.lifecycle.state)}")
         if len(self._inbox) + len(self.scheduler.waiting) >= self.settings.max_queue:
             raise QueueFull(f"queue is full ({self.settings.max_queue} requests waiting)")
-        seq = sequence_for(req, stream, loaded.config.eos_token_id)
+        seq = sequence_for(req, stream, self.slot.eos_ids)
         self.metrics.prompt_tokens.inc(len(seq.prompt))
         self._inbox.append(seq)
         self._wake.set()
@@ -156,7 +163,8 @@ class Engine:
         self.thread.join(timeout=10)
 
     def model_info(self) -> pb.GetModelInfoResponse | None:
-        return model_info(self.slot.loaded, self.settings.max_seq_len, self.settings.max_num_seqs)
+        return model_info(self.slot.loaded, self.settings.max_seq_len, self.settings.max_num_seqs,
+                          self.slot.eos_ids, self.tokenizer)
 
     def status(self) -> pb.GraphStatus:
         """What the engine has adopted, read under the lock its changes are made under."""

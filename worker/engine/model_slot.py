@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import logging
 import math
+from pathlib import Path
 
 import torch
 
 from graphkeeper.proto import worker_pb2 as pb
 from graphkeeper.worker.engine.ledger import Ledger
+from graphkeeper.worker.engine.sizing import aligned, gib
 from graphkeeper.worker.executor.runner import ModelRunner
 from graphkeeper.worker.metrics import WorkerMetrics
 from graphkeeper.worker.model.kv_cache import KVCache
@@ -23,8 +25,6 @@ from graphkeeper.worker.settings import EngineSettings
 
 log = logging.getLogger(__name__)
 L = pb.LedgerStage
-#: KV rows are allocated in multiples of this, as the attention kernels read them.
-KV_ROW_ALIGN = 16
 
 
 class ModelSlot:
@@ -36,6 +36,8 @@ class ModelSlot:
         self.metrics = metrics
         self.loaded: LoadedModel | None = None
         self.tokenizer: Tokenizer | None = None
+        #: Every EOS the model's config and its tokenizer config declare.
+        self.eos_ids: frozenset[int] = frozenset()
         self.runner: ModelRunner | None = None
         self.optimization = resolve(settings.optimization_level, settings.compile, device.type)
         self.compile_report = CompileReport(level=self.optimization.level, reason=self.optimization.reason)
@@ -43,7 +45,8 @@ class ModelSlot:
     def load(self, source: str, revision: str) -> tuple[LoadedModel, KVCache]:
         """New weights (and a KV cache for their shapes); nothing the engine serves is touched."""
         s = self.settings
-        cache_len = KV_ROW_ALIGN * math.ceil(s.max_seq_len / KV_ROW_ALIGN)
+        cache_len = aligned(s.max_seq_len)
+        log.info("loading %s (%s on disk) on %s", source, describe_size(source_bytes(source)), self.device)
         loaded = load_model(source, device=self.device, dtype=s.dtype, max_positions=cache_len, revision=revision,
                             quantization=s.quantization)
         self.ledger.record(L.LEDGER_STAGE_WEIGHTS, self.device)
@@ -55,6 +58,7 @@ class ModelSlot:
             cache = KVCache(loaded.config, s.max_num_seqs, cache_len, device=self.device, dtype=loaded.dtype,
                             scratch_slots=scratch)
         self.ledger.record(L.LEDGER_STAGE_KV_CACHE, self.device)
+        log.info("KV cache: %d sequences x %d tokens, %s", s.max_num_seqs, cache_len, gib(cache.nbytes()))
         return loaded, cache
 
     def install(self, fresh: tuple[LoadedModel, KVCache]) -> bool:
@@ -70,6 +74,8 @@ class ModelSlot:
         self.runner = ModelRunner(loaded, cache, self.settings.max_num_batched_tokens)
         self.loaded = loaded
         self.tokenizer = load_tokenizer(loaded.source)
+        from_tokenizer = self.tokenizer.eos_ids() if self.tokenizer else frozenset()
+        self.eos_ids = frozenset(loaded.config.eos_token_ids) | from_tokenizer
         self.metrics.set_model(loaded.revision, loaded.source, str(loaded.dtype).removeprefix("torch."),
                                str(self.device))
         log.info("model %s revision %s loaded: %d parameters, %s on %s%s", loaded.source, loaded.revision,
@@ -81,6 +87,8 @@ class ModelSlot:
         from the on-disk cache) and runs it once, before anything is captured."""
         s, o = self.settings, self.optimization
         rows = min(max(2, min(s.max_num_seqs, s.max_num_batched_tokens)), s.max_num_batched_tokens)
+        log.info("building the step: -O%d, %s (warm-up at %d rows)", o.level,
+                 "tuning kernels and compiling" if o.compile else "eager kernels, no compilation", rows)
         self.compile_report = prepare_step(
             self.runner.model, compile=o.compile, cache_root=s.compile_cache_dir, quantization=s.quantization,
             warm_up=lambda: self.runner.warm_up(rows), level=o.level, reason=o.reason)
@@ -90,3 +98,22 @@ class ModelSlot:
     def compile_status(self) -> pb.CompileStatus:
         kernels = self.runner.model.kernels if self.runner else ""
         return self.compile_report.to_proto(kernels, self.settings.quantization)
+
+
+def source_bytes(source: str) -> int | None:
+    """What ``source`` takes on disk (a file, or a directory's files); None for a random preset."""
+    from graphkeeper.worker.model.catalog import resolve_builtin
+
+    if source.startswith("random:"):
+        return None
+    try:
+        path = Path(resolve_builtin(source))
+        if path.is_file():
+            return path.stat().st_size
+        return sum(f.stat().st_size for f in path.iterdir() if f.is_file())
+    except (OSError, ValueError):
+        return None
+
+
+def describe_size(n: int | None) -> str:
+    return "random weights" if n is None else f"{n / (1 << 20):.0f} MiB"

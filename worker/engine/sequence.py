@@ -24,7 +24,8 @@ class Sequence:
     sampling: SamplingSpec
     stream: Any = None
     stop_ids: frozenset[int] = frozenset()
-    eos_id: int | None = None
+    #: Every id that ends the sequence as EOS (empty with ignore_eos).
+    eos_ids: frozenset[int] = frozenset()
     seed: int = 0
     output: list[int] = field(default_factory=list)  # tokens the host has received
     slot: int | None = None
@@ -51,7 +52,7 @@ class Sequence:
         last = self.output[-1]
         if last in self.stop_ids:
             return pb.FINISH_REASON_STOP
-        if self.eos_id is not None and last == self.eos_id:
+        if last in self.eos_ids:
             return pb.FINISH_REASON_EOS
         if len(self.output) >= self.max_new_tokens:
             return pb.FINISH_REASON_LENGTH
@@ -66,9 +67,11 @@ class Limits:
     max_seq_len: int
     #: Whether the served model carries a tokenizer, so that ``prompt_text`` can be served.
     text_prompts: bool = False
+    #: Whether its tokenizer has a chat template, so that ``messages`` can be served.
+    chat: bool = False
 
 
-def sequence_for(req: pb.GenerateRequest, stream: Any, eos_token_id: int | None) -> Sequence:
+def sequence_for(req: pb.GenerateRequest, stream: Any, eos_ids: frozenset[int]) -> Sequence:
     """A new sequence for an admitted request (token ids; text was tokenized by the API layer)."""
     sp = req.sampling
     seed = sp.seed if sp.HasField("seed") else random.getrandbits(63)
@@ -76,6 +79,6 @@ def sequence_for(req: pb.GenerateRequest, stream: Any, eos_token_id: int | None)
         request_id=req.request_id or f"req-{random.getrandbits(48):012x}", tenant=req.tenant,
         prompt=list(req.prompt_token_ids), max_new_tokens=req.stopping.max_new_tokens,
         sampling=SamplingSpec(temperature=sp.temperature, top_k=sp.top_k, top_p=sp.top_p or 1.0), stream=stream,
-        stop_ids=frozenset(req.stopping.stop_token_ids), eos_id=None if req.stopping.ignore_eos else eos_token_id,
+        stop_ids=frozenset(req.stopping.stop_token_ids), eos_ids=frozenset() if req.stopping.ignore_eos else eos_ids,
         seed=seed & (2**63 - 1),
     )

@@ -10,6 +10,7 @@ from graphkeeper.worker.engine.ledger import Ledger
 from graphkeeper.worker.engine.recorder import StepRecorder
 from graphkeeper.worker.executor.graphs.controller import CaptureController
 from graphkeeper.worker.model.loader import LoadedModel
+from graphkeeper.worker.model.tokenizer import Tokenizer
 
 #: Longest pending revision or source echoed in status.
 MAX_PENDING_REVISION = 128
@@ -17,7 +18,8 @@ MAX_PENDING_REVISION = 128
 MAX_LAST_ERROR = 1024
 
 
-def model_info(loaded: LoadedModel | None, max_seq_len: int, max_num_seqs: int) -> pb.GetModelInfoResponse | None:
+def model_info(loaded: LoadedModel | None, max_seq_len: int, max_num_seqs: int, eos_ids: frozenset[int] = frozenset(),
+               tokenizer: Tokenizer | None = None) -> pb.GetModelInfoResponse | None:
     if loaded is None:
         return None
     c = loaded.config
@@ -27,6 +29,9 @@ def model_info(loaded: LoadedModel | None, max_seq_len: int, max_num_seqs: int) 
         num_layers=c.n_layers, num_attention_heads=c.n_heads, num_key_value_heads=c.n_kv_heads,
         max_seq_len=max_seq_len, max_num_seqs=max_num_seqs, eos_token_id=c.eos_token_id,
         device=str(loaded.device), parameter_count=loaded.parameter_count,
+        eos_token_ids=[c.eos_token_id, *sorted(eos_ids - {c.eos_token_id})],
+        model_context_length=c.max_position_embeddings, tokenizer=tokenizer is not None,
+        chat_template=tokenizer is not None and tokenizer.has_chat_template,
     )
 
 

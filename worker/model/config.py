@@ -28,8 +28,13 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     eos_token_id: int = 0
     bos_token_id: int = 0
+    #: Every id that ends a generation (config.json may list several: Llama 3 Instruct has three);
+    #: empty means just ``eos_token_id``.
+    eos_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
+        if not self.eos_token_ids:
+            object.__setattr__(self, "eos_token_ids", (self.eos_token_id,))
         if not self.head_dim:
             object.__setattr__(self, "head_dim", self.dim // self.n_heads)
         if self.n_heads % self.n_kv_heads:
@@ -100,6 +105,7 @@ class ModelConfig:
             max_position_embeddings=hf.get("max_position_embeddings", 8192),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             eos_token_id=eos[0] if isinstance(eos, list) else int(eos or 0),
+            eos_token_ids=tuple(int(i) for i in eos) if isinstance(eos, list) else (),
             bos_token_id=int(hf.get("bos_token_id") or 0),
         )
 

@@ -58,6 +58,10 @@ class KVCache:
         self.k_layers[layer].view(-1, row).index_copy_(0, rows, k.reshape(t, -1))
         self.v_layers[layer].view(-1, row).index_copy_(0, rows, v.reshape(t, -1))
 
+    def nbytes(self) -> int:
+        """Bytes the keys and values take (every slot, the scratch ones included)."""
+        return self.k.nbytes + self.v.nbytes
+
     def addresses(self) -> tuple[int, int]:
         """The buffers' device addresses; graphs recorded against others are stale."""
         return self.k.data_ptr(), self.v.data_ptr()

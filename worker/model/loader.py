@@ -1,24 +1,31 @@
-"""Loads model weights from a Hugging Face style directory or from a seeded random preset.
+"""Loads model weights from a Hugging Face style directory, a GGUF file, a built-in model or a
+seeded random preset.
 
-A directory holds ``config.json`` and ``*.safetensors`` (bf16, fp16 or fp32); nothing is ever
+A directory holds ``config.json`` and ``*.safetensors`` (bf16, fp16 or fp32); a ``*.gguf`` file
+holds the config, the (possibly block-quantized) weights and the tokenizer (``gguf_checkpoint``);
+``builtin:<name>`` is a GGUF file shipped in an installed package (``catalog``). Nothing is ever
 downloaded. ``random:<preset>[@seed]`` builds seeded random weights of a named shape, for tests
 and benchmarks. Weight layout changes (fusing Q/K/V and gate/up) happen here, once.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from graphkeeper.proto.policy import clipped_repr
+from graphkeeper.worker.model import gguf_checkpoint as gguf_ckpt
+from graphkeeper.worker.model.catalog import BuiltinModelError, resolve_builtin
 from graphkeeper.worker.model.config import PRESETS, ModelConfig
 from graphkeeper.worker.model.llama import Transformer, rope_tables
 from graphkeeper.worker.model.quantization import quantize_model
@@ -67,7 +74,16 @@ def load_model(
     ``quantization`` ``fp8``/``fp8-tensor`` stores the decoder projections in float8 after loading.
     """
     device = torch.device(device)
-    if source.startswith("random:"):
+    where = _resolve(source)
+    if gguf_ckpt.is_gguf(where):
+        with _filesystem_errors(source), _gguf_errors(source):
+            file = gguf_ckpt.open_gguf(Path(where))
+            config = gguf_ckpt.read_config(file)
+            torch_dtype = _pick_dtype(dtype, device, None)
+            model = _empty_model(config, max_positions, device, torch_dtype)
+            _load_gguf(model, config, file)
+            revision = revision or gguf_ckpt.file_revision(Path(where))
+    elif source.startswith("random:"):
         preset, seed = _parse_random(source)
         config = PRESETS[preset]
         torch_dtype = _pick_dtype(dtype, device, None)
@@ -94,8 +110,12 @@ def check_source(source: str) -> None:
     ``config.json`` and at least one ``*.safetensors`` file. Cheap, so the worker can refuse a
     bad ``--model`` before it starts serving anything.
     """
+    source = _resolve(source)
     if source.startswith("random:"):
         _parse_random(source)
+        return
+    if gguf_ckpt.is_gguf(source):
+        read_model_config(source)
         return
     with _filesystem_errors(source):
         path = Path(source)
@@ -103,6 +123,50 @@ def check_source(source: str) -> None:
             raise ModelSourceError(f"{shown(source)}: not a directory, and not random:<preset>[@seed]")
         _read_config(path)
         _weight_files(path)
+
+
+def model_dtype(source: str, dtype: str, device: str | torch.device) -> torch.dtype:
+    """The dtype ``load_model`` will serve ``source`` in (read from its config, no weights)."""
+    device = torch.device(device)
+    where = _resolve(source)
+    hf_dtype = None
+    if not where.startswith("random:") and not gguf_ckpt.is_gguf(where):
+        with _filesystem_errors(source):
+            hf_dtype = _read_config(Path(where))[1]
+    return _pick_dtype(dtype, device, hf_dtype)
+
+
+def _resolve(source: str) -> str:
+    """The path a ``builtin:`` source names (any other source unchanged), as a ModelSourceError."""
+    try:
+        return resolve_builtin(source)
+    except BuiltinModelError as err:
+        raise ModelSourceError(str(err)) from None
+
+
+def read_model_config(source: str) -> ModelConfig:
+    """The config of ``source`` without reading any weights (the worker sizes its KV cache by it)."""
+    source = _resolve(source)
+    if source.startswith("random:"):
+        return PRESETS[_parse_random(source)[0]]
+    with _filesystem_errors(source):
+        if gguf_ckpt.is_gguf(source):
+            with _gguf_errors(source):
+                path = Path(source)
+                if not path.is_file():
+                    raise ModelSourceError(f"{shown(source)}: no such GGUF file")
+                return gguf_ckpt.read_config(gguf_ckpt.open_gguf(path))
+        return _read_config(Path(source))[0]
+
+
+
+@contextmanager
+def _gguf_errors(source: str) -> Iterator[None]:
+    """A GGUF file this decoder cannot serve is a ModelSourceError naming the file."""
+    try:
+        yield
+    except gguf_ckpt.GGUFError as err:
+        raise ModelSourceError(f"{shown(source)}: {err}") from None
 
 
 @contextmanager
@@ -169,6 +233,18 @@ def _fill_random(model: Transformer, seed: int, device: torch.device) -> None:
             param.normal_(0.0, INIT_STD, generator=generator)
 
 
+def _generation_eos(file: Path) -> tuple[int, ...]:
+    """The EOS ids ``generation_config.json`` lists (Llama 3 Instruct ends turns on several)."""
+    if not file.is_file():
+        return ()
+    try:
+        eos = json.loads(file.read_bytes().decode("utf-8")).get("eos_token_id")
+    except (OSError, UnicodeDecodeError, ValueError, AttributeError):
+        return ()
+    ids = eos if isinstance(eos, list) else [eos]
+    return tuple(i for i in ids if isinstance(i, int) and not isinstance(i, bool))
+
+
 def _read_config(path: Path) -> tuple[ModelConfig, str | None]:
     config_file = path / "config.json"
     if not config_file.is_file():
@@ -183,6 +259,9 @@ def _read_config(path: Path) -> tuple[ModelConfig, str | None]:
         config = ModelConfig.from_hf(hf)
     except (KeyError, ValueError, TypeError) as err:
         raise ModelSourceError(f"{shown(config_file)}: {err!r}") from None
+    extra = _generation_eos(path / "generation_config.json")
+    if extra:
+        config = dataclasses.replace(config, eos_token_ids=tuple(dict.fromkeys((*config.eos_token_ids, *extra))))
     return config, hf.get("torch_dtype") or hf.get("dtype")
 
 
@@ -317,26 +396,49 @@ def _load_safetensors(model: Transformer, config: ModelConfig, path: Path) -> No
     """Fills every parameter in place; fused Q/K/V and gate/up rows are written slice by slice."""
     reader = _TensorReader(path, checkpoint_index(path))
     try:
-        reader.read_into("embed_tokens.weight", model.tok_embeddings.weight)
-        reader.read_into("norm.weight", model.norm.weight)
-        if not config.tie_word_embeddings:
-            reader.read_into("lm_head.weight", model.output.weight)
-        q_size, kv_size = config.n_heads * config.head_dim, config.n_kv_heads * config.head_dim
-        for i, layer in enumerate(model.layers):
-            p = f"layers.{i}."
-            attn, mlp = p + "self_attn.", p + "mlp."
-            q, k, v = layer.attention.wqkv.weight.split([q_size, kv_size, kv_size])
-            for name, rows in zip("qkv", (q, k, v), strict=True):
-                reader.read_into(attn + f"{name}_proj.weight", rows)
-            reader.read_into(attn + "o_proj.weight", layer.attention.wo.weight)
-            gate, up = layer.feed_forward.w13.weight.split(config.intermediate_size)
-            reader.read_into(mlp + "gate_proj.weight", gate)
-            reader.read_into(mlp + "up_proj.weight", up)
-            reader.read_into(mlp + "down_proj.weight", layer.feed_forward.w2.weight)
-            reader.read_into(p + "input_layernorm.weight", layer.attention_norm.weight)
-            reader.read_into(p + "post_attention_layernorm.weight", layer.ffn_norm.weight)
+        _fill_llama(model, config, reader.read_into)
     finally:
         reader.close()
+
+
+@torch.no_grad()
+def _load_gguf(model: Transformer, config: ModelConfig, file: gguf_ckpt.GGUFFile) -> None:
+    """Fills every parameter from the GGUF tensors, dequantized to float32 and cast on copy."""
+    names = gguf_ckpt.checkpoint_tensors(file)
+
+    def read_into(name: str, dest: Tensor) -> None:
+        if name not in names:
+            raise ModelSourceError(f"{shown(file.path)}: tensor for {clipped_repr(name)} missing from the GGUF file")
+        array = gguf_ckpt.dequantized(file, names[name], config)
+        if tuple(array.shape) != tuple(dest.shape):
+            raise ModelSourceError(f"{shown(file.path)}: tensor {clipped_repr(names[name])} has shape "
+                                   f"{list(array.shape)}, expected {list(dest.shape)}")
+        dest.copy_(torch.from_numpy(np.require(array, requirements='W')))
+
+    _fill_llama(model, config, read_into)
+
+
+def _fill_llama(model: Transformer, config: ModelConfig, read_into: Callable[[str, Tensor], None]) -> None:
+    """Fills every parameter through ``read_into(hf_name, dest)``; fused Q/K/V and gate/up rows
+    are written slice by slice. One walk over the model for every checkpoint format."""
+    read_into("embed_tokens.weight", model.tok_embeddings.weight)
+    read_into("norm.weight", model.norm.weight)
+    if not config.tie_word_embeddings:
+        read_into("lm_head.weight", model.output.weight)
+    q_size, kv_size = config.n_heads * config.head_dim, config.n_kv_heads * config.head_dim
+    for i, layer in enumerate(model.layers):
+        p = f"layers.{i}."
+        attn, mlp = p + "self_attn.", p + "mlp."
+        q, k, v = layer.attention.wqkv.weight.split([q_size, kv_size, kv_size])
+        for name, rows in zip("qkv", (q, k, v), strict=True):
+            read_into(attn + f"{name}_proj.weight", rows)
+        read_into(attn + "o_proj.weight", layer.attention.wo.weight)
+        gate, up = layer.feed_forward.w13.weight.split(config.intermediate_size)
+        read_into(mlp + "gate_proj.weight", gate)
+        read_into(mlp + "up_proj.weight", up)
+        read_into(mlp + "down_proj.weight", layer.feed_forward.w2.weight)
+        read_into(p + "input_layernorm.weight", layer.attention_norm.weight)
+        read_into(p + "post_attention_layernorm.weight", layer.ffn_norm.weight)
 
 
 def _hash_text(text: str) -> str:

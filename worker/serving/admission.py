@@ -20,6 +20,10 @@ MAX_STOP_IDS = 64
 MAX_REQUEST_ID_BYTES = 128
 #: A text prompt is tokenized on the worker; more than this is refused before tokenization.
 MAX_PROMPT_TEXT_BYTES = 1 << 20
+#: Messages in one chat request.
+MAX_MESSAGES = 256
+#: A chat message's role (the template decides which roles it knows; these are the usual ones).
+ROLES = ("system", "user", "assistant", "tool")
 #: A model revision is a label value and a status field: a content hash, a git sha, a tag.
 MAX_REVISION_BYTES = 128
 #: A model source is a directory path (PATH_MAX on Linux) or ``random:<preset>[@seed]``.
@@ -64,12 +68,16 @@ def validate_request(req: pb.GenerateRequest, limits: Limits) -> None:
 
 
 def _validate_prompt_source(req: pb.GenerateRequest, limits: Limits) -> None:
-    """Exactly one of ``prompt_token_ids`` and ``prompt_text``; text only where a tokenizer exists."""
-    has_ids, has_text = bool(req.prompt_token_ids), bool(req.prompt_text)
-    if has_ids and has_text:
-        raise AdmissionError("prompt_text", "set either prompt_token_ids or prompt_text, not both")
-    if not has_ids and not has_text:
-        raise AdmissionError("prompt_token_ids", "must not be empty (or set prompt_text)")
+    """Exactly one of ``prompt_token_ids``, ``prompt_text`` and ``messages``; text only where a
+    tokenizer exists, messages only where it has a chat template."""
+    has_ids, has_text, has_chat = bool(req.prompt_token_ids), bool(req.prompt_text), bool(req.messages)
+    if has_ids + has_text + has_chat > 1:
+        field = "messages" if has_chat else "prompt_text"
+        raise AdmissionError(field, "set exactly one of prompt_token_ids, prompt_text and messages")
+    if not has_ids and not has_text and not has_chat:
+        raise AdmissionError("prompt_token_ids", "must not be empty (or set prompt_text or messages)")
+    if has_chat:
+        _validate_messages(req.messages, limits)
     if has_text:
         size = utf8_len(req.prompt_text)
         if size > MAX_PROMPT_TEXT_BYTES:
@@ -78,6 +86,23 @@ def _validate_prompt_source(req: pb.GenerateRequest, limits: Limits) -> None:
             raise AdmissionError(
                 "prompt_text", "this model has no tokenizer (tokenizer.json): send prompt_token_ids"
             )
+
+
+def _validate_messages(messages, limits: Limits) -> None:
+    """A bounded conversation of known roles, for a model whose tokenizer has a chat template."""
+    if len(messages) > MAX_MESSAGES:
+        raise AdmissionError("messages", f"at most {MAX_MESSAGES} messages, got {len(messages)}")
+    total = 0
+    for i, message in enumerate(messages):
+        if message.role not in ROLES:
+            raise AdmissionError(f"messages[{i}].role", f"must be one of {', '.join(ROLES)}, got "
+                                 f"{clipped_repr(message.role)}")
+        total += utf8_len(message.content)
+        if total > MAX_PROMPT_TEXT_BYTES:
+            raise AdmissionError("messages", f"at most {MAX_PROMPT_TEXT_BYTES} bytes of content in all")
+    if not limits.chat:
+        raise AdmissionError("messages", "this model's tokenizer has no chat template: send prompt_text or "
+                             "prompt_token_ids")
 
 
 def validate_prompt_length(prompt_tokens: int, max_new_tokens: int, limits: Limits) -> None:

@@ -32,6 +32,7 @@ from graphkeeper.proto import worker_pb2_grpc as pb_grpc
 from graphkeeper.proto.policy import PolicyError
 from graphkeeper.worker.engine import (
     SERVING_STATES,
+    ChatError,
     Engine,
     IncrementalDetokenizer,
     NotServing,
@@ -118,7 +119,7 @@ class InferenceServicer(pb_grpc.InferenceWorkerServicer):
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):  # noqa: N802
         stream = TokenStream()
         engine = self.engine
-        text = bool(request.prompt_text)
+        text = bool(request.prompt_text or request.messages)
         try:
             request = await self._admitted(request)
             seq = engine.submit(request, stream)
@@ -170,16 +171,22 @@ class InferenceServicer(pb_grpc.InferenceWorkerServicer):
         if limits is None:
             raise NotServing("model not loaded yet")
         validate_request(request, limits)  # sizes and rules before any tokenizing
-        if not request.prompt_text:
+        if not request.prompt_text and not request.messages:
             return request
         tokenizer = self.engine.tokenizer
-        if len(request.prompt_text) > INLINE_TOKENIZE_CHARS:
-            ids = await asyncio.to_thread(tokenizer.encode_ids, request.prompt_text)
+        if request.messages:
+            chat = [(m.role, m.content) for m in request.messages]
+            encode, size = (lambda: tokenizer.encode_chat(chat)), sum(len(m.content) for m in request.messages)
         else:
-            ids = tokenizer.encode_ids(request.prompt_text)
+            encode, size = (lambda: tokenizer.encode_ids(request.prompt_text)), len(request.prompt_text)
+        try:
+            ids = await asyncio.to_thread(encode) if size > INLINE_TOKENIZE_CHARS else encode()
+        except ChatError as err:
+            raise AdmissionError(err.field, str(err).removeprefix(f"{err.field}: ")) from None
         tokenized = pb.GenerateRequest()
         tokenized.CopyFrom(request)
         tokenized.ClearField("prompt_text")
+        tokenized.ClearField("messages")
         tokenized.prompt_token_ids.extend(ids)
         validate_request(tokenized, limits)
         return tokenized

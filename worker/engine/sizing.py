@@ -1,0 +1,198 @@
+"""How long a sequence may be and how many run at once, from the model and the memory there is.
+
+The KV cache reserves ``max_seq_len`` rows for each of ``max_num_seqs`` sequences, so the two
+numbers decide its size. Unset, they come from the model: the context length is the model's own
+(capped so that the cache still holds a few sequences, said in the log) and the number of
+sequences is what the cache then holds (at most a per-device cap). Set explicitly, they are
+checked against the same budget before anything is allocated: a worker asked for a KV cache the
+machine cannot hold refuses at boot in one line instead of allocating until the node kills it.
+
+``choose_sizes`` is pure (tests give it numbers); ``kv_budget_bytes`` reads the machine.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+#: KV rows are allocated in multiples of this (as the attention kernels read them).
+KV_ROW_ALIGN = 16
+#: A random preset has no trained context: it serves this many tokens unless told otherwise.
+RANDOM_PRESET_CONTEXT = 512
+#: The most sequences a default picks: a CPU serves few streams well; a GPU batches many.
+DEFAULT_SEQS_CAP = {"cpu": 16, "cuda": 256}
+#: A random preset keeps the fixed default it always had (tests and benchmarks rely on it).
+RANDOM_PRESET_SEQS = 16
+#: A default context is capped so that at least this many sequences fit.
+MIN_DEFAULT_SEQS = 4
+#: CPU: at most this share of the memory available to the process goes to the KV cache,
+#: and never more than CPU_KV_CAP_BYTES (a CPU serves small batches).
+CPU_KV_SHARE = 0.4
+CPU_KV_CAP_BYTES = 4 << 30
+#: GPU: the share of the device's free memory the worker may use (as vLLM's
+#: gpu_memory_utilization), minus the weights and a reserve for activations and graphs.
+GPU_MEMORY_SHARE = 0.9
+GPU_RESERVE_BYTES = 2 << 30
+
+
+class SizingError(ValueError):
+    """The KV cache asked for does not fit (one line: what was asked, what it needs, what there is)."""
+
+
+@dataclass(frozen=True)
+class Sizes:
+    max_seq_len: int
+    max_num_seqs: int
+    kv_cache_bytes: int
+    budget_bytes: int
+    #: One line for the startup log: where each number came from.
+    explanation: str
+
+
+def aligned(tokens: int) -> int:
+    return KV_ROW_ALIGN * math.ceil(tokens / KV_ROW_ALIGN)
+
+
+def gib(n: int) -> str:
+    return f"{n / (1 << 30):.2f} GiB"
+
+
+def choose_sizes(*, model_context: int, per_token_bytes: int, budget_bytes: int, max_seq_len: int | None,
+                 max_num_seqs: int | None, seqs_cap: int) -> Sizes:
+    """The context length and sequence count to serve with; raises SizingError when they cannot fit."""
+    why = []
+    if max_seq_len is None:
+        context = model_context
+        wanted = max_num_seqs or MIN_DEFAULT_SEQS
+        fits = (budget_bytes // (per_token_bytes * wanted)) // KV_ROW_ALIGN * KV_ROW_ALIGN
+        if fits < context:
+            context = fits
+            why.append(f"context {context} tokens (the model's {model_context}, capped by memory for "
+                       f"{wanted} sequences)")
+        else:
+            why.append(f"context {context} tokens (the model's own)")
+        if context < 2:
+            raise SizingError(f"the KV cache budget ({gib(budget_bytes)}) does not hold {wanted} sequences of 2 "
+                              "tokens; give the worker more memory or set --kv-cache-memory")
+    else:
+        context = max_seq_len
+        why.append(f"context {context} tokens (--max-seq-len)")
+    per_sequence = aligned(context) * per_token_bytes
+    if max_num_seqs is None:
+        seqs = min(seqs_cap, budget_bytes // per_sequence)
+        if seqs < 1:
+            raise SizingError(f"--max-seq-len {context} needs {gib(per_sequence)} of KV cache per sequence; "
+                              f"the budget is {gib(budget_bytes)} (--kv-cache-memory)")
+        why.append(f"{seqs} sequences (what the KV cache holds, at most {seqs_cap})")
+    else:
+        seqs = max_num_seqs
+        why.append(f"{seqs} sequences (--max-num-seqs)")
+    total = seqs * per_sequence
+    if total > budget_bytes:
+        raise SizingError(f"--max-seq-len {context} x --max-num-seqs {seqs} needs {gib(total)} of KV cache; "
+                          f"the budget is {gib(budget_bytes)} (--kv-cache-memory)")
+    return Sizes(context, seqs, total, budget_bytes,
+                 ", ".join(why) + f": KV cache {gib(total)} of a {gib(budget_bytes)} budget")
+
+
+def kv_bytes_per_token(n_layers: int, n_kv_heads: int, head_dim: int, dtype_bytes: int) -> int:
+    """Keys and values of one token in every layer."""
+    return 2 * n_layers * n_kv_heads * head_dim * dtype_bytes
+
+
+def available_host_bytes() -> int:
+    """Memory this process may still use: MemAvailable, bounded by its cgroup's limit."""
+    available = _meminfo_available()
+    limit = _cgroup_headroom()
+    return min(available, limit) if limit is not None else available
+
+
+def _meminfo_available() -> int:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def _cgroup_headroom() -> int | None:
+    """cgroup v2 ``memory.max - memory.current`` of this process's cgroup (None: unlimited)."""
+    try:
+        rel = Path("/proc/self/cgroup").read_text().strip().split("::", 1)[1]
+        base = Path("/sys/fs/cgroup") / rel.lstrip("/")
+        limit = (base / "memory.max").read_text().strip()
+        if limit == "max":
+            return None
+        return max(0, int(limit) - int((base / "memory.current").read_text().strip()))
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def default_budget(device_type: str, weights_bytes: int, free_device_bytes: int | None = None) -> int:
+    """The KV cache budget when none is set: a share of host memory on CPU (the weights come out of
+    the same memory), of the device's free memory on a GPU."""
+    if device_type == "cuda" and free_device_bytes is not None:
+        return max(0, int(free_device_bytes * GPU_MEMORY_SHARE) - weights_bytes - GPU_RESERVE_BYTES)
+    host = max(0, available_host_bytes() - weights_bytes)
+    return min(CPU_KV_CAP_BYTES, int(host * CPU_KV_SHARE))
+
+
+def parse_bytes(text: str) -> int:
+    """``4Gi``, ``512Mi``, ``1G`` or a plain number of bytes (as Kubernetes writes quantities)."""
+    units = {"Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40, "K": 10**3, "M": 10**6, "G": 10**9,
+             "T": 10**12}
+    text = text.strip()
+    number, factor = text, 1
+    for suffix in sorted(units, key=len, reverse=True):
+        if text.endswith(suffix):
+            number, factor = text[: -len(suffix)], units[suffix]
+            break
+    try:
+        value = float(number)
+    except ValueError:
+        raise ValueError(f"{text[:32]!r} is not a size (bytes, or a number with Ki, Mi, Gi, K, M, G)") from None
+    if not math.isfinite(value) or value <= 0 or value * factor >= 2**63:
+        raise ValueError(f"{text[:32]!r} must be a positive size below 2^63 bytes")
+    return int(value * factor)
+
+
+def weights_bytes(config, dtype_bytes: int) -> int:
+    """The decoder's weights in the serving dtype, from its config (before any are loaded)."""
+    q, kv = config.n_heads * config.head_dim, config.n_kv_heads * config.head_dim
+    per_layer = config.dim * (q + 2 * kv) + q * config.dim + 3 * config.dim * config.intermediate_size + 2 * config.dim
+    embeddings = config.vocab_size * config.dim * (1 if config.tie_word_embeddings else 2)
+    return (config.n_layers * per_layer + embeddings + config.dim) * dtype_bytes
+
+
+def settle(settings, device) -> tuple[object, Sizes]:
+    """``settings`` with ``max_seq_len`` and ``max_num_seqs`` decided (and checked against memory),
+    and how they were decided. Reads the model's config (no weights) and the device's memory."""
+    import dataclasses
+
+    import torch
+
+    from graphkeeper.worker.model.loader import model_dtype, read_model_config
+
+    config = read_model_config(settings.model)
+    dtype_bytes = model_dtype(settings.model, settings.dtype, device).itemsize
+    random_preset = settings.model.startswith("random:")
+    context = RANDOM_PRESET_CONTEXT if random_preset else config.max_position_embeddings
+    max_num_seqs = settings.max_num_seqs
+    if random_preset and max_num_seqs is None:
+        max_num_seqs = RANDOM_PRESET_SEQS
+    budget = settings.kv_cache_memory
+    if not budget:
+        free = None
+        if device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+        budget = default_budget(device.type, weights_bytes(config, dtype_bytes), free)
+    sizes = choose_sizes(
+        model_context=context, per_token_bytes=kv_bytes_per_token(config.n_layers, config.n_kv_heads,
+                                                                  config.head_dim, dtype_bytes),
+        budget_bytes=budget, max_seq_len=settings.max_seq_len, max_num_seqs=max_num_seqs,
+        seqs_cap=DEFAULT_SEQS_CAP.get(device.type, 16))
+    return dataclasses.replace(settings, max_seq_len=sizes.max_seq_len, max_num_seqs=sizes.max_num_seqs), sizes
