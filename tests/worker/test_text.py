@@ -87,3 +87,15 @@ def test_text_prompts_are_refused_by_name_without_a_tokenizer(worker):
     with pytest.raises(grpc.RpcError) as err:
         generate(worker, both)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_messages_to_a_tokenizer_without_a_chat_template_are_refused_by_name(fresh_workers, text_model):
+    worker = fresh_workers("--max-seq-len", "256", "--max-num-batched-tokens", "64", model=str(text_model))
+    request = pb.GenerateRequest(messages=[pb.ChatMessage(role="user", content="hi")],
+                                 stopping=pb.StoppingCriteria(max_new_tokens=4))
+    with pytest.raises(grpc.RpcError) as err:
+        generate(worker, request)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "messages" in err.value.details() and "no chat template" in err.value.details()
+    tokens, _ = generate(worker, make_request([1, 2, 3], 2))
+    assert len(tokens) == 2

@@ -1,0 +1,59 @@
+"""How long a sequence may be and how many run at once (engine/sizing.py): pure decisions."""
+
+from __future__ import annotations
+
+import pytest
+
+from graphkeeper.worker.engine.sizing import SizingError, choose_sizes, kv_bytes_per_token, parse_bytes
+
+GIB = 1 << 30
+PER_TOKEN = kv_bytes_per_token(30, 3, 64, 4)  # SmolLM2-135M in float32: 46,080 bytes
+
+
+def sizes(**kw):
+    args = dict(model_context=8192, per_token_bytes=PER_TOKEN, budget_bytes=4 * GIB, max_seq_len=None,
+                max_num_seqs=None, seqs_cap=16)
+    return choose_sizes(**(args | kw))
+
+
+def test_unset_the_context_is_the_models_and_the_sequences_what_the_cache_holds():
+    s = sizes()
+    assert s.max_seq_len == 8192
+    assert s.max_num_seqs == 4 * GIB // (8192 * PER_TOKEN) == 11
+    assert "the model's own" in s.explanation and "what the KV cache holds" in s.explanation
+
+
+def test_a_small_budget_caps_the_context_and_says_so():
+    s = sizes(budget_bytes=GIB)
+    assert s.max_seq_len < 8192 and s.max_seq_len % 16 == 0
+    assert s.max_num_seqs >= 4
+    assert "capped by memory" in s.explanation
+
+
+def test_the_sequence_count_is_capped_per_device():
+    assert sizes(model_context=128, seqs_cap=16).max_num_seqs == 16
+
+
+def test_explicit_sizes_that_do_not_fit_are_refused_in_one_line():
+    with pytest.raises(SizingError) as err:
+        sizes(max_seq_len=100_000_000, max_num_seqs=16)
+    assert "--max-seq-len 100000000 x --max-num-seqs 16" in str(err.value) and "\n" not in str(err.value)
+    with pytest.raises(SizingError):
+        sizes(max_seq_len=100_000_000)
+
+
+def test_explicit_sizes_that_fit_are_kept():
+    s = sizes(max_seq_len=512, max_num_seqs=8)
+    assert (s.max_seq_len, s.max_num_seqs) == (512, 8)
+
+
+@pytest.mark.parametrize("text,value", [("4Gi", 4 * GIB), ("512Mi", 512 << 20), ("1G", 10**9), ("1000", 1000),
+                                        ("1.5Gi", 3 * GIB // 2)])
+def test_sizes_parse_as_kubernetes_writes_them(text, value):
+    assert parse_bytes(text) == value
+
+
+@pytest.mark.parametrize("text", ["", "x", "-1Gi", "0", "inf", "1e30Gi"])
+def test_bad_sizes_are_refused(text):
+    with pytest.raises(ValueError):
+        parse_bytes(text)
