@@ -2,13 +2,14 @@
 # The whole system on this machine, in one command (`make demo`; `make demo-down` removes it):
 #   1. a control plane and a real node (cluster.sh up --node: kubelet, containerd, a CNI bridge);
 #   2. the graphkeeper image built without Docker and loaded into the node (build-images.sh);
-#   3. `helm install` of the chart with two CPU workers (values-local-node.yaml);
+#   3. `helm install` of the chart with two CPU workers (values-local-node.yaml) serving
+#      SmolLM2-135M-Instruct, which the image carries;
 #   4. `kubectl apply` of deploy/examples/graphpolicy.yaml (tenant "batch" runs without graphs);
 #   5. Prometheus (built from the Go module proxy) scraping the pods through Kubernetes service
 #      discovery, with graphkeeper's recording and alerting rules loaded;
 #   6. traffic from two tenants, then what each part reports: pods and policies, the policy's
 #      conditions, each worker's `graphkeeper status`, and steps per tenant and eager steps by
-#      fallback reason from Prometheus.
+#      fallback reason from Prometheus; and one question answered in words.
 #
 #   deploy/local/demo.sh up | down | status
 #
@@ -59,9 +60,10 @@ up() {
   log "images (deploy/docker/build-images.sh)"
   PYTHON="$py" "$root/deploy/docker/build-images.sh"
 
-  log "helm install graphkeeper charts/graphkeeper (two CPU workers)"
+  log "helm install graphkeeper charts/graphkeeper (two CPU workers serving SmolLM2-135M-Instruct)"
   helm upgrade --install graphkeeper "$chart" -n "$ns" --create-namespace \
-    -f "$here/values-local-node.yaml" --wait=false >/dev/null
+    -f "$here/values-local-node.yaml" --set workers.model=builtin:smollm2-135m-instruct \
+    --wait=false >/dev/null
   kubectl -n "$ns" apply -f "$root/deploy/examples/graphpolicy.yaml"
   "$here/prometheus.sh" up "$ns" >/dev/null
   kubectl -n "$ns" rollout status deploy/graphkeeper-operator --timeout=300s
@@ -79,6 +81,10 @@ up() {
       done
     done
   done
+  log "a question, through the model's chat template"
+  ip=$(kubectl -n "$ns" get pods -l app.kubernetes.io/component=inference-worker \
+         -o jsonpath='{.items[0].status.podIP}')
+  "$gk" generate --target "$ip:50051" --tenant chat --chat "What is the capital of France?" --max-new-tokens 24
   # Two scrapes and a rule evaluation after the last request.
   sleep 12
 

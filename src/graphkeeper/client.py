@@ -29,9 +29,12 @@ def build_request(args: argparse.Namespace) -> pb.GenerateRequest:
     sampling = pb.SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     if args.seed is not None:
         sampling.seed = args.seed
+    chat = getattr(args, "chat", "")
+    messages = [*([pb.ChatMessage(role="system", content=args.system)] if chat and args.system else []),
+                *([pb.ChatMessage(role="user", content=chat)] if chat else [])]
     return pb.GenerateRequest(
         tenant=args.tenant, prompt_token_ids=_ids(args.prompt_ids or ""), prompt_text=args.prompt or "",
-        sampling=sampling,
+        messages=messages, sampling=sampling,
         stopping=pb.StoppingCriteria(max_new_tokens=args.max_new_tokens, stop_token_ids=_ids(args.stop_ids)),
     )
 
@@ -46,8 +49,9 @@ def summary_dict(summary: pb.ExecutionSummary) -> dict[str, Any]:
 
 def generate_cmd(args: argparse.Namespace) -> int:
     request = build_request(args)
-    if bool(args.prompt) == bool(args.prompt_ids):
-        print("error: give exactly one of --prompt and --prompt-ids", file=sys.stderr)
+    texts = bool(args.prompt) or bool(getattr(args, "chat", ""))
+    if bool(args.prompt) + bool(args.prompt_ids) + bool(getattr(args, "chat", "")) != 1:
+        print("error: give exactly one of --chat, --prompt and --prompt-ids", file=sys.stderr)
         return 2
     tokens: list[int] = []
     text: list[str] = []
@@ -62,7 +66,7 @@ def generate_cmd(args: argparse.Namespace) -> int:
                     text.append(chunk.text)
                     if args.json:
                         continue
-                    if args.prompt:
+                    if texts:
                         print(chunk.text, end="", flush=True)
                     else:
                         print(" ".join(map(str, chunk.token_ids)), end=" ", flush=True)
@@ -74,7 +78,7 @@ def generate_cmd(args: argparse.Namespace) -> int:
     result = {
         "request_id": completion.request_id,
         "token_ids": tokens,
-        **({"text": "".join(text)} if args.prompt else {}),
+        **({"text": "".join(text)} if texts else {}),
         "finish_reason": pb.FinishReason.Name(completion.finish_reason).removeprefix("FINISH_REASON_").lower(),
         "prompt_tokens": completion.prompt_tokens,
         "generated_tokens": completion.generated_tokens,

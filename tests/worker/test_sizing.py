@@ -19,7 +19,7 @@ def sizes(**kw):
 def test_unset_the_context_is_the_models_and_the_sequences_what_the_cache_holds():
     s = sizes()
     assert s.max_seq_len == 8192
-    assert s.max_num_seqs == 4 * GIB // (8192 * PER_TOKEN) == 11
+    assert s.max_num_seqs == 4 * GIB // (8192 * PER_TOKEN) - 1 == 10  # one slot is scratch
     assert "the model's own" in s.explanation and "what the KV cache holds" in s.explanation
 
 
@@ -40,6 +40,13 @@ def test_explicit_sizes_that_do_not_fit_are_refused_in_one_line():
     assert "--max-seq-len 100000000 x --max-num-seqs 16" in str(err.value) and "\n" not in str(err.value)
     with pytest.raises(SizingError):
         sizes(max_seq_len=100_000_000)
+
+
+def test_the_scratch_slots_count_against_the_budget():
+    s = sizes(max_seq_len=1024, max_num_seqs=4, step_tokens=4096)
+    assert s.kv_cache_bytes == (4 + 4) * 1024 * PER_TOKEN
+    with pytest.raises(SizingError):
+        sizes(max_seq_len=1024, max_num_seqs=4, step_tokens=4096, budget_bytes=7 * 1024 * PER_TOKEN)
 
 
 def test_explicit_sizes_that_fit_are_kept():

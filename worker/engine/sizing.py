@@ -30,7 +30,7 @@ MIN_DEFAULT_SEQS = 4
 #: CPU: at most this share of the memory available to the process goes to the KV cache,
 #: and never more than CPU_KV_CAP_BYTES (a CPU serves small batches).
 CPU_KV_SHARE = 0.4
-CPU_KV_CAP_BYTES = 4 << 30
+CPU_KV_CAP_BYTES = 2 << 30
 #: GPU: the share of the device's free memory the worker may use (as vLLM's
 #: gpu_memory_utilization), minus the weights and a reserve for activations and graphs.
 GPU_MEMORY_SHARE = 0.9
@@ -60,13 +60,17 @@ def gib(n: int) -> str:
 
 
 def choose_sizes(*, model_context: int, per_token_bytes: int, budget_bytes: int, max_seq_len: int | None,
-                 max_num_seqs: int | None, seqs_cap: int) -> Sizes:
-    """The context length and sequence count to serve with; raises SizingError when they cannot fit."""
+                 max_num_seqs: int | None, seqs_cap: int, step_tokens: int = 0) -> Sizes:
+    """The context length and sequence count to serve with; raises SizingError when they cannot fit.
+
+    ``step_tokens`` (the token budget of a step) sizes the cache's scratch slots, which padded
+    rows write to; they count against the budget like the sequences' slots.
+    """
     why = []
     if max_seq_len is None:
         context = model_context
         wanted = max_num_seqs or MIN_DEFAULT_SEQS
-        fits = (budget_bytes // (per_token_bytes * wanted)) // KV_ROW_ALIGN * KV_ROW_ALIGN
+        fits = (budget_bytes // (per_token_bytes * (wanted + 1))) // KV_ROW_ALIGN * KV_ROW_ALIGN  # + scratch
         if fits < context:
             context = fits
             why.append(f"context {context} tokens (the model's {model_context}, capped by memory for "
@@ -80,8 +84,9 @@ def choose_sizes(*, model_context: int, per_token_bytes: int, budget_bytes: int,
         context = max_seq_len
         why.append(f"context {context} tokens (--max-seq-len)")
     per_sequence = aligned(context) * per_token_bytes
+    scratch = max(1, math.ceil(step_tokens / aligned(context)))
     if max_num_seqs is None:
-        seqs = min(seqs_cap, budget_bytes // per_sequence)
+        seqs = min(seqs_cap, budget_bytes // per_sequence - scratch)
         if seqs < 1:
             raise SizingError(f"--max-seq-len {context} needs {gib(per_sequence)} of KV cache per sequence; "
                               f"the budget is {gib(budget_bytes)} (--kv-cache-memory)")
@@ -89,7 +94,7 @@ def choose_sizes(*, model_context: int, per_token_bytes: int, budget_bytes: int,
     else:
         seqs = max_num_seqs
         why.append(f"{seqs} sequences (--max-num-seqs)")
-    total = seqs * per_sequence
+    total = (seqs + scratch) * per_sequence
     if total > budget_bytes:
         raise SizingError(f"--max-seq-len {context} x --max-num-seqs {seqs} needs {gib(total)} of KV cache; "
                           f"the budget is {gib(budget_bytes)} (--kv-cache-memory)")
@@ -194,5 +199,5 @@ def settle(settings, device) -> tuple[object, Sizes]:
         model_context=context, per_token_bytes=kv_bytes_per_token(config.n_layers, config.n_kv_heads,
                                                                   config.head_dim, dtype_bytes),
         budget_bytes=budget, max_seq_len=settings.max_seq_len, max_num_seqs=max_num_seqs,
-        seqs_cap=DEFAULT_SEQS_CAP.get(device.type, 16))
+        seqs_cap=DEFAULT_SEQS_CAP.get(device.type, 16), step_tokens=settings.max_num_batched_tokens)
     return dataclasses.replace(settings, max_seq_len=sizes.max_seq_len, max_num_seqs=sizes.max_num_seqs), sizes

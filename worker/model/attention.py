@@ -111,10 +111,13 @@ class SlotAttention:
     def _decode(self, layer: int, q: Tensor, slots: Tensor, lengths: Tensor) -> Tensor:
         """SDPA over each row's slot (the CPU's decode path)."""
         b = q.shape[0]
-        keys = self.cache.k_layers[layer][slots].transpose(1, 2)  # [B, n_kv, L, d]
-        values = self.cache.v_layers[layer][slots].transpose(1, 2)
+        # On the CPU, read only the rows some sequence has (a host read costs nothing there): a
+        # model with a long context would otherwise copy every slot's whole cache every step.
+        span = int(lengths.max()) if q.device.type == "cpu" else self.cache.max_seq_len
+        keys = self.cache.k_layers[layer][slots, :span].transpose(1, 2)  # [B, n_kv, span, d]
+        values = self.cache.v_layers[layer][slots, :span].transpose(1, 2)
         query = q.view(b, self.n_kv, self.group, self.head_dim)
-        mask = (self.key_positions[None, :] < lengths[:, None]).view(b, 1, 1, -1)
+        mask = (self.key_positions[None, :span] < lengths[:, None]).view(b, 1, 1, -1)
         out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask)
         return out.reshape(b, self.n_heads * self.head_dim)
 
