@@ -11,9 +11,11 @@ from graphkeeper.worker.serving.admission import (
     MAX_PROMPT_TEXT_BYTES,
     AdmissionError,
     Limits,
+    Oversize,
     validate_prompt_length,
     validate_reload_request,
     validate_request,
+    validate_tokenized,
 )
 
 LIMITS = Limits(vocab_size=512, max_seq_len=128)
@@ -74,6 +76,41 @@ def test_text_prompt_rules():
     # After tokenization the engine checks the real count.
     validate_prompt_length(100, 28, LIMITS)
     refused(validate_prompt_length, 101, 28, LIMITS)
+
+
+def test_a_text_prompt_that_cannot_fit_is_refused_from_its_byte_length():
+    """With tokens of at most 16 bytes, 128 - 4 tokens hold at most 1984 bytes of text: one byte
+    more is refused naming prompt_text, as oversize, without any tokenizer being asked."""
+    limits = Limits(vocab_size=512, max_seq_len=128, text_prompts=True, max_token_bytes=16)
+    fits = request(prompt_token_ids=[], prompt_text="x" * (16 * 124))
+    validate_request(fits, limits)
+    err = refused(validate_request, request(prompt_token_ids=[], prompt_text="x" * (16 * 124 + 1)), limits)
+    assert isinstance(err, Oversize) and str(err).startswith("prompt_text: 1985 bytes of text make at least 125")
+    huge = refused(validate_request, request(prompt_token_ids=[], prompt_text="é" * MAX_PROMPT_TEXT_BYTES), limits)
+    assert isinstance(huge, Oversize) and huge.field == "prompt_text"
+
+
+def test_a_tokenized_text_prompt_is_judged_naming_prompt_text():
+    validate_tokenized([1] * 124, 4, LIMITS)
+    assert str(refused(validate_tokenized, [1] * 125, 4, LIMITS)).startswith("prompt_text: tokenizes to 125")
+    assert str(refused(validate_tokenized, [1, 512], 4, LIMITS)).startswith("prompt_text: the tokenizer made id 512")
+    assert str(refused(validate_tokenized, [], 4, LIMITS)).startswith("prompt_text: tokenizes to no tokens")
+
+
+def test_a_huge_id_list_is_refused_without_being_copied():
+    """Four million ids (4 KB gzipped on the wire) are refused by their count: the check allocates
+    a few kilobytes, where a copy of the list would take tens of megabytes."""
+    import tracemalloc
+
+    req = request(prompt_token_ids=[7] * 4_000_000)
+    tracemalloc.start()
+    try:
+        err = refused(validate_request, req, LIMITS)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert isinstance(err, Oversize)
+    assert peak < 64 << 10, f"refusing the request allocated {peak} bytes"
 
 
 def test_oversized_prompt_is_refused_before_its_tokens_are_scanned():

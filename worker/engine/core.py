@@ -97,7 +97,8 @@ class Engine:
         loaded = self.slot.loaded
         if loaded is None:
             return None
-        return Limits(loaded.config.vocab_size, self.settings.max_seq_len, text_prompts=self.tokenizer is not None)
+        return Limits(loaded.config.vocab_size, self.settings.max_seq_len, text_prompts=self.tokenizer is not None,
+                      max_token_bytes=self.slot.max_token_bytes)
 
     def submit(self, req: pb.GenerateRequest, stream: Any) -> Sequence:
         """Queues an admitted request (the API layer validated it); raises QueueFull or NotServing."""

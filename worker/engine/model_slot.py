@@ -25,6 +25,9 @@ log = logging.getLogger(__name__)
 L = pb.LedgerStage
 #: KV rows are allocated in multiples of this, as the attention kernels read them.
 KV_ROW_ALIGN = 16
+#: The least bytes per token the text bound assumes: special tokens (which decoding skips) and
+#: normalizers may make a token stand for more text than its decoded form shows.
+MIN_TOKEN_BYTES = 16
 
 
 class ModelSlot:
@@ -36,6 +39,8 @@ class ModelSlot:
         self.metrics = metrics
         self.loaded: LoadedModel | None = None
         self.tokenizer: Tokenizer | None = None
+        #: The most bytes of text one token stands for (0 without a tokenizer): bounds text prompts.
+        self.max_token_bytes = 0
         self.runner: ModelRunner | None = None
         self.optimization = resolve(settings.optimization_level, settings.compile, device.type)
         self.compile_report = CompileReport(level=self.optimization.level, reason=self.optimization.reason)
@@ -70,6 +75,7 @@ class ModelSlot:
         self.runner = ModelRunner(loaded, cache, self.settings.max_num_batched_tokens)
         self.loaded = loaded
         self.tokenizer = load_tokenizer(loaded.source)
+        self.max_token_bytes = longest_token_bytes(self.tokenizer, loaded.config.vocab_size)
         self.metrics.set_model(loaded.revision, loaded.source, str(loaded.dtype).removeprefix("torch."),
                                str(self.device))
         log.info("model %s revision %s loaded: %d parameters, %s on %s%s", loaded.source, loaded.revision,
@@ -90,3 +96,20 @@ class ModelSlot:
     def compile_status(self) -> pb.CompileStatus:
         kernels = self.runner.model.kernels if self.runner else ""
         return self.compile_report.to_proto(kernels, self.settings.quantization)
+
+
+def longest_token_bytes(tokenizer: Tokenizer | None, vocab_size: int) -> int:
+    """The most UTF-8 bytes any one token of ``tokenizer`` decodes to (at least MIN_TOKEN_BYTES).
+
+    Measured once per load, on the engine thread while it loads anyway, so that a text prompt
+    too long to fit the context is refused from its byte length without being tokenized.
+    """
+    if tokenizer is None:
+        return 0
+    longest = MIN_TOKEN_BYTES
+    for token in range(vocab_size):
+        try:
+            longest = max(longest, len(tokenizer.decode([token]).encode("utf-8", "surrogatepass")))
+        except Exception:  # noqa: BLE001 - an id the tokenizer does not know makes no text
+            continue
+    return longest

@@ -66,6 +66,10 @@ class Limits:
     max_seq_len: int
     #: Whether the served model carries a tokenizer, so that ``prompt_text`` can be served.
     text_prompts: bool = False
+    #: The most bytes of text one token of the tokenizer stands for (0: not known). A text prompt
+    #: of B bytes needs at least ceil(B / max_token_bytes) tokens, so one that cannot fit the
+    #: context is refused from its length alone, before any tokenizing.
+    max_token_bytes: int = 0
 
 
 def sequence_for(req: pb.GenerateRequest, stream: Any, eos_token_id: int | None) -> Sequence:

@@ -40,7 +40,13 @@ from graphkeeper.worker.engine import (
     StalePolicy,
     StepFailed,
 )
-from graphkeeper.worker.serving.admission import AdmissionError, validate_reload_request, validate_request
+from graphkeeper.worker.serving.admission import (
+    AdmissionError,
+    Oversize,
+    validate_reload_request,
+    validate_request,
+    validate_tokenized,
+)
 from graphkeeper.worker.serving.wire import tolerant
 
 log = logging.getLogger(__name__)
@@ -123,7 +129,7 @@ class InferenceServicer(pb_grpc.InferenceWorkerServicer):
             request = await self._admitted(request)
             seq = engine.submit(request, stream)
         except AdmissionError as err:
-            engine.metrics.requests.labels("invalid").inc()
+            engine.metrics.requests.labels("oversize" if isinstance(err, Oversize) else "invalid").inc()
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
         except QueueFull as err:
             engine.metrics.requests.labels("queue_full").inc()
@@ -165,7 +171,11 @@ class InferenceServicer(pb_grpc.InferenceWorkerServicer):
 
     async def _admitted(self, request: pb.GenerateRequest) -> pb.GenerateRequest:
         """The request checked against the served model, a text prompt tokenized (off the event
-        loop when long) and checked again as token ids; raises AdmissionError or NotServing."""
+        loop when long) and checked again as token ids; raises AdmissionError or NotServing.
+
+        Every size check runs before anything is copied or tokenized: a prompt that cannot fit
+        the context costs its length checks, not its tokenization (``validate_text_length``).
+        """
         limits = self.engine.limits()
         if limits is None:
             raise NotServing("model not loaded yet")
@@ -177,11 +187,11 @@ class InferenceServicer(pb_grpc.InferenceWorkerServicer):
             ids = await asyncio.to_thread(tokenizer.encode_ids, request.prompt_text)
         else:
             ids = tokenizer.encode_ids(request.prompt_text)
+        validate_tokenized(ids, request.stopping.max_new_tokens, limits)
         tokenized = pb.GenerateRequest()
         tokenized.CopyFrom(request)
         tokenized.ClearField("prompt_text")
         tokenized.prompt_token_ids.extend(ids)
-        validate_request(tokenized, limits)
         return tokenized
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext):  # noqa: N802
@@ -267,7 +277,8 @@ def build_servers(engine: Engine, host: str, port: int, control_host: str, contr
     Raises OSError naming the address when a port cannot be bound (in use, or not an address here).
     """
     inference = grpc.aio.server(options=SERVER_OPTIONS)
-    pb_grpc.add_InferenceWorkerServicer_to_server(InferenceServicer(engine, hub), tolerant(inference))
+    pb_grpc.add_InferenceWorkerServicer_to_server(InferenceServicer(engine, hub),
+                                                  tolerant(inference, _undecodable_counter(engine)))
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, inference)
     reflection.enable_server_reflection((INFERENCE_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), inference)
@@ -278,6 +289,14 @@ def build_servers(engine: Engine, host: str, port: int, control_host: str, contr
     bound = _bind(inference, host, port)
     bound_control = _bind(control, control_host, control_port)
     return Servers(inference, control, bound, bound_control, health_servicer)
+
+
+def _undecodable_counter(engine: Engine) -> Callable[[str], None]:
+    """Counts Generate requests whose bytes did not decode (``requests_total{outcome="undecodable"}``)."""
+    def count(method: str) -> None:
+        if method.endswith("/Generate"):
+            engine.metrics.requests.labels("undecodable").inc()
+    return count
 
 
 def _bind(server: grpc.aio.Server, host: str, port: int) -> int:
