@@ -27,10 +27,17 @@ import torch
 from graphkeeper.proto import worker_pb2 as pb
 from graphkeeper.proto.policy import lifecycle_name
 from graphkeeper.worker.engine.control import Control, Reload, starting_policy
-from graphkeeper.worker.engine.errors import NotServing, QueueFull, StepFailed, device_broken, injected_failure
+from graphkeeper.worker.engine.errors import (
+    NotServing,
+    QueueFull,
+    ReloadBusy,
+    StepFailed,
+    device_broken,
+    injected_failure,
+)
 from graphkeeper.worker.engine.ledger import Ledger
 from graphkeeper.worker.engine.lifecycle import Lifecycle
-from graphkeeper.worker.engine.model_roots import check_model_root
+from graphkeeper.worker.engine.model_roots import ReloadRefused, check_model_root
 from graphkeeper.worker.engine.model_slot import ModelSlot
 from graphkeeper.worker.engine.outputs import InFlight, OutputProcessor, direct_publish
 from graphkeeper.worker.engine.recorder import StepRecorder
@@ -41,6 +48,7 @@ from graphkeeper.worker.engine.status import graph_status, model_info
 from graphkeeper.worker.executor.graphs.controller import CaptureController
 from graphkeeper.worker.executor.graphs.dispatcher import BatchDescriptor, Dispatcher
 from graphkeeper.worker.metrics import WorkerMetrics
+from graphkeeper.worker.model.loader import ModelSourceError, check_source
 from graphkeeper.worker.model.step import forbid_recompiles
 from graphkeeper.worker.model.tokenizer import Tokenizer
 from graphkeeper.worker.settings import EngineSettings
@@ -132,12 +140,24 @@ class Engine:
     def load_revision(self, source: str, revision: str) -> Future:
         """Schedules a model reload; the future resolves to the new revision once it serves.
 
-        Raises ReloadRefused for a source outside the model roots.
+        Everything that can be judged without loading is judged here, before admission pauses:
+        raises ReloadRefused for a source outside the model roots and ReloadBusy (a NotServing)
+        while another reload is pending; a source that cannot load (no config.json, no weights, an
+        unknown preset) returns an already failed future. The engine loads the source's resolved
+        real path, the one the root check judged.
         """
-        check_model_root(source, self.settings.model, self.settings.model_roots)
+        resolved = check_model_root(source, self.settings.model, self.settings.model_roots)
         future: Future = Future()
-        if not self.control.request_reload(Reload(source, revision, future)):
-            future.set_exception(RuntimeError("a model reload is already in progress"))
+        if self.control.reload is not None:
+            raise ReloadBusy("a model reload is already in progress: retry when it has finished")
+        try:
+            check_source(resolved)
+        except (ModelSourceError, OSError, ValueError) as err:
+            self.control.reload_failed(f"model reload failed: {str(err)[:256]}")
+            future.set_exception(err)
+            return future
+        if not self.control.request_reload(Reload(resolved, revision, future)):
+            raise ReloadBusy("a model reload is already in progress: retry when it has finished")
         self._wake.set()
         return future
 
@@ -366,8 +386,15 @@ class Engine:
             log.info("READY: %s", self.capture.summary())
 
     def _reload(self, reload: Reload) -> None:
-        """Loads the new weights beside the old ones; only a complete load replaces anything."""
+        """Loads the new weights beside the old ones; only a complete load replaces anything.
+
+        The resolved source is judged again here, just before loading: a directory whose
+        entries were relinked outside the roots since the request is refused.
+        """
         try:
+            again = check_model_root(reload.source, self.settings.model, self.settings.model_roots)
+            if again != reload.source:
+                raise ReloadRefused("source", "changed since it was checked (a link was replaced)")
             fresh = self.slot.load(reload.source, reload.revision)
         except Exception as err:  # noqa: BLE001 - the old model keeps serving, graphs and all
             message = f"model reload failed: {str(err)[:256]}"

@@ -224,10 +224,14 @@ class GraphControlServicer(pb_grpc.GraphControlServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
         except ReloadRefused as err:
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(err))
+        except NotServing as err:  # another reload is pending: retry later
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(err))
         try:
             revision = await asyncio.wait_for(asyncio.wrap_future(future), RELOAD_TIMEOUT_SECONDS)
         except TimeoutError:
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "model reload did not finish in time")
+        except ReloadRefused as err:  # relinked outside the roots between the request and the load
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(err))
         except Exception as err:  # noqa: BLE001 - reported to the caller; the worker keeps serving
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"source: {err}")
         return pb.LoadModelRevisionResponse(revision=revision, recapture_started=self.engine.captures_graphs)
