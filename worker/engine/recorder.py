@@ -4,6 +4,7 @@ execution summary all come from ``StepRecorder.record``, so they cannot disagree
 from __future__ import annotations
 
 from collections import Counter
+from contextlib import suppress
 
 from graphkeeper.proto.policy import mode_name, reason_name
 from graphkeeper.worker.executor.graphs.dispatcher import BatchDescriptor, Decision
@@ -30,10 +31,8 @@ class StepRecorder:
         series (and /metrics) stay as many as one policy's tenants however many come and go."""
         for tenant in self._listed - tenants:
             for execution in TENANT_EXECUTIONS:
-                try:
+                with suppress(KeyError):  # never ran a step of this kind
                     self.metrics.tenant_steps.remove(tenant, execution)
-                except KeyError:
-                    pass  # never ran a step of this kind
         self._listed = frozenset(tenants)
 
     def record(self, decision: Decision, desc: BatchDescriptor, sequences: list, tenants: set[str],
