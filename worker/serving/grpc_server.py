@@ -20,6 +20,7 @@ import logging
 import threading
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from pathlib import PurePosixPath
 from typing import Any
 
 import grpc
@@ -54,6 +55,11 @@ log = logging.getLogger(__name__)
 INFERENCE_SERVICE = pb.DESCRIPTOR.services_by_name["InferenceWorker"].full_name
 CONTROL_SERVICE = pb.DESCRIPTOR.services_by_name["GraphControl"].full_name
 RELOAD_TIMEOUT_SECONDS = 600.0
+#: Connections each port holds at once; past them a new connection is closed at once. Idle
+#: connections cost memory each (3,000 held 37 MB): clients and the kubelet need far fewer, and
+#: the control port serves the operator and ``graphkeeper status`` only.
+INFERENCE_MAX_CONNECTIONS = 1024
+CONTROL_MAX_CONNECTIONS = 64
 #: Prompts longer than this are tokenized off the event loop.
 INLINE_TOKENIZE_CHARS = 4096
 #: Pacing under load: a stream writes at most once per (this many seconds x open streams), at most
@@ -198,7 +204,17 @@ class InferenceServicer(pb_grpc.InferenceWorkerServicer):
         info = self.engine.model_info()
         if info is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "model not loaded yet")
-        return info
+        return public_model_info(info)
+
+
+def public_model_info(info: pb.GetModelInfoResponse) -> pb.GetModelInfoResponse:
+    """What the unauthenticated inference port tells anyone about the model: the source's last
+    path component (its name), never the full path, which shows the node's directory layout."""
+    public = pb.GetModelInfoResponse()
+    public.CopyFrom(info)
+    if not info.source.startswith("random:"):
+        public.source = PurePosixPath(info.source).name
+    return public
 
 
 class GraphControlServicer(pb_grpc.GraphControlServicer):
@@ -280,19 +296,24 @@ def build_servers(engine: Engine, host: str, port: int, control_host: str, contr
 
     Raises OSError naming the address when a port cannot be bound (in use, or not an address here).
     """
-    inference = grpc.aio.server(options=SERVER_OPTIONS)
+    inference = grpc.aio.server(options=_capped(INFERENCE_MAX_CONNECTIONS))
     pb_grpc.add_InferenceWorkerServicer_to_server(InferenceServicer(engine, hub),
                                                   tolerant(inference, _undecodable_counter(engine)))
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, inference)
     reflection.enable_server_reflection((INFERENCE_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), inference)
     interceptors = (BearerTokenInterceptor(token),) if token else ()
-    control = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors)
+    control = grpc.aio.server(options=_capped(CONTROL_MAX_CONNECTIONS), interceptors=interceptors)
     pb_grpc.add_GraphControlServicer_to_server(GraphControlServicer(engine), tolerant(control))
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, control)
     bound = _bind(inference, host, port)
     bound_control = _bind(control, control_host, control_port)
     return Servers(inference, control, bound, bound_control, health_servicer)
+
+
+def _capped(connections: int) -> tuple[tuple[str, int], ...]:
+    """The server options with a cap on the connections the server holds at once."""
+    return (*SERVER_OPTIONS, ("grpc.max_allowed_incoming_connections", connections))
 
 
 def _undecodable_counter(engine: Engine) -> Callable[[str], None]:
