@@ -9,9 +9,11 @@ from graphkeeper.proto import worker_pb2 as pb
 from graphkeeper.proto.policy import PolicyError, clipped_repr, validate_policy
 from graphkeeper.worker.serving.admission import (
     MAX_PROMPT_TEXT_BYTES,
+    MAX_STOP_IDS,
     AdmissionError,
     Limits,
     Oversize,
+    max_request_bytes,
     validate_prompt_length,
     validate_reload_request,
     validate_request,
@@ -155,3 +157,18 @@ def test_policy_string_bounds(kw, field):
 
 def test_policy_string_edges_pass():
     validate_policy(policy(policy_uid="u" * 128, policy_name=f"{'n' * 63}/{'p' * 253}"))
+
+
+def test_the_largest_valid_request_fits_the_message_cap():
+    """The inference port refuses messages past ``max_request_bytes`` before parsing them: no
+    request that could be valid may be that large, whatever the context."""
+    for max_seq_len in (128, 4096, 1 << 20):
+        common = dict(request_id="é" * 64, tenant="a" * 63,
+                      sampling=pb.SamplingParams(temperature=1.0, top_k=2**31 - 1, top_p=0.5, seed=2**64 - 1),
+                      stopping=pb.StoppingCriteria(max_new_tokens=2**31 - 1, stop_token_ids=[2**31 - 1] * MAX_STOP_IDS,
+                                                   ignore_eos=True))
+        ids = pb.GenerateRequest(prompt_token_ids=[2**31 - 1] * max_seq_len, **common)
+        text = pb.GenerateRequest(prompt_text="😀" * (MAX_PROMPT_TEXT_BYTES // 4), **common)
+        for req in (ids, text):
+            assert req.ByteSize() <= max_request_bytes(max_seq_len)
+    assert max_request_bytes(128) < 4_000_000  # four million ids are refused unparsed

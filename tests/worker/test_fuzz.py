@@ -238,6 +238,19 @@ def test_raw_bytes_never_hurt_the_worker(fuzz_worker, method, payload):
         GENERATE_ANSWERS["undecodable"] += 1
 
 
+def test_four_million_ids_are_refused_before_they_are_parsed(fuzz_worker):
+    """4 MB of ids (4 KB gzipped) exceed the largest request that could be valid for a 128-token
+    context: the port refuses the message unparsed, for a fraction of the parse's CPU."""
+    request = make_request([7] * 4_000_000, 1)
+    before = cpu_seconds(fuzz_worker.proc.pid)
+    for _ in range(5):
+        with pytest.raises(grpc.RpcError) as err:
+            drain(fuzz_worker.inference.Generate(request, timeout=CALL_TIMEOUT, compression=grpc.Compression.Gzip))
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    spent = cpu_seconds(fuzz_worker.proc.pid) - before
+    assert spent < 5 * REFUSAL_CPU_SECONDS, f"five refusals cost {spent:.3f} s of the worker's CPU"
+
+
 def test_worker_is_still_serving_after_the_fuzzing(fuzz_worker):
     """Runs last in this module (pytest keeps file order): every property above ran its whole budget
     against this worker, the worker counted the Generate requests it saw, and it is still healthy."""

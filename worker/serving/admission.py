@@ -26,6 +26,18 @@ MAX_REVISION_BYTES = 128
 MAX_SOURCE_BYTES = 4096
 
 
+#: Room for every field but the prompt in a request's bytes (request id, tenant, stop ids, sampling).
+REQUEST_OVERHEAD_BYTES = 64 << 10
+
+
+def max_request_bytes(max_seq_len: int) -> int:
+    """The largest GenerateRequest that could be valid on a worker with ``max_seq_len``: the
+    inference port refuses bigger messages before parsing them (RESOURCE_EXHAUSTED), so a hostile
+    prompt costs at most a parse of this many bytes. A token id takes at most 5 bytes (a varint of
+    a non-negative int32); a text prompt at most MAX_PROMPT_TEXT_BYTES."""
+    return max(MAX_PROMPT_TEXT_BYTES, 5 * max_seq_len) + REQUEST_OVERHEAD_BYTES
+
+
 class AdmissionError(FieldError):
     """A request refused before it reaches the engine."""
 

@@ -44,6 +44,7 @@ from graphkeeper.worker.engine import (
 from graphkeeper.worker.serving.admission import (
     AdmissionError,
     Oversize,
+    max_request_bytes,
     validate_reload_request,
     validate_request,
     validate_tokenized,
@@ -296,7 +297,9 @@ def build_servers(engine: Engine, host: str, port: int, control_host: str, contr
 
     Raises OSError naming the address when a port cannot be bound (in use, or not an address here).
     """
-    inference = grpc.aio.server(options=_capped(INFERENCE_MAX_CONNECTIONS))
+    inference = grpc.aio.server(options=(
+        *_capped(INFERENCE_MAX_CONNECTIONS),
+        ("grpc.max_receive_message_length", max_request_bytes(engine.settings.max_seq_len))))
     pb_grpc.add_InferenceWorkerServicer_to_server(InferenceServicer(engine, hub),
                                                   tolerant(inference, _undecodable_counter(engine)))
     health_servicer = health.aio.HealthServicer()
