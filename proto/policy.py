@@ -215,6 +215,9 @@ def validate_policy(
     if policy.memory_budget_bytes < 0:
         raise PolicyError("memory_budget_bytes", f"must not be negative, got {policy.memory_budget_bytes}")
     _validate_tenants(policy)
+    if policy.default_tenant_graphs not in (pb.TENANT_GRAPHS_UNSPECIFIED, *TENANT_GRAPHS_BY_NAME.values()):
+        raise PolicyError("default_tenant_graphs",
+                          f"must be ENABLED, DISABLED or unset (ENABLED), got {policy.default_tenant_graphs}")
 
 
 def _validate_sizes(sizes: pb.CaptureSizes, max_num_batched_tokens: int | None) -> None:
@@ -228,11 +231,17 @@ def _validate_sizes(sizes: pb.CaptureSizes, max_num_batched_tokens: int | None) 
         raise PolicyError("capture_sizes.ladder", f"unknown ladder {sizes.ladder}")
     if sizes.WhichOneof("sizes") != "explicit":
         return
-    values = list(sizes.explicit.sizes)
-    if not values:
-        raise PolicyError("capture_sizes.explicit.sizes", "must list at least one size")
+    if max_num_batched_tokens is not None and max_size > max_num_batched_tokens:
+        raise PolicyError(  # explicit sizes are exact: a ceiling past what a step can hold means nothing
+            "capture_sizes.max_capture_size",
+            f"{max_size} exceeds this worker's token budget per step ({max_num_batched_tokens})",
+        )
+    values = sizes.explicit.sizes
     if len(values) > MAX_EXPLICIT_SIZES:
         raise PolicyError("capture_sizes.explicit.sizes", f"at most {MAX_EXPLICIT_SIZES} sizes")
+    values = list(values)
+    if not values:
+        raise PolicyError("capture_sizes.explicit.sizes", "must list at least one size")
     seen: set[int] = set()
     for i, size in enumerate(values):
         field = f"capture_sizes.explicit.sizes[{i}]"

@@ -254,11 +254,26 @@ def run(args: argparse.Namespace) -> int:
     # The engine thread must get the interpreter back quickly from the API layer's thread.
     sys.setswitchinterval(SWITCH_INTERVAL_SECONDS)
     try:
-        return asyncio.run(_serve(args, settings, token))
+        code = asyncio.run(_serve(args, settings, token))
     except (SizingError, ModelSourceError) as err:
         raise SystemExit(f"graphkeeper worker: {one_line(str(err))}") from None
     except OSError as err:
         raise SystemExit(f"graphkeeper worker: {err}") from None
+    _exit_now(code)
+    return code
+
+
+def _exit_now(code: int) -> None:
+    """Ends the process once everything is stopped, skipping the interpreter's teardown.
+
+    With nothing left to do after "stopped", finalization still ran a full garbage collection
+    over torch's heap of objects: 2-5 s of every exit (a SIGTERM, a rollout, a failed engine)
+    spent on memory the kernel frees at once. Logs and standard streams are flushed first.
+    """
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 async def _serve(args: argparse.Namespace, settings: EngineSettings, token: str) -> int:

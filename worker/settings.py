@@ -50,7 +50,7 @@ class EngineSettings:
     prefill_chunk: int = 0
     #: The policy to capture before READY (None or one without a uid: the default ladder).
     policy: pb.GraphPolicy | None = None
-    #: Where LoadModelRevision may load from (empty: the served model's parent directory).
+    #: Where LoadModelRevision may load from (empty: no path may be loaded; random presets only).
     model_roots: tuple[str, ...] = ()
     #: The -O preset and an explicit --compile/--no-compile over it (None: the preset decides).
     optimization_level: int = DEFAULT_OPTIMIZATION_LEVEL

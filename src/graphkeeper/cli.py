@@ -42,7 +42,7 @@ def _worker(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--control-token-file", default="",
                    help="bearer token every GraphControl call must carry; without it control binds loopback only")
     p.add_argument("--model-root", action="append", default=[],
-                   help="where LoadModelRevision may load from (repeatable; default: --model's parent)")
+                   help="where LoadModelRevision may load from (repeatable; none: no path may be loaded)")
     p.add_argument("--metrics-port", type=int, default=9400, help="0 disables /metrics")
     p.add_argument("--device", default=d.DEFAULT_DEVICE, help="cpu, cuda or cuda:N")
     p.add_argument("--dtype", default=d.DEFAULT_DTYPE, help=", ".join(d.DTYPES))

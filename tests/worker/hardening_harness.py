@@ -3,6 +3,8 @@ both can change without stepping on each other."""
 
 from __future__ import annotations
 
+import os
+
 import grpc
 from worker_harness import CONTROL_SERVICE, Worker
 
@@ -27,3 +29,15 @@ def raw_call(worker: Worker, method: str, payload: bytes, *, streaming: bool, ti
     if streaming:
         return list(channel.unary_stream(method)(payload, timeout=timeout))
     return channel.unary_unary(method)(payload, timeout=timeout)
+
+
+def cpu_seconds(pid: int) -> float:
+    """CPU time (user + system, every thread) process ``pid`` has used so far, from /proc.
+
+    What a refusal costs is measured as work, not wall time: another process on a busy machine
+    slows the wall clock, never this count.
+    """
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    utime, stime = int(fields[11]), int(fields[12])  # fields 14 and 15 of proc(5), after pid and comm
+    return (utime + stime) / os.sysconf("SC_CLK_TCK")

@@ -9,11 +9,15 @@ from graphkeeper.proto import worker_pb2 as pb
 from graphkeeper.proto.policy import PolicyError, clipped_repr, validate_policy
 from graphkeeper.worker.serving.admission import (
     MAX_PROMPT_TEXT_BYTES,
+    MAX_STOP_IDS,
     AdmissionError,
     Limits,
+    Oversize,
+    max_request_bytes,
     validate_prompt_length,
     validate_reload_request,
     validate_request,
+    validate_tokenized,
 )
 
 LIMITS = Limits(vocab_size=512, max_seq_len=128)
@@ -76,6 +80,41 @@ def test_text_prompt_rules():
     refused(validate_prompt_length, 101, 28, LIMITS)
 
 
+def test_a_text_prompt_that_cannot_fit_is_refused_from_its_byte_length():
+    """With tokens of at most 16 bytes, 128 - 4 tokens hold at most 1984 bytes of text: one byte
+    more is refused naming prompt_text, as oversize, without any tokenizer being asked."""
+    limits = Limits(vocab_size=512, max_seq_len=128, text_prompts=True, max_token_bytes=16)
+    fits = request(prompt_token_ids=[], prompt_text="x" * (16 * 124))
+    validate_request(fits, limits)
+    err = refused(validate_request, request(prompt_token_ids=[], prompt_text="x" * (16 * 124 + 1)), limits)
+    assert isinstance(err, Oversize) and str(err).startswith("prompt_text: 1985 bytes of text make at least 125")
+    huge = refused(validate_request, request(prompt_token_ids=[], prompt_text="é" * MAX_PROMPT_TEXT_BYTES), limits)
+    assert isinstance(huge, Oversize) and huge.field == "prompt_text"
+
+
+def test_a_tokenized_text_prompt_is_judged_naming_prompt_text():
+    validate_tokenized([1] * 124, 4, LIMITS)
+    assert str(refused(validate_tokenized, [1] * 125, 4, LIMITS)).startswith("prompt_text: tokenizes to 125")
+    assert str(refused(validate_tokenized, [1, 512], 4, LIMITS)).startswith("prompt_text: the tokenizer made id 512")
+    assert str(refused(validate_tokenized, [], 4, LIMITS)).startswith("prompt_text: tokenizes to no tokens")
+
+
+def test_a_huge_id_list_is_refused_without_being_copied():
+    """Four million ids (4 KB gzipped on the wire) are refused by their count: the check allocates
+    a few kilobytes, where a copy of the list would take tens of megabytes."""
+    import tracemalloc
+
+    req = request(prompt_token_ids=[7] * 4_000_000)
+    tracemalloc.start()
+    try:
+        err = refused(validate_request, req, LIMITS)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert isinstance(err, Oversize)
+    assert peak < 64 << 10, f"refusing the request allocated {peak} bytes"
+
+
 def test_oversized_prompt_is_refused_before_its_tokens_are_scanned():
     # Every id is out of the vocabulary: the length check must answer first.
     err = refused(validate_request, request(prompt_token_ids=[10**6] * 200_000), LIMITS)
@@ -118,3 +157,18 @@ def test_policy_string_bounds(kw, field):
 
 def test_policy_string_edges_pass():
     validate_policy(policy(policy_uid="u" * 128, policy_name=f"{'n' * 63}/{'p' * 253}"))
+
+
+def test_the_largest_valid_request_fits_the_message_cap():
+    """The inference port refuses messages past ``max_request_bytes`` before parsing them: no
+    request that could be valid may be that large, whatever the context."""
+    for max_seq_len in (128, 4096, 1 << 20):
+        common = dict(request_id="é" * 64, tenant="a" * 63,
+                      sampling=pb.SamplingParams(temperature=1.0, top_k=2**31 - 1, top_p=0.5, seed=2**64 - 1),
+                      stopping=pb.StoppingCriteria(max_new_tokens=2**31 - 1, stop_token_ids=[2**31 - 1] * MAX_STOP_IDS,
+                                                   ignore_eos=True))
+        ids = pb.GenerateRequest(prompt_token_ids=[2**31 - 1] * max_seq_len, **common)
+        text = pb.GenerateRequest(prompt_text="😀" * (MAX_PROMPT_TEXT_BYTES // 4), **common)
+        for req in (ids, text):
+            assert req.ByteSize() <= max_request_bytes(max_seq_len)
+    assert max_request_bytes(128) < 4_000_000  # four million ids are refused unparsed

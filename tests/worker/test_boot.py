@@ -153,6 +153,8 @@ def _bad_flag_cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
         "policy-is-a-directory": (["--policy-file", str(tmp)], "not a regular file"),
         "model-dir-without-config": (["--model", str(tmp)], "config.json"),
         "unknown-preset": (["--model", "random:huge"], "unknown preset"),
+        "seed-past-64-bits": (["--model", f"random:tiny@{2**70}"], "not in [0, 2**64)"),
+        "seed-as-an-expression": (["--model", "random:tiny@2**70"], "not an integer"),
         "zero-seqs": (["--max-num-seqs", "0"], "--max-num-seqs"),
         "short-context": (["--max-seq-len", "1"], "--max-seq-len"),
         "budget-below-seqs": (["--max-num-seqs", "8", "--max-num-batched-tokens", "4"], "--max-num-batched-tokens"),
@@ -206,6 +208,30 @@ def test_missing_policy_file_still_starts(tmp_path):
         assert status.policy_generation == 0  # the worker's default policy: no file was read
     finally:
         proc.terminate()
+        proc.wait(timeout=60)
+
+
+def test_the_process_exits_promptly_after_stopped(tmp_path):
+    """Nothing is left to do after "stopped": the process exits at once instead of spending
+    seconds in interpreter teardown (a full garbage collection over torch's objects took 2-5 s)."""
+    port, control_port = free_port(), free_port()
+    proc = subprocess.Popen(
+        [str(GRAPHKEEPER), "worker", "--port", str(port), "--control-port", str(control_port), "--metrics-port", "0",
+         "--max-num-seqs", "2", "--max-seq-len", "32", "--max-num-batched-tokens", "16"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path,
+    )
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            wait_for_health(channel, proc)
+        proc.terminate()
+        for line in proc.stdout:
+            if line.rstrip().endswith(": stopped"):
+                break
+        stopped = time.monotonic()
+        assert proc.wait(timeout=60) == 0
+        assert time.monotonic() - stopped < 1.5, f"{time.monotonic() - stopped:.1f} s from 'stopped' to the exit"
+    finally:
+        proc.kill()
         proc.wait(timeout=60)
 
 

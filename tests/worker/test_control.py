@@ -235,3 +235,55 @@ def test_a_failed_reload_changes_nothing_and_the_next_success_clears_the_error(f
     worker.control.LoadModelRevision(pb.LoadModelRevisionRequest(source=str(good), revision="again"), timeout=120)
     status = worker.status()
     assert (status.model_revision, status.last_error) == ("again", "")
+
+
+def test_a_worker_without_a_model_root_loads_no_path(fresh_workers, tmp_path):
+    """No --model-root means reloads from paths are refused, even of the served directory itself
+    (the old default, the model's parent, was / for --model /model)."""
+    model = tmp_path / "m"
+    save_hf_directory(load_model("random:tiny@3", device="cpu", max_positions=128).model, model)
+    worker = fresh_workers(model=str(model))
+    with pytest.raises(grpc.RpcError) as err:
+        worker.control.LoadModelRevision(pb.LoadModelRevisionRequest(source=str(model)), timeout=60)
+    assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert "no --model-root" in err.value.details()
+
+
+def test_a_reload_that_cannot_load_is_refused_without_pausing_admission(fresh_workers, tmp_path):
+    """A source with no config.json is refused before admission pauses: while a long stream runs
+    (a pending reload would wait for it, admitting nothing), the refusal comes back at once and a
+    new request is served beside the stream."""
+    root = tmp_path / "models"
+    good, empty = root / "good", root / "empty"
+    save_hf_directory(load_model("random:tiny@3", device="cpu", max_positions=4096).model, good)
+    empty.mkdir()
+    worker = fresh_workers("--model-root", str(root), "--max-num-seqs", "4", "--max-seq-len", "4096",
+                           "--max-num-batched-tokens", "64",
+                           model=str(good))
+    long_call = worker.inference.Generate(make_request([3, 4], 4000), timeout=300)
+    next(long_call)
+    with pytest.raises(grpc.RpcError) as err:
+        worker.control.LoadModelRevision(pb.LoadModelRevisionRequest(source=str(empty)), timeout=60)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "config.json" in err.value.details()
+    assert worker.status().running_sequences == 1, "the refusal waited for the running stream"
+    tokens, _ = generate(worker, make_request([5, 6], 1), timeout=30)
+    assert len(tokens) == 1 and worker.status().running_sequences == 1
+    assert worker.status().last_error.startswith("model reload failed")
+    long_call.cancel()
+
+
+def test_a_second_reload_while_one_is_pending_is_told_to_retry(fresh_workers):
+    """A reload waits for running sequences; another one meanwhile gets UNAVAILABLE (retryable),
+    not INVALID_ARGUMENT, and the first still completes."""
+    worker = fresh_workers("--max-num-seqs", "4", "--max-seq-len", "4096", "--max-num-batched-tokens", "64")
+    long_call = worker.inference.Generate(make_request([3, 4], 4000), timeout=300)
+    next(long_call)
+    first = worker.control.LoadModelRevision.future(pb.LoadModelRevisionRequest(source="random:tiny@5"), timeout=300)
+    wait_until(lambda: worker.status().pending_model_revision != "", what="the first reload pending")
+    with pytest.raises(grpc.RpcError) as err:
+        worker.control.LoadModelRevision(pb.LoadModelRevisionRequest(source="random:tiny@6"), timeout=60)
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "already in progress" in err.value.details()
+    long_call.cancel()
+    assert first.result(timeout=300).revision
+    assert worker.status().state == pb.LIFECYCLE_STATE_READY

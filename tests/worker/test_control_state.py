@@ -192,3 +192,27 @@ def test_the_starting_policy_is_the_settings_policy_only_when_it_is_a_real_one()
     assert starting_policy(None).mode == pb.GRAPH_MODE_FULL_AND_PIECEWISE
     assert starting_policy(pb.GraphPolicy(mode=pb.GRAPH_MODE_NONE)).mode == pb.GRAPH_MODE_NONE
     assert starting_policy(pb.GraphPolicy(mode=pb.GRAPH_MODE_NONE)).generation == 0
+
+
+def test_a_repeated_generation_with_other_content_is_refused():
+    control = ready_control()
+    assert control.offer(policy(3, mode=pb.GRAPH_MODE_FULL)) == (False, True)
+    assert control.offer(policy(3, mode=pb.GRAPH_MODE_FULL))[0]  # the same again: unchanged
+    with pytest.raises(StalePolicy, match="other content"):
+        control.offer(policy(3, mode=pb.GRAPH_MODE_PIECEWISE))
+    assert control.pending.mode == pb.GRAPH_MODE_FULL
+
+
+def test_generations_are_never_forgotten_however_many_uids_arrive(monkeypatch):
+    """The memory used to drop its oldest uid past 1024, letting that uid's old generations in
+    again; now it keeps every uid and, when full, takes no new one."""
+    monkeypatch.setattr("graphkeeper.worker.engine.control.GENERATION_MEMORY", 40)
+    control = ready_control()
+    control.offer(policy(5, uid="first"))
+    for i in range(38):
+        control.offer(policy(1, uid=f"u{i}"))
+    with pytest.raises(StalePolicy, match="older than generation 5"):
+        control.offer(policy(4, uid="first"))
+    with pytest.raises(StalePolicy, match="takes no new uid"):
+        control.offer(policy(1, uid="one-too-many"))
+    assert control.offer(policy(6, uid="first")) == (False, False)  # a known uid still moves on

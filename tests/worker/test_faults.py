@@ -13,7 +13,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from test_control import apply, policy
-from worker_harness import INFERENCE_SERVICE, collect, generate, make_request, wait_until
+from worker_harness import INFERENCE_SERVICE, collect, generate, generate_concurrently, make_request, wait_until
 
 from graphkeeper.proto import worker_pb2 as pb
 
@@ -52,18 +52,38 @@ def test_a_failing_step_fails_its_requests_and_the_worker_keeps_serving(worker):
         generate(worker, make_request([5, 499, 6], 4))  # the injected token fails its prefill step
     assert err.value.code() == grpc.StatusCode.INTERNAL
     assert "step running this request failed" in err.value.details()
-    # The running stream shared no step with it only if it was between steps; it keeps going or
-    # fails with the same status, never silently.
-    try:
-        tokens, completion = collect(long_call)
-        assert completion.generated_tokens == 200 and len(tokens) + len(first.tokens.token_ids) == 200
-    except grpc.RpcError as shared:
-        assert shared.code() == grpc.StatusCode.INTERNAL
-    assert worker.metric("graphkeeper_requests_total", outcome="error") >= before + 1
+    # The running stream shared the failed step: it was re-run without the culprit and goes on.
+    tokens, completion = collect(long_call)
+    assert completion.generated_tokens == 200 and len(tokens) + len(first.tokens.token_ids) == 200
+    assert worker.metric("graphkeeper_requests_total", outcome="error") == before + 1
     assert worker.status().state == pb.LIFECYCLE_STATE_READY
     assert worker.http_get("/readyz")[0] == 200
     tokens, _ = generate(worker, make_request([5, 6], 4))
     assert len(tokens) == 4
+
+
+def test_a_poison_request_fails_alone_and_its_eight_batch_mates_finish_unchanged(fresh_workers):
+    """A request that makes its step raise, sent while 8 others decode: the step is re-run in
+    halves without it, so it alone fails (INTERNAL) and each batch-mate's tokens are exactly what
+    it generates without the poison."""
+    worker = fresh_workers("--max-num-seqs", "16", "--max-seq-len", "512", "--max-num-batched-tokens", "64",
+                           env={"GRAPHKEEPER_INJECT_STEP_FAILURE": "499"})
+    requests = [make_request([70 + i, 71, 72 + i], 300, request_id=f"mate-{i}") for i in range(8)]
+    expected = [tokens for tokens, _ in generate_concurrently(worker, requests)]
+    calls = [worker.inference.Generate(r, timeout=120) for r in requests]
+    firsts = [list(next(call).tokens.token_ids) for call in calls]
+    wait_until(lambda: worker.status().running_sequences == 8, what="eight decoding streams")
+    for poison in ([5, 499, 6], [499]):
+        with pytest.raises(grpc.RpcError) as err:
+            generate(worker, make_request(poison, 4))
+        assert err.value.code() == grpc.StatusCode.INTERNAL
+    for call, first, want in zip(calls, firsts, expected, strict=True):
+        tokens, completion = collect(call)
+        assert completion.finish_reason == pb.FINISH_REASON_LENGTH
+        assert first + tokens == want
+    assert worker.metric("graphkeeper_requests_total", outcome="error") == 2
+    assert "isolating it" in worker.log()
+    assert worker.status().state == pb.LIFECYCLE_STATE_READY
 
 
 def test_a_dead_engine_fails_readiness_and_exits(fresh_workers):

@@ -16,7 +16,7 @@ from collections import Counter
 
 import grpc
 import pytest
-from hardening_harness import raw_call
+from hardening_harness import cpu_seconds, raw_call
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from worker_harness import CONTROL_SERVICE, INFERENCE_SERVICE, Worker, generate, make_request
@@ -39,6 +39,9 @@ FEW = settings(FUZZ, max_examples=40)
 #: requires every property's whole budget, so it fails unless the fuzzing ran first.
 SENT: Counter[str] = Counter()
 GENERATE_ANSWERS: Counter[str] = Counter()
+#: The most CPU time (every thread of the worker) one refused Generate may cost: parsing and
+#: checking take milliseconds; tokenizing or copying a hostile prompt would take far more.
+REFUSAL_CPU_SECONDS = 0.25
 
 # --- strategies ---------------------------------------------------------------------------------
 
@@ -168,8 +171,12 @@ def fuzz_worker(module_workers) -> Worker:
 @given(request=generate_requests())
 def test_generate_never_hurts_the_worker(fuzz_worker, request):
     SENT["generate"] += 1
+    before = cpu_seconds(fuzz_worker.proc.pid)
     result = check_outcome(lambda: drain(fuzz_worker.inference.Generate(request, timeout=CALL_TIMEOUT)))
+    spent = cpu_seconds(fuzz_worker.proc.pid) - before
     GENERATE_ANSWERS["accepted" if isinstance(result, list) else result.code().name] += 1
+    if not isinstance(result, list):  # a refusal: what it cost the worker, not only its status
+        assert spent < REFUSAL_CPU_SECONDS, f"refusing ({result.code().name}) cost {spent:.3f} s of CPU"
     if isinstance(result, list):  # accepted: a whole stream whose counts add up
         assert result and result[-1].HasField("completion")
         tokens = sum(len(r.tokens.token_ids) for r in result[:-1])
@@ -226,7 +233,22 @@ def test_raw_bytes_never_hurt_the_worker(fuzz_worker, method, payload):
         assume(not loadable(payload))
     streaming = METHODS[method] == "unary_stream"
     SENT["raw"] += 1
-    check_outcome(lambda: raw_call(fuzz_worker, method, payload, streaming=streaming, timeout=CALL_TIMEOUT))
+    result = check_outcome(lambda: raw_call(fuzz_worker, method, payload, streaming=streaming, timeout=CALL_TIMEOUT))
+    if streaming and isinstance(result, grpc.RpcError) and (result.details() or "").startswith("request: the bytes"):
+        GENERATE_ANSWERS["undecodable"] += 1
+
+
+def test_four_million_ids_are_refused_before_they_are_parsed(fuzz_worker):
+    """4 MB of ids (4 KB gzipped) exceed the largest request that could be valid for a 128-token
+    context: the port refuses the message unparsed, for a fraction of the parse's CPU."""
+    request = make_request([7] * 4_000_000, 1)
+    before = cpu_seconds(fuzz_worker.proc.pid)
+    for _ in range(5):
+        with pytest.raises(grpc.RpcError) as err:
+            drain(fuzz_worker.inference.Generate(request, timeout=CALL_TIMEOUT, compression=grpc.Compression.Gzip))
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    spent = cpu_seconds(fuzz_worker.proc.pid) - before
+    assert spent < 5 * REFUSAL_CPU_SECONDS, f"five refusals cost {spent:.3f} s of the worker's CPU"
 
 
 def test_worker_is_still_serving_after_the_fuzzing(fuzz_worker):
@@ -238,6 +260,8 @@ def test_worker_is_still_serving_after_the_fuzzing(fuzz_worker):
     assert GENERATE_ANSWERS["accepted"] > 0, "no fuzzed Generate request reached the engine"
     counted = sum(v for (name, _), v in fuzz_worker.metrics().items() if name == "graphkeeper_requests_total")
     assert counted >= GENERATE_ANSWERS["accepted"] + GENERATE_ANSWERS["INVALID_ARGUMENT"]
+    assert GENERATE_ANSWERS["undecodable"] > 0, "no raw Generate payload failed to decode"
+    assert fuzz_worker.metric("graphkeeper_requests_total", outcome="undecodable") == GENERATE_ANSWERS["undecodable"]
     assert_still_serving(fuzz_worker)
     for name, labels in fuzz_worker.metrics():
         for value in dict(labels).values():

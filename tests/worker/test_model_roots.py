@@ -1,12 +1,14 @@
-"""Where a model reload may come from (engine/model_roots.py, pure): a random preset only for a worker
+"""Where a model reload may come from (engine/model_roots.py): a random preset only for a worker
 that serves a random model, and only its own preset; a path only under one of the worker's model
-roots, by default the served model's parent directory, judged after ``..`` and links resolve."""
+roots (none configured: no path at all), judged after ``..`` and links resolve, every entry of the
+directory inside a root too, and what loads is the path the check resolved."""
 
 from __future__ import annotations
 
 import pytest
 
 from graphkeeper.worker.engine.model_roots import ReloadRefused, check_model_root
+from graphkeeper.worker.model.loader import load_model, save_hf_directory
 
 
 def refusal(source: str, model: str, roots: tuple[str, ...] = ()) -> str:
@@ -39,12 +41,11 @@ def test_a_path_outside_the_model_roots_is_refused_naming_source(tmp_path):
     assert message == "source: not under any --model-root of this worker"
 
 
-def test_the_default_root_is_the_served_models_parent_directory(tmp_path):
+def test_without_a_model_root_every_path_is_refused(tmp_path):
+    """No --model-root means no path reloads, not "the model's parent" (which for /model is /)."""
     model = str(tmp_path / "models" / "llama")
-    check_model_root(str(tmp_path / "models" / "llama-2"), model, ())
-    check_model_root(model, model, ())
-    refusal(str(tmp_path / "llama-3"), model, ())
-    refusal(str(tmp_path / "models-2" / "llama"), model, ())  # a sibling that shares a prefix is not under it
+    for source in (str(tmp_path / "models" / "llama-2"), model, "/"):
+        assert "no --model-root" in refusal(source, model, ())
 
 
 def test_a_path_with_dot_dot_is_judged_where_it_resolves(tmp_path):
@@ -65,3 +66,34 @@ def test_a_link_under_a_root_to_a_directory_outside_is_refused(tmp_path):
 def test_a_random_model_worker_without_model_roots_reloads_no_path(tmp_path):
     refusal(str(tmp_path / "llama"), "random:tiny", ())
     check_model_root(str(tmp_path / "llama"), "random:tiny", (str(tmp_path),))
+
+
+def test_the_resolved_path_is_what_loads_even_when_the_link_is_swapped_after_the_check(tmp_path):
+    """The check returns the real path; repointing the link the client named, after the check,
+    cannot change which directory is loaded."""
+    root, outside = tmp_path / "models", tmp_path / "outside"
+    inside = root / "a"
+    save_hf_directory(load_model("random:tiny@3", device="cpu", max_positions=64).model, inside)
+    save_hf_directory(load_model("random:tiny@4", device="cpu", max_positions=64).model, outside)
+    link = root / "current"
+    link.symlink_to(inside)
+    resolved = check_model_root(str(link), str(inside), (str(root),))
+    assert resolved == str(inside.resolve())
+    link.unlink()
+    link.symlink_to(outside)  # the swap, between the check and the load
+    loaded = load_model(resolved, device="cpu", max_positions=64)
+    expected = load_model(str(inside), device="cpu", max_positions=64)
+    assert loaded.revision == expected.revision != load_model(str(outside), device="cpu", max_positions=64).revision
+    refusal(str(link), str(inside), (str(root),))  # judged again, the link now leads outside
+
+
+def test_a_weight_file_linking_outside_the_roots_is_refused(tmp_path):
+    root, outside = tmp_path / "models", tmp_path / "outside"
+    save_hf_directory(load_model("random:tiny@3", device="cpu", max_positions=64).model, outside)
+    model = root / "m"
+    model.mkdir(parents=True)
+    (model / "config.json").write_bytes((outside / "config.json").read_bytes())
+    (model / "model.safetensors").symlink_to(outside / "model.safetensors")
+    message = refusal(str(model), str(model), (str(root),))
+    assert "'model.safetensors' links outside every --model-root" in message
+    check_model_root(str(model), str(model), (str(root), str(outside)))  # inside another root: fine

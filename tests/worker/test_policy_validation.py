@@ -52,6 +52,8 @@ BAD_POLICIES = [
                    T(tenant="a", graphs=pb.TENANT_GRAPHS_ENABLED)]), "tenants[1].tenant"),
     (dict(tenants=[T(tenant="a")]), "tenants[0].graphs"),
     (dict(tenants=[T(tenant=f"t{i}", graphs=1) for i in range(257)]), "tenants"),
+    (dict(default_tenant_graphs=9), "default_tenant_graphs"),
+    (dict(default_tenant_graphs=-1), "default_tenant_graphs"),
 ]
 
 
@@ -77,6 +79,13 @@ def test_worker_refuses_sizes_beyond_its_token_budget():
         validate_policy(policy, max_num_batched_tokens=64)
     assert err.value.field == "capture_sizes.explicit.sizes[1]"
     assert "token budget" in err.value.message
+    ceiling = _policy(capture_sizes=_explicit(8, 64, max_size=8192))
+    validate_policy(ceiling)
+    with pytest.raises(PolicyError) as err:
+        validate_policy(ceiling, max_num_batched_tokens=512)
+    assert err.value.field == "capture_sizes.max_capture_size" and "token budget" in err.value.message
+    validate_policy(_policy(capture_sizes=pb.CaptureSizes(ladder=pb.CAPTURE_LADDER_DEFAULT, max_capture_size=8192)),
+                    max_num_batched_tokens=512)  # a ladder's ceiling is only a cap: the budget cuts it anyway
 
 
 BAD_SPECS = [

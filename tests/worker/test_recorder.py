@@ -38,3 +38,18 @@ def test_recorder_counts_every_decision_once_for_status_metrics_and_requests():
     assert m.padded_tokens._value.get() == recorder.padded_tokens
     assert m.tenant_steps.labels("gold", "graph")._value.get() == 3
     assert m.tenant_steps.labels("gold", "eager")._value.get() == 2
+
+
+def test_the_series_of_tenants_a_new_policy_no_longer_lists_are_removed():
+    """8 generations of 256 tenants each used to leave 2,048 series behind; now only the listed
+    tenants of the adopted policy keep theirs."""
+    recorder = StepRecorder(WorkerMetrics())
+    decision = Dispatcher(READY).dispatch(DECODE3)
+    seq = SimpleNamespace(graph_steps=Counter(), eager_steps=Counter())
+    for generation in range(8):
+        tenants = {f"g{generation}-t{i}" for i in range(256)}
+        recorder.listed_tenants = frozenset(tenants | {"gold"})
+        recorder.record(decision, DECODE3, [seq], tenants | {"gold"}, 0.001)
+    series = {s.labels["tenant"] for metric in recorder.metrics.tenant_steps.collect() for s in metric.samples}
+    assert series == {f"g7-t{i}" for i in range(256)} | {"gold"}
+    assert recorder.metrics.tenant_steps.labels("gold", "graph")._value.get() == 8  # kept while listed

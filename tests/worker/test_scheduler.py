@@ -8,7 +8,7 @@ import asyncio
 
 import numpy as np
 
-from graphkeeper.worker.engine.scheduler import Scheduler
+from graphkeeper.worker.engine.scheduler import Scheduler, sub_step
 from graphkeeper.worker.engine.sequence import Sequence
 from graphkeeper.worker.plan import SamplingSpec
 from graphkeeper.worker.serving.grpc_server import MAX_FLUSH_GAP, StreamHub, TokenStream
@@ -17,6 +17,34 @@ from graphkeeper.worker.serving.grpc_server import MAX_FLUSH_GAP, StreamHub, Tok
 def seq(prompt_len: int, max_new: int, name: str = "s", temperature: float = 0.0) -> Sequence:
     return Sequence(request_id=name, tenant="", prompt=list(range(3, 3 + prompt_len)), max_new_tokens=max_new,
                     sampling=SamplingSpec(temperature=temperature), seed=len(name))
+
+
+def test_a_sub_step_keeps_exactly_its_sequences_rows():
+    """What a failed step re-runs without its culprit: each kept sequence's rows, positions, slots,
+    chunk and sampling row as in the full step, renumbered; the others' rows are gone."""
+    sched = Scheduler(max_num_seqs=4, max_num_batched_tokens=32, prefill_chunk=0)
+    a, b = seq(3, 8, "a", temperature=0.5), seq(3, 8, "b")
+    sched.add(a)
+    sched.add(b)
+    sched.schedule()  # both prompts; both decode from here
+    c, d = seq(5, 8, "c"), seq(4, 8, "d", temperature=0.7)
+    sched.add(c)
+    sched.add(d)
+    full = sched.schedule()  # decode a, b; prefill c (5 rows), d (4 rows)
+    assert full.plan.num_decode == 2 and [ch.length for ch in full.plan.prefill] == [5, 4]
+    sub = sub_step(full, {b, d})
+    plan = sub.plan
+    assert sub.sequences == [b, d] and sub.samplers == [b, d]
+    assert plan.num_decode == 1 and plan.num_tokens == 5
+    assert list(plan.positions) == [3, 0, 1, 2, 3] and list(plan.slots) == [b.slot] + [d.slot] * 4
+    assert plan.prompt_tokens == d.prompt
+    assert [(ch.row, ch.length, ch.slot, ch.start) for ch in plan.prefill] == [(1, 4, d.slot, 0)]
+    assert list(plan.sample_rows) == [0, 4] and list(plan.sample_slots) == [b.slot, d.slot]
+    assert list(plan.sampling.temperature) == [0.0, np.float32(0.7)]
+    assert list(plan.sampling.sample_index) == [1, 0]
+    alone = sub_step(full, {c})
+    assert alone.plan.num_decode == 0 and alone.plan.prompt_tokens == c.prompt and alone.samplers == [c]
+    assert list(alone.plan.sample_rows) == [4]
 
 
 def test_steps_are_scheduled_ahead_without_the_previous_tokens():

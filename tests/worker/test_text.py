@@ -10,6 +10,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from hardening_harness import cpu_seconds
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from worker_harness import GRAPHKEEPER, generate, make_request
 
@@ -99,3 +100,27 @@ def test_messages_to_a_tokenizer_without_a_chat_template_are_refused_by_name(fre
     assert "messages" in err.value.details() and "no chat template" in err.value.details()
     tokens, _ = generate(worker, make_request([1, 2, 3], 2))
     assert len(tokens) == 2
+
+
+def test_a_text_prompt_too_long_for_the_context_is_refused_before_tokenizing(fresh_workers, text_model):
+    """A client looping 1 MiB prompts (1 KB gzipped) must not buy a tokenization each: the byte
+    length alone shows the text cannot fit, so the refusal costs milliseconds of the worker's CPU
+    (tokenizing it costs about a second here), names prompt_text, and is counted as oversize."""
+    worker = fresh_workers("--max-seq-len", "256", "--max-num-batched-tokens", "64", model=str(text_model))
+    request = pb.GenerateRequest(prompt_text="ab " * 340_000,
+                                 stopping=pb.StoppingCriteria(max_new_tokens=1))
+    before = cpu_seconds(worker.proc.pid)
+    for _ in range(5):
+        with pytest.raises(grpc.RpcError) as err:
+            generate(worker, request)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert err.value.details().startswith("prompt_text: "), err.value.details()
+    spent = cpu_seconds(worker.proc.pid) - before
+    assert spent < 0.5, f"five refusals cost {spent:.2f} s of the worker's CPU"
+    assert worker.metric("graphkeeper_requests_total", outcome="oversize") == 5
+    # A prompt that fits by bytes but not in tokens is refused after tokenizing, naming prompt_text too.
+    words = " ".join(["graphs"] * 300)
+    with pytest.raises(grpc.RpcError) as err:
+        generate(worker, pb.GenerateRequest(prompt_text=words, stopping=pb.StoppingCriteria(max_new_tokens=1)))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details().startswith("prompt_text: tokenizes to"), err.value.details()

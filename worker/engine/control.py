@@ -9,6 +9,7 @@ thread adopts between steps. Tenant rules are the engine thread's alone.
 
 from __future__ import annotations
 
+import hashlib
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -24,8 +25,11 @@ S = pb.LifecycleState
 T = TypeVar("T")
 #: Tenants whose graph permission is remembered; beyond this the memo starts over.
 TENANT_MEMO_LIMIT = 4096
-#: Policy uids whose highest generation is remembered, so generations never go backwards.
-GENERATION_MEMORY = 1024
+#: Policy uids whose highest generation is remembered, so generations never go backwards. Never
+#: forgotten (forgetting one would let its old generations in again): past this many uids a new
+#: uid is refused instead. A cluster has a GraphPolicy per workload, not thousands; each entry is
+#: a uid (at most 128 bytes) and a 16-byte digest, so the memory stays a few megabytes.
+GENERATION_MEMORY = 16384
 
 
 def default_policy(mode: int = pb.GRAPH_MODE_FULL_AND_PIECEWISE) -> pb.GraphPolicy:
@@ -72,7 +76,8 @@ class Control:
         self.pending: pb.GraphPolicy | None = None
         self.reload: Reload | None = None
         self.last_error = ""
-        self._generations: dict[str, int] = {policy.policy_uid: policy.generation}
+        #: uid -> (highest generation seen, the digest of that generation's content)
+        self._generations: dict[str, tuple[int, bytes]] = {policy.policy_uid: (policy.generation, digest(policy))}
         self._tenant_policy = policy
         self._tenant_allowed: dict[str, bool] = {}
 
@@ -85,21 +90,27 @@ class Control:
     def offer(self, policy: pb.GraphPolicy) -> tuple[bool, bool]:
         """Makes ``policy`` pending; (unchanged, recaptures). Raises PolicyError or StalePolicy.
 
-        Idempotent by (uid, generation); a generation older than any seen for the same uid, held
-        or pending, is refused.
+        Idempotent by (uid, generation): the same generation again with the same content is
+        unchanged, with other content it is refused (a change needs a new generation). A
+        generation older than any seen for the same uid, held or pending, is refused.
         """
         with self._lock:
-            held = self._generations.get(policy.policy_uid)
-            if held is not None and policy.generation < held:
-                raise StalePolicy(f"generation {policy.generation} is older than generation {held} of policy "
+            held = self._generations.get(policy.policy_uid) if policy.policy_uid else None
+            if held is not None and policy.generation < held[0]:
+                raise StalePolicy(f"generation {policy.generation} is older than generation {held[0]} of policy "
                                   f"{policy.policy_uid[:64]!r}, which this worker already holds or was sent")
-            if held is not None and policy.generation == held:
+            content = digest(policy)
+            if held is not None and policy.generation == held[0]:
+                if content != held[1]:
+                    raise StalePolicy(f"generation {policy.generation} of policy {policy.policy_uid[:64]!r} was "
+                                      "already sent with other content: a change needs a new generation")
                 return True, False
             validate_policy(policy, self.limits[1])
+            if held is None and len(self._generations) >= GENERATION_MEMORY:
+                raise StalePolicy(f"this worker remembers {GENERATION_MEMORY} policy uids, so that no generation "
+                                  "goes back; it takes no new uid (restart it to start over)")
             recapture = self.recaptures(self.pending or self.policy, policy)
-            if len(self._generations) >= GENERATION_MEMORY and policy.policy_uid not in self._generations:
-                self._generations.pop(next(iter(self._generations)))
-            self._generations[policy.policy_uid] = policy.generation
+            self._generations[policy.policy_uid] = (policy.generation, content)
             self.pending = policy
             return False, recapture
 
@@ -172,3 +183,8 @@ class Control:
                 self._tenant_allowed.clear()  # bounded: any number of tenant names may arrive
             allowed = self._tenant_allowed[tenant] = tenant_allows_graphs(self._tenant_policy, tenant)
         return allowed
+
+
+def digest(policy: pb.GraphPolicy) -> bytes:
+    """What identifies a policy's content, so that one (uid, generation) cannot carry two."""
+    return hashlib.blake2b(policy.SerializeToString(deterministic=True), digest_size=16).digest()

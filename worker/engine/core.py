@@ -27,14 +27,21 @@ import torch
 from graphkeeper.proto import worker_pb2 as pb
 from graphkeeper.proto.policy import lifecycle_name
 from graphkeeper.worker.engine.control import Control, Reload, starting_policy
-from graphkeeper.worker.engine.errors import NotServing, QueueFull, StepFailed, device_broken, injected_failure
+from graphkeeper.worker.engine.errors import (
+    NotServing,
+    QueueFull,
+    ReloadBusy,
+    StepFailed,
+    device_broken,
+    injected_failure,
+)
 from graphkeeper.worker.engine.ledger import Ledger
 from graphkeeper.worker.engine.lifecycle import Lifecycle
-from graphkeeper.worker.engine.model_roots import check_model_root
+from graphkeeper.worker.engine.model_roots import ReloadRefused, check_model_root
 from graphkeeper.worker.engine.model_slot import ModelSlot
 from graphkeeper.worker.engine.outputs import InFlight, OutputProcessor, direct_publish
 from graphkeeper.worker.engine.recorder import StepRecorder
-from graphkeeper.worker.engine.scheduler import ScheduledStep, Scheduler
+from graphkeeper.worker.engine.scheduler import ScheduledStep, Scheduler, sub_step
 from graphkeeper.worker.engine.sequence import Limits, Sequence, sequence_for
 from graphkeeper.worker.engine.sizing import settle
 from graphkeeper.worker.engine.startup import Laps, step_phases
@@ -42,6 +49,7 @@ from graphkeeper.worker.engine.status import graph_status, model_info
 from graphkeeper.worker.executor.graphs.controller import CaptureController
 from graphkeeper.worker.executor.graphs.dispatcher import BatchDescriptor, Dispatcher
 from graphkeeper.worker.metrics import WorkerMetrics
+from graphkeeper.worker.model.loader import ModelSourceError, check_source
 from graphkeeper.worker.model.step import forbid_recompiles
 from graphkeeper.worker.model.tokenizer import Tokenizer
 from graphkeeper.worker.settings import EngineSettings
@@ -104,7 +112,7 @@ class Engine:
             return None
         tok = self.tokenizer
         return Limits(loaded.config.vocab_size, self.settings.max_seq_len, text_prompts=tok is not None,
-                      chat=tok is not None and tok.has_chat_template)
+                      chat=tok is not None and tok.has_chat_template, max_token_bytes=self.slot.max_token_bytes)
 
     def submit(self, req: pb.GenerateRequest, stream: Any) -> Sequence:
         """Queues an admitted request (the API layer validated it); raises QueueFull or NotServing."""
@@ -138,12 +146,24 @@ class Engine:
     def load_revision(self, source: str, revision: str) -> Future:
         """Schedules a model reload; the future resolves to the new revision once it serves.
 
-        Raises ReloadRefused for a source outside the model roots.
+        Everything that can be judged without loading is judged here, before admission pauses:
+        raises ReloadRefused for a source outside the model roots and ReloadBusy (a NotServing)
+        while another reload is pending; a source that cannot load (no config.json, no weights, an
+        unknown preset) returns an already failed future. The engine loads the source's resolved
+        real path, the one the root check judged.
         """
-        check_model_root(source, self.settings.model, self.settings.model_roots)
+        resolved = check_model_root(source, self.settings.model, self.settings.model_roots)
         future: Future = Future()
-        if not self.control.request_reload(Reload(source, revision, future)):
-            future.set_exception(RuntimeError("a model reload is already in progress"))
+        if self.control.reload is not None:
+            raise ReloadBusy("a model reload is already in progress: retry when it has finished")
+        try:
+            check_source(resolved)
+        except (ModelSourceError, OSError, ValueError) as err:
+            self.control.reload_failed(f"model reload failed: {str(err)[:256]}")
+            future.set_exception(err)
+            return future
+        if not self.control.request_reload(Reload(resolved, revision, future)):
+            raise ReloadBusy("a model reload is already in progress: retry when it has finished")
         self._wake.set()
         return future
 
@@ -240,9 +260,11 @@ class Engine:
                 if self.capture.step():
                     self._captured()
             step = self.scheduler.schedule()
-            launched = self._launch(step) if step is not None else None
+            launched, failure = self._launch(step) if step is not None else (None, None)
             self._finish(inflight)
             inflight = launched
+            if failure is not None:
+                self._isolate(step, failure)  # after the previous step's tokens: streams stay in order
             self.metrics.queue_depth.set(len(self.scheduler.waiting) + len(self._inbox))
             self.metrics.running_sequences.set(len(self.scheduler.running))
             if inflight is None and step is None:
@@ -252,33 +274,44 @@ class Engine:
 
     # --- one step: run, then postprocess ---------------------------------------------------
 
-    def _launch(self, step: ScheduledStep) -> InFlight | None:
-        """Dispatches and launches a step; its tokens are read by ``_finish`` after the next launch."""
+    def _launch(self, step: ScheduledStep) -> tuple[InFlight | None, Exception | None]:
+        """Dispatches and launches a step; its tokens are read by ``_finish`` after the next launch.
+
+        A step that raises is returned as its failure, for ``_isolate`` once the step before it
+        has been postprocessed.
+        """
+        try:
+            return self._start(step), None
+        except Exception as err:  # noqa: BLE001 - isolated: the culprit fails, the others run again
+            return None, err
+
+    def _start(self, step: ScheduledStep) -> InFlight:
+        """Launches ``step`` (the one place a step runs); raises what the step raised."""
         plan = step.plan
         desc = BatchDescriptor(plan.num_tokens, plan.uniform_decode,
                                all(self.control.tenant_allows(s.tenant) for s in step.sequences))
         decision = self.dispatcher.dispatch(desc)
         started = time.perf_counter()
-        try:
-            if failure := injected_failure(self.settings.inject_step_failure, plan.prompt_tokens):
-                raise failure
-            runner = self.slot.runner
-            launched = runner.sample_and_send(runner.execute(plan, decision, self.capture.graph_set), plan)
-        except Exception as err:  # noqa: BLE001 - the step's requests fail, the engine keeps serving
-            self._fail_step(step, err)
-            return None
+        if failure := injected_failure(self.settings.inject_step_failure, plan.prompt_tokens):
+            raise failure
+        runner = self.slot.runner
+        launched = runner.sample_and_send(runner.execute(plan, decision, self.capture.graph_set), plan)
         return InFlight(step, decision, desc, launched, started)
 
     def _finish(self, inflight: InFlight | None) -> None:
         """Reads a launched step's tokens, counts it once, and publishes its outputs in one call."""
         if inflight is None:
             return
-        step = inflight.step
         try:
-            tokens = inflight.launched.tokens().tolist()
-        except Exception as err:  # noqa: BLE001
-            self._fail_step(step, err)
-            return
+            self._read(inflight)
+        except Exception as err:  # noqa: BLE001 - the step after it is already launched: no re-run
+            self._fail_step(inflight.step.sequences, err)
+
+    def _read(self, inflight: InFlight) -> None:
+        """Waits for a launched step's tokens, records the step and publishes them; raises what
+        the step raised."""
+        step = inflight.step
+        tokens = inflight.launched.tokens().tolist()
         now = time.perf_counter()
         elapsed = now - max(inflight.started, self._last_finish)
         self._last_finish = now
@@ -290,13 +323,45 @@ class Engine:
             self.ledger.record(L.LEDGER_STAGE_STEADY, self.device)
             self.ledger.export(self.metrics)
 
-    def _fail_step(self, step: ScheduledStep, err: Exception) -> None:
-        """A step that raised fails its own requests; a broken device stops the engine."""
+    def _isolate(self, step: ScheduledStep, err: Exception) -> None:
+        """A step raised at launch: re-runs its sequences in halves, bisecting down to the ones
+        that fail on their own, so a poison request fails alone and its batch-mates go on.
+
+        Each sub-step is the failed step's own rows for its sequences (``sub_step``), run and read
+        at once; a sequence in no failing half is unaffected. At most ``2 x sequences`` sub-steps
+        run; whatever is still suspect after that fails with the step. A broken device stops the
+        engine as before.
+        """
         if device_broken(err):
             raise err
-        log.error("step of %d tokens failed: %s: %s", step.plan.num_tokens, type(err).__name__, err)
+        log.error("step of %d tokens (%d sequences) failed: %s: %s; isolating it", step.plan.num_tokens,
+                  len(step.sequences), type(err).__name__, err)
+        suspects, culprits = [list(step.sequences)], []
+        budget = 2 * len(step.sequences)
+        while suspects:
+            group = suspects.pop()
+            if len(group) == 1 or budget <= 0:
+                culprits += group
+                continue
+            half = len(group) // 2
+            for part in (group[:half], group[half:]):
+                budget -= 1
+                try:
+                    self._read(self._start(sub_step(step, set(part))))
+                except Exception as sub_err:  # noqa: BLE001 - this half holds a culprit
+                    if device_broken(sub_err):
+                        raise sub_err from err
+                    suspects.append(part)
+        self._fail_step(culprits, err)
+
+    def _fail_step(self, sequences: list[Sequence], err: Exception) -> None:
+        """A step that raised fails these requests; a broken device stops the engine."""
+        if device_broken(err):
+            raise err
+        if sequences:
+            log.error("failing %d request(s) of a step that raised %s: %s", len(sequences), type(err).__name__, err)
         failure = StepFailed(f"the step running this request failed: {type(err).__name__}")
-        self.publish(self.outputs.end(step.sequences, failure, outcome="error"))
+        self.publish(self.outputs.end(sequences, failure, outcome="error"))
 
     # --- policies, graphs and model revisions ----------------------------------------------
 
@@ -328,8 +393,15 @@ class Engine:
             log.info("READY: %s", self.capture.summary())
 
     def _reload(self, reload: Reload) -> None:
-        """Loads the new weights beside the old ones; only a complete load replaces anything."""
+        """Loads the new weights beside the old ones; only a complete load replaces anything.
+
+        The resolved source is judged again here, just before loading: a directory whose
+        entries were relinked outside the roots since the request is refused.
+        """
         try:
+            again = check_model_root(reload.source, self.settings.model, self.settings.model_roots)
+            if again != reload.source:
+                raise ReloadRefused("source", "changed since it was checked (a link was replaced)")
             fresh = self.slot.load(reload.source, reload.revision)
         except Exception as err:  # noqa: BLE001 - the old model keeps serving, graphs and all
             message = f"model reload failed: {str(err)[:256]}"

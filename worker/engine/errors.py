@@ -13,6 +13,11 @@ class NotServing(RuntimeError):
     """The worker is not READY or RECAPTURING, or it is shutting down (UNAVAILABLE)."""
 
 
+class ReloadBusy(NotServing):
+    """A model reload is already pending or running: retry once it ends (UNAVAILABLE, retryable,
+    not the caller's bad input)."""
+
+
 class StalePolicy(RuntimeError):
     """A policy generation older than one this worker holds or was sent (FAILED_PRECONDITION)."""
 

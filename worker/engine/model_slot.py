@@ -25,6 +25,9 @@ from graphkeeper.worker.settings import EngineSettings
 
 log = logging.getLogger(__name__)
 L = pb.LedgerStage
+#: The least bytes per token the text bound assumes: special tokens (which decoding skips) and
+#: normalizers may make a token stand for more text than its decoded form shows.
+MIN_TOKEN_BYTES = 16
 
 
 class ModelSlot:
@@ -38,6 +41,8 @@ class ModelSlot:
         self.tokenizer: Tokenizer | None = None
         #: Every EOS the model's config and its tokenizer config declare.
         self.eos_ids: frozenset[int] = frozenset()
+        #: The most bytes of text one token stands for (0 without a tokenizer): bounds text prompts.
+        self.max_token_bytes = 0
         self.runner: ModelRunner | None = None
         self.optimization = resolve(settings.optimization_level, settings.compile, device.type)
         self.compile_report = CompileReport(level=self.optimization.level, reason=self.optimization.reason)
@@ -76,6 +81,7 @@ class ModelSlot:
         self.tokenizer = load_tokenizer(loaded.source)
         from_tokenizer = self.tokenizer.eos_ids() if self.tokenizer else frozenset()
         self.eos_ids = frozenset(loaded.config.eos_token_ids) | from_tokenizer
+        self.max_token_bytes = longest_token_bytes(self.tokenizer, loaded.config.vocab_size)
         self.metrics.set_model(loaded.revision, loaded.source, str(loaded.dtype).removeprefix("torch."),
                                str(self.device))
         log.info("model %s revision %s loaded: %d parameters, %s on %s%s", loaded.source, loaded.revision,
@@ -117,3 +123,18 @@ def source_bytes(source: str) -> int | None:
 
 def describe_size(n: int | None) -> str:
     return "random weights" if n is None else f"{n / (1 << 20):.0f} MiB"
+def longest_token_bytes(tokenizer: Tokenizer | None, vocab_size: int) -> int:
+    """The most UTF-8 bytes any one token of ``tokenizer`` decodes to (at least MIN_TOKEN_BYTES).
+
+    Measured once per load, on the engine thread while it loads anyway, so that a text prompt
+    too long to fit the context is refused from its byte length without being tokenized.
+    """
+    if tokenizer is None:
+        return 0
+    longest = MIN_TOKEN_BYTES
+    for token in range(vocab_size):
+        try:
+            longest = max(longest, len(tokenizer.decode([token]).encode("utf-8", "surrogatepass")))
+        except Exception:  # noqa: BLE001 - an id the tokenizer does not know makes no text
+            continue
+    return longest

@@ -4,10 +4,11 @@ execution summary all come from ``StepRecorder.record``, so they cannot disagree
 from __future__ import annotations
 
 from collections import Counter
+from contextlib import suppress
 
 from graphkeeper.proto.policy import mode_name, reason_name
 from graphkeeper.worker.executor.graphs.dispatcher import BatchDescriptor, Decision
-from graphkeeper.worker.metrics import WorkerMetrics
+from graphkeeper.worker.metrics import TENANT_EXECUTIONS, WorkerMetrics
 
 
 class StepRecorder:
@@ -17,7 +18,22 @@ class StepRecorder:
         self.eager_steps: Counter[int] = Counter()  # reason -> steps
         self.real_tokens = 0
         self.padded_tokens = 0
-        self.listed_tenants: frozenset[str] = frozenset()
+        self._listed: frozenset[str] = frozenset()
+
+    @property
+    def listed_tenants(self) -> frozenset[str]:
+        """The tenants the adopted policy lists: the only ones with series of their own."""
+        return self._listed
+
+    @listed_tenants.setter
+    def listed_tenants(self, tenants: frozenset[str]) -> None:
+        """A new policy's tenants; the series of tenants it no longer lists are removed, so the
+        series (and /metrics) stay as many as one policy's tenants however many come and go."""
+        for tenant in self._listed - tenants:
+            for execution in TENANT_EXECUTIONS:
+                with suppress(KeyError):  # never ran a step of this kind
+                    self.metrics.tenant_steps.remove(tenant, execution)
+        self._listed = frozenset(tenants)
 
     def record(self, decision: Decision, desc: BatchDescriptor, sequences: list, tenants: set[str],
                elapsed: float) -> None:

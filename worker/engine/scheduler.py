@@ -197,3 +197,47 @@ class Scheduler:
             self.running.append(seq)
             self.prefilling.append(seq)
             self.sampled_running += not seq.sampling.greedy
+
+
+def sub_step(step: ScheduledStep, keep: set[Sequence]) -> ScheduledStep:
+    """The rows of ``step`` that belong to ``keep``, as a step of their own.
+
+    Used to re-run a failed step without its culprit: each kept row keeps its position, slot and
+    sampling row, so the sub-step computes exactly what the full step would have for those
+    sequences (the scheduler's state already counts the step as launched). Pure.
+    """
+    plan = step.plan
+    nd = plan.num_decode
+    decode = [i for i in range(nd) if step.sequences[i] in keep]
+    prompt_tokens: list[int] = []
+    positions, slots = [plan.positions[decode]], [plan.slots[decode]]
+    chunks: list[PrefillChunk] = []
+    sequences = [step.sequences[i] for i in decode]
+    sample_rows, sample_from = list(range(len(decode))), list(decode)  # new row, index of the old sample row
+    old_sample = {int(row): k for k, row in enumerate(plan.sample_rows[nd:], start=nd)}
+    row = len(decode)
+    for j, chunk in enumerate(plan.prefill):
+        seq = step.sequences[nd + j]
+        if seq not in keep:
+            continue
+        start = chunk.row - nd  # the chunk's tokens in prompt_tokens
+        prompt_tokens.extend(plan.prompt_tokens[start:start + chunk.length])
+        positions.append(plan.positions[chunk.row:chunk.row + chunk.length])
+        slots.append(plan.slots[chunk.row:chunk.row + chunk.length])
+        chunks.append(PrefillChunk(row=row, length=chunk.length, slot=chunk.slot, start=chunk.start))
+        sequences.append(seq)
+        if (k := old_sample.get(chunk.row + chunk.length - 1)) is not None:
+            sample_rows.append(row + chunk.length - 1)
+            sample_from.append(k)
+        row += chunk.length
+    sampling = plan.sampling
+    if sampling is not None:
+        sampling = SamplingBatch(sampling.temperature[sample_from], sampling.top_k[sample_from],
+                                 sampling.top_p[sample_from], sampling.seeds[sample_from],
+                                 sampling.sample_index[sample_from])
+    sub = StepPlan(
+        prompt_tokens=prompt_tokens, positions=np.concatenate(positions), slots=np.concatenate(slots),
+        num_decode=len(decode), prefill=chunks, sample_rows=np.asarray(sample_rows, dtype=np.int64),
+        sample_slots=plan.sample_slots[sample_from], sampling=sampling,
+    )
+    return ScheduledStep(sub, sequences, [step.samplers[k] for k in sample_from])

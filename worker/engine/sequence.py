@@ -69,6 +69,10 @@ class Limits:
     text_prompts: bool = False
     #: Whether its tokenizer has a chat template, so that ``messages`` can be served.
     chat: bool = False
+    #: The most bytes of text one token of the tokenizer stands for (0: not known). A text prompt
+    #: of B bytes needs at least ceil(B / max_token_bytes) tokens, so one that cannot fit the
+    #: context is refused from its length alone, before any tokenizing.
+    max_token_bytes: int = 0
 
 
 def sequence_for(req: pb.GenerateRequest, stream: Any, eos_ids: frozenset[int]) -> Sequence:

@@ -192,6 +192,8 @@ def _parse_random(source: str) -> tuple[str, int]:
         seed = int(seed_text) if seed_text else DEFAULT_SEED
     except ValueError:
         raise ModelSourceError(f"seed {clipped_repr(seed_text)} in {clipped_repr(source)} is not an integer") from None
+    if not 0 <= seed < 2**64:  # what a torch generator takes
+        raise ModelSourceError(f"seed {clipped_repr(seed_text)} in {clipped_repr(source)} is not in [0, 2**64)")
     return preset, seed
 
 

@@ -30,8 +30,28 @@ MAX_REVISION_BYTES = 128
 MAX_SOURCE_BYTES = 4096
 
 
+#: Room for every field but the prompt in a request's bytes (request id, tenant, stop ids, sampling).
+REQUEST_OVERHEAD_BYTES = 64 << 10
+
+
+def max_request_bytes(max_seq_len: int) -> int:
+    """The largest GenerateRequest that could be valid on a worker with ``max_seq_len``: the
+    inference port refuses bigger messages before parsing them (RESOURCE_EXHAUSTED), so a hostile
+    prompt costs at most a parse of this many bytes. A token id takes at most 5 bytes (a varint of
+    a non-negative int32); a text prompt at most MAX_PROMPT_TEXT_BYTES."""
+    return max(MAX_PROMPT_TEXT_BYTES, 5 * max_seq_len) + REQUEST_OVERHEAD_BYTES
+
+
 class AdmissionError(FieldError):
     """A request refused before it reaches the engine."""
+
+
+class Oversize(AdmissionError):
+    """A request refused for its size: a prompt that cannot fit the context, or text past the cap.
+
+    Counted apart (``requests_total{outcome="oversize"}``): a flood of these is an attack or a
+    misconfigured client, and each was refused before anything was copied or tokenized.
+    """
 
 
 def validate_request(req: pb.GenerateRequest, limits: Limits) -> None:
@@ -50,15 +70,17 @@ def validate_request(req: pb.GenerateRequest, limits: Limits) -> None:
     if max_new < 1:
         raise AdmissionError("stopping.max_new_tokens", f"must be at least 1, got {max_new}")
     if req.prompt_token_ids:
-        validate_prompt_length(len(req.prompt_token_ids), max_new, limits)
+        validate_prompt_length(len(req.prompt_token_ids), max_new, limits)  # len() copies nothing
         for i, token in enumerate(req.prompt_token_ids):
             if not 0 <= token < limits.vocab_size:
                 raise AdmissionError(
                     f"prompt_token_ids[{i}]", f"token id {token} is outside the vocabulary [0, {limits.vocab_size})"
                 )
-    elif max_new >= limits.max_seq_len:
-        # The text's token count is known only after tokenization; at least one token must fit.
-        validate_prompt_length(1, max_new, limits)
+    elif req.messages:  # the template adds tokens: the contents' bytes still bound the count below
+        validate_text_length("".join(m.content for m in req.messages), max_new, limits, "messages")
+    else:
+        # The text's token count is known only after tokenization; its byte length bounds it below.
+        validate_text_length(req.prompt_text, max_new, limits)
     if len(req.stopping.stop_token_ids) > MAX_STOP_IDS:
         raise AdmissionError("stopping.stop_token_ids", f"at most {MAX_STOP_IDS} stop ids")
     for i, token in enumerate(req.stopping.stop_token_ids):
@@ -79,9 +101,11 @@ def _validate_prompt_source(req: pb.GenerateRequest, limits: Limits) -> None:
     if has_chat:
         _validate_messages(req.messages, limits)
     if has_text:
-        size = utf8_len(req.prompt_text)
+        text = req.prompt_text
+        # A character is at most 4 bytes: the character count refuses most of them without encoding.
+        size = len(text) if len(text) > MAX_PROMPT_TEXT_BYTES else utf8_len(text)
         if size > MAX_PROMPT_TEXT_BYTES:
-            raise AdmissionError("prompt_text", f"at most {MAX_PROMPT_TEXT_BYTES} bytes, got {size}")
+            raise Oversize("prompt_text", f"at most {MAX_PROMPT_TEXT_BYTES} bytes, got {size}")
         if not limits.text_prompts:
             raise AdmissionError(
                 "prompt_text", "this model has no tokenizer (tokenizer.json): send prompt_token_ids"
@@ -99,7 +123,7 @@ def _validate_messages(messages, limits: Limits) -> None:
                                  f"{clipped_repr(message.role)}")
         total += utf8_len(message.content)
         if total > MAX_PROMPT_TEXT_BYTES:
-            raise AdmissionError("messages", f"at most {MAX_PROMPT_TEXT_BYTES} bytes of content in all")
+            raise Oversize("messages", f"at most {MAX_PROMPT_TEXT_BYTES} bytes of content in all")
     if not limits.chat:
         raise AdmissionError("messages", "this model's tokenizer has no chat template: send prompt_text or "
                              "prompt_token_ids")
@@ -111,11 +135,47 @@ def validate_prompt_length(prompt_tokens: int, max_new_tokens: int, limits: Limi
     Called again by the engine after it tokenizes a ``prompt_text``, when the count is known.
     """
     if prompt_tokens + max_new_tokens > limits.max_seq_len:
-        raise AdmissionError(
+        raise Oversize(
             "stopping.max_new_tokens",
             f"prompt ({prompt_tokens} tokens) plus max_new_tokens ({max_new_tokens}) exceeds the context of "
             f"{limits.max_seq_len} tokens",
         )
+
+
+def validate_text_length(text: str, max_new_tokens: int, limits: Limits, field: str = "prompt_text") -> None:
+    """Refuses a text prompt that cannot fit the context, from its byte length alone.
+
+    ``B`` bytes make at least ``ceil(B / max_token_bytes)`` tokens (no token stands for more
+    bytes than the tokenizer's longest), so this never refuses a prompt that would fit, and it
+    is what bounds the text a request may make the worker tokenize.
+    """
+    validate_prompt_length(1, max_new_tokens, limits)  # max_new_tokens alone leaves no room
+    if limits.max_token_bytes <= 0:
+        return  # the tokenizer is not measured: the count is checked after tokenizing
+    least = max(1, -(-utf8_len(text) // limits.max_token_bytes))
+    if least + max_new_tokens > limits.max_seq_len:
+        raise Oversize(
+            field,
+            f"{utf8_len(text)} bytes of text make at least {least} tokens, which with max_new_tokens "
+            f"({max_new_tokens}) exceeds the context of {limits.max_seq_len} tokens",
+        )
+
+
+def validate_tokenized(ids: list[int], max_new_tokens: int, limits: Limits, field: str = "prompt_text") -> None:
+    """A tokenized ``prompt_text`` (or ``messages``) checked as token ids; errors name ``field``,
+    the field the client sent."""
+    if len(ids) + max_new_tokens > limits.max_seq_len:
+        raise Oversize(
+            field,
+            f"tokenizes to {len(ids)} tokens, which with max_new_tokens ({max_new_tokens}) exceeds the context "
+            f"of {limits.max_seq_len} tokens",
+        )
+    if not ids:
+        raise AdmissionError(field, "tokenizes to no tokens")
+    bad = next((t for t in ids if not 0 <= t < limits.vocab_size), None)
+    if bad is not None:
+        raise AdmissionError(
+            field, f"the tokenizer made id {bad}, outside the model's vocabulary [0, {limits.vocab_size})")
 
 
 def _validate_sampling(s: pb.SamplingParams) -> None:

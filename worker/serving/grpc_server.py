@@ -20,6 +20,7 @@ import logging
 import threading
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from pathlib import PurePosixPath
 from typing import Any
 
 import grpc
@@ -41,7 +42,14 @@ from graphkeeper.worker.engine import (
     StalePolicy,
     StepFailed,
 )
-from graphkeeper.worker.serving.admission import AdmissionError, validate_reload_request, validate_request
+from graphkeeper.worker.serving.admission import (
+    AdmissionError,
+    Oversize,
+    max_request_bytes,
+    validate_reload_request,
+    validate_request,
+    validate_tokenized,
+)
 from graphkeeper.worker.serving.wire import tolerant
 
 log = logging.getLogger(__name__)
@@ -49,6 +57,11 @@ log = logging.getLogger(__name__)
 INFERENCE_SERVICE = pb.DESCRIPTOR.services_by_name["InferenceWorker"].full_name
 CONTROL_SERVICE = pb.DESCRIPTOR.services_by_name["GraphControl"].full_name
 RELOAD_TIMEOUT_SECONDS = 600.0
+#: Connections each port holds at once; past them a new connection is closed at once. Idle
+#: connections cost memory each (3,000 held 37 MB): clients and the kubelet need far fewer, and
+#: the control port serves the operator and ``graphkeeper status`` only.
+INFERENCE_MAX_CONNECTIONS = 1024
+CONTROL_MAX_CONNECTIONS = 64
 #: Prompts longer than this are tokenized off the event loop.
 INLINE_TOKENIZE_CHARS = 4096
 #: Pacing under load: a stream writes at most once per (this many seconds x open streams), at most
@@ -124,7 +137,7 @@ class InferenceServicer(pb_grpc.InferenceWorkerServicer):
             request = await self._admitted(request)
             seq = engine.submit(request, stream)
         except AdmissionError as err:
-            engine.metrics.requests.labels("invalid").inc()
+            engine.metrics.requests.labels("oversize" if isinstance(err, Oversize) else "invalid").inc()
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
         except QueueFull as err:
             engine.metrics.requests.labels("queue_full").inc()
@@ -166,7 +179,11 @@ class InferenceServicer(pb_grpc.InferenceWorkerServicer):
 
     async def _admitted(self, request: pb.GenerateRequest) -> pb.GenerateRequest:
         """The request checked against the served model, a text prompt tokenized (off the event
-        loop when long) and checked again as token ids; raises AdmissionError or NotServing."""
+        loop when long) and checked again as token ids; raises AdmissionError or NotServing.
+
+        Every size check runs before anything is copied or tokenized: a prompt that cannot fit
+        the context costs its length checks, not its tokenization (``validate_text_length``).
+        """
         limits = self.engine.limits()
         if limits is None:
             raise NotServing("model not loaded yet")
@@ -183,19 +200,30 @@ class InferenceServicer(pb_grpc.InferenceWorkerServicer):
             ids = await asyncio.to_thread(encode) if size > INLINE_TOKENIZE_CHARS else encode()
         except ChatError as err:
             raise AdmissionError(err.field, str(err).removeprefix(f"{err.field}: ")) from None
+        validate_tokenized(ids, request.stopping.max_new_tokens, limits,
+                           "messages" if request.messages else "prompt_text")
         tokenized = pb.GenerateRequest()
         tokenized.CopyFrom(request)
         tokenized.ClearField("prompt_text")
         tokenized.ClearField("messages")
         tokenized.prompt_token_ids.extend(ids)
-        validate_request(tokenized, limits)
         return tokenized
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext):  # noqa: N802
         info = self.engine.model_info()
         if info is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "model not loaded yet")
-        return info
+        return public_model_info(info)
+
+
+def public_model_info(info: pb.GetModelInfoResponse) -> pb.GetModelInfoResponse:
+    """What the unauthenticated inference port tells anyone about the model: the source's last
+    path component (its name), never the full path, which shows the node's directory layout."""
+    public = pb.GetModelInfoResponse()
+    public.CopyFrom(info)
+    if not info.source.startswith("random:"):
+        public.source = PurePosixPath(info.source).name
+    return public
 
 
 class GraphControlServicer(pb_grpc.GraphControlServicer):
@@ -221,10 +249,14 @@ class GraphControlServicer(pb_grpc.GraphControlServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
         except ReloadRefused as err:
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(err))
+        except NotServing as err:  # another reload is pending: retry later
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(err))
         try:
             revision = await asyncio.wait_for(asyncio.wrap_future(future), RELOAD_TIMEOUT_SECONDS)
         except TimeoutError:
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "model reload did not finish in time")
+        except ReloadRefused as err:  # relinked outside the roots between the request and the load
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(err))
         except Exception as err:  # noqa: BLE001 - reported to the caller; the worker keeps serving
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"source: {err}")
         return pb.LoadModelRevisionResponse(revision=revision, recapture_started=self.engine.captures_graphs)
@@ -273,18 +305,34 @@ def build_servers(engine: Engine, host: str, port: int, control_host: str, contr
 
     Raises OSError naming the address when a port cannot be bound (in use, or not an address here).
     """
-    inference = grpc.aio.server(options=SERVER_OPTIONS)
-    pb_grpc.add_InferenceWorkerServicer_to_server(InferenceServicer(engine, hub), tolerant(inference))
+    inference = grpc.aio.server(options=(
+        *_capped(INFERENCE_MAX_CONNECTIONS),
+        ("grpc.max_receive_message_length", max_request_bytes(engine.settings.max_seq_len))))
+    pb_grpc.add_InferenceWorkerServicer_to_server(InferenceServicer(engine, hub),
+                                                  tolerant(inference, _undecodable_counter(engine)))
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, inference)
     reflection.enable_server_reflection((INFERENCE_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), inference)
     interceptors = (BearerTokenInterceptor(token),) if token else ()
-    control = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors)
+    control = grpc.aio.server(options=_capped(CONTROL_MAX_CONNECTIONS), interceptors=interceptors)
     pb_grpc.add_GraphControlServicer_to_server(GraphControlServicer(engine), tolerant(control))
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, control)
     bound = _bind(inference, host, port)
     bound_control = _bind(control, control_host, control_port)
     return Servers(inference, control, bound, bound_control, health_servicer)
+
+
+def _capped(connections: int) -> tuple[tuple[str, int], ...]:
+    """The server options with a cap on the connections the server holds at once."""
+    return (*SERVER_OPTIONS, ("grpc.max_allowed_incoming_connections", connections))
+
+
+def _undecodable_counter(engine: Engine) -> Callable[[str], None]:
+    """Counts Generate requests whose bytes did not decode (``requests_total{outcome="undecodable"}``)."""
+    def count(method: str) -> None:
+        if method.endswith("/Generate"):
+            engine.metrics.requests.labels("undecodable").inc()
+    return count
 
 
 def _bind(server: grpc.aio.Server, host: str, port: int) -> int:

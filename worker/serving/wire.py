@@ -7,6 +7,9 @@ and alert. ``tolerant(server)`` wraps a server (sync or ``grpc.aio``) for the ge
 an ``Undecodable`` marker), and the method answers INVALID_ARGUMENT before the servicer runs::
 
     pb_grpc.add_InferenceWorkerServicer_to_server(servicer, tolerant(server))
+
+``tolerant(server, on_undecodable)`` also calls ``on_undecodable(method)`` for each such request
+(the full method name), so the API layer can count them.
 """
 
 from __future__ import annotations
@@ -42,11 +45,19 @@ def tolerant_deserializer(parse: Callable[[bytes], Any]) -> Callable[[bytes], An
     return deserialize
 
 
-def _guard(behavior: Callable) -> Callable:
+Counter = Callable[[str], None]
+
+
+def _ignore(method: str) -> None:
+    """The default ``on_undecodable``: counts nothing."""
+
+
+def _guard(behavior: Callable, method: str = "", on_undecodable: Counter = _ignore) -> Callable:
     """``behavior`` that first answers INVALID_ARGUMENT for an ``Undecodable`` request."""
     if inspect.isasyncgenfunction(behavior):
         async def guarded_agen(request, context):
             if isinstance(request, Undecodable):
+                on_undecodable(method)
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
             async for item in behavior(request, context):
                 yield item
@@ -54,24 +65,28 @@ def _guard(behavior: Callable) -> Callable:
     if inspect.iscoroutinefunction(behavior):
         async def guarded_coro(request, context):
             if isinstance(request, Undecodable):
+                on_undecodable(method)
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
             return await behavior(request, context)
         return guarded_coro
     if inspect.isgeneratorfunction(behavior):
         def guarded_gen(request, context):
             if isinstance(request, Undecodable):
+                on_undecodable(method)
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
             yield from behavior(request, context)
         return guarded_gen
 
     def guarded(request, context):
         if isinstance(request, Undecodable):
+            on_undecodable(method)
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
         return behavior(request, context)
     return guarded
 
 
-def tolerant_handler(handler: grpc.RpcMethodHandler | None) -> grpc.RpcMethodHandler | None:
+def tolerant_handler(handler: grpc.RpcMethodHandler | None, method: str = "",
+                     on_undecodable: Counter = _ignore) -> grpc.RpcMethodHandler | None:
     """The same method handler with a tolerant deserializer and a guarded behaviour (unary requests)."""
     if handler is None or handler.request_streaming or handler.request_deserializer is None:
         return handler
@@ -80,7 +95,7 @@ def tolerant_handler(handler: grpc.RpcMethodHandler | None) -> grpc.RpcMethodHan
     field = "unary_stream" if handler.response_streaming else "unary_unary"
     return handler._replace(  # the handlers grpc builds are namedtuples
         request_deserializer=_Tolerant(tolerant_deserializer(handler.request_deserializer)),
-        **{field: _guard(getattr(handler, field))},
+        **{field: _guard(getattr(handler, field), method, on_undecodable)},
     )
 
 
@@ -95,15 +110,16 @@ class _Tolerant:
 
 
 class _TolerantGeneric(grpc.GenericRpcHandler):
-    def __init__(self, inner: grpc.GenericRpcHandler) -> None:
+    def __init__(self, inner: grpc.GenericRpcHandler, on_undecodable: Counter = _ignore) -> None:
         self.inner = inner
+        self.on_undecodable = on_undecodable
         self._cache: dict[str, grpc.RpcMethodHandler] = {}
 
     def service(self, handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
         method = handler_call_details.method
         cached = self._cache.get(method)
         if cached is None:
-            cached = tolerant_handler(self.inner.service(handler_call_details))
+            cached = tolerant_handler(self.inner.service(handler_call_details), method, self.on_undecodable)
             if cached is not None:  # only this service's methods: a client's made-up names are not kept
                 self._cache[method] = cached
         return cached
@@ -112,20 +128,23 @@ class _TolerantGeneric(grpc.GenericRpcHandler):
 class _TolerantServer:
     """A server seen through ``tolerant``: handlers added through it decode tolerantly."""
 
-    def __init__(self, server: Any) -> None:
+    def __init__(self, server: Any, on_undecodable: Counter = _ignore) -> None:
         self._server = server
+        self._on_undecodable = on_undecodable
 
     def add_generic_rpc_handlers(self, handlers: Iterable[grpc.GenericRpcHandler]) -> None:
-        self._server.add_generic_rpc_handlers(tuple(_TolerantGeneric(h) for h in handlers))
+        self._server.add_generic_rpc_handlers(tuple(_TolerantGeneric(h, self._on_undecodable) for h in handlers))
 
     def add_registered_method_handlers(self, service: str, handlers: dict[str, grpc.RpcMethodHandler]) -> None:
         self._server.add_registered_method_handlers(
-            service, {name: tolerant_handler(h) for name, h in handlers.items()})
+            service, {name: tolerant_handler(h, f"/{service}/{name}", self._on_undecodable)
+                      for name, h in handlers.items()})
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._server, name)
 
 
-def tolerant(server: Any) -> Any:
-    """``server`` for ``add_*Servicer_to_server``: undecodable requests become INVALID_ARGUMENT."""
-    return _TolerantServer(server)
+def tolerant(server: Any, on_undecodable: Counter = _ignore) -> Any:
+    """``server`` for ``add_*Servicer_to_server``: undecodable requests become INVALID_ARGUMENT,
+    each reported to ``on_undecodable(method)``."""
+    return _TolerantServer(server, on_undecodable)
