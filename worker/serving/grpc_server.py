@@ -151,6 +151,8 @@ class InferenceServicer(pb_grpc.InferenceWorkerServicer):
                     return
                 if isinstance(end, StepFailed):
                     await context.abort(grpc.StatusCode.INTERNAL, str(end))
+                if isinstance(end, QueueFull):  # refused by an engine core in its own process
+                    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(end))
                 if isinstance(end, NotServing):
                     await context.abort(grpc.StatusCode.UNAVAILABLE, str(end))
                 if hub is not None and (gap := hub.flush_gap()):
