@@ -128,7 +128,6 @@ class Channel:
     def close(self) -> None:
         """Shuts the socket down before closing it: a thread blocked in ``recv`` on this end keeps
         the socket open past ``close`` alone, and the other process would never see EOF."""
-        with contextlib.suppress(OSError, ValueError):
-            with socket.socket(fileno=os.dup(self.conn.fileno())) as sock:
-                sock.shutdown(socket.SHUT_RDWR)
+        with contextlib.suppress(OSError, ValueError), socket.socket(fileno=os.dup(self.conn.fileno())) as sock:
+            sock.shutdown(socket.SHUT_RDWR)
         self.conn.close()

@@ -17,8 +17,10 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import os
 import threading
 from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,6 +60,21 @@ INLINE_TOKENIZE_CHARS = 4096
 #: step and 0.2 ms let it reach 0.89 (bench/results/README.md).
 FLUSH_GAP_PER_STREAM = 0.0002
 MAX_FLUSH_GAP = 0.016
+#: Niceness of the threads that tokenize long prompts: the lowest priority, so that a flood of
+#: expensive requests gets only CPU time that the engine core, the event loop and the streams
+#: leave over; on a machine with spare cores it changes nothing (bench/attack_bench.py).
+TOKENIZE_NICENESS = 19
+
+
+def _background_priority() -> None:
+    """Lowers the calling thread's CPU priority (Linux: niceness is per thread; needs no privilege)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), TOKENIZE_NICENESS)
+    except (OSError, AttributeError):  # not Linux: the thread keeps the process's priority
+        log.debug("cannot lower the tokenizer threads' priority here")
+
+
+TOKENIZE_POOL = ThreadPoolExecutor(max_workers=4, thread_name_prefix="tokenize", initializer=_background_priority)
 
 
 @dataclass(eq=False)
@@ -176,7 +193,8 @@ class InferenceServicer(pb_grpc.InferenceWorkerServicer):
             return request
         tokenizer = self.engine.tokenizer
         if len(request.prompt_text) > INLINE_TOKENIZE_CHARS:
-            ids = await asyncio.to_thread(tokenizer.encode_ids, request.prompt_text)
+            ids = await asyncio.get_running_loop().run_in_executor(TOKENIZE_POOL, tokenizer.encode_ids,
+                                                                    request.prompt_text)
         else:
             ids = tokenizer.encode_ids(request.prompt_text)
         tokenized = pb.GenerateRequest()
