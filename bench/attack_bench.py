@@ -15,6 +15,8 @@ that the figures measure the interpreter lock, not a CPU oversubscribed by torch
 
     python bench/attack_bench.py --out bench/results/attack-cpu.json
     python bench/attack_bench.py --modes apart --seconds 5          # the fixed worker alone
+    git archive 5ca734f | tar -x -C /tmp/before && pip install --no-deps --target /tmp/beforepkg /tmp/before
+    python bench/attack_bench.py --modes apart,inproc,before --before-pythonpath /tmp/beforepkg
 """
 
 from __future__ import annotations
@@ -63,15 +65,20 @@ def text_model(root: Path) -> Path:
     return root
 
 
-def start_worker(model: Path, mode: str, log_path: Path) -> tuple[subprocess.Popen, str]:
+def start_worker(model: Path, mode: str, log_path: Path, before: str = "") -> tuple[subprocess.Popen, str]:
+    """``apart`` and ``inproc``: this checkout's worker with and without ``--engine-process``;
+    ``before``: an older checkout's worker, installed at ``before`` (it predates the flag)."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     port = free_port()
     cmd = [sys.executable, "-m", "graphkeeper.cli", "worker", "--model", str(model), "--device", "cpu",
-           "--port", str(port), "--control-port", str(free_port()), "--metrics-port", "0", *WORKER_FLAGS,
-           "--engine-process" if mode == "apart" else "--no-engine-process"]
+           "--port", str(port), "--control-port", str(free_port()), "--metrics-port", "0", *WORKER_FLAGS]
+    if mode != "before":
+        cmd.append("--engine-process" if mode == "apart" else "--no-engine-process")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    if mode == "before":
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (before, env.get("PYTHONPATH")) if p)
     proc = subprocess.Popen(cmd, stdout=log_path.open("w"), stderr=subprocess.STDOUT, env=env)
     target = f"127.0.0.1:{port}"
     stub = health_pb2_grpc.HealthStub(grpc.insecure_channel(target))
@@ -212,7 +219,7 @@ def phase(target: str, seconds: float, streams: int, flood_bytes: int) -> dict:
 def run_mode(model: Path, mode: str, args: argparse.Namespace, logs: Path) -> dict:
     """Quiet and attacked phases alternated ``rounds`` times on one worker (a shared machine's
     load drifts; alternating spreads the drift over both), then summed."""
-    proc, target = start_worker(model, mode, logs / f"worker-{mode}.log")
+    proc, target = start_worker(model, mode, logs / f"worker-{mode}.log", args.before_pythonpath)
     rounds = []
     try:
         for _ in range(args.rounds):
@@ -248,7 +255,10 @@ def commit() -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--modes", default="apart,inproc", help="apart (engine core in its own process), inproc")
+    parser.add_argument("--modes", default="apart,inproc",
+                        help="apart (engine core in its own process), inproc (--no-engine-process), before")
+    parser.add_argument("--before-pythonpath", default="",
+                        help="mode 'before': an older checkout installed here (pip install --target DIR)")
     parser.add_argument("--seconds", type=float, default=12.0, help="measured seconds per phase")
     parser.add_argument("--streams", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=3, help="quiet/attacked phase pairs per mode")
@@ -261,6 +271,7 @@ def main() -> None:
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), "commit": commit(),
         "machine": f"{platform.node()} {platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}",
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "before": args.before_pythonpath and "the worker installed at --before-pythonpath",
         "workload": {"streams": args.streams, "max_new_tokens": 200, "attack_bytes": args.attack_bytes,
                      "worker_flags": list(WORKER_FLAGS), "seconds": args.seconds,
                      "rounds": args.rounds},
