@@ -60,16 +60,20 @@ INLINE_TOKENIZE_CHARS = 4096
 #: step and 0.2 ms let it reach 0.89 (bench/results/README.md).
 FLUSH_GAP_PER_STREAM = 0.0002
 MAX_FLUSH_GAP = 0.016
-#: Niceness of the threads that tokenize long prompts: the lowest priority, so that a flood of
-#: expensive requests gets only CPU time that the engine core, the event loop and the streams
-#: leave over; on a machine with spare cores it changes nothing (bench/attack_bench.py).
+#: Niceness of the threads that tokenize long prompts, which also run under SCHED_IDLE: the lowest
+#: priority, so that a flood of expensive requests gets only CPU time that the engine core, the
+#: event loop and the streams leave over (niceness alone still cost the streams 0.8 of their pace on
+#: two busy CPUs, SCHED_IDLE 0.97); on a machine with spare cores it changes nothing
+#: (bench/attack_bench.py).
 TOKENIZE_NICENESS = 19
 
 
 def _background_priority() -> None:
-    """Lowers the calling thread's CPU priority (Linux: niceness is per thread; needs no privilege)."""
+    """Lowers the calling thread's CPU priority (Linux: niceness and the scheduling policy are per
+    thread, and lowering them needs no privilege)."""
     try:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), TOKENIZE_NICENESS)
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # 0: this thread, on Linux
     except (OSError, AttributeError):  # not Linux: the thread keeps the process's priority
         log.debug("cannot lower the tokenizer threads' priority here")
 
