@@ -170,11 +170,14 @@ class EngineHost:
         API layer counts a refusal it sees at once."""
         req = pb.GenerateRequest.FromString(message.request)
         try:
-            self.sequences[message.sid] = self.engine.submit(req, message.sid)
+            seq = self.engine.submit(req, message.sid)
         except Exception as err:  # noqa: BLE001 - QueueFull or NotServing, reported on the stream
             outcome = "queue_full" if type(err).__name__ == "QueueFull" else "unavailable"
             self.engine.metrics.requests.labels(outcome).inc()
             self.outbox.put(Outputs([(message.sid, [], ErrorBox.of(err))]))
+            return
+        if not seq.finished:  # a sequence that already ended was dropped by publish; keep none
+            self.sequences[message.sid] = seq
 
     def _answer(self, call: Call) -> None:
         try:
