@@ -146,3 +146,32 @@ def test_a_refused_request_flood_leaves_health_answered_and_the_engine_stepping(
     # at every refusal).
     gaps = [b - a for times in arrivals for a, b in zip(times, times[1:], strict=False) if began <= a < ended]
     assert gaps and max(gaps) < 1.0, f"longest gap between two messages {max(gaps):.2f} s"
+
+
+def test_metrics_of_both_processes_merge_into_one_exposition():
+    from prometheus_client import generate_latest
+
+    from graphkeeper.worker.engine.client import merge_families
+    from graphkeeper.worker.metrics import WorkerMetrics
+
+    core, api = WorkerMetrics(), WorkerMetrics()
+    core.requests.labels("length").inc(3)
+    core.requests.labels("invalid").inc(1)  # a refusal the engine core saw (a race with a drain)
+    api.requests.labels("invalid").inc(2)
+    core.time_to_first_token.observe(0.01)
+    core.set_lifecycle(pb.LIFECYCLE_STATE_READY)
+    core.set_model("r1", "random:tiny", "float32", "cpu")
+    merged = merge_families(list(core.registry.collect()), list(api.registry.collect()))
+
+    class Fixed:
+        def collect(self):
+            return merged
+
+    text = generate_latest(Fixed()).decode()
+    types = [line for line in text.splitlines() if line.startswith("# TYPE ")]
+    assert len(types) == len(set(types))
+    assert 'graphkeeper_requests_total{outcome="invalid"} 3.0' in text  # counters add up
+    assert 'graphkeeper_requests_total{outcome="length"} 3.0' in text
+    assert "graphkeeper_time_to_first_token_seconds_count 1.0" in text
+    assert 'graphkeeper_lifecycle_state{state="ready"} 1.0' in text  # gauges and infos: the core's
+    assert text.count("graphkeeper_model_info") == 3  # HELP, TYPE and the core's one sample
