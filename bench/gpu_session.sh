@@ -25,6 +25,11 @@ for b in "${benches[@]}"; do  # BENCH="" runs the tests alone
       python3 -m pip install -q --no-deps --no-build-isolation --target /tmp/oldpkg ./.baseline >/dev/null 2>&1
       timeout 150 python3 bench/load_bench.py --scenarios mixed --legacy --worker-pythonpath /tmp/oldpkg:/tmp/site \
         --seconds "${SECONDS_PER:-12}" --label "baseline ${BASELINE:-8e2591a}" --out "$out/load-baseline-h200.json" ;;
+    apart)  # the engine core in its own process (the default) against it on a thread of the API process
+      timeout 330 python3 bench/load_bench.py --scenarios one,decode,mixed --seconds "${SECONDS_PER:-12}" \
+        --worker-args=--no-engine-process --no-step-times --label "engine core in-process" --out "$out/load-engine-inproc-h200.json"
+      timeout 330 python3 bench/load_bench.py --scenarios one,decode,mixed --seconds "${SECONDS_PER:-12}" \
+        --label "engine core apart" --out "$out/load-engine-apart-h200.json" ;;
     sweep) timeout 300 python3 bench/load_bench.py --scenarios "" --budgets 128,256,512,1024 \
         --seconds "${SECONDS_PER:-12}" --out "$out/load-budget-sweep-h200.json" ;;
     *) eval "$b" ;;

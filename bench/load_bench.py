@@ -18,6 +18,7 @@ what the GPU allows: ``streams / step time``.
     python bench/load_bench.py --out bench/results/load-h200.json                 # everything, H200
     python bench/load_bench.py --scenarios mixed --worker-pythonpath /tmp/old --legacy  # an older commit
     python bench/load_bench.py --device cpu --preset tiny --seconds 5 --scenarios one,decode  # CPU smoke
+    python bench/load_bench.py --scenarios one,decode,mixed --worker-args=--no-engine-process  # engine in-process
 """
 
 from __future__ import annotations
@@ -79,6 +80,7 @@ def start_worker(args: argparse.Namespace, flags: WorkerFlags, log_path: Path,
            "--max-num-batched-tokens", str(flags.budget), "--max-queue", "4096", "--log-level", "WARNING"]
     if not args.legacy:
         cmd += ["--control-port", str(free_port())]
+    cmd += args.worker_args.split()
     env = dict(os.environ)
     if args.worker_pythonpath:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (args.worker_pythonpath, env.get("PYTHONPATH")) if p)
@@ -245,6 +247,9 @@ def main() -> int:
     parser.add_argument("--budgets", default="", help="comma list: sweep the mixed scenario over these budgets")
     parser.add_argument("--client-procs", type=int, default=8)
     parser.add_argument("--worker-pythonpath", default="", help="run an older checkout's worker")
+    parser.add_argument("--worker-args", default="",
+                        help="extra worker flags, e.g. --no-engine-process (the engine core on a thread of the API "
+                             "process, as before the split)")
     parser.add_argument("--legacy", action="store_true", help="the worker predates --control-port")
     parser.add_argument("--sample-threads", action="store_true",
                         help="run each worker under bench/thread_sampler.py and keep its summary")

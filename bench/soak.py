@@ -56,14 +56,18 @@ def free_port() -> int:
 
 
 def vm_rss_bytes(pid: int) -> int:
-    """The worker's resident set (VmRSS), in bytes; 0 once it is gone."""
+    """The worker's resident set (VmRSS), in bytes, its children's included (the engine core is a
+    child process of the worker); 0 once it is gone."""
+    total = 0
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
             if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
+                total = int(line.split()[1]) * 1024
+        children = [int(c) for task in Path(f"/proc/{pid}/task").iterdir()
+                    for c in (task / "children").read_text().split()]
+    except (OSError, ValueError):
+        return total
+    return total + sum(vm_rss_bytes(child) for child in children)
 
 
 @dataclass

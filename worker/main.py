@@ -1,6 +1,10 @@
 """``graphkeeper worker``: starts the engine, the gRPC server and the metrics port; drains on
 SIGTERM. The gRPC server starts before the model loads, so health (NOT_SERVING until READY) and
-graph status are answered during startup."""
+graph status are answered during startup.
+
+This process is the API process: servers, tokenization, validation, streaming. The engine core
+(device, scheduler, graphs) runs in a child process (``EngineClient``) unless
+``--no-engine-process`` keeps it on a thread here."""
 
 from __future__ import annotations
 
@@ -20,7 +24,7 @@ import torch
 
 from graphkeeper.proto import worker_pb2 as pb
 from graphkeeper.proto.policy import MODE_BY_NAME, PolicyError, lifecycle_name, policy_from_json, validate_policy
-from graphkeeper.worker.engine import Engine
+from graphkeeper.worker.engine import Engine, EngineClient
 from graphkeeper.worker.engine.sizing import SizingError, parse_bytes
 from graphkeeper.worker.model.loader import ModelSourceError, check_source
 from graphkeeper.worker.model.step import resolve as resolve_optimization
@@ -279,10 +283,19 @@ def _exit_now(code: int) -> None:
 async def _serve(args: argparse.Namespace, settings: EngineSettings, token: str) -> int:
     """Runs the servers and the engine until SIGTERM/SIGINT (drain) or an engine failure (exit 1)."""
     loop = asyncio.get_running_loop()
-    engine = Engine(settings)
+    engine = make_engine(args, settings)
     hub = StreamHub(loop)
     engine.publish = hub.publish
     engine.lifecycle.subscribe(lambda s: log.info("lifecycle: %s", lifecycle_name(s)))
+    if isinstance(engine, EngineClient):
+        # The engine core decides the sizes the servers are built with (and refuses a KV cache
+        # that cannot fit) before a port is bound.
+        engine.start()
+        try:
+            await asyncio.to_thread(engine.wait_sized)
+        except SizingError:
+            await asyncio.to_thread(engine.close)
+            raise
     control_host = args.control_host or args.host
     if not token and not _is_loopback(control_host):
         log.warning("no --control-token-file: GraphControl listens on 127.0.0.1 only, not %s", control_host)
@@ -296,7 +309,8 @@ async def _serve(args: argparse.Namespace, settings: EngineSettings, token: str)
     log.info("gRPC inference on %s:%d, control on %s:%d%s, metrics on %s:%s", args.host, servers.inference_port,
              control_host, servers.control_port, " (bearer token)" if token else "", args.host,
              args.metrics_port or "-")
-    engine.start()
+    if not isinstance(engine, EngineClient):
+        engine.start()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
@@ -311,10 +325,19 @@ async def _serve(args: argparse.Namespace, settings: EngineSettings, token: str)
     if code == 0:
         log.info("draining (up to %.0f s)", args.drain_seconds)
         await asyncio.to_thread(engine.drain_and_stop, args.drain_seconds)
+    elif isinstance(engine, EngineClient):
+        await asyncio.to_thread(engine.close)  # a failed engine core exits now; never left holding the device
     # The drain deadline is a deadline: whatever is still open ends now.
     await asyncio.gather(servers.inference.stop(STOP_GRACE_SECONDS), servers.control.stop(STOP_GRACE_SECONDS))
     log.info("stopped")
     return code
+
+
+def make_engine(args: argparse.Namespace, settings: EngineSettings) -> Engine | EngineClient:
+    """The engine core in a child process (the default), or on a thread of this one."""
+    if getattr(args, "engine_process", True):
+        return EngineClient(settings, log_level=args.log_level.upper())
+    return Engine(settings)
 
 
 def _step_injection(value: str) -> tuple[int, bool] | None:

@@ -68,6 +68,9 @@ def _worker(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--quantization", default="none", choices=d.QUANTIZATIONS,
                    help="fp8: decoder weights in float8 e4m3 with per-channel scales (fp8-tensor: one scale)")
     p.add_argument("--drain-seconds", type=float, default=30.0)
+    p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
+                   help="run the engine core (device, scheduler, graphs) in a process of its own, apart from "
+                        "the API layer (default); --no-engine-process runs both in one process")
     p.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS)
     _one_line_errors(p)
     p.set_defaults(func=lambda a: __import__("graphkeeper.worker.main", fromlist=["run"]).run(a))

@@ -2,10 +2,12 @@
 
 This is the engine's face. The API layer (``serving/``) sees only what it exports: the engine,
 its settings, the limits requests are checked against, what the engine refuses or fails with,
-and the detokenizer that turns its tokens into text. When the engine core moves to a process of
-its own, this is the seam.
+and the detokenizer that turns its tokens into text. ``Engine`` runs in the process that builds
+it (tests, benchmarks); ``EngineClient`` has the same surface and runs an ``Engine`` in a process
+of its own (``engine.process``), which is how ``graphkeeper worker`` serves.
 """
 
+from graphkeeper.worker.engine.client import EngineClient
 from graphkeeper.worker.engine.core import Engine
 from graphkeeper.worker.engine.errors import NotServing, QueueFull, StalePolicy, StepFailed
 from graphkeeper.worker.engine.lifecycle import SERVING_STATES
@@ -15,7 +17,6 @@ from graphkeeper.worker.model.tokenizer import ChatError, IncrementalDetokenizer
 from graphkeeper.worker.settings import EngineSettings
 
 __all__ = [
-    "SERVING_STATES", "ChatError", "Engine", "EngineSettings", "IncrementalDetokenizer", "Limits", "NotServing",
-    "QueueFull",
-    "ReloadRefused", "StalePolicy", "StepFailed",
+    "SERVING_STATES", "ChatError", "Engine", "EngineClient", "EngineSettings", "IncrementalDetokenizer", "Limits",
+    "NotServing", "QueueFull", "ReloadRefused", "StalePolicy", "StepFailed",
 ]

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +25,9 @@ from typing import Any
 from graphkeeper.worker.model.catalog import resolve_builtin
 
 log = logging.getLogger(__name__)
+# Tokenize on the calling thread, not on the library's own thread pool: the API layer runs long
+# prompts on threads it gives the lowest CPU priority, which the pool's threads would not have.
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 #: Ids decoded before the new ones, so that merges across the boundary decode as in the full text.
 _WINDOW = 5
@@ -86,8 +90,12 @@ class Tokenizer:
         return frozenset(i for i in (self._tok.token_to_id(n) for n in names if n) if i is not None)
 
     def encode_ids(self, text: str) -> list[int]:
-        """A text prompt: BOS as the tokenizer config says; special-token text stays text."""
-        return self._plain.encode(text, add_special_tokens=True).ids
+        """A text prompt: BOS as the tokenizer config says; special-token text stays text.
+
+        ``encode_batch`` of one, not ``encode``: the batch call releases the interpreter lock while
+        it works (``encode`` holds it, 1.3 s for 1 MiB of text, and the API process's event loop,
+        its health checks and every stream's tokens wait behind it)."""
+        return self._plain.encode_batch([text], add_special_tokens=True)[0].ids
 
     def render_chat(self, messages: Sequence[tuple[str, str]], add_generation_prompt: bool = True) -> str:
         """The prompt text of a conversation, rendered by the model's chat template (jinja2, as
@@ -113,7 +121,8 @@ class Tokenizer:
     def encode_chat(self, messages: Sequence[tuple[str, str]], add_generation_prompt: bool = True) -> list[int]:
         """A conversation as ids: the rendered template, its markup read as special tokens and
         nothing added (the template writes BOS itself where the model wants one)."""
-        return self._tok.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False).ids
+        rendered = self.render_chat(messages, add_generation_prompt)
+        return self._tok.encode_batch([rendered], add_special_tokens=False)[0].ids
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)

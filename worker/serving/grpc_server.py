@@ -17,8 +17,10 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import os
 import threading
 from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import PurePosixPath
 from typing import Any
@@ -72,6 +74,25 @@ INLINE_TOKENIZE_CHARS = 4096
 #: step and 0.2 ms let it reach 0.89 (bench/results/README.md).
 FLUSH_GAP_PER_STREAM = 0.0002
 MAX_FLUSH_GAP = 0.016
+#: Niceness of the threads that tokenize long prompts, which also run under SCHED_IDLE: the lowest
+#: priority, so that a flood of expensive requests gets only CPU time that the engine core, the
+#: event loop and the streams leave over (niceness alone still cost the streams 0.8 of their pace on
+#: two busy CPUs, SCHED_IDLE 0.97); on a machine with spare cores it changes nothing
+#: (bench/attack_bench.py).
+TOKENIZE_NICENESS = 19
+
+
+def _background_priority() -> None:
+    """Lowers the calling thread's CPU priority (Linux: niceness and the scheduling policy are per
+    thread, and lowering them needs no privilege)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), TOKENIZE_NICENESS)
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # 0: this thread, on Linux
+    except (OSError, AttributeError):  # not Linux: the thread keeps the process's priority
+        log.debug("cannot lower the tokenizer threads' priority here")
+
+
+TOKENIZE_POOL = ThreadPoolExecutor(max_workers=4, thread_name_prefix="tokenize", initializer=_background_priority)
 
 
 @dataclass(eq=False)
@@ -165,6 +186,8 @@ class InferenceServicer(pb_grpc.InferenceWorkerServicer):
                     return
                 if isinstance(end, StepFailed):
                     await context.abort(grpc.StatusCode.INTERNAL, str(end))
+                if isinstance(end, QueueFull):  # refused by an engine core in its own process
+                    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(end))
                 if isinstance(end, NotServing):
                     await context.abort(grpc.StatusCode.UNAVAILABLE, str(end))
                 if hub is not None and (gap := hub.flush_gap()):
@@ -197,7 +220,8 @@ class InferenceServicer(pb_grpc.InferenceWorkerServicer):
         else:
             encode, size = (lambda: tokenizer.encode_ids(request.prompt_text)), len(request.prompt_text)
         try:
-            ids = await asyncio.to_thread(encode) if size > INLINE_TOKENIZE_CHARS else encode()
+            ids = await asyncio.get_running_loop().run_in_executor(TOKENIZE_POOL, encode) \
+                if size > INLINE_TOKENIZE_CHARS else encode()
         except ChatError as err:
             raise AdmissionError(err.field, str(err).removeprefix(f"{err.field}: ")) from None
         validate_tokenized(ids, request.stopping.max_new_tokens, limits,

@@ -1,0 +1,292 @@
+"""The refused-request flood of issue 22 (defect 1) against a real worker, engine core apart or not.
+
+A worker serves a model directory with a ``tokenizer.json``; 8 streams generate while a flood
+client loops ``Generate(prompt_text="a" * 1 MiB, max_new_tokens=1)``, each refused with
+INVALID_ARGUMENT after the API layer tokenized it. A health client checks the inference service
+every 0.25 s with a 1 s deadline, as a kubelet probe would. Each mode (``apart``: the engine core
+in its own process, the default; ``inproc``: ``--no-engine-process``) runs a quiet phase and an
+attacked phase on the same worker; the figures are the streams' tokens/s in each, their ratio,
+the longest gap between two token messages of a stream, the health checks answered and failed,
+and what a refusal cost the flood client.
+
+Every client is a process of its own (streams: one process, a thread per stream; health; flood),
+never a thread inside the worker. The worker's torch runs one thread (``OMP_NUM_THREADS=1``) so
+that the figures measure the interpreter lock, not a CPU oversubscribed by torch's pool.
+
+    python bench/attack_bench.py --out bench/results/attack-cpu.json
+    python bench/attack_bench.py --modes apart --seconds 5          # the fixed worker alone
+    git archive 5ca734f | tar -x -C /tmp/before && pip install --no-deps --target /tmp/beforepkg /tmp/before
+    python bench/attack_bench.py --modes apart,inproc,before --before-pythonpath /tmp/beforepkg
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import multiprocessing as mp
+import os
+import platform
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+INFERENCE = "graphkeeper.worker.v1.InferenceWorker"
+WORKER_FLAGS = ("--max-num-seqs", "8", "--max-seq-len", "512", "--max-num-batched-tokens", "64",
+                "--max-queue", "64", "--log-level", "WARNING", "--drain-seconds", "5")
+CORPUS = ["the graphs replay every decode step", "kubernetes operator reconciles the policy",
+          "café crème brûlée — naïve façade"] * 20
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def text_model(root: Path) -> Path:
+    """random:tiny saved as a model directory, with a small byte-level BPE ``tokenizer.json``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from graphkeeper.worker.model.loader import load_model, save_hf_directory
+
+    save_hf_directory(load_model("random:tiny", device="cpu", max_positions=512).model, root)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=300, show_progress=False,
+                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.save(str(root / "tokenizer.json"))
+    return root
+
+
+def start_worker(model: Path, mode: str, log_path: Path, before: str = "") -> tuple[subprocess.Popen, str]:
+    """``apart`` and ``inproc``: this checkout's worker with and without ``--engine-process``;
+    ``before``: an older checkout's worker, installed at ``before`` (it predates the flag)."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    port = free_port()
+    cmd = [sys.executable, "-m", "graphkeeper.cli", "worker", "--model", str(model), "--device", "cpu",
+           "--port", str(port), "--control-port", str(free_port()), "--metrics-port", "0", *WORKER_FLAGS]
+    if mode != "before":
+        cmd.append("--engine-process" if mode == "apart" else "--no-engine-process")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    if mode == "before":
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (before, env.get("PYTHONPATH")) if p)
+    proc = subprocess.Popen(cmd, stdout=log_path.open("w"), stderr=subprocess.STDOUT, env=env)
+    target = f"127.0.0.1:{port}"
+    stub = health_pb2_grpc.HealthStub(grpc.insecure_channel(target))
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"worker exited during startup:\n{log_path.read_text()[-3000:]}")
+        try:
+            if stub.Check(health_pb2.HealthCheckRequest(service=INFERENCE), timeout=2).status == 1:
+                return proc, target
+        except grpc.RpcError:
+            pass
+        time.sleep(0.25)
+    raise RuntimeError("worker did not become ready")
+
+
+# --- the client processes (spawned; each returns its figures through a queue) ----------------------
+
+
+def streams_client(target: str, streams: int, seconds: float, out: mp.Queue) -> None:
+    """``streams`` threads, each generating back to back; the token arrival times of each."""
+    import grpc
+
+    from graphkeeper.proto import worker_pb2 as pb
+    from graphkeeper.proto import worker_pb2_grpc as pb_grpc
+
+    stub = pb_grpc.InferenceWorkerStub(grpc.insecure_channel(target))
+    end = time.monotonic() + seconds
+    arrivals: list[list[tuple[float, int]]] = [[] for _ in range(streams)]
+    errors: list[str] = []
+
+    def run(i: int) -> None:
+        req = pb.GenerateRequest(prompt_token_ids=[5 + i, 6, 7, 8], stopping=pb.StoppingCriteria(
+            max_new_tokens=200, ignore_eos=True))
+        while time.monotonic() < end:
+            try:
+                for msg in stub.Generate(req, timeout=max(1.0, end - time.monotonic() + 30)):
+                    if msg.HasField("tokens"):
+                        arrivals[i].append((time.monotonic(), len(msg.tokens.token_ids)))
+                    if time.monotonic() >= end:
+                        break
+            except grpc.RpcError as err:
+                errors.append(err.code().name)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(streams)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    out.put(("streams", {"arrivals": arrivals, "errors": errors}))
+
+
+def health_client(target: str, seconds: float, out: mp.Queue) -> None:
+    """A probe every 0.25 s with a 1 s deadline: (latency or None when it failed) for each."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    stub = health_pb2_grpc.HealthStub(grpc.insecure_channel(target))
+    end = time.monotonic() + seconds
+    checks: list[float | None] = []
+    while time.monotonic() < end:
+        began = time.monotonic()
+        try:
+            ok = stub.Check(health_pb2.HealthCheckRequest(service=INFERENCE), timeout=1.0).status == 1
+            checks.append(time.monotonic() - began if ok else None)
+        except grpc.RpcError:
+            checks.append(None)
+        time.sleep(max(0.0, 0.25 - (time.monotonic() - began)))
+    out.put(("health", checks))
+
+
+def flood_client(target: str, seconds: float, text_bytes: int, out: mp.Queue) -> None:
+    """Refused requests back to back (gzip on the wire): each one's status and latency."""
+    import grpc
+
+    from graphkeeper.proto import worker_pb2 as pb
+    from graphkeeper.proto import worker_pb2_grpc as pb_grpc
+
+    stub = pb_grpc.InferenceWorkerStub(grpc.insecure_channel(target))
+    req = pb.GenerateRequest(prompt_text="a" * text_bytes, stopping=pb.StoppingCriteria(max_new_tokens=1))
+    end = time.monotonic() + seconds
+    sent: list[tuple[str, float]] = []
+    while time.monotonic() < end:
+        began = time.monotonic()
+        try:
+            for _ in stub.Generate(req, timeout=30, compression=grpc.Compression.Gzip):
+                pass
+            code = "OK"
+        except grpc.RpcError as err:
+            code = err.code().name
+        sent.append((code, time.monotonic() - began))
+    out.put(("flood", sent))
+
+
+# --- one phase, one mode ---------------------------------------------------------------------------
+
+
+def stream_figures(arrivals: list[list[tuple[float, int]]], begin: float, end: float) -> dict:
+    """Tokens/s over [begin, end) and the longest gap between two messages of one stream."""
+    tokens = sum(n for stream in arrivals for t, n in stream if begin <= t < end)
+    gaps = [b[0] - a[0] for stream in arrivals for a, b in zip(stream, stream[1:], strict=False)
+            if begin <= a[0] < end]
+    return {"tokens_per_s": round(tokens / (end - begin), 1), "max_gap_s": round(max(gaps, default=0.0), 3)}
+
+
+def phase(target: str, seconds: float, streams: int, flood_bytes: int) -> dict:
+    """Streams and health for ``seconds`` (+2 s warm-up), with the flood when ``flood_bytes``."""
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    warm = 2.0  # the clients' imports and first requests
+    procs = [ctx.Process(target=streams_client, args=(target, streams, seconds + warm, out)),
+             ctx.Process(target=health_client, args=(target, seconds + warm, out))]
+    if flood_bytes:
+        procs.append(ctx.Process(target=flood_client, args=(target, seconds + warm, flood_bytes, out)))
+    began = time.monotonic()
+    for p in procs:
+        p.start()
+    results = dict(out.get(timeout=seconds + 120) for _ in procs)
+    for p in procs:
+        p.join(30)
+    s = results["streams"]
+    # Measured from the warm-up's end (the clients' monotonic clocks are this machine's one clock).
+    figures = stream_figures(s["arrivals"], began + warm, began + warm + seconds)
+    checks = results["health"]
+    answered = [c for c in checks if c is not None]
+    figures |= {"stream_errors": len(s["errors"]), "health_checks": len(checks),
+                "health_failed": len(checks) - len(answered),
+                "health_max_s": round(max(answered, default=0.0), 3)}
+    if flood_bytes:
+        sent = results["flood"]
+        codes: dict[str, int] = {}
+        for code, _ in sent:
+            codes[code] = codes.get(code, 0) + 1
+        figures |= {"refusals": codes, "refusal_mean_s": round(sum(t for _, t in sent) / max(1, len(sent)), 3)}
+    return figures
+
+
+def run_mode(model: Path, mode: str, args: argparse.Namespace, logs: Path) -> dict:
+    """Quiet and attacked phases alternated ``rounds`` times on one worker (a shared machine's
+    load drifts; alternating spreads the drift over both), then summed."""
+    proc, target = start_worker(model, mode, logs / f"worker-{mode}.log", args.before_pythonpath)
+    rounds = []
+    try:
+        for _ in range(args.rounds):
+            rounds.append({"quiet": phase(target, args.seconds, args.streams, 0),
+                           "attacked": phase(target, args.seconds, args.streams, args.attack_bytes),
+                           "load_average": os.getloadavg()[0]})
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(60)
+    summary = {}
+    for kind in ("quiet", "attacked"):
+        phases = [r[kind] for r in rounds]
+        summary[kind] = {
+            "tokens_per_s": round(sum(p["tokens_per_s"] for p in phases) / len(phases), 1),
+            "max_gap_s": max(p["max_gap_s"] for p in phases),
+            "health_checks": sum(p["health_checks"] for p in phases),
+            "health_failed": sum(p["health_failed"] for p in phases),
+            "health_max_s": max(p["health_max_s"] for p in phases),
+            "stream_errors": sum(p["stream_errors"] for p in phases),
+        }
+    quiet, attacked = summary["quiet"]["tokens_per_s"], summary["attacked"]["tokens_per_s"]
+    return {**summary, "throughput_ratio": round(attacked / quiet, 3) if quiet else 0.0, "exit_code": code,
+            "rounds": rounds}
+
+
+def commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
+                              cwd=Path(__file__).parent).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return os.environ.get("GRAPHKEEPER_COMMIT", "")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--modes", default="apart,inproc",
+                        help="apart (engine core in its own process), inproc (--no-engine-process), before")
+    parser.add_argument("--before-pythonpath", default="",
+                        help="mode 'before': an older checkout installed here (pip install --target DIR)")
+    parser.add_argument("--seconds", type=float, default=12.0, help="measured seconds per phase")
+    parser.add_argument("--streams", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=3, help="quiet/attacked phase pairs per mode")
+    parser.add_argument("--attack-bytes", type=int, default=1 << 20, help="prompt_text length of each refused request")
+    parser.add_argument("--out", default="")
+    args = parser.parse_args()
+    logs = Path(tempfile.mkdtemp(prefix="attack-bench-"))
+    model = text_model(logs / "model")
+    result = {
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), "commit": commit(),
+        "machine": f"{platform.node()} {platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}",
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "before": args.before_pythonpath and "the worker installed at --before-pythonpath",
+        "workload": {"streams": args.streams, "max_new_tokens": 200, "attack_bytes": args.attack_bytes,
+                     "worker_flags": list(WORKER_FLAGS), "seconds": args.seconds,
+                     "rounds": args.rounds},
+        "load_average_before": os.getloadavg()[0],
+        "modes": {},
+    }
+    for mode in args.modes.split(","):
+        result["modes"][mode] = run_mode(model, mode, args, logs)
+        brief = {k: v for k, v in result["modes"][mode].items() if k != "rounds"}
+        print(mode, json.dumps(brief), flush=True)
+    text = json.dumps(result, indent=2)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

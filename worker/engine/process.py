@@ -1,0 +1,247 @@
+"""The engine-core process: the ``Engine`` (device, scheduler, graphs), driven over the channel.
+
+Started by ``EngineClient`` with the ``spawn`` method (a fresh interpreter: CUDA is never
+initialised in a forked child). Three threads: the engine's own loop, this module's receiver
+(submits, cancels, control calls from the API process) and a sender that ships what the engine
+published, so the engine thread never waits on a pipe write. Steps the engine makes while the
+sender is still writing the previous batch go out together in the next one.
+
+The process lives exactly as long as its parent: the kernel kills it when the parent dies
+(``PR_SET_PDEATHSIG``), and the receiver ends it at once when the channel closes (the parent's
+end of the socket is closed by the kernel whatever way the parent ends). SIGINT and SIGTERM are
+ignored here: the API process owns shutdown and drains the engine through the channel.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from multiprocessing.connection import Connection
+from typing import Any
+
+from graphkeeper.proto import worker_pb2 as pb
+from graphkeeper.worker.engine.core import Engine
+from graphkeeper.worker.engine.ipc import (
+    Call,
+    Cancel,
+    Channel,
+    ErrorBox,
+    Model,
+    Outputs,
+    Reply,
+    Sized,
+    State,
+    Submit,
+)
+from graphkeeper.worker.engine.sequence import Sequence
+from graphkeeper.worker.engine.sizing import SizingError
+from graphkeeper.worker.model.loader import ModelSourceError
+from graphkeeper.worker.settings import EngineSettings
+
+log = logging.getLogger(__name__)
+PR_SET_PDEATHSIG = 1
+#: How often the sender looks for a newly installed model when no step publishes anything.
+IDLE_POLL_SECONDS = 0.05
+#: Control calls answered in a thread of their own, so the receiver keeps taking cancels meanwhile.
+SLOW_CALLS = frozenset({"drain_and_stop"})
+#: Control calls the API process may make, and nothing else.
+CALLS = frozenset({"apply_policy", "status", "load_revision", "metrics", "drain_and_stop"})
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """SIGKILL when the parent dies (Linux); exits at once if it is already gone."""
+    with contextlib.suppress(OSError, AttributeError):  # not Linux: the channel's EOF still ends this process
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent_pid:
+        os._exit(1)
+
+
+class Outbox:
+    """Messages for the API process, appended from any thread and sent by one sender thread."""
+
+    def __init__(self) -> None:
+        self.pending: list = []
+        self.cond = threading.Condition()
+
+    def put(self, message: Any) -> None:
+        with self.cond:
+            self.pending.append(message)
+            self.cond.notify()
+
+    def take(self, timeout: float) -> list:
+        with self.cond:
+            if not self.pending:
+                self.cond.wait(timeout)
+            taken, self.pending = self.pending, []
+        return taken
+
+
+class EngineHost:
+    """The engine and its side of the channel."""
+
+    def __init__(self, engine: Engine, channel: Channel) -> None:
+        self.engine = engine
+        self.channel = channel
+        self.outbox = Outbox()
+        self.sequences: dict[int, Sequence] = {}
+        self._model: Any = None
+        self._closed = threading.Event()
+        engine.publish = self.publish
+        engine.lifecycle.subscribe(self._on_state)
+
+    # --- engine -> API process -------------------------------------------------------------
+
+    def publish(self, updates: list[tuple[Any, list[int], Any]]) -> None:
+        """Engine thread: one step's updates, queued as one message; streams are sids here."""
+        out = []
+        for sid, tokens, end in updates:
+            if end is not None:
+                self.sequences.pop(sid, None)
+                if isinstance(end, BaseException):
+                    end = ErrorBox.of(end)
+            out.append((sid, tokens, end))
+        if out:
+            self.outbox.put(Outputs(out))
+
+    def _on_state(self, state: int) -> None:
+        """Any thread: a lifecycle move. The model is announced first, so requests admitted once
+        the API process sees READY are checked against the model that serves them."""
+        self._announce_model()
+        failed = self.engine.failed
+        self.outbox.put(State(state, "" if failed is None else f"{type(failed).__name__}: {failed}"))
+
+    def _announce_model(self) -> None:
+        loaded = self.engine.slot.loaded
+        if loaded is not None and loaded is not self._model:
+            self._model = loaded
+            info = self.engine.model_info()
+            self.outbox.put(Model(loaded.source, self.engine.limits(), info.SerializeToString() if info else b""))
+
+    def send_loop(self) -> None:
+        """Sender thread: ships whatever accumulated, one send per batch, until the channel closes."""
+        while not self._closed.is_set():
+            batch = self.outbox.take(IDLE_POLL_SECONDS)
+            self._announce_model()  # a reload installs a model without a lifecycle move on the CPU
+            batch += self.outbox.take(0) if self.outbox.pending else []
+            if not batch:
+                continue
+            try:
+                self.channel.send(batch)
+            except (OSError, EOFError):
+                return
+
+    def flush(self, timeout: float = 5.0) -> None:
+        """Waits (bounded) until the sender has shipped everything queued so far."""
+        deadline = time.monotonic() + timeout
+        while self.outbox.pending and time.monotonic() < deadline:
+            time.sleep(0.005)
+
+    # --- API process -> engine -------------------------------------------------------------
+
+    def receive_loop(self) -> None:
+        """Receiver thread (the process's main thread): returns when the API process closes the
+        channel or goes away."""
+        while True:
+            try:
+                messages = self.channel.recv()
+            except (EOFError, OSError):
+                return
+            for message in messages:
+                self._handle(message)
+
+    def _handle(self, message: Any) -> None:
+        if isinstance(message, Submit):
+            self._submit(message)
+        elif isinstance(message, Cancel):
+            seq = self.sequences.get(message.sid)
+            if seq is not None:
+                self.engine.cancel(seq)
+        elif isinstance(message, Call):
+            if message.method in SLOW_CALLS:
+                threading.Thread(target=self._answer, args=(message,), name=message.method, daemon=True).start()
+            else:
+                self._answer(message)
+
+    def _submit(self, message: Submit) -> None:
+        """A refusal (full queue, not serving) ends the stream with its error, counted here as the
+        API layer counts a refusal it sees at once."""
+        req = pb.GenerateRequest.FromString(message.request)
+        try:
+            seq = self.engine.submit(req, message.sid)
+        except Exception as err:  # noqa: BLE001 - QueueFull or NotServing, reported on the stream
+            outcome = "queue_full" if type(err).__name__ == "QueueFull" else "unavailable"
+            self.engine.metrics.requests.labels(outcome).inc()
+            self.outbox.put(Outputs([(message.sid, [], ErrorBox.of(err))]))
+            return
+        if not seq.finished:  # a sequence that already ended was dropped by publish; keep none
+            self.sequences[message.sid] = seq
+
+    def _answer(self, call: Call) -> None:
+        try:
+            value = self._call(call.method, call.args)
+        except Exception as err:  # noqa: BLE001 - the caller raises it in the API process
+            self.outbox.put(Reply(call.call_id, error=ErrorBox.of(err)))
+            return
+        self.outbox.put(Reply(call.call_id, value))
+
+    def _call(self, method: str, args: tuple) -> Any:
+        if method not in CALLS:
+            raise ValueError(f"no engine call {method!r}")
+        if method == "metrics":
+            return list(self.engine.metrics.registry.collect())
+        if method == "load_revision":
+            return self._load_revision(*args)
+        return getattr(self.engine, method)(*args)
+
+    def _load_revision(self, source: str, revision: str, reply_id: int) -> bool:
+        """Accepted (or ReloadRefused, raised); the outcome follows as a Reply to ``reply_id``."""
+        future = self.engine.load_revision(source, revision)
+
+        def done(f) -> None:
+            err = f.exception()
+            self._announce_model()
+            self.outbox.put(Reply(reply_id, None if err else f.result(), ErrorBox.of(err) if err else None))
+
+        future.add_done_callback(done)
+        return True
+
+    def close(self) -> None:
+        self._closed.set()
+        with self.outbox.cond:
+            self.outbox.cond.notify()
+
+
+def main(conn: Connection, settings: EngineSettings, parent_pid: int, log_level: str, switch_interval: float) -> None:
+    """The engine-core process's entry point (``multiprocessing`` spawn target)."""
+    die_with_parent(parent_pid)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    sys.setswitchinterval(switch_interval)  # the receiver and sender get the interpreter back quickly
+    channel = Channel(conn)
+    try:
+        engine = Engine(settings)  # decides and checks the sizes, allocating nothing
+    except (SizingError, ModelSourceError) as err:
+        channel.send([Sized(None, str(err))])
+        logging.shutdown()
+        os._exit(2)
+    channel.send([Sized(engine.settings)])
+    host = EngineHost(engine, channel)
+    sender = threading.Thread(target=host.send_loop, name="engine-sender", daemon=True)
+    sender.start()
+    host.engine.start()
+    host.receive_loop()
+    # The API process closed the channel: after a drain the engine has stopped; if the API
+    # process died instead, nothing is left to serve and the device is freed by exiting now.
+    engine = host.engine
+    code = 0 if engine.failed is None and not engine.thread.is_alive() else 1
+    host.close()
+    logging.shutdown()
+    os._exit(code)
+
