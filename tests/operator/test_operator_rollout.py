@@ -18,14 +18,14 @@ from graphkeeper.proto.policy import policy_from_spec, recapture_key
 
 @pytest.mark.parametrize(("value", "total", "expected"), [
     (None, 10, 2), ("25%", 10, 2), ("25%", 200, 50), ("25%", 3, 1), ("100%", 7, 7),
-    (2, 10, 2), (0, 10, 1), ("0%", 10, 1), ("3", 10, 3), ("50%", 5, 2),
+    (2, 10, 2), ("1%", 10, 1), ("3", 10, 3), ("50%", 5, 2),
 ])
 def test_max_unavailable_is_a_count_or_a_percentage_rounded_down_and_at_least_one(
         value, total, expected):
     assert resolve_max_unavailable(value, total) == expected
 
 
-@pytest.mark.parametrize("value", ["lots", "25.5%", "101%", -1, True])
+@pytest.mark.parametrize("value", ["lots", "25.5%", "101%", -1, True, 0, "0", "0%"])
 def test_a_max_unavailable_that_is_neither_is_refused(value):
     with pytest.raises(ValueError):
         resolve_max_unavailable(value, 10)
