@@ -101,6 +101,9 @@ class RolloutWorker:
     failed: bool = False
     #: Pushing is pointless now (it refused this generation recently, or is not running).
     blocked: bool = False
+    #: Still busy with an earlier push or reload of ours: it gets the latest generation once it
+    #: is READY, not every generation of an edit burst meanwhile.
+    settling: bool = False
 
 
 @dataclass(frozen=True)
@@ -136,7 +139,7 @@ def plan_rollout(workers: Iterable[RolloutWorker], max_unavailable: int) -> Roll
         if not w.available:
             # Already out of service (starting, recapturing an older change): telling it now
             # costs no availability and saves a second recapture later.
-            if w.needs_push and not failed:
+            if w.needs_push and not failed and not w.settling:
                 push.append(w.name)
             elif not failed:
                 waiting.append(w.name)

@@ -59,6 +59,15 @@ def test_a_worker_already_out_of_service_is_told_at_once_without_using_the_budge
     assert plan.push == ("a",), "a is unavailable anyway; b waits for the budget"
 
 
+def test_a_worker_still_settling_an_earlier_push_waits_for_the_latest_generation():
+    """An edit burst: a worker busy capturing generation n is not handed n+1, n+2, ... as they
+    come; it is handed the latest once it reports READY."""
+    plan = plan_rollout([w("busy", available=False, needs_push=True, settling=True),
+                         w("starting", available=False, needs_push=True)], 1)
+    assert plan.push == ("starting",)
+    assert "busy" in plan.waiting
+
+
 def test_toggle_only_changes_go_everywhere_at_once():
     workers = [w(f"w{i}", needs_push=True, push_recaptures=False) for i in range(5)]
     assert len(plan_rollout(workers, 1).push) == 5
