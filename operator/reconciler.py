@@ -11,9 +11,14 @@ worker call that ended. Each run is level-triggered (it compares what each worke
 what the policy says), so a missed event costs at most one interval, and a restarted operator
 repeats no push.
 
-A run never waits on a worker for long: it starts a status read per worker (each on its own
-deadline), waits at most ``READ_WAIT_SECONDS`` for them, and uses the last known status of any
-worker that has not answered yet (its late answer wakes the loop). Pushes and model reloads run
+A run never waits on a worker for long: it starts a status read per worker that needs one
+(``sync.needs_read``: nothing known, a failed read, a changed pod, a change settling, or the
+slow resync; an idle fleet is not polled), each on its own deadline, waits at most
+``READ_WAIT_SECONDS`` for them, and uses the last known status of any worker that has not
+answered yet (its late answer wakes the loop). Then, without awaiting anything, it settles who
+owns each worker (``selection.owner`` over ``Reconciler.holders``, one entry per worker address
+shared by all loops), what each lacks, and what to push: every loop decides from the same
+snapshot, so two policies never both push to a worker nor both defer to each other. Pushes and model reloads run
 as tasks of their own, handed out by the rollout planner (``rollout.plan_rollout``) at most
 ``maxUnavailable`` at a time; their end wakes the loop. Status is written on every run with what
 is known.
@@ -414,7 +419,8 @@ class Reconciler:
         return self._next_delay(pods, outcome.observations, invalid)
 
     async def _roll_out(self, ref: PolicyRef, pods: list[WorkerPod], desired: Desired) -> RunOutcome:
-        """Reads the workers this policy owns, classifies them, and starts what the plan allows."""
+        """Reads the selected workers that need it, settles who owns each, classifies the ones
+        this policy owns, and starts what the plan allows."""
         self._remember_recapture_key(desired.wire)
         await self._read_statuses(pods)
         # From here to the hand-out nothing awaits: who owns each worker, what it lacks and what

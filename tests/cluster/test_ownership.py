@@ -93,9 +93,26 @@ def one_trial(operator: Operator, worker: Worker, sides: tuple[Policies, Policie
     # The counter moves when a push's answer is back, a moment after the worker adopted it.
     wait_until(f"trial {trial}: the second push counted", lambda: operator.metric(PUSHES) - pushes == 2,
                timeout=5)
-    for pols, name in pair:
+    # Clean up: the loser first. (Were the holder deleted first, the loser would rightly take
+    # the worker for the moment until its own deletion reaches the operator.)
+    for pols, name in (pair[loser], pair[winner]):
         pols.delete(name)
+    quiet(operator)
     return len({o["metadata"]["creationTimestamp"] for o in objs}) == 1
+
+
+def quiet(operator: Operator, seconds: float = 1.0) -> None:
+    """Waits until the push counter stood still for ``seconds``: the next trial counts only its
+    own pushes."""
+    last = [operator.metric(PUSHES), time.monotonic()]
+
+    def still() -> bool:
+        now = operator.metric(PUSHES)
+        if now != last[0]:
+            last[:] = [now, time.monotonic()]
+        return time.monotonic() - last[1] >= seconds
+
+    wait_until("the push counter to stand still", still, timeout=15, interval=0.1)
 
 
 def run_trials(operator: Operator, worker: Worker, sides: tuple[Policies, Policies]) -> None:

@@ -12,6 +12,7 @@ from graphkeeper.operator.sync import (
     Track,
     classify,
     finish_action,
+    needs_read,
     observe,
     record_action,
     settle,
@@ -173,3 +174,15 @@ def test_a_size_left_out_by_the_budget_is_not_a_failure():
     assert seen.state == WorkerState.CAPTURED
     assert seen.captured_sizes == (1,) and seen.effective_mode == "Full"
     assert seen.fallback_rate == 0.25
+
+
+def test_a_settled_worker_whose_pod_did_not_change_is_read_only_on_the_slow_resync():
+    t = track(state=READY, policy_uid="uid-1", policy_generation=1)
+    t.stale = False
+    assert not needs_read(t, now=30.0, resync=60.0), "idle: no read"
+    assert needs_read(t, now=61.0, resync=60.0), "the resync"
+    assert needs_read(replace(t, stale=True), now=30.0, resync=60.0), "its pod changed"
+    assert needs_read(replace(t, settled=False), now=30.0, resync=60.0), "a change settles"
+    assert needs_read(replace(t, error=WorkerError(ErrorKind.UNREACHABLE, "down")), now=30.0,
+                      resync=60.0), "the last read failed"
+    assert needs_read(Track(stale=False), now=0.0, resync=60.0), "nothing known yet"
