@@ -129,6 +129,20 @@ def desired_policy(ref: PolicyRef, total: int) -> tuple[Desired | None, str | No
     return Desired(wire, max_unavailable, deadline), None
 
 
+def holding_slots(departed: dict[str, tuple[float, frozenset[str]]],
+                  views: Mapping[str, tuple[WorkerPod, Track, RolloutWorker]], now: float,
+                  deadline: float) -> list[str]:
+    """The deleted pods that still hold a rollout slot; forgets the others (``departed`` is the
+    loop's). A force-deleted pod's worker may go on recapturing for a while: its slot is free
+    once a pod this policy did not select at the deletion is available (its replacement is
+    READY), or once the change's progress deadline passed."""
+    for key, (started, known) in list(departed.items()):
+        replaced = any(view.available for pod, _, view in views.values() if pod.uid not in known)
+        if replaced or now - started > deadline:
+            del departed[key]
+    return sorted(departed)
+
+
 def mark_waiting(observations: list[WorkerObservation], waiting: set[str]) -> list[WorkerObservation]:
     """Pending workers the rollout did not reach this run say that they wait for their turn."""
     return [replace(o, message=f"waiting for its turn in the rollout ({o.message})")
@@ -148,6 +162,11 @@ class PolicyLoop:
         self.seen_targets: set[str] = set()
         self.invalid: str | None = None
         self.paused: tuple[str, ...] = ()
+        #: Pods deleted while a change of ours was under way on their worker: key -> (when that
+        #: change started, the pod uids this policy selected then). Each keeps its rollout slot
+        #: (the process may still be recapturing) until a replacement is READY or the progress
+        #: deadline passes.
+        self.departed: dict[str, tuple[float, frozenset[str]]] = {}
         self._reconciler = reconciler
         self._woken = asyncio.Event()
         self._woken.set()
@@ -242,6 +261,10 @@ class Reconciler:
             track.stale = True  # and read again (readiness is how an idle fleet is watched)
         if deleted:
             self._fingerprints.pop(pod.uid, None)
+            if track is not None and (track.busy() or not track.settled):
+                for loop in self.loops.values():
+                    if pod.uid in loop.seen_pods:
+                        loop.departed[pod.key] = (track.action_started, frozenset(loop.seen_pods))
             track = self.tracks.pop(pod.uid, None)
             if track is not None:
                 for task in (track.read, track.action):
@@ -413,12 +436,13 @@ class Reconciler:
         if desired is None:
             outcome = RunOutcome([WorkerObservation(p.key, WorkerState.PENDING, "not pushed") for p in pods])
         else:
-            outcome = await self._roll_out(ref, pods, desired)
+            outcome = await self._roll_out(loop, ref, pods, desired)
         await self._report(loop, ref, outcome, invalid)
         metrics.RECONCILE_SECONDS.observe(time.monotonic() - started)
         return self._next_delay(pods, outcome.observations, invalid)
 
-    async def _roll_out(self, ref: PolicyRef, pods: list[WorkerPod], desired: Desired) -> RunOutcome:
+    async def _roll_out(self, loop: PolicyLoop, ref: PolicyRef, pods: list[WorkerPod],
+                        desired: Desired) -> RunOutcome:
         """Reads the selected workers that need it, settles who owns each, classifies the ones
         this policy owns, and starts what the plan allows."""
         self._remember_recapture_key(desired.wire)
@@ -428,7 +452,11 @@ class Reconciler:
         mine, observations = self._claimed(ref, pods)
         worker_observations, views = self._classify(ref, mine, desired)
         observations += worker_observations
-        plan = plan_rollout([view for _, _, view in views.values()], desired.max_unavailable)
+        departed = holding_slots(loop.departed, views, time.monotonic(), desired.deadline)
+        plan = plan_rollout([view for _, _, view in views.values()]
+                            + [RolloutWorker(f"{key} (deleted, may still be recapturing)",
+                                             available=False, blocked=True) for key in departed],
+                            desired.max_unavailable)
         fired = self._hand_out(plan, views, desired.wire)
         observations = mark_waiting(observations, set(plan.waiting))
         updated = sum(1 for o in observations if o.state == WorkerState.CAPTURED)
