@@ -61,6 +61,7 @@ async def startup(
         pods=worker_pods,
         policies=graph_policies,
         interval=memo.status_interval,
+        resync=memo.resync_interval,
     )
     memo.http = None
     if memo.metrics_port:
@@ -103,6 +104,7 @@ def run(args: argparse.Namespace) -> int:
         logging.getLogger("kopf.objects").setLevel(logging.WARNING)
     memo = kopf.Memo(
         status_interval=float(args.status_interval),
+        resync_interval=float(getattr(args, "resync_interval", 60.0)),
         metrics_port=int(args.metrics_port),
         rpc_timeout=float(getattr(args, "rpc_timeout", 5.0)),
         control_token_file=str(getattr(args, "control_token_file", "") or ""),

@@ -13,9 +13,10 @@ import time
 
 logger = logging.getLogger("graphkeeper.operator")
 
-#: kopf's loggers whose "request failed, will retry" lines are folded into the outage line.
+#: Loggers whose "request failed, will retry" lines are folded into the outage line: kopf's, and
+#: urllib3's (the kubernetes client under our status writes retries each one three times).
 KOPF_API_LOGGERS = ("kopf._cogs.clients.api", "kopf._cogs.clients.watching",
-                    "kopf._core.reactor.queueing")
+                    "kopf._core.reactor.queueing", "urllib3.connectionpool")
 
 
 class Outage(logging.Filter):
@@ -68,6 +69,9 @@ class Outage(logging.Filter):
         message = record.getMessage()
         if "Request attempt" in message and "failed" in message:
             self.failed(message.split(" -> ", 1)[-1])
+            return False
+        if record.name.startswith("urllib3") and message.startswith("Retrying ("):
+            self.failed(message.split(" after ", 1)[-1])
             return False
         if self.since is not None and record.levelno >= logging.WARNING and (
                 "ClientConnectorError" in message or "Cannot connect" in message

@@ -11,9 +11,14 @@ worker call that ended. Each run is level-triggered (it compares what each worke
 what the policy says), so a missed event costs at most one interval, and a restarted operator
 repeats no push.
 
-A run never waits on a worker for long: it starts a status read per worker (each on its own
-deadline), waits at most ``READ_WAIT_SECONDS`` for them, and uses the last known status of any
-worker that has not answered yet (its late answer wakes the loop). Pushes and model reloads run
+A run never waits on a worker for long: it starts a status read per worker that needs one
+(``sync.needs_read``: nothing known, a failed read, a changed pod, a change settling, or the
+slow resync; an idle fleet is not polled), each on its own deadline, waits at most
+``READ_WAIT_SECONDS`` for them, and uses the last known status of any worker that has not
+answered yet (its late answer wakes the loop). Then, without awaiting anything, it settles who
+owns each worker (``selection.owner`` over ``Reconciler.holders``, one entry per worker address
+shared by all loops), what each lacks, and what to push: every loop decides from the same
+snapshot, so two policies never both push to a worker nor both defer to each other. Pushes and model reloads run
 as tasks of their own, handed out by the rollout planner (``rollout.plan_rollout``) at most
 ``maxUnavailable`` at a time; their end wakes the loop. Status is written on every run with what
 is known.
@@ -24,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
@@ -48,9 +54,10 @@ from graphkeeper.operator.rollout import (
 from graphkeeper.operator.selection import (
     PolicyRef,
     WorkerPod,
+    claims,
+    owner,
     selected_workers,
     selector_error,
-    senior_claimant,
 )
 from graphkeeper.operator.status import FAILURE_REASONS, WorkerObservation, WorkerState, build_status
 from graphkeeper.operator.sync import (
@@ -60,6 +67,7 @@ from graphkeeper.operator.sync import (
     classify,
     finish_action,
     goal_of,
+    needs_read,
     record_action,
     settle,
 )
@@ -79,6 +87,8 @@ READ_WAIT_SECONDS = 0.5
 API_RETRY_SECONDS = 1.0
 #: Recapture keys remembered per policy (generations a worker may still hold).
 MAX_RECAPTURE_KEYS = 64
+#: A settled worker whose pod did not change is read again after this many seconds.
+RESYNC_SECONDS = 60.0
 
 _STATES = [str(s) for s in WorkerState]
 
@@ -119,6 +129,20 @@ def desired_policy(ref: PolicyRef, total: int) -> tuple[Desired | None, str | No
     return Desired(wire, max_unavailable, deadline), None
 
 
+def holding_slots(departed: dict[str, tuple[float, frozenset[str]]],
+                  views: Mapping[str, tuple[WorkerPod, Track, RolloutWorker]], now: float,
+                  deadline: float) -> list[str]:
+    """The deleted pods that still hold a rollout slot; forgets the others (``departed`` is the
+    loop's). A force-deleted pod's worker may go on recapturing for a while: its slot is free
+    once a pod this policy did not select at the deletion is available (its replacement is
+    READY), or once the change's progress deadline passed."""
+    for key, (started, known) in list(departed.items()):
+        replaced = any(view.available for pod, _, view in views.values() if pod.uid not in known)
+        if replaced or now - started > deadline:
+            del departed[key]
+    return sorted(departed)
+
+
 def mark_waiting(observations: list[WorkerObservation], waiting: set[str]) -> list[WorkerObservation]:
     """Pending workers the rollout did not reach this run say that they wait for their turn."""
     return [replace(o, message=f"waiting for its turn in the rollout ({o.message})")
@@ -138,6 +162,11 @@ class PolicyLoop:
         self.seen_targets: set[str] = set()
         self.invalid: str | None = None
         self.paused: tuple[str, ...] = ()
+        #: Pods deleted while a change of ours was under way on their worker: key -> (when that
+        #: change started, the pod uids this policy selected then). Each keeps its rollout slot
+        #: (the process may still be recapturing) until a replacement is READY or the progress
+        #: deadline passes.
+        self.departed: dict[str, tuple[float, frozenset[str]]] = {}
         self._reconciler = reconciler
         self._woken = asyncio.Event()
         self._woken.set()
@@ -182,11 +211,17 @@ class Reconciler:
         interval: float = 5.0,
         post_event: Callable[..., None] = kopf.event,
         read_wait: float = READ_WAIT_SECONDS,
+        resync: float = RESYNC_SECONDS,
     ) -> None:
         self.client, self.kube = client, kube
         self.pods, self.policies = pods, policies
         self.interval = interval
         self.read_wait = read_wait
+        self.resync = resync
+        #: GraphControl address -> (policy uid the worker holds or is capturing, monotonic time
+        #: that became known): one entry per worker, shared by every loop, so that all of them
+        #: decide ownership from the same fact. ``math.inf`` while a push of ours is under way.
+        self.holders: dict[str, tuple[str, float]] = {}
         self.loops: dict[str, PolicyLoop] = {}
         self.tracks: dict[str, Track] = {}
         self._fingerprints: dict[str, tuple] = {}
@@ -223,8 +258,13 @@ class Reconciler:
         track = self.tracks.get(pod.uid)
         if track is not None:
             track.rejected = None  # a changed pod (restarted, re-annotated) is asked again
+            track.stale = True  # and read again (readiness is how an idle fleet is watched)
         if deleted:
             self._fingerprints.pop(pod.uid, None)
+            if track is not None and (track.busy() or not track.settled):
+                for loop in self.loops.values():
+                    if pod.uid in loop.seen_pods:
+                        loop.departed[pod.key] = (track.action_started, frozenset(loop.seen_pods))
             track = self.tracks.pop(pod.uid, None)
             if track is not None:
                 for task in (track.read, track.action):
@@ -289,6 +329,7 @@ class Reconciler:
         if track.read is not None and not track.read.done():
             return track.read
         track.read_orphaned = False
+        track.stale = False
 
         async def read() -> None:
             started = time.monotonic()
@@ -300,6 +341,8 @@ class Reconciler:
             else:
                 metrics.STATUS_READS.labels(outcome="ok").inc()
                 track.status, track.error = status, None
+                self._learn_holder(pod.control_target, status.pending_policy_uid or status.policy_uid,
+                                   started)
             track.read_at = started
             if track.read_orphaned:
                 self._wake_pod(pod.uid)
@@ -307,8 +350,22 @@ class Reconciler:
         track.read = asyncio.create_task(read(), name=f"read {pod.key}")
         return track.read
 
+    def _learn_holder(self, target: str, uid: str, read_started: float) -> None:
+        """A read's answer replaces what is known of the worker's holder unless something newer
+        is known (a push started after the read, or a later read)."""
+        known = self.holders.get(target)
+        if known is None or read_started >= known[1]:
+            self.holders[target] = (uid, read_started)
+
+    def _holder(self, pod: WorkerPod) -> str:
+        """The policy uid the worker behind ``pod`` holds, as far as the operator knows."""
+        known = self.holders.get(pod.control_target) if pod.address else None
+        return known[0] if known is not None else ""
+
     def _start_push(self, pod: WorkerPod, track: Track, wire: pb.GraphPolicy) -> None:
         record_action(track, PUSH, goal_of(wire), time.monotonic())
+        target = pod.control_target
+        self.holders[target] = (wire.policy_uid, math.inf)  # no read may undo this until it ends
 
         async def push() -> None:
             error = None
@@ -318,6 +375,8 @@ class Reconciler:
             except WorkerError as err:
                 error = err
             label = finish_action(track, wire, error, time.monotonic())
+            if self.holders.get(target) == (wire.policy_uid, math.inf):
+                self.holders[target] = (wire.policy_uid, time.monotonic())  # reads after this say
             metrics.PUSHES.labels(outcome=outcome if error is None else label).inc()
             self._wake_pod(pod.uid)
 
@@ -344,15 +403,6 @@ class Reconciler:
 
     def _ref(self, loop: PolicyLoop) -> PolicyRef | None:
         return next((p for p in self.policies.get(loop.namespace, ()) if p.uid == loop.uid), None)
-
-    def _holder(self, pod: WorkerPod) -> str:
-        """The policy uid the worker behind ``pod`` last reported holding (through any pod)."""
-        track = self.tracks.get(pod.uid)
-        if track is None or track.status is None:
-            track = next((self.tracks[p.uid] for ps in self.pods.values() for p in ps
-                          if p.uid in self.tracks and p.control_target == pod.control_target
-                          and self.tracks[p.uid].status is not None), None)
-        return track.status.policy_uid if track is not None and track.status is not None else ""
 
     def _all_policies(self) -> list[PolicyRef]:
         return [p for refs in self.policies.values() for p in refs]
@@ -386,19 +436,27 @@ class Reconciler:
         if desired is None:
             outcome = RunOutcome([WorkerObservation(p.key, WorkerState.PENDING, "not pushed") for p in pods])
         else:
-            outcome = await self._roll_out(ref, pods, desired)
+            outcome = await self._roll_out(loop, ref, pods, desired)
         await self._report(loop, ref, outcome, invalid)
         metrics.RECONCILE_SECONDS.observe(time.monotonic() - started)
         return self._next_delay(pods, outcome.observations, invalid)
 
-    async def _roll_out(self, ref: PolicyRef, pods: list[WorkerPod], desired: Desired) -> RunOutcome:
-        """Reads the workers this policy owns, classifies them, and starts what the plan allows."""
+    async def _roll_out(self, loop: PolicyLoop, ref: PolicyRef, pods: list[WorkerPod],
+                        desired: Desired) -> RunOutcome:
+        """Reads the selected workers that need it, settles who owns each, classifies the ones
+        this policy owns, and starts what the plan allows."""
         self._remember_recapture_key(desired.wire)
+        await self._read_statuses(pods)
+        # From here to the hand-out nothing awaits: who owns each worker, what it lacks and what
+        # is pushed to it come from one snapshot, the same one every other loop sees.
         mine, observations = self._claimed(ref, pods)
-        await self._read_statuses(mine)
         worker_observations, views = self._classify(ref, mine, desired)
         observations += worker_observations
-        plan = plan_rollout([view for _, _, view in views.values()], desired.max_unavailable)
+        departed = holding_slots(loop.departed, views, time.monotonic(), desired.deadline)
+        plan = plan_rollout([view for _, _, view in views.values()]
+                            + [RolloutWorker(f"{key} (deleted, may still be recapturing)",
+                                             available=False, blocked=True) for key in departed],
+                            desired.max_unavailable)
         fired = self._hand_out(plan, views, desired.wire)
         observations = mark_waiting(observations, set(plan.waiting))
         updated = sum(1 for o in observations if o.state == WorkerState.CAPTURED)
@@ -406,27 +464,42 @@ class Reconciler:
         return RunOutcome(observations, plan, rollout, fired)
 
     def _claimed(self, ref: PolicyRef, pods: list[WorkerPod]) -> tuple[list[WorkerPod], list[WorkerObservation]]:
-        """The pods this policy owns, and a CONFLICT observation for each that an older policy
-        keeps (it selects the pod, or the worker behind it, too)."""
+        """The pods this policy owns, and a CONFLICT observation for each that another policy
+        keeps (it selects the pod, or the worker behind it, too, and holds it or is older)."""
         everyone = self._all_policies()
+        at_target = self._pods_by_target()
         mine: list[WorkerPod] = []
         conflicts: list[WorkerObservation] = []
         for pod in pods:
-            rival = senior_claimant(ref, pod, everyone, self.pods, holder=self._holder(pod))
-            if rival is None:
+            holder = self._holder(pod)
+            others = at_target.get(pod.control_target, ()) if pod.address else ()
+            won = owner(claims(pod, everyone, others), holder)
+            if won is None or won[0].uid == ref.uid:
                 mine.append(pod)
                 continue
-            other, via = rival
+            other, via = won
             where = "" if via.uid == pod.uid else f" through pod {via.key} at {pod.control_target}"
+            why = "it holds the worker" if other.uid == holder else "it is older"
             conflicts.append(WorkerObservation(
                 pod.key, WorkerState.CONFLICT,
-                f"also claimed by the older policy {other.key}{where}, which keeps it; not pushed"))
+                f"also claimed by the policy {other.key}{where}, which keeps it ({why}); not pushed"))
         return mine, conflicts
 
+    def _pods_by_target(self) -> dict[str, list[WorkerPod]]:
+        out: dict[str, list[WorkerPod]] = {}
+        for pods in self.pods.values():
+            for p in pods:
+                if p.address and not p.deleting:
+                    out.setdefault(p.control_target, []).append(p)
+        return out
+
     async def _read_statuses(self, pods: list[WorkerPod]) -> None:
-        """Starts a status read per running pod and waits at most ``read_wait`` for them; a read
-        still under way is marked orphaned, so that its end wakes the loops."""
-        reads = [t for p in pods if p.running and (t := self._start_read(p, self._track(p))) is not None]
+        """Starts a status read per running pod that needs one (``sync.needs_read``, or the
+        worker's holder changed since this pod's last read) and waits at most ``read_wait``
+        for them; a read still under way is marked orphaned, so that its end wakes the loops."""
+        now = time.monotonic()
+        reads = [t for p in pods if p.running and self._wants_read(p, now)
+                 and (t := self._start_read(p, self._track(p))) is not None]
         if not reads:
             return
         _, late = await asyncio.wait(reads, timeout=self.read_wait)
@@ -434,6 +507,13 @@ class Reconciler:
             track = self.tracks.get(pod.uid)
             if track is not None and track.read in late:
                 track.read_orphaned = True
+
+    def _wants_read(self, pod: WorkerPod, now: float) -> bool:
+        track = self._track(pod)
+        known = self.holders.get(pod.control_target)
+        moved = (known is not None and track.status is not None and known[1] > track.read_at
+                 and known[0] != (track.status.pending_policy_uid or track.status.policy_uid))
+        return moved or needs_read(track, now, self.resync)
 
     def _classify(self, ref: PolicyRef, pods: list[WorkerPod], desired: Desired) -> tuple[
             list[WorkerObservation], dict[str, tuple[WorkerPod, Track, RolloutWorker]]]:
@@ -470,7 +550,10 @@ class Reconciler:
         """Writes status, posts Events, drops connections to gone workers and sets the gauges."""
         await self._write_status(loop, ref, outcome.observations, invalid, outcome.rollout)
         self._post_events(loop, ref, outcome.observations, outcome.fired, invalid, outcome.plan)
-        await self.client.prune(self._live_targets())
+        live = self._live_targets()
+        await self.client.prune(live)
+        for target in [t for t in self.holders if t not in live]:
+            del self.holders[target]
         counts = Counter(str(o.state) for o in outcome.observations)
         metrics.set_worker_states(ref.namespace, ref.name, dict(counts), _STATES)
 

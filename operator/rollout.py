@@ -34,13 +34,16 @@ _PERCENT_RE = re.compile(r"^([0-9]{1,3})%$")
 def resolve_max_unavailable(value: int | str | None, total: int) -> int:
     """``maxUnavailable`` (a count, or a percentage of ``total`` rounded down) as a count.
 
-    At least 1, so that a rollout always makes progress (a Deployment with maxSurge 0 would
-    refuse 0 too).
+    0 and 0% are refused, as a Deployment without surge refuses them (nothing could ever
+    recapture); the CRD refuses them too. A percentage that rounds down to 0 (25% of 3 workers)
+    still yields 1, so that a rollout always makes progress: at the default 25%, a fleet of 7
+    or fewer goes one worker at a time.
     """
     if value is None or value == "":
         value = DEFAULT_MAX_UNAVAILABLE
     if isinstance(value, bool):
         raise ValueError("maxUnavailable must be a count or a percentage")
+    match = None
     if isinstance(value, int):
         count = value
     else:
@@ -50,13 +53,15 @@ def resolve_max_unavailable(value: int | str | None, total: int) -> int:
             percent = int(match.group(1))
             if percent > 100:
                 raise ValueError(f"maxUnavailable {text!r}: at most 100%")
+            if percent == 0:
+                raise ValueError(f"maxUnavailable {text!r}: at least 1%")
             count = math.floor(total * percent / 100)
         elif text.isdigit():
             count = int(text)
         else:
             raise ValueError(f"maxUnavailable {text!r} is not a count or a percentage like 25%")
-    if count < 0:
-        raise ValueError(f"maxUnavailable must not be negative, got {count}")
+    if count < 0 or (count == 0 and not match):
+        raise ValueError(f"maxUnavailable must be at least 1, got {count}")
     return max(1, count)
 
 
@@ -96,6 +101,9 @@ class RolloutWorker:
     failed: bool = False
     #: Pushing is pointless now (it refused this generation recently, or is not running).
     blocked: bool = False
+    #: Still busy with an earlier push or reload of ours: it gets the latest generation once it
+    #: is READY, not every generation of an edit burst meanwhile.
+    settling: bool = False
 
 
 @dataclass(frozen=True)
@@ -131,7 +139,7 @@ def plan_rollout(workers: Iterable[RolloutWorker], max_unavailable: int) -> Roll
         if not w.available:
             # Already out of service (starting, recapturing an older change): telling it now
             # costs no availability and saves a second recapture later.
-            if w.needs_push and not failed:
+            if w.needs_push and not failed and not w.settling:
                 push.append(w.name)
             elif not failed:
                 waiting.append(w.name)

@@ -163,12 +163,6 @@ class PolicyRef:
         so the uid breaks ties: arbitrary, but the same answer for both rivals, every time."""
         return (self.created, self.uid)
 
-    def rank(self, holder: str = "") -> tuple[str, bool, str]:
-        """Seniority for one worker: within one creation second, the policy the worker already
-        holds (``holder``, its reported policy uid) comes first, so a policy created a few
-        milliseconds later never takes a worker over; then the uid."""
-        return (self.created, self.uid != holder, self.uid)
-
     def selects(self, pod: WorkerPod) -> bool:
         return pod.namespace == self.namespace and selector_matches(
             self.spec.get("selector"), pod.labels
@@ -211,34 +205,40 @@ def selected_workers(policy: PolicyRef, pods: Iterable[WorkerPod]) -> list[Worke
     return sorted((p for p in pods if policy.selects(p)), key=lambda p: p.name)
 
 
-def senior_claimant(
-    policy: PolicyRef,
+def claims(
     pod: WorkerPod,
     policies: Iterable[PolicyRef],
-    pods_by_namespace: Mapping[str, Iterable[WorkerPod]] | None = None,
-    holder: str = "",
-) -> tuple[PolicyRef, WorkerPod] | None:
-    """The most senior other policy that claims the worker behind ``pod``, if it is senior to
-    ``policy``; with the pod through which it claims it.
+    pods_at_target: Iterable[WorkerPod] = (),
+) -> list[tuple[PolicyRef, WorkerPod]]:
+    """Every live policy that claims the worker behind ``pod``, with the pod it claims it through.
 
     A worker is claimed through any pod that points at its GraphControl address, in any
     namespace: two policies whose pods share an address push to one process, so only one may.
-    ``pods_by_namespace`` (every pod the operator knows) finds those other pods; without it only
-    ``pod`` itself is considered. ``holder`` is the policy uid the worker reports holding (see
-    ``PolicyRef.rank``). Which policy is senior does not change while the worker holds one of
-    them, so they never take turns.
+    ``pods_at_target`` are the other pods known at ``pod``'s control address.
     """
-    same = [pod]
-    if pods_by_namespace is not None and pod.address:
-        same += [p for ps in pods_by_namespace.values() for p in ps
-                 if p.uid != pod.uid and p.address and not p.deleting
-                 and p.control_target == pod.control_target]
-    rivals = [
-        (p, q) for p in policies for q in same
-        if p.uid != policy.uid and not p.deleting
-        and p.rank(holder) < policy.rank(holder) and p.selects(q)
-    ]
-    return min(rivals, key=lambda pq: pq[0].rank(holder), default=None)
+    same = [pod] + [p for p in pods_at_target if p.uid != pod.uid and not p.deleting]
+    found: dict[str, tuple[PolicyRef, WorkerPod]] = {}
+    for policy in policies:
+        if policy.deleting or policy.uid in found:
+            continue
+        via = next((q for q in same if policy.selects(q)), None)
+        if via is not None:
+            found[policy.uid] = (policy, via)
+    return list(found.values())
+
+
+def owner(claimed: Iterable[tuple[PolicyRef, WorkerPod]], holder: str) -> tuple[PolicyRef, WorkerPod] | None:
+    """The one policy that may push to a worker, from its claims and the policy it holds (pure).
+
+    A worker keeps its holder (``holder``: the policy uid it reports holding or capturing, or
+    that the operator just pushed to it) for as long as that policy claims it; only when the
+    holder lets go (deleted, or its selector moved) does the most senior claimant take it.
+    Every policy's loop asks this one question of the same state, so two policies can never
+    both own a worker, and never both defer to each other.
+    """
+    claimed = list(claimed)
+    held = next((c for c in claimed if c[0].uid == holder), None) if holder else None
+    return held or min(claimed, key=lambda c: c[0].seniority, default=None)
 
 
 # --- selector validation ----------------------------------------------------------------------

@@ -26,8 +26,6 @@ from graphkeeper.proto.policy import MODE_BY_NAME, lifecycle_name
 
 #: A LoadModelRevision for the same pod and revision is not retried sooner than this.
 MODEL_LOAD_RETRY_SECONDS = 60.0
-#: A generation a worker refused is not pushed to it again sooner than this (unless the pod changes).
-REJECTED_RETRY_SECONDS = 60.0
 
 _MODE_NAME = {v: k for k, v in MODE_BY_NAME.items()}
 _BUSY = (pb.LIFECYCLE_STATE_LOADING, pb.LIFECYCLE_STATE_RECAPTURING)
@@ -47,6 +45,8 @@ class Track:
     read: asyncio.Task | None = None
     #: Set when the run that started ``read`` stopped waiting for it: its end wakes the loops.
     read_orphaned: bool = False
+    #: Set when the pod changed (ready, restarted, re-annotated) since the last read started.
+    stale: bool = True
     #: The last push or reload: kind, goal ("uid/generation" or a revision), start and end.
     action: asyncio.Task | None = None
     action_kind: str = ""
@@ -66,6 +66,18 @@ class Track:
 
     def busy(self) -> bool:
         return self.action is not None and not self.action.done()
+
+
+def needs_read(track: Track, now: float, resync: float) -> bool:
+    """Whether a run should read the worker's status now (pure).
+
+    An idle fleet costs almost nothing: a worker is read when the operator knows nothing of it,
+    its last read failed, its pod changed (readiness, restarts, annotations: ``stale``), a
+    change of ours is still settling on it, or ``resync`` seconds passed since its last read
+    (the slow resync that catches what no pod event shows).
+    """
+    return (track.status is None or track.error is not None or track.stale
+            or not track.settled or track.busy() or now - track.read_at >= resync)
 
 
 def goal_of(policy: pb.GraphPolicy) -> str:
@@ -184,11 +196,13 @@ def classify(
     blocked = False
 
     refused = track.rejected
-    if (needs_push and refused is not None
-            and refused[:2] == (policy.policy_uid, policy.generation)
-            and now - refused[3] < REJECTED_RETRY_SECONDS):
+    if needs_push and refused is not None and refused[:2] == (policy.policy_uid, policy.generation):
+        # Refused like a failed capture: the worker counts as failed and pauses the rollout (a
+        # generation one worker refuses, the next would most likely refuse too). It is offered
+        # again when the pod changes (restarted, re-annotated: ``on_pod`` clears ``rejected``)
+        # or the spec does (a new generation).
         observation = _with(observation, WorkerState.REJECTED, refused[2])
-        blocked = True
+        blocked = failed = True
     if (not failed and not in_flight and track.action_kind == PUSH and track.action_goal == goal
             and not adopted and ready and s.last_error):
         # Pushed, settled, and the worker kept what it had: the capture of ``goal`` failed.
@@ -207,10 +221,11 @@ def classify(
             observation = _with(observation, WorkerState.CAPTURE_FAILED,
                                 f"loading model revision {want_revision!r} failed: "
                                 f"{track.load_failure[1]}")
-    if in_flight and now - track.action_started > deadline and (
-            track.action_goal in (goal, want_revision)):
+    if in_flight and now - track.action_started > deadline:
+        # Whatever it is settling (an earlier generation too: a worker busy with one is not
+        # handed the next until it is READY), past the deadline it fails and pauses the rollout.
         failed = True
-        what = (f"generation {policy.generation}" if track.action_kind == PUSH
+        what = (f"generation {track.action_goal.rpartition('/')[2]}" if track.action_kind == PUSH
                 else f"model revision {track.action_goal!r}")
         observation = _with(observation, WorkerState.CAPTURE_FAILED,
                             f"did not report READY with {what} within {deadline:g}s "
@@ -223,6 +238,7 @@ def classify(
         needs_reload=needs_reload and not failed,
         failed=failed,
         blocked=blocked,
+        settling=in_flight,
     )
     return observation, view
 

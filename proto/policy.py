@@ -51,11 +51,18 @@ TENANT_GRAPHS_BY_NAME: dict[str, int] = {
 }
 DEFAULT_MODE = pb.GRAPH_MODE_FULL_AND_PIECEWISE
 
-_QUANTITY_RE = re.compile(r"^([0-9]+(?:\.[0-9]+)?)([KMGTPE]i?|[kmun]|)$")
+#: A byte quantity as the CRD admits it: digits, an optional fraction, a decimal or binary suffix
+#: (no sign, no exponent, no ``m``: a budget in thousandths of a byte is a typo).
+_QUANTITY_RE = re.compile(r"^([0-9]+)(?:\.([0-9]+))?(k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei|)$")
 _QUANTITY_FACTORS = {
-    "": 1, "k": 10**3, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18,
+    "": 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18,
     "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60,
 }
+#: Digits after the point a binary suffix may carry (the CRD's rule checks divisibility by 5^d
+#: in 64-bit integers; 1.5Gi needs one).
+MAX_BINARY_FRACTION_DIGITS = 10
+#: A budget is an int64 on the wire.
+MAX_QUANTITY_BYTES = 2**63 - 1
 
 
 class FieldError(ValueError):
@@ -310,22 +317,38 @@ def effective_requested_mode(policy: pb.GraphPolicy) -> int:
 
 
 def parse_quantity(value: str | int) -> int:
-    """A Kubernetes quantity (``256Mi``, ``1G``, ``1024``) in bytes."""
+    """A Kubernetes quantity (``256Mi``, ``1.5Gi``, ``1G``, ``1024``) as a whole number of bytes.
+
+    The same rule as the CRD's (``deploy/crds``; both are held to one table of examples in
+    ``tests/memory_budget_cases.py``): exact integer arithmetic, never a float, so 1.5Gi is
+    1,610,612,736 bytes and 1.1Gi, 0.5 or 0.0001k (not whole bytes) are refused, not rounded;
+    at most 2^63-1 (the wire's int64).
+    """
+    if isinstance(value, bool) or not isinstance(value, int | str):
+        raise PolicyError("memoryBudget", f"{value!r} must be an integer or a quantity string")
     if isinstance(value, int):
         if value < 0:
             raise PolicyError("memoryBudget", f"must not be negative, got {value}")
-        return value
-    match = _QUANTITY_RE.match(str(value).strip())
-    if not match or match.group(2) in ("m", "u", "n"):
-        raise PolicyError("memoryBudget", f"{value!r} is not a byte quantity such as 256Mi or 1G")
-    number, suffix = match.groups()
-    # Exact decimal arithmetic (never a float): 1.001k is 1001 bytes, and a quantity that is not
-    # a whole number of bytes (1.5 or 0.0001k) is refused rather than rounded.
-    whole, _, frac = number.partition(".")
-    scaled = int(whole + frac) * _QUANTITY_FACTORS[suffix]
-    bytes_, rest = divmod(scaled, 10 ** len(frac))
+        return _bounded(value, value)
+    match = _QUANTITY_RE.match(value)
+    if not match:
+        raise PolicyError("memoryBudget", f"{clipped_repr(value)} is not a byte quantity such as "
+                                          "256Mi, 1.5Gi or 1G (no m suffix, sign or exponent)")
+    whole, frac, suffix = match.group(1), match.group(2) or "", match.group(3)
+    if suffix.endswith("i") and len(frac) > MAX_BINARY_FRACTION_DIGITS:
+        raise PolicyError("memoryBudget", f"{clipped_repr(value)}: at most "
+                                          f"{MAX_BINARY_FRACTION_DIGITS} digits after the point "
+                                          "before a binary suffix")
+    bytes_, rest = divmod(int(whole + frac) * _QUANTITY_FACTORS[suffix], 10 ** len(frac))
     if rest:
-        raise PolicyError("memoryBudget", f"{value!r} is not a whole number of bytes")
+        raise PolicyError("memoryBudget", f"{clipped_repr(value)} is not a whole number of bytes")
+    return _bounded(bytes_, value)
+
+
+def _bounded(bytes_: int, value: str | int) -> int:
+    if bytes_ > MAX_QUANTITY_BYTES:
+        raise PolicyError("memoryBudget", f"{clipped_repr(str(value))} is more than "
+                                          f"{MAX_QUANTITY_BYTES} bytes (2^63-1)")
     return bytes_
 
 

@@ -109,7 +109,10 @@ def _operator(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("operator", help="run the GraphPolicy operator (a wrapper over kopf run)")
     p.add_argument("--namespace", action="append", default=[], help="watch only these (default: all)")
     p.add_argument("--metrics-port", type=int, default=9500, help="operator metrics and /healthz")
-    p.add_argument("--status-interval", type=float, default=5.0, help="seconds between status reads")
+    p.add_argument("--status-interval", type=float, default=5.0,
+                   help="seconds between a policy's reconcile runs (no worker is read unless it needs it)")
+    p.add_argument("--resync-interval", type=float, default=60.0,
+                   help="seconds after which a settled worker whose pod did not change is read again")
     p.add_argument("--rpc-timeout", type=float, default=5.0,
                    help="deadline of every GraphControl call but a model reload")
     p.add_argument("--control-token-file", default=os.environ.get("GRAPHKEEPER_CONTROL_TOKEN_FILE", ""),

@@ -369,6 +369,9 @@ class Operator:
     metrics_port: int = 0
     process: subprocess.Popen | None = None
     status_interval: float = 1.0
+    #: Short here, so that a worker killed behind a Ready pod is noticed within seconds (in a
+    #: cluster its readiness probe tells the operator); the default is 60 s.
+    resync_interval: float = 2.0
     extra_args: list[str] = field(default_factory=list)
     env: dict[str, str] | None = None
 
@@ -378,6 +381,7 @@ class Operator:
         self.metrics_port = free_port()
         args = [sys.executable, "-m", "graphkeeper.cli", "operator", "--metrics-port",
                 str(self.metrics_port), "--status-interval", str(self.status_interval),
+                "--resync-interval", str(self.resync_interval),
                 "--rpc-timeout", "5", "--log-level", "INFO", *self.extra_args]
         with open(self.log, "ab") as log:
             log.write(f"\n===== start {now()} =====\n".encode())

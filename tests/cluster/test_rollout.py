@@ -139,6 +139,30 @@ def test_a_failed_capture_pauses_the_rollout(
     policies.wait_condition("p", "Ready", "True", generation=3)
 
 
+def test_a_generation_workers_refuse_pauses_the_rollout_and_counts_as_failed_everywhere(
+        running_operator: Operator, kubelet: Kubelet, policies: Policies):
+    workers = fleet(kubelet, policies.namespace, 6, StandIn())
+    policy = policies.create("p", spec([1, 2]))
+    uid = policy["metadata"]["uid"]
+    wait_until("generation 1 everywhere", lambda: all(holds(w, uid, 1) for w in workers),
+               timeout=60)
+    rejected = running_operator.metric("graphkeeper_operator_policy_pushes_total",
+                                       outcome="rejected")
+
+    # Every stand-in serves --max-num-batched-tokens 64, so each refuses a capture size of 128.
+    policies.patch_spec("p", {"captureSizes": {"sizes": [8, 128]}})
+    policies.wait_condition("p", "Progressing", "False", "RolloutPaused", generation=2)
+    time.sleep(3.0)  # several more reconciles: nothing more may be handed out
+    pushed = running_operator.metric("graphkeeper_operator_policy_pushes_total",
+                                     outcome="rejected") - rejected
+    assert pushed == 2, f"only the first batch (maxUnavailable 2) was asked, not {pushed}"
+    status = policies.get("p")["status"]
+    assert (status["failedWorkers"], status["rollout"]["failedWorkers"],
+            status["rollout"]["paused"]) == (2, 2, True), status
+    assert policies.condition("p", "Degraded")["reason"] == "PolicyRejected"
+    assert all(holds(w, uid, 1) for w in workers), "every worker kept generation 1"
+
+
 def test_a_30s_reload_on_one_worker_does_not_delay_a_change_to_the_others(
         running_operator: Operator, kubelet: Kubelet, policies: Policies, cluster: Cluster):
     ns = policies.namespace

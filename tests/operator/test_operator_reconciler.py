@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import replace
 from typing import Any
 
 from fakes.fake_worker import FakeWorkerServer, FakeWorkerState  # tests/fakes, not shipped
@@ -142,6 +143,32 @@ def test_a_capture_change_goes_to_at_most_max_unavailable_workers_at_a_time():
     assert most == 2, f"at most 2 recapturing at once, and the budget was used: {most}"
     assert status["rollout"]["updatedWorkers"] == 10
     assert status["rollout"]["maxUnavailable"] == 2
+
+
+def test_a_force_deleted_pod_keeps_its_slot_while_its_worker_may_still_recapture():
+    """The pod goes at once, the process may not: its slot stays taken until a replacement is
+    READY, so no third worker recaptures under a limit of 2."""
+    async def scenario(fleet: Fleet):
+        spare = fleet.pods["ns"].pop()  # server 4 becomes the replacement later
+        for pod in fleet.pods["ns"]:
+            fleet.reconciler.on_pod(pod, deleted=False)  # as the pod watch would have
+        rollout = {"rollout": {"maxUnavailable": 2}}
+        fleet.apply(spec([1, 2], **rollout), 1)
+        await fleet.until("generation 1 on the four", lambda: fleet.holding(1) == 4)
+        t0 = time.time()
+        fleet.apply(spec([1, 2, 4], **rollout), 2)
+        await fleet.until("the first batch recapturing",
+                          lambda: fleet.servers[0].state.state != 5)
+        gone = fleet.pods["ns"].pop(0)
+        fleet.reconciler.on_pod(gone, deleted=True)  # kubectl delete --force: the pod is gone
+        await asyncio.sleep(2.0)
+        replacement = replace(spare, name="w00-new", uid="pod-new")
+        fleet.pods["ns"].append(replacement)
+        fleet.reconciler.on_pod(replacement, deleted=False)
+        await fleet.until("generation 2 on every worker", lambda: fleet.holding(2) == 5)
+        return max_concurrently_busy(fleet.servers, t0)
+    most = run(scenario, 5, capture_seconds=1.5)
+    assert most == 2, f"at most 2 recapturing at once, the deleted pod's worker counted: {most}"
 
 
 def test_without_a_rollout_section_a_quarter_of_the_fleet_recaptures_at_once():

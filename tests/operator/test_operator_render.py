@@ -56,9 +56,16 @@ def test_an_api_outage_logs_one_line_however_often_requests_fail_and_flap(caplog
     outage = Outage()
     retry = logging.LogRecord("kopf._cogs.clients.api", logging.ERROR, __file__, 1,
                               "Request attempt #3 failed; will retry: GET x -> refused", (), None)
+    # A status write in flight when the server went: the kubernetes client's urllib3 retries.
+    urllib3_retry = logging.LogRecord(
+        "urllib3.connectionpool", logging.WARNING, __file__, 1,
+        "Retrying (Retry(total=2, connect=None, read=None, redirect=None, status=None)) after "
+        "connection broken by 'NewConnectionError(...: Connection refused)': /apis/x/status",
+        (), None)
     with caplog.at_level(logging.WARNING, logger="graphkeeper.operator"):
         for _ in range(5):
             assert outage.filter(retry) is False, "kopf's retry lines are folded"
+            assert outage.filter(urllib3_retry) is False, "so are the client's"
             outage.failed(RuntimeError("patch failed"))
         outage.ok()
         outage.failed(RuntimeError("storage is (re)initializing"))  # the server still starting

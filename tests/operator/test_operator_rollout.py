@@ -18,14 +18,14 @@ from graphkeeper.proto.policy import policy_from_spec, recapture_key
 
 @pytest.mark.parametrize(("value", "total", "expected"), [
     (None, 10, 2), ("25%", 10, 2), ("25%", 200, 50), ("25%", 3, 1), ("100%", 7, 7),
-    (2, 10, 2), (0, 10, 1), ("0%", 10, 1), ("3", 10, 3), ("50%", 5, 2),
+    (2, 10, 2), ("1%", 10, 1), ("3", 10, 3), ("50%", 5, 2),
 ])
 def test_max_unavailable_is_a_count_or_a_percentage_rounded_down_and_at_least_one(
         value, total, expected):
     assert resolve_max_unavailable(value, total) == expected
 
 
-@pytest.mark.parametrize("value", ["lots", "25.5%", "101%", -1, True])
+@pytest.mark.parametrize("value", ["lots", "25.5%", "101%", -1, True, 0, "0", "0%"])
 def test_a_max_unavailable_that_is_neither_is_refused(value):
     with pytest.raises(ValueError):
         resolve_max_unavailable(value, 10)
@@ -57,6 +57,15 @@ def test_a_worker_already_out_of_service_is_told_at_once_without_using_the_budge
     workers = [w("a", available=False, needs_push=True), w("b", needs_push=True)]
     plan = plan_rollout(workers, 1)
     assert plan.push == ("a",), "a is unavailable anyway; b waits for the budget"
+
+
+def test_a_worker_still_settling_an_earlier_push_waits_for_the_latest_generation():
+    """An edit burst: a worker busy capturing generation n is not handed n+1, n+2, ... as they
+    come; it is handed the latest once it reports READY."""
+    plan = plan_rollout([w("busy", available=False, needs_push=True, settling=True),
+                         w("starting", available=False, needs_push=True)], 1)
+    assert plan.push == ("starting",)
+    assert "busy" in plan.waiting
 
 
 def test_toggle_only_changes_go_everywhere_at_once():

@@ -7,12 +7,13 @@ import pytest
 from graphkeeper.operator.selection import (
     PolicyRef,
     WorkerPod,
+    claims,
     grpc_port,
+    owner,
     policy_ref_from_body,
     selected_workers,
     selector_error,
     selector_matches,
-    senior_claimant,
     worker_from_pod,
 )
 
@@ -75,14 +76,18 @@ def policy(name, created, labels, uid=None, namespace="ns"):
                      spec={"selector": {"matchLabels": labels}})
 
 
+def winner(pod, everyone, holder="", pods=()):
+    won = owner(claims(pod, everyone, pods), holder)
+    return None if won is None else (won[0].name, won[1].name)
+
+
 def test_the_older_policy_keeps_a_contested_pod():
     pod = worker_from_pod(pod_body())
     old = policy("old", "2026-11-29T10:00:00Z", {"app": "worker"})
     new = policy("new", "2026-11-29T11:00:00Z", {"app": "worker"})
     unrelated = policy("gpu", "2026-11-29T09:00:00Z", {"app": "other"})
-    everyone = [old, new, unrelated]
-    assert senior_claimant(new, pod, everyone) == (old, pod)
-    assert senior_claimant(old, pod, everyone) is None
+    assert winner(pod, [new, old, unrelated]) == ("old", pod.name)
+    assert winner(pod, [unrelated]) is None
 
 
 def test_within_one_second_the_uid_breaks_the_tie_the_same_way_for_both_rivals():
@@ -90,14 +95,20 @@ def test_within_one_second_the_uid_breaks_the_tie_the_same_way_for_both_rivals()
     # "zzz" was named later in the alphabet but has the smaller uid: the uid decides, not the name.
     first = policy("zzz", "2026-11-29T11:00:00Z", {"app": "worker"}, uid="0a")
     second = policy("aaa", "2026-11-29T11:00:00Z", {"app": "worker"}, uid="9f")
-    assert senior_claimant(second, pod, [first, second]) == (first, pod)
-    assert senior_claimant(first, pod, [first, second]) is None
-    # Unless the worker already holds the other one: no takeover within the same second.
-    assert senior_claimant(first, pod, [first, second], holder="9f") == (second, pod)
-    assert senior_claimant(second, pod, [first, second], holder="9f") is None
+    assert winner(pod, [first, second]) == winner(pod, [second, first]) == ("zzz", pod.name)
+
+
+def test_a_held_worker_keeps_its_holder_until_it_lets_go():
+    pod = worker_from_pod(pod_body())
+    younger = policy("young", "2026-11-29T11:00:00Z", {"app": "worker"}, uid="9f")
     older = policy("old", "2026-11-29T10:59:59Z", {"app": "worker"}, uid="ff")
-    assert senior_claimant(second, pod, [older, second], holder="9f") == (older, pod), (
-        "a policy created in an earlier second is senior whatever the worker holds")
+    assert winner(pod, [older, younger], holder="9f") == ("young", pod.name), (
+        "whatever its age, the policy the worker holds keeps it: no takeover, no tug of war")
+    gone = PolicyRef(**{**younger.__dict__, "deleting": True})
+    assert winner(pod, [older, gone], holder="9f") == ("old", pod.name), "let go: deleted"
+    moved = policy("young", "2026-11-29T11:00:00Z", {"app": "elsewhere"}, uid="9f")
+    assert winner(pod, [older, moved], holder="9f") == ("old", pod.name), "let go: selector moved"
+    assert winner(pod, [older, younger], holder="a-deleted-uid") == ("old", pod.name)
 
 
 def test_pods_in_two_namespaces_that_point_at_one_worker_address_conflict():
@@ -108,11 +119,12 @@ def test_pods_in_two_namespaces_that_point_at_one_worker_address_conflict():
     assert ours.control_target == theirs.control_target == "10.0.0.5:9"
     mine = policy("mine", "2026-11-29T11:00:00Z", {"app": "worker"})
     older = policy("older", "2026-11-29T10:00:00Z", {"app": "worker"}, namespace="team-b")
-    pods = {"ns": [ours], "team-b": [theirs]}
-    assert senior_claimant(mine, ours, [mine, older], pods) == (older, theirs)
-    assert senior_claimant(older, theirs, [mine, older], pods) is None
-    elsewhere = worker_from_pod({**body, "status": {**body["status"], "podIP": "10.0.0.6"}})
-    assert senior_claimant(mine, ours, [mine, older], {"ns": [ours], "team-b": [elsewhere]}) is None
+    # Seen from either pod, the answer is the same worker owner.
+    assert winner(ours, [mine, older], pods=[theirs]) == ("older", "b")
+    assert winner(theirs, [mine, older], pods=[ours]) == ("older", "b")
+    assert winner(ours, [mine, older], holder=mine.uid, pods=[theirs]) == ("mine", "a")
+    assert winner(theirs, [mine, older], holder=mine.uid, pods=[ours]) == ("mine", "a")
+    assert winner(ours, [mine, older]) == ("mine", "a"), "without the alias only mine claims it"
 
 
 def test_the_control_port_is_the_port_named_control_else_the_grpc_port():

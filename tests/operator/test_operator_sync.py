@@ -12,6 +12,7 @@ from graphkeeper.operator.sync import (
     Track,
     classify,
     finish_action,
+    needs_read,
     observe,
     record_action,
     settle,
@@ -86,7 +87,7 @@ def test_a_push_in_flight_makes_the_worker_unavailable_until_a_later_read_shows_
     assert obs.state == WorkerState.CAPTURED and view.available
 
 
-def test_a_refused_generation_is_rejected_and_not_pushed_again_soon():
+def test_a_refused_generation_is_rejected_failed_and_not_pushed_again_until_something_changes():
     t = track(state=READY, policy_uid="uid-1", policy_generation=1)
     record_action(t, PUSH, "uid-1/2", now=5.0)
     finish_action(t, policy(2), WorkerError(ErrorKind.REJECTED, "exceeds token budget"), 5.1)
@@ -94,9 +95,12 @@ def test_a_refused_generation_is_rejected_and_not_pushed_again_soon():
     settle(t)
     obs, view = check(t, wire=policy(2), now=7.0)
     assert obs.state == WorkerState.REJECTED and "token budget" in obs.message
-    assert view.blocked
-    _, later = check(t, wire=policy(2), now=600.0)
-    assert not later.blocked, "asked again after the retry interval"
+    assert view.blocked and view.failed, "a refusal counts as failed: it pauses the rollout"
+    _, later = check(t, wire=policy(2), now=6000.0)
+    assert later.blocked and later.failed, "not asked again while nothing changed"
+    t.rejected = None  # what on_pod does when the pod changes
+    _, changed = check(t, wire=policy(2), now=6000.0)
+    assert changed.needs_push and not changed.failed
     _, newer = check(t, wire=policy(3), now=7.0)
     assert newer.needs_push and not newer.blocked, "a new generation is always offered"
 
@@ -170,3 +174,15 @@ def test_a_size_left_out_by_the_budget_is_not_a_failure():
     assert seen.state == WorkerState.CAPTURED
     assert seen.captured_sizes == (1,) and seen.effective_mode == "Full"
     assert seen.fallback_rate == 0.25
+
+
+def test_a_settled_worker_whose_pod_did_not_change_is_read_only_on_the_slow_resync():
+    t = track(state=READY, policy_uid="uid-1", policy_generation=1)
+    t.stale = False
+    assert not needs_read(t, now=30.0, resync=60.0), "idle: no read"
+    assert needs_read(t, now=61.0, resync=60.0), "the resync"
+    assert needs_read(replace(t, stale=True), now=30.0, resync=60.0), "its pod changed"
+    assert needs_read(replace(t, settled=False), now=30.0, resync=60.0), "a change settles"
+    assert needs_read(replace(t, error=WorkerError(ErrorKind.UNREACHABLE, "down")), now=30.0,
+                      resync=60.0), "the last read failed"
+    assert needs_read(Track(stale=False), now=0.0, resync=60.0), "nothing known yet"
