@@ -300,12 +300,17 @@ async def _serve(args: argparse.Namespace, settings: EngineSettings, token: str)
     if not token and not _is_loopback(control_host):
         log.warning("no --control-token-file: GraphControl listens on 127.0.0.1 only, not %s", control_host)
         control_host = "127.0.0.1"
-    servers = build_servers(engine, args.host, args.port, control_host, args.control_port, token, hub)
-    track_health(engine, servers.health, loop)
-    if args.metrics_port:
-        serve_http(engine, args.host, args.metrics_port)
-    await servers.inference.start()
-    await servers.control.start()
+    try:
+        servers = build_servers(engine, args.host, args.port, control_host, args.control_port, token, hub)
+        track_health(engine, servers.health, loop)
+        if args.metrics_port:
+            serve_http(engine, args.host, args.metrics_port)
+        await servers.inference.start()
+        await servers.control.start()
+    except BaseException:
+        if isinstance(engine, EngineClient):  # a port in use: the engine core must not outlive us
+            await asyncio.to_thread(engine.close)
+        raise
     log.info("gRPC inference on %s:%d, control on %s:%d%s, metrics on %s:%s", args.host, servers.inference_port,
              control_host, servers.control_port, " (bearer token)" if token else "", args.host,
              args.metrics_port or "-")

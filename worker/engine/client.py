@@ -309,7 +309,11 @@ class EngineClient:
     def _install(self, model: Model) -> None:
         tokenizer = load_tokenizer(model.source)
         self._tokenizer = tokenizer
-        self._info = pb.GetModelInfoResponse.FromString(model.info) if model.info else None
+        info = pb.GetModelInfoResponse.FromString(model.info) if model.info else None
+        if info is not None:  # text is served here, with this process's tokenizer
+            info.tokenizer = tokenizer is not None
+            info.chat_template = tokenizer is not None and tokenizer.has_chat_template
+        self._info = info
         self._limits = dataclasses.replace(model.limits, text_prompts=tokenizer is not None,
                                            chat=tokenizer is not None and tokenizer.has_chat_template)
 

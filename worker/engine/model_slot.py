@@ -77,11 +77,11 @@ class ModelSlot:
         if kept:
             loaded.model.use_pieces(old.model.pieces, old.model.kernels, old.model.row_pieces)
         self.runner = ModelRunner(loaded, cache, self.settings.max_num_batched_tokens)
-        self.loaded = loaded
         self.tokenizer = load_tokenizer(loaded.source)
         from_tokenizer = self.tokenizer.eos_ids() if self.tokenizer else frozenset()
         self.eos_ids = frozenset(loaded.config.eos_token_ids) | from_tokenizer
         self.max_token_bytes = longest_token_bytes(self.tokenizer, loaded.config.vocab_size)
+        self.loaded = loaded  # last: whoever sees the new model sees its tokenizer and limits too
         self.metrics.set_model(loaded.revision, loaded.source, str(loaded.dtype).removeprefix("torch."),
                                str(self.device))
         log.info("model %s revision %s loaded: %d parameters, %s on %s%s", loaded.source, loaded.revision,
