@@ -316,38 +316,39 @@ def effective_requested_mode(policy: pb.GraphPolicy) -> int:
 # --- the custom resource's spec ---------------------------------------------------------------
 
 
-def parse_quantity(value: str | int) -> int:
+def parse_quantity(value: str | int, field: str = "memoryBudget") -> int:
     """A Kubernetes quantity (``256Mi``, ``1.5Gi``, ``1G``, ``1024``) as a whole number of bytes.
 
     The same rule as the CRD's (``deploy/crds``; both are held to one table of examples in
     ``tests/memory_budget_cases.py``): exact integer arithmetic, never a float, so 1.5Gi is
     1,610,612,736 bytes and 1.1Gi, 0.5 or 0.0001k (not whole bytes) are refused, not rounded;
-    at most 2^63-1 (the wire's int64).
+    at most 2^63-1 (the wire's int64). ``field`` names the input in errors (the worker's
+    ``--kv-cache-memory`` takes the same rule).
     """
     if isinstance(value, bool) or not isinstance(value, int | str):
-        raise PolicyError("memoryBudget", f"{value!r} must be an integer or a quantity string")
+        raise PolicyError(field, f"{value!r} must be an integer or a quantity string")
     if isinstance(value, int):
         if value < 0:
-            raise PolicyError("memoryBudget", f"must not be negative, got {value}")
-        return _bounded(value, value)
+            raise PolicyError(field, f"must not be negative, got {value}")
+        return _bounded(value, value, field)
     match = _QUANTITY_RE.match(value)
     if not match:
-        raise PolicyError("memoryBudget", f"{clipped_repr(value)} is not a byte quantity such as "
+        raise PolicyError(field, f"{clipped_repr(value)} is not a byte quantity such as "
                                           "256Mi, 1.5Gi or 1G (no m suffix, sign or exponent)")
     whole, frac, suffix = match.group(1), match.group(2) or "", match.group(3)
     if suffix.endswith("i") and len(frac) > MAX_BINARY_FRACTION_DIGITS:
-        raise PolicyError("memoryBudget", f"{clipped_repr(value)}: at most "
+        raise PolicyError(field, f"{clipped_repr(value)}: at most "
                                           f"{MAX_BINARY_FRACTION_DIGITS} digits after the point "
                                           "before a binary suffix")
     bytes_, rest = divmod(int(whole + frac) * _QUANTITY_FACTORS[suffix], 10 ** len(frac))
     if rest:
-        raise PolicyError("memoryBudget", f"{clipped_repr(value)} is not a whole number of bytes")
-    return _bounded(bytes_, value)
+        raise PolicyError(field, f"{clipped_repr(value)} is not a whole number of bytes")
+    return _bounded(bytes_, value, field)
 
 
-def _bounded(bytes_: int, value: str | int) -> int:
+def _bounded(bytes_: int, value: str | int, field: str) -> int:
     if bytes_ > MAX_QUANTITY_BYTES:
-        raise PolicyError("memoryBudget", f"{clipped_repr(str(value))} is more than "
+        raise PolicyError(field, f"{clipped_repr(str(value))} is more than "
                                           f"{MAX_QUANTITY_BYTES} bytes (2^63-1)")
     return bytes_
 

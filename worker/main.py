@@ -219,7 +219,7 @@ def settings_from_args(args: argparse.Namespace) -> EngineSettings:
     try:
         kv_cache_memory = parse_bytes(args.kv_cache_memory) if getattr(args, "kv_cache_memory", "") else 0
     except ValueError as err:
-        raise SystemExit(f"graphkeeper worker: --kv-cache-memory {err}") from None
+        raise SystemExit(f"graphkeeper worker: {err}") from None
     try:
         inject = frozenset(int(x) for x in os.environ.get(INJECT_ENV, "").split(",") if x.strip())
     except ValueError:

@@ -17,6 +17,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from graphkeeper.proto.policy import FieldError, parse_quantity
+
 #: KV rows are allocated in multiples of this (as the attention kernels read them).
 KV_ROW_ALIGN = 16
 #: A random preset has no trained context: it serves this many tokens unless told otherwise.
@@ -147,22 +149,12 @@ def default_budget(device_type: str, weights_bytes: int, free_device_bytes: int 
 
 
 def parse_bytes(text: str) -> int:
-    """``4Gi``, ``512Mi``, ``1G`` or a plain number of bytes (as Kubernetes writes quantities)."""
-    units = {"Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40, "K": 10**3, "M": 10**6, "G": 10**9,
-             "T": 10**12}
-    text = text.strip()
-    number, factor = text, 1
-    for suffix in sorted(units, key=len, reverse=True):
-        if text.endswith(suffix):
-            number, factor = text[: -len(suffix)], units[suffix]
-            break
-    try:
-        value = float(number)
-    except ValueError:
-        raise ValueError(f"{text[:32]!r} is not a size (bytes, or a number with Ki, Mi, Gi, K, M, G)") from None
-    if not math.isfinite(value) or value <= 0 or value * factor >= 2**63:
-        raise ValueError(f"{text[:32]!r} must be a positive size below 2^63 bytes")
-    return int(value * factor)
+    """``--kv-cache-memory``: a positive whole number of bytes, written as Kubernetes writes
+    quantities (``2Gi``, ``1.5Gi``, ``512M``); the rule is the GraphPolicy's memoryBudget's."""
+    value = parse_quantity(text.strip(), field="--kv-cache-memory")
+    if value <= 0:
+        raise FieldError("--kv-cache-memory", f"{text[:32]!r} must be a positive size")
+    return value
 
 
 def weights_bytes(config, dtype_bytes: int) -> int:

@@ -17,7 +17,6 @@ Two layout differences from a Hugging Face checkpoint are undone here, once:
 from __future__ import annotations
 
 import functools
-import hashlib
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -180,13 +179,3 @@ def checkpoint_tensors(file: GGUFFile) -> dict[str, str]:
             out[hf] = name
     return out
 
-
-def file_revision(path: Path) -> str:
-    """The model revision of a GGUF checkpoint: the digest of the file's bytes."""
-    digest = hashlib.sha256()
-    buffer = bytearray(1 << 20)
-    view = memoryview(buffer)
-    with path.open("rb", buffering=0) as f:
-        while n := f.readinto(buffer):
-            digest.update(view[:n])
-    return "sha256:" + digest.hexdigest()[:16]

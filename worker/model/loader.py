@@ -82,7 +82,7 @@ def load_model(
             torch_dtype = _pick_dtype(dtype, device, None)
             model = _empty_model(config, max_positions, device, torch_dtype)
             _load_gguf(model, config, file)
-            revision = revision or gguf_ckpt.file_revision(Path(where))
+            revision = revision or digest_files([Path(where)], names=False)
     elif source.startswith("random:"):
         preset, seed = _parse_random(source)
         config = PRESETS[preset]
@@ -448,16 +448,21 @@ def _hash_text(text: str) -> str:
 
 
 def _hash_directory(path: Path) -> str:
-    """A content hash of config.json and the weights: a changed file is a new revision.
+    """A content hash of config.json and the weights: a changed file is a new revision."""
+    index = [path / INDEX_FILE] if (path / INDEX_FILE).is_file() else []
+    return digest_files([path / "config.json", *index, *_weight_files(path)])
 
-    Read through one reused 1 MiB buffer, so hashing adds nothing noticeable to the load's peak.
-    """
+
+def digest_files(files: list[Path], names: bool = True) -> str:
+    """sha256 over each file's name (unless ``names`` is false) and bytes, read through one reused
+    1 MiB buffer (hashing adds nothing noticeable to the load's peak). A GGUF's revision is the
+    digest of its bytes alone: a renamed file is the same model."""
     digest = hashlib.sha256()
     buffer = bytearray(1 << 20)
     view = memoryview(buffer)
-    index = [path / INDEX_FILE] if (path / INDEX_FILE).is_file() else []
-    for file in [path / "config.json", *index, *_weight_files(path)]:
-        digest.update(file.name.encode())
+    for file in files:
+        if names:
+            digest.update(file.name.encode())
         with file.open("rb", buffering=0) as f:
             while n := f.readinto(buffer):
                 digest.update(view[:n])
