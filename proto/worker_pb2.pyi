@@ -26,6 +26,8 @@ class FallbackReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FALLBACK_REASON_TENANT_DISABLED: _ClassVar[FallbackReason]
     FALLBACK_REASON_BACKEND_UNSUPPORTED: _ClassVar[FallbackReason]
     FALLBACK_REASON_RECAPTURING: _ClassVar[FallbackReason]
+    FALLBACK_REASON_GRAPH_RELEASED_IDLE: _ClassVar[FallbackReason]
+    FALLBACK_REASON_SIZE_OVER_MAX_GRAPHS: _ClassVar[FallbackReason]
 
 class LifecycleState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -82,6 +84,8 @@ FALLBACK_REASON_MODE_EXCLUDES_STEP: FallbackReason
 FALLBACK_REASON_TENANT_DISABLED: FallbackReason
 FALLBACK_REASON_BACKEND_UNSUPPORTED: FallbackReason
 FALLBACK_REASON_RECAPTURING: FallbackReason
+FALLBACK_REASON_GRAPH_RELEASED_IDLE: FallbackReason
+FALLBACK_REASON_SIZE_OVER_MAX_GRAPHS: FallbackReason
 LIFECYCLE_STATE_UNSPECIFIED: LifecycleState
 LIFECYCLE_STATE_LOADING: LifecycleState
 LIFECYCLE_STATE_MODEL_LOADED: LifecycleState
@@ -193,12 +197,16 @@ class Completion(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., time_to_first_token_seconds: _Optional[float] = ..., total_seconds: _Optional[float] = ..., execution: _Optional[_Union[ExecutionSummary, _Mapping]] = ...) -> None: ...
 
 class ExecutionSummary(_message.Message):
-    __slots__ = ("graph_steps", "eager_steps")
+    __slots__ = ("graph_steps", "eager_steps", "preemptions", "cached_prompt_tokens")
     GRAPH_STEPS_FIELD_NUMBER: _ClassVar[int]
     EAGER_STEPS_FIELD_NUMBER: _ClassVar[int]
+    PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     graph_steps: _containers.RepeatedCompositeFieldContainer[GraphStepCount]
     eager_steps: _containers.RepeatedCompositeFieldContainer[FallbackCount]
-    def __init__(self, graph_steps: _Optional[_Iterable[_Union[GraphStepCount, _Mapping]]] = ..., eager_steps: _Optional[_Iterable[_Union[FallbackCount, _Mapping]]] = ...) -> None: ...
+    preemptions: int
+    cached_prompt_tokens: int
+    def __init__(self, graph_steps: _Optional[_Iterable[_Union[GraphStepCount, _Mapping]]] = ..., eager_steps: _Optional[_Iterable[_Union[FallbackCount, _Mapping]]] = ..., preemptions: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class GraphStepCount(_message.Message):
     __slots__ = ("mode", "size", "steps")
@@ -287,7 +295,7 @@ class TenantToggle(_message.Message):
     def __init__(self, tenant: _Optional[str] = ..., graphs: _Optional[_Union[TenantGraphs, str]] = ...) -> None: ...
 
 class GraphPolicy(_message.Message):
-    __slots__ = ("policy_uid", "policy_name", "generation", "mode", "capture_sizes", "memory_budget_bytes", "tenants", "default_tenant_graphs")
+    __slots__ = ("policy_uid", "policy_name", "generation", "mode", "capture_sizes", "memory_budget_bytes", "tenants", "default_tenant_graphs", "max_graphs", "idle_release_seconds")
     POLICY_UID_FIELD_NUMBER: _ClassVar[int]
     POLICY_NAME_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
@@ -296,6 +304,8 @@ class GraphPolicy(_message.Message):
     MEMORY_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
     TENANTS_FIELD_NUMBER: _ClassVar[int]
     DEFAULT_TENANT_GRAPHS_FIELD_NUMBER: _ClassVar[int]
+    MAX_GRAPHS_FIELD_NUMBER: _ClassVar[int]
+    IDLE_RELEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     policy_uid: str
     policy_name: str
     generation: int
@@ -304,7 +314,9 @@ class GraphPolicy(_message.Message):
     memory_budget_bytes: int
     tenants: _containers.RepeatedCompositeFieldContainer[TenantToggle]
     default_tenant_graphs: TenantGraphs
-    def __init__(self, policy_uid: _Optional[str] = ..., policy_name: _Optional[str] = ..., generation: _Optional[int] = ..., mode: _Optional[_Union[GraphMode, str]] = ..., capture_sizes: _Optional[_Union[CaptureSizes, _Mapping]] = ..., memory_budget_bytes: _Optional[int] = ..., tenants: _Optional[_Iterable[_Union[TenantToggle, _Mapping]]] = ..., default_tenant_graphs: _Optional[_Union[TenantGraphs, str]] = ...) -> None: ...
+    max_graphs: int
+    idle_release_seconds: int
+    def __init__(self, policy_uid: _Optional[str] = ..., policy_name: _Optional[str] = ..., generation: _Optional[int] = ..., mode: _Optional[_Union[GraphMode, str]] = ..., capture_sizes: _Optional[_Union[CaptureSizes, _Mapping]] = ..., memory_budget_bytes: _Optional[int] = ..., tenants: _Optional[_Iterable[_Union[TenantToggle, _Mapping]]] = ..., default_tenant_graphs: _Optional[_Union[TenantGraphs, str]] = ..., max_graphs: _Optional[int] = ..., idle_release_seconds: _Optional[int] = ...) -> None: ...
 
 class ApplyGraphPolicyRequest(_message.Message):
     __slots__ = ("policy",)
@@ -327,18 +339,28 @@ class GetGraphStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class CapturedSize(_message.Message):
-    __slots__ = ("size", "mode", "capture_seconds", "device_bytes", "reserved_bytes")
+    __slots__ = ("size", "mode", "capture_seconds", "device_bytes", "reserved_bytes", "replay_seconds", "eager_seconds", "replays", "padded_tokens", "released")
     SIZE_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
     CAPTURE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     DEVICE_BYTES_FIELD_NUMBER: _ClassVar[int]
     RESERVED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    REPLAY_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    EAGER_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    REPLAYS_FIELD_NUMBER: _ClassVar[int]
+    PADDED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
     size: int
     mode: GraphMode
     capture_seconds: float
     device_bytes: int
     reserved_bytes: int
-    def __init__(self, size: _Optional[int] = ..., mode: _Optional[_Union[GraphMode, str]] = ..., capture_seconds: _Optional[float] = ..., device_bytes: _Optional[int] = ..., reserved_bytes: _Optional[int] = ...) -> None: ...
+    replay_seconds: float
+    eager_seconds: float
+    replays: int
+    padded_tokens: int
+    released: bool
+    def __init__(self, size: _Optional[int] = ..., mode: _Optional[_Union[GraphMode, str]] = ..., capture_seconds: _Optional[float] = ..., device_bytes: _Optional[int] = ..., reserved_bytes: _Optional[int] = ..., replay_seconds: _Optional[float] = ..., eager_seconds: _Optional[float] = ..., replays: _Optional[int] = ..., padded_tokens: _Optional[int] = ..., released: _Optional[bool] = ...) -> None: ...
 
 class SkippedSize(_message.Message):
     __slots__ = ("size", "mode", "reason", "message")
@@ -367,7 +389,7 @@ class LedgerEntry(_message.Message):
     def __init__(self, stage: _Optional[_Union[LedgerStage, str]] = ..., device_used_bytes: _Optional[int] = ..., torch_allocated_bytes: _Optional[int] = ..., torch_reserved_bytes: _Optional[int] = ..., residual_bytes: _Optional[int] = ...) -> None: ...
 
 class GraphStatus(_message.Message):
-    __slots__ = ("state", "requested_mode", "effective_mode", "mode_downgrade_reason", "policy_uid", "policy_generation", "model_revision", "captured", "skipped", "fallbacks", "graph_steps", "eager_steps", "graph_memory_bytes", "total_capture_seconds", "ledger", "running_sequences", "queued_requests", "last_error", "pending_policy_uid", "pending_policy_generation", "pending_model_revision", "compile")
+    __slots__ = ("state", "requested_mode", "effective_mode", "mode_downgrade_reason", "policy_uid", "policy_generation", "model_revision", "captured", "skipped", "fallbacks", "graph_steps", "eager_steps", "graph_memory_bytes", "total_capture_seconds", "ledger", "running_sequences", "queued_requests", "last_error", "pending_policy_uid", "pending_policy_generation", "pending_model_revision", "compile", "traffic", "kv_cache")
     STATE_FIELD_NUMBER: _ClassVar[int]
     REQUESTED_MODE_FIELD_NUMBER: _ClassVar[int]
     EFFECTIVE_MODE_FIELD_NUMBER: _ClassVar[int]
@@ -390,6 +412,8 @@ class GraphStatus(_message.Message):
     PENDING_POLICY_GENERATION_FIELD_NUMBER: _ClassVar[int]
     PENDING_MODEL_REVISION_FIELD_NUMBER: _ClassVar[int]
     COMPILE_FIELD_NUMBER: _ClassVar[int]
+    TRAFFIC_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_FIELD_NUMBER: _ClassVar[int]
     state: LifecycleState
     requested_mode: GraphMode
     effective_mode: GraphMode
@@ -412,7 +436,65 @@ class GraphStatus(_message.Message):
     pending_policy_generation: int
     pending_model_revision: str
     compile: CompileStatus
-    def __init__(self, state: _Optional[_Union[LifecycleState, str]] = ..., requested_mode: _Optional[_Union[GraphMode, str]] = ..., effective_mode: _Optional[_Union[GraphMode, str]] = ..., mode_downgrade_reason: _Optional[str] = ..., policy_uid: _Optional[str] = ..., policy_generation: _Optional[int] = ..., model_revision: _Optional[str] = ..., captured: _Optional[_Iterable[_Union[CapturedSize, _Mapping]]] = ..., skipped: _Optional[_Iterable[_Union[SkippedSize, _Mapping]]] = ..., fallbacks: _Optional[_Iterable[_Union[FallbackCount, _Mapping]]] = ..., graph_steps: _Optional[int] = ..., eager_steps: _Optional[int] = ..., graph_memory_bytes: _Optional[int] = ..., total_capture_seconds: _Optional[float] = ..., ledger: _Optional[_Iterable[_Union[LedgerEntry, _Mapping]]] = ..., running_sequences: _Optional[int] = ..., queued_requests: _Optional[int] = ..., last_error: _Optional[str] = ..., pending_policy_uid: _Optional[str] = ..., pending_policy_generation: _Optional[int] = ..., pending_model_revision: _Optional[str] = ..., compile: _Optional[_Union[CompileStatus, _Mapping]] = ...) -> None: ...
+    traffic: StepHistogram
+    kv_cache: KVCacheStatus
+    def __init__(self, state: _Optional[_Union[LifecycleState, str]] = ..., requested_mode: _Optional[_Union[GraphMode, str]] = ..., effective_mode: _Optional[_Union[GraphMode, str]] = ..., mode_downgrade_reason: _Optional[str] = ..., policy_uid: _Optional[str] = ..., policy_generation: _Optional[int] = ..., model_revision: _Optional[str] = ..., captured: _Optional[_Iterable[_Union[CapturedSize, _Mapping]]] = ..., skipped: _Optional[_Iterable[_Union[SkippedSize, _Mapping]]] = ..., fallbacks: _Optional[_Iterable[_Union[FallbackCount, _Mapping]]] = ..., graph_steps: _Optional[int] = ..., eager_steps: _Optional[int] = ..., graph_memory_bytes: _Optional[int] = ..., total_capture_seconds: _Optional[float] = ..., ledger: _Optional[_Iterable[_Union[LedgerEntry, _Mapping]]] = ..., running_sequences: _Optional[int] = ..., queued_requests: _Optional[int] = ..., last_error: _Optional[str] = ..., pending_policy_uid: _Optional[str] = ..., pending_policy_generation: _Optional[int] = ..., pending_model_revision: _Optional[str] = ..., compile: _Optional[_Union[CompileStatus, _Mapping]] = ..., traffic: _Optional[_Union[StepHistogram, _Mapping]] = ..., kv_cache: _Optional[_Union[KVCacheStatus, _Mapping]] = ...) -> None: ...
+
+class StepShape(_message.Message):
+    __slots__ = ("num_tokens", "num_seqs", "uniform_decode", "steps")
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
+    UNIFORM_DECODE_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    num_tokens: int
+    num_seqs: int
+    uniform_decode: bool
+    steps: int
+    def __init__(self, num_tokens: _Optional[int] = ..., num_seqs: _Optional[int] = ..., uniform_decode: _Optional[bool] = ..., steps: _Optional[int] = ...) -> None: ...
+
+class StepHistogram(_message.Message):
+    __slots__ = ("shapes", "steps", "overflow_steps", "since_unix_seconds", "policy_uid", "policy_generation")
+    SHAPES_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    OVERFLOW_STEPS_FIELD_NUMBER: _ClassVar[int]
+    SINCE_UNIX_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    POLICY_UID_FIELD_NUMBER: _ClassVar[int]
+    POLICY_GENERATION_FIELD_NUMBER: _ClassVar[int]
+    shapes: _containers.RepeatedCompositeFieldContainer[StepShape]
+    steps: int
+    overflow_steps: int
+    since_unix_seconds: float
+    policy_uid: str
+    policy_generation: int
+    def __init__(self, shapes: _Optional[_Iterable[_Union[StepShape, _Mapping]]] = ..., steps: _Optional[int] = ..., overflow_steps: _Optional[int] = ..., since_unix_seconds: _Optional[float] = ..., policy_uid: _Optional[str] = ..., policy_generation: _Optional[int] = ...) -> None: ...
+
+class KVCacheStatus(_message.Message):
+    __slots__ = ("block_size", "blocks_total", "blocks_used", "blocks_cached", "prefix_caching", "prefix_query_tokens", "prefix_hit_tokens", "preemptions", "bytes", "sizing", "planned_bytes", "free_after_capture_bytes")
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_USED_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_CACHED_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHING_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_QUERY_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    SIZING_FIELD_NUMBER: _ClassVar[int]
+    PLANNED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FREE_AFTER_CAPTURE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    block_size: int
+    blocks_total: int
+    blocks_used: int
+    blocks_cached: int
+    prefix_caching: bool
+    prefix_query_tokens: int
+    prefix_hit_tokens: int
+    preemptions: int
+    bytes: int
+    sizing: str
+    planned_bytes: int
+    free_after_capture_bytes: int
+    def __init__(self, block_size: _Optional[int] = ..., blocks_total: _Optional[int] = ..., blocks_used: _Optional[int] = ..., blocks_cached: _Optional[int] = ..., prefix_caching: _Optional[bool] = ..., prefix_query_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., preemptions: _Optional[int] = ..., bytes: _Optional[int] = ..., sizing: _Optional[str] = ..., planned_bytes: _Optional[int] = ..., free_after_capture_bytes: _Optional[int] = ...) -> None: ...
 
 class CompileStatus(_message.Message):
     __slots__ = ("optimization_level", "enabled", "reason", "cache", "cache_key", "seconds", "compiled_graphs", "kernels", "quantization")
