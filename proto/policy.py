@@ -24,6 +24,10 @@ MAX_CAPTURE_SIZE_LIMIT = 8192
 DEFAULT_MAX_CAPTURE_CEILING = 512
 MAX_EXPLICIT_SIZES = 256
 MAX_TENANTS = 256
+#: The most graphs a policy may cap a worker at (every size of the largest explicit list, both modes).
+MAX_GRAPHS_LIMIT = 2 * MAX_EXPLICIT_SIZES
+#: The longest idle-release time: 30 days (longer is never, which is 0).
+MAX_IDLE_RELEASE_SECONDS = 30 * 24 * 3600
 #: Kubernetes object UIDs are 36-character UUIDs; 128 bytes leaves room and nothing more.
 MAX_POLICY_UID_BYTES = 128
 #: ``namespace/name``: a namespace label (63) + ``/`` + an object name (253).
@@ -132,6 +136,7 @@ class RecaptureKey:
     mode: int
     sizes: tuple
     budget_bytes: int
+    max_graphs: int = 0
 
 
 def recapture_key(policy: pb.GraphPolicy | None, limits: tuple[int, int] | None = None) -> RecaptureKey | None:
@@ -154,7 +159,7 @@ def recapture_key(policy: pb.GraphPolicy | None, limits: tuple[int, int] | None 
     else:
         ladder = spec.ladder if spec.WhichOneof("sizes") == "ladder" else pb.CAPTURE_LADDER_DEFAULT
         sizes = ("ladder", ladder or pb.CAPTURE_LADDER_DEFAULT, spec.max_capture_size)
-    return RecaptureKey(effective_requested_mode(policy), sizes, policy.memory_budget_bytes)
+    return RecaptureKey(effective_requested_mode(policy), sizes, policy.memory_budget_bytes, policy.max_graphs)
 
 
 def padding_table(capture_sizes: list[int]) -> list[int]:
@@ -221,6 +226,11 @@ def validate_policy(
     _validate_sizes(policy.capture_sizes, max_num_batched_tokens)
     if policy.memory_budget_bytes < 0:
         raise PolicyError("memory_budget_bytes", f"must not be negative, got {policy.memory_budget_bytes}")
+    if not 0 <= policy.max_graphs <= MAX_GRAPHS_LIMIT:
+        raise PolicyError("max_graphs", f"must be in [0, {MAX_GRAPHS_LIMIT}] (0: no limit), got {policy.max_graphs}")
+    if not 0 <= policy.idle_release_seconds <= MAX_IDLE_RELEASE_SECONDS:
+        raise PolicyError("idle_release_seconds", f"must be in [0, {MAX_IDLE_RELEASE_SECONDS}] (0: never), "
+                                                  f"got {policy.idle_release_seconds}")
     _validate_tenants(policy)
     if policy.default_tenant_graphs not in (pb.TENANT_GRAPHS_UNSPECIFIED, *TENANT_GRAPHS_BY_NAME.values()):
         raise PolicyError("default_tenant_graphs",
@@ -404,6 +414,8 @@ def _spec_field(field: str) -> str:
         "capture_sizes.max_capture_size": "spec.captureSizes.maxCaptureSize",
         "capture_sizes.ladder": "spec.captureSizes.ladder",
         "memory_budget_bytes": "spec.memoryBudget",
+        "max_graphs": "spec.maxGraphs",
+        "idle_release_seconds": "spec.idleReleaseSeconds",
         "tenants": "spec.tenants",
         "mode": "spec.mode",
     }

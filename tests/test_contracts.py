@@ -28,6 +28,11 @@ ABSENT_UNTIL_EVENT = {
     "graphkeeper_graph_capture_duration_seconds",
     "graphkeeper_graph_captured",
     "graphkeeper_graph_skipped",
+    # Per captured graph (none on a CPU): its step times, its padding, whether it was released.
+    "graphkeeper_graph_replay_step_seconds",
+    "graphkeeper_graph_eager_step_seconds",
+    "graphkeeper_graph_padding_tokens_total",
+    "graphkeeper_graph_released",
 }
 
 

@@ -21,6 +21,11 @@ OUTCOMES = ("length", "stop", "eos", "cancelled", "invalid", "oversize", "undeco
             "error")
 #: Label values of graphkeeper_step_duration_seconds{execution_mode}.
 EXECUTION_MODES = ("full", "piecewise", "eager")
+#: Label values of graphkeeper_step_duration_seconds{attention_backend}: which attention ran.
+ATTENTION_BACKENDS = ("triton", "sdpa")
+#: Label values of graphkeeper_step_tokens{kind} and graphkeeper_step_sequences{kind}: a uniform
+#: decode step (every sequence one token) or a mixed one (prefill chunks, with or without decodes).
+STEP_KINDS = ("decode", "mixed")
 FALLBACK_REASONS = tuple(
     reason_name(v) for v in pb.FallbackReason.values() if v != pb.FALLBACK_REASON_UNSPECIFIED
 )
@@ -43,6 +48,10 @@ TENANT_EXECUTIONS = ("graph", "eager")
 # The *_created series double every counter for no dashboard's benefit.
 disable_created_metrics()
 
+#: Powers of two up to the largest step any policy allows (8192 tokens).
+_TOKEN_BUCKETS = tuple(float(1 << i) for i in range(14))
+_SEQUENCE_BUCKETS = tuple(float(1 << i) for i in range(11))
+
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30)
 
 
@@ -61,8 +70,14 @@ class WorkerMetrics:
             "graphkeeper_inter_token_latency_seconds", "Time between a request's tokens.",
             buckets=_LATENCY_BUCKETS, registry=r)
         self.step_duration = Histogram(
-            "graphkeeper_step_duration_seconds", "Engine step wall time by execution mode.",
-            ["execution_mode"], buckets=_LATENCY_BUCKETS, registry=r)
+            "graphkeeper_step_duration_seconds", "Engine step wall time by execution mode and attention backend.",
+            ["execution_mode", "attention_backend"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.step_tokens = Histogram(
+            "graphkeeper_step_tokens", "Real (unpadded) tokens per step, by kind (decode or mixed).",
+            ["kind"], buckets=_TOKEN_BUCKETS, registry=r)
+        self.step_sequences = Histogram(
+            "graphkeeper_step_sequences", "Sequences per step, by kind (decode or mixed).",
+            ["kind"], buckets=_SEQUENCE_BUCKETS, registry=r)
         self.queue_depth = Gauge("graphkeeper_queue_depth", "Requests waiting for a slot.", registry=r)
         self.running_sequences = Gauge("graphkeeper_running_sequences", "Sequences holding a KV slot.",
                                        registry=r)
@@ -89,6 +104,19 @@ class WorkerMetrics:
                               ["mode", "size"], registry=r)
         self.skipped = Gauge("graphkeeper_graph_skipped", "1 for each size left out, by reason.",
                              ["mode", "size", "fallback_reason"], registry=r)
+        self.replay_step_time = Gauge(
+            "graphkeeper_graph_replay_step_seconds",
+            "GPU time of one step replaying each captured graph, measured at validation.", ["mode", "size"], registry=r)
+        self.eager_step_time = Gauge(
+            "graphkeeper_graph_eager_step_seconds",
+            "GPU time of the same step run eagerly, measured at validation.", ["mode", "size"], registry=r)
+        self.graph_padding = Counter(
+            "graphkeeper_graph_padding_tokens", "Padding rows computed by each graph's replays (padded minus real).",
+            ["mode", "size"], registry=r)
+        self.released = Gauge("graphkeeper_graph_released", "1 for each (mode, size) released after sitting idle.",
+                              ["mode", "size"], registry=r)
+        self.idle_releases = Counter("graphkeeper_graph_idle_releases", "Graphs released after sitting idle.",
+                                     registry=r)
         self.lifecycle = Gauge("graphkeeper_lifecycle_state", "1 for the current lifecycle state.",
                                ["state"], registry=r)
         self.policy_generation = Gauge("graphkeeper_policy_generation",
@@ -163,6 +191,12 @@ def source_label(source: str) -> str:
     return bounded_label("dir:" + name)
 
 
+def attention_backend_label(name: str) -> str:
+    """The attention backend's label value (bounded: ``ATTENTION_BACKENDS``) from its name
+    (``SlotAttention.name``: Triton decode and varlen kernels on CUDA, else PyTorch SDPA)."""
+    return "triton" if name.startswith("triton") else "sdpa"
+
+
 def metric_names(metrics: WorkerMetrics) -> set[str]:
     """Every series name the worker exports (counters with their ``_total`` suffix)."""
     names = set()
@@ -184,6 +218,17 @@ METRIC_NAMES = frozenset({
     "graphkeeper_step_duration_seconds_bucket",
     "graphkeeper_step_duration_seconds_count",
     "graphkeeper_step_duration_seconds_sum",
+    "graphkeeper_step_tokens_bucket",
+    "graphkeeper_step_tokens_count",
+    "graphkeeper_step_tokens_sum",
+    "graphkeeper_step_sequences_bucket",
+    "graphkeeper_step_sequences_count",
+    "graphkeeper_step_sequences_sum",
+    "graphkeeper_graph_replay_step_seconds",
+    "graphkeeper_graph_eager_step_seconds",
+    "graphkeeper_graph_padding_tokens_total",
+    "graphkeeper_graph_released",
+    "graphkeeper_graph_idle_releases_total",
     "graphkeeper_queue_depth",
     "graphkeeper_running_sequences",
     "graphkeeper_prompt_tokens_total",

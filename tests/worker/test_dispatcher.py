@@ -64,6 +64,15 @@ REASON_CASES = {
                             captured=_captured((FULL, 1), (FULL, 2)),
                             skipped={(FULL, 4): R.FALLBACK_REASON_SIZE_CAPTURE_FAILED}),
         R.FALLBACK_REASON_SIZE_CAPTURE_FAILED),
+    "size_over_max_graphs": (
+        MIXED5, GraphState(effective_mode=pb.GRAPH_MODE_PIECEWISE, ladder=LADDER,
+                           captured=_captured((PIECEWISE, 1), (PIECEWISE, 16)),
+                           skipped={(PIECEWISE, n): R.FALLBACK_REASON_SIZE_OVER_MAX_GRAPHS for n in (2, 4, 8)}),
+        R.FALLBACK_REASON_SIZE_OVER_MAX_GRAPHS),
+    "graph_released_idle": (
+        DECODE3, GraphState(effective_mode=pb.GRAPH_MODE_FULL_DECODE_ONLY, ladder=LADDER,
+                            captured=_captured((FULL, 1), (FULL, 2)), released=_captured((FULL, 4))),
+        R.FALLBACK_REASON_GRAPH_RELEASED_IDLE),
     "size_missing_without_record": (
         DECODE3, GraphState(effective_mode=pb.GRAPH_MODE_FULL_DECODE_ONLY, ladder=LADDER,
                             captured=_captured((FULL, 1))), R.FALLBACK_REASON_SIZE_CAPTURE_FAILED),
@@ -82,6 +91,17 @@ def test_every_fallback_reason_has_a_dispatcher_case():
     covered = {reason for _, _, reason in REASON_CASES.values()}
     declared = set(R.values()) - {R.FALLBACK_REASON_UNSPECIFIED}
     assert covered == declared
+
+
+def test_a_released_graph_falls_back_to_a_captured_piecewise_one():
+    # The FULL graph of 4 was released while idle; the PIECEWISE graph of 4 still serves the step.
+    state = GraphState(effective_mode=pb.GRAPH_MODE_FULL_AND_PIECEWISE, ladder=LADDER,
+                       captured=ALL_CAPTURED - {(FULL, 4)}, released=_captured((FULL, 4)))
+    assert decide(DECODE3, state, TABLE) == Decision(PIECEWISE, 4)
+    gone = GraphState(effective_mode=pb.GRAPH_MODE_FULL_AND_PIECEWISE, ladder=LADDER,
+                      captured=ALL_CAPTURED - {(FULL, 4), (PIECEWISE, 4)},
+                      released=_captured((FULL, 4), (PIECEWISE, 4)))
+    assert decide(DECODE3, gone, TABLE) == Decision(NONE, 3, R.FALLBACK_REASON_GRAPH_RELEASED_IDLE)
 
 
 def test_reasons_are_checked_in_a_fixed_order():

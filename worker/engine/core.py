@@ -48,6 +48,7 @@ from graphkeeper.worker.engine.startup import Laps, step_phases
 from graphkeeper.worker.engine.status import graph_status, model_info
 from graphkeeper.worker.executor.graphs.controller import CaptureController
 from graphkeeper.worker.executor.graphs.dispatcher import BatchDescriptor, Dispatcher
+from graphkeeper.worker.executor.graphs.economics import idle_keys
 from graphkeeper.worker.metrics import WorkerMetrics
 from graphkeeper.worker.model.loader import ModelSourceError, check_source
 from graphkeeper.worker.model.step import forbid_recompiles
@@ -58,6 +59,8 @@ log = logging.getLogger(__name__)
 S = pb.LifecycleState
 L = pb.LedgerStage
 STEADY_AFTER_STEPS = 16
+#: Seconds between two looks for idle graphs (a look is a dict scan; releasing is rare).
+IDLE_CHECK_SECONDS = 1.0
 
 
 class Engine:
@@ -81,6 +84,8 @@ class Engine:
         self.dispatcher = Dispatcher()
         self.recorder = StepRecorder(self.metrics)
         self.recorder.listed_tenants = frozenset(t.tenant for t in self.control.policy.tenants)
+        policy = self.control.policy
+        self.recorder.traffic.reset(policy.policy_uid, policy.generation)
         self.outputs = OutputProcessor(self.scheduler, self.metrics)
         self.capture = CaptureController(self.dispatcher, self.metrics, settings.max_num_seqs,
                                          settings.max_num_batched_tokens, settings.inject_capture_failures)
@@ -93,6 +98,7 @@ class Engine:
         self._stop = threading.Event()
         self._draining = False
         self._last_finish = 0.0
+        self._idle_checked = 0.0
         self.ready = threading.Event()
         self.thread = threading.Thread(target=self._main, name="engine", daemon=True)
 
@@ -223,6 +229,7 @@ class Engine:
         self.ledger.record(L.LEDGER_STAGE_CONTEXT, self.device)
         laps.lap("device context")
         self.slot.install(self.slot.load(s.model, s.model_revision))
+        self.recorder.set_attention(self.slot.runner.attention.name)
         self.control.move(S.LIFECYCLE_STATE_MODEL_LOADED)
         laps.lap("weights and KV cache")
         self.slot.prepare_step()
@@ -259,6 +266,10 @@ class Engine:
                 inflight = None
                 if self.capture.step():
                     self._captured()
+            elif self._idle_graphs():
+                self._finish(inflight)  # no step still replaying the graphs being released
+                inflight = None
+                self.capture.release_idle(self._idle_graphs())
             step = self.scheduler.schedule()
             launched, failure = self._launch(step) if step is not None else (None, None)
             self._finish(inflight)
@@ -271,6 +282,22 @@ class Engine:
                 self._wake.wait(0.05 if not self.capture.active else 0)
                 self._wake.clear()
         self._finish(inflight)
+
+    def _idle_graphs(self) -> set[tuple[int, int]]:
+        """Captured graphs no step replayed for the policy's idle-release time (looked for at most
+        once every ``IDLE_CHECK_SECONDS``; the look that finds some is repeated by the caller)."""
+        seconds = self.capture.idle_release_seconds
+        graphs = self.capture.graph_set
+        if not seconds or graphs is None or not graphs.captured:
+            return set()
+        now = time.monotonic()
+        if now - self._idle_checked < IDLE_CHECK_SECONDS:
+            return set()
+        found = idle_keys({k: t for k, t in self.recorder.last_used().items() if k in graphs.captured},
+                          now, seconds)
+        if not found:
+            self._idle_checked = now
+        return found
 
     # --- one step: run, then postprocess ---------------------------------------------------
 
@@ -370,17 +397,20 @@ class Engine:
         recapture = self.control.recaptures(self.control.policy, policy)
         self.control.adopt(policy, recapture and self.captures_graphs)
         self.recorder.listed_tenants = frozenset(t.tenant for t in policy.tenants)
+        traffic = self.recorder.traffic.tokens()  # what the old policy served: a max_graphs limit keeps its keys
+        self.recorder.traffic.reset(policy.policy_uid, policy.generation)
+        self.capture.idle_release_seconds = policy.idle_release_seconds
         self.metrics.policy_generation.set(policy.generation)
         log.info("policy %s generation %d adopted (recapture: %s)", (policy.policy_name or policy.policy_uid)[:64],
                  policy.generation, recapture)
         if recapture:
             self.metrics.recaptures.labels("policy").inc()
             self.capture.release()
-            self._begin_capture()
+            self._begin_capture(traffic)
 
-    def _begin_capture(self) -> None:
+    def _begin_capture(self, traffic: dict[tuple[int, bool], int] | None = None) -> None:
         """Plans the adopted policy's graphs; they are captured one per loop pass from here."""
-        self.capture.begin(self.control.policy, self.slot.runner)
+        self.capture.begin(self.control.policy, self.slot.runner, traffic)
         if not self.capture.active:
             self._captured()
 
@@ -388,6 +418,8 @@ class Engine:
         """A capture phase ended: ledger, errors, and READY again after a recapture."""
         self.ledger.record(L.LEDGER_STAGE_CAPTURE, self.device)
         self.ledger.export(self.metrics)
+        graphs = self.capture.graph_set
+        self.recorder.graphs_captured(list(graphs.captured) if graphs else [])
         self.metrics.policy_generation.set(self.control.policy.generation)
         if self.control.captured(self.capture.last_failure):
             log.info("READY: %s", self.capture.summary())
@@ -416,8 +448,15 @@ class Engine:
             self.capture.hold_eager()
             return self.slot.install(fresh)
 
-        if not self.control.swap_model(self.captures_graphs, install):
+        kept = self.control.swap_model(self.captures_graphs, install)
+        # One coherent ledger of the new model: the old one's stages go, and the weights and KV
+        # cache are measured again now that the old weights and graphs are freed.
+        self.ledger.restart(self.device, self.slot.runner.cache.nbytes())
+        if not kept:
             self.slot.prepare_step()
+        self.ledger.record(L.LEDGER_STAGE_WARMUP, self.device)
+        self.steps_since_ready = 0  # STEADY is measured again, on the new model
+        self.recorder.set_attention(self.slot.runner.attention.name)
         self.metrics.recaptures.labels("model_revision").inc()
         self._begin_capture()
         self.scheduler.admitting = True

@@ -7,6 +7,7 @@ context, libraries, other processes).
 
 from __future__ import annotations
 
+import gc
 from dataclasses import dataclass
 
 import torch
@@ -55,8 +56,30 @@ class Ledger:
         self.entries[stage] = entry
         return entry
 
+    def restart(self, device: torch.device, kv_cache_bytes: int) -> None:
+        """A new model revision was installed: the ledger starts over with it.
+
+        The new weights were loaded beside the old model (only a complete load replaces
+        anything), so what ``WEIGHTS`` and ``KV_CACHE`` read at load time held both models; here,
+        with the old weights and graphs freed, both are measured again: ``KV_CACHE`` as the device
+        holds now, ``WEIGHTS`` as that less the KV cache's bytes. ``CONTEXT`` (before any model)
+        stays; the later stages are recorded again as the new model reaches them.
+        """
+        context = self.entries.get(pb.LEDGER_STAGE_CONTEXT)
+        if device.type == "cuda":
+            gc.collect()
+            torch.cuda.empty_cache()
+        now = measure(pb.LEDGER_STAGE_KV_CACHE, device)
+        weights = LedgerEntry(pb.LEDGER_STAGE_WEIGHTS, *(max(v - kv_cache_bytes, 0) if device.type == "cuda" else 0
+                                                         for v in (now.device_used, now.torch_allocated,
+                                                                   now.torch_reserved)))
+        self.entries = {pb.LEDGER_STAGE_WEIGHTS: weights, pb.LEDGER_STAGE_KV_CACHE: now}
+        if context is not None:
+            self.entries[pb.LEDGER_STAGE_CONTEXT] = context
+
     def export(self, metrics: WorkerMetrics) -> None:
-        """Every stage's figures as the ledger gauge."""
+        """Every stage's figures as the ledger gauge (stages no longer held lose their series)."""
+        metrics.ledger.clear()
         for entry in list(self.entries.values()):
             stage = pb.LedgerStage.Name(entry.stage).removeprefix("LEDGER_STAGE_").lower()
             for kind, value in (("device_used", entry.device_used), ("torch_allocated", entry.torch_allocated),

@@ -1,14 +1,28 @@
-"""Counts every step once: the metrics, the totals ``GraphStatus`` reports, and each request's
-execution summary all come from ``StepRecorder.record``, so they cannot disagree."""
+"""Counts every step once: the metrics, the totals ``GraphStatus`` reports, each request's
+execution summary, the traffic histogram (step shapes since the last policy adoption) and what
+each captured graph earned (replays, padding, last use) all come from ``StepRecorder.record``, so
+they cannot disagree."""
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from contextlib import suppress
+from dataclasses import dataclass
 
 from graphkeeper.proto.policy import mode_name, reason_name
+from graphkeeper.worker.engine.traffic import TrafficHistogram
 from graphkeeper.worker.executor.graphs.dispatcher import BatchDescriptor, Decision
-from graphkeeper.worker.metrics import TENANT_EXECUTIONS, WorkerMetrics
+from graphkeeper.worker.metrics import TENANT_EXECUTIONS, WorkerMetrics, attention_backend_label
+
+
+@dataclass
+class GraphUse:
+    """What one captured graph earned since it was captured."""
+
+    replays: int = 0
+    padded_tokens: int = 0  # padding rows its replays computed (padded size minus real tokens)
+    last_used: float = 0.0  # time.monotonic() of its last replay (its capture, before any)
 
 
 class StepRecorder:
@@ -19,6 +33,22 @@ class StepRecorder:
         self.real_tokens = 0
         self.padded_tokens = 0
         self._listed: frozenset[str] = frozenset()
+        self.traffic = TrafficHistogram()
+        #: (mode, padded size) -> what that graph earned; started over at every capture phase.
+        self.graph_use: dict[tuple[int, int], GraphUse] = {}
+        self.attention_backend = "sdpa"
+
+    def set_attention(self, name: str) -> None:
+        """The served model's attention implementation (``SlotAttention.name``), as a bounded label."""
+        self.attention_backend = attention_backend_label(name)
+
+    def graphs_captured(self, keys, now: float | None = None) -> None:
+        """A capture phase ended: each captured graph starts with nothing earned, used ``now``."""
+        now = time.monotonic() if now is None else now
+        self.graph_use = {key: GraphUse(last_used=now) for key in keys}
+
+    def last_used(self) -> dict[tuple[int, int], float]:
+        return {key: use.last_used for key, use in list(self.graph_use.items())}
 
     @property
     def listed_tenants(self) -> frozenset[str]:
@@ -36,25 +66,38 @@ class StepRecorder:
         self._listed = frozenset(tenants)
 
     def record(self, decision: Decision, desc: BatchDescriptor, sequences: list, tenants: set[str],
-               elapsed: float) -> None:
-        """One step: how it ran, for how many rows, for which sequences and listed tenants."""
+               elapsed: float, now: float | None = None) -> None:
+        """One step: how it ran, for how many rows, for which sequences and listed tenants, and its
+        shape (``now``: time.monotonic() when it ended, for the graph's last use)."""
         m = self.metrics
         rows = desc.num_tokens if decision.eager else decision.size
         self.real_tokens += desc.num_tokens
         self.padded_tokens += rows
         m.real_tokens.inc(desc.num_tokens)
         m.padded_tokens.inc(rows)
+        kind = "decode" if desc.uniform_decode else "mixed"
+        self.traffic.count(desc.num_tokens, len(sequences), desc.uniform_decode)
+        m.step_tokens.labels(kind).observe(desc.num_tokens)
+        m.step_sequences.labels(kind).observe(len(sequences))
         if decision.eager:
             self.eager_steps[decision.reason] += 1
             m.eager_steps.labels(reason_name(decision.reason)).inc()
-            m.step_duration.labels("eager").observe(elapsed)
+            m.step_duration.labels("eager", self.attention_backend).observe(elapsed)
             key, per_sequence = decision.reason, "eager_steps"
         else:
             self.graph_steps[(decision.mode, decision.size)] += 1
             name = mode_name(decision.mode)
             m.graph_replays.labels(name, str(decision.size)).inc()
-            m.step_duration.labels(name).observe(elapsed)
+            m.step_duration.labels(name, self.attention_backend).observe(elapsed)
             key, per_sequence = (decision.mode, decision.size), "graph_steps"
+            use = self.graph_use.get(key)
+            if use is None:
+                use = self.graph_use[key] = GraphUse()
+            use.replays += 1
+            use.padded_tokens += rows - desc.num_tokens
+            use.last_used = time.monotonic() if now is None else now
+            if rows > desc.num_tokens:
+                m.graph_padding.labels(name, str(decision.size)).inc(rows - desc.num_tokens)
         execution = "eager" if decision.eager else "graph"
         for tenant in tenants & self.listed_tenants:
             m.tenant_steps.labels(tenant, execution).inc()  # bounded: only tenants the policy lists

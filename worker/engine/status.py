@@ -7,8 +7,9 @@ from graphkeeper.proto import worker_pb2 as pb
 from graphkeeper.proto.policy import effective_requested_mode
 from graphkeeper.worker.engine.control import Snapshot
 from graphkeeper.worker.engine.ledger import Ledger
-from graphkeeper.worker.engine.recorder import StepRecorder
+from graphkeeper.worker.engine.recorder import GraphUse, StepRecorder
 from graphkeeper.worker.executor.graphs.controller import CaptureController
+from graphkeeper.worker.executor.graphs.graph_set import CapturedGraph
 from graphkeeper.worker.model.loader import LoadedModel
 from graphkeeper.worker.model.tokenizer import Tokenizer
 
@@ -41,7 +42,9 @@ def graph_status(snap: Snapshot, *, capture: CaptureController, recorder: StepRe
     """``GraphStatus`` from a snapshot of the GraphControl state and the engine's counters (pure)."""
     c, policy, pending = capture, snap.policy, snap.pending
     graphs = c.graph_set
-    captured = dict(graphs.captured) if graphs else {}
+    captured = {**graphs.captured, **graphs.released} if graphs else {}
+    released = set(graphs.released) if graphs else set()
+    use = dict(recorder.graph_use)
     skipped = dict(graphs.skipped) if graphs else {}
     eager = dict(recorder.eager_steps)
     return pb.GraphStatus(
@@ -57,8 +60,7 @@ def graph_status(snap: Snapshot, *, capture: CaptureController, recorder: StepRe
         pending_policy_generation=pending.generation if pending else 0,
         pending_model_revision=snap.pending_revision[:MAX_PENDING_REVISION],
         model_revision=model_revision,
-        captured=[pb.CapturedSize(size=s, mode=m, capture_seconds=e.seconds, device_bytes=e.device_bytes,
-                                  reserved_bytes=e.reserved_bytes) for (m, s), e in sorted(captured.items())],
+        captured=[captured_size(key, entry, use.get(key), key in released) for key, entry in sorted(captured.items())],
         skipped=[pb.SkippedSize(size=s, mode=m, reason=v.reason, message=v.message)
                  for (m, s), v in sorted(skipped.items())],
         fallbacks=[pb.FallbackCount(reason=r, steps=n) for r, n in sorted(eager.items())],
@@ -71,4 +73,15 @@ def graph_status(snap: Snapshot, *, capture: CaptureController, recorder: StepRe
         queued_requests=queued,
         last_error=snap.last_error[:MAX_LAST_ERROR],
         compile=compile,
+        traffic=recorder.traffic.to_proto(),
     )
+
+
+def captured_size(key: tuple[int, int], entry: CapturedGraph, use: GraphUse | None, released: bool) -> pb.CapturedSize:
+    """One graph's line in status: what it cost (memory, capture time), what it buys per step (GPU
+    time replayed against eager), and what it earned (replays, padding)."""
+    mode, size = key
+    return pb.CapturedSize(
+        size=size, mode=mode, capture_seconds=entry.seconds, device_bytes=entry.device_bytes,
+        reserved_bytes=entry.reserved_bytes, replay_seconds=entry.replay_seconds, eager_seconds=entry.eager_seconds,
+        replays=use.replays if use else 0, padded_tokens=use.padded_tokens if use else 0, released=released)

@@ -1,7 +1,14 @@
 """The capture job: fills a graph set one (mode, size) at a time, largest first, into one shared
 memory pool, within the policy's memory budget; each graph is replayed on a probe batch and
-compared with eager execution before the dispatcher may use it. The job can run to the end at
-startup, or one size between engine steps during a recapture.
+compared with eager execution before the dispatcher may use it, and the step's GPU time replayed
+and eager is measured there (what the graph buys). The job can run to the end at startup, or one
+size between engine steps during a recapture.
+
+The budget is a bound on what the phase leaves held: a size whose capture took the graph memory
+over it is given back at once, and if what is held still exceeds it when the job ends (the shared
+pool keeps blocks other graphs use) the most recently captured graphs are given back until it
+does not; with no graph left, the pool, the piece buffers and the capture stream's cuBLAS
+workspaces go too, so a budget that fits nothing leaves nothing held.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ import torch
 
 from graphkeeper.proto import worker_pb2 as pb
 from graphkeeper.proto.policy import mode_name
+from graphkeeper.worker.executor.graphs.economics import over_budget_drops
 from graphkeeper.worker.executor.graphs.graph_set import CapturedGraph, GraphSet, Skipped, device_used
 from graphkeeper.worker.executor.graphs.modes import Key
 from graphkeeper.worker.executor.runner import ModelRunner
@@ -50,7 +58,7 @@ class CaptureJob:
     def __post_init__(self) -> None:
         gc.collect()
         torch.cuda.empty_cache()
-        self.started_used = device_used()
+        self.started_used = self.graphs.baseline_used = device_used()
 
     @property
     def done(self) -> bool:
@@ -58,12 +66,26 @@ class CaptureJob:
 
     def measure(self) -> int:
         """Graph memory now: device memory in use beyond the start, cache returned first."""
-        torch.cuda.empty_cache()
-        return max(device_used() - self.started_used, 0)
+        return self.graphs.measure()
 
     def finish(self) -> None:
+        """Ends the phase within the budget: graphs given back, last captured first, while what is
+        held exceeds it; with none left, everything held for graphs is given back too."""
         gc.collect()
-        self.graphs.memory_bytes = self.measure()
+        held = self.measure()
+        while self.budget_bytes and held > self.budget_bytes and self.graphs.captured:
+            order = [(key, entry.device_bytes) for key, entry in self.graphs.captured.items()]
+            for mode, size in over_budget_drops(order, held, self.budget_bytes) or [order[-1][0]]:
+                self.graphs.drop((mode, size))
+                self._skip(mode, size, pb.FALLBACK_REASON_SIZE_OVER_BUDGET,
+                           f"graph memory {held} B held at the end of the capture phase exceeded the budget "
+                           f"{self.budget_bytes} B")
+            self.graphs.free_unused()
+            held = self.measure()
+        if not self.graphs.captured:
+            self.graphs.free_unused()
+            held = self.measure()
+        self.graphs.memory_bytes = held
 
     def run_all(self) -> None:
         gc.collect()
@@ -107,6 +129,8 @@ class CaptureJob:
                               torch.cuda.memory_reserved() - reserved_before)
         self.graphs.captured[(mode, size)] = entry
         problem = validate(self.graphs, mode, size, probe, self.tolerance)
+        if not problem:
+            entry.replay_seconds, entry.eager_seconds = time_step(self.graphs, mode, size, probe)
         if problem:
             self._drop(mode, size, pb.FALLBACK_REASON_SIZE_CAPTURE_FAILED, f"validation failed: {problem}")
             return
@@ -127,14 +151,9 @@ class CaptureJob:
             self.stopped_by_budget = True  # what the pool keeps cannot be returned: stop here
 
     def _drop(self, mode: int, size: int, reason: int, message: str) -> None:
-        entry = self.graphs.captured.pop((mode, size))
-        for graph in entry.graphs:
-            graph.reset()
-        if not self.graphs.captured:
-            # Its graphs were the pool's only users, so resetting them freed the pool: the next
-            # capture needs a fresh one (capturing into the freed pool fails an allocator assert).
-            gc.collect()
-            self.graphs.pool = torch.cuda.graph_pool_handle()
+        self.graphs.drop((mode, size))
+        # With no graph left, the pool, buffers and workspaces go back (a fresh pool for the next).
+        self.graphs.free_unused()
         self._skip(mode, size, reason, message)
 
     def _skip(self, mode: int, size: int, reason: int, message: str) -> None:
@@ -153,6 +172,35 @@ def probe_plan(runner: ModelRunner, size: int) -> StepPlan:
 
 #: Rows of the probe whose logits are compared (hidden states are compared for every row).
 VALIDATION_LOGIT_ROWS = 64
+
+
+#: Timed runs of each side (the least is kept: the step's time without the host's noise).
+TIMING_REPEATS = 3
+
+
+def time_step(graphs: GraphSet, mode: int, size: int, probe: StepPlan,
+              repeats: int = TIMING_REPEATS) -> tuple[float, float]:
+    """(replayed, eager) GPU seconds of one step of ``size`` rows on the probe batch, by CUDA events
+    on the current stream; the least of ``repeats`` runs each. The eager side is the same step the
+    dispatcher runs when it falls back (the model's forward on the same kernels), so the difference
+    is what the graph buys per step: launch overhead removed. Input preparation is outside both."""
+    runner = graphs.runner
+
+    def timed(run) -> float:
+        best = float("inf")
+        for _ in range(repeats):
+            meta = runner.prepare(probe, size)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            run(meta)
+            end.record()
+            end.synchronize()
+            best = min(best, start.elapsed_time(end) / 1000.0)
+        return best
+
+    replay = timed(lambda meta: graphs.replay(mode, size, meta))
+    eager = timed(lambda meta: runner.forward_eager(meta, size))
+    return replay, eager
 
 
 def validate(graphs: GraphSet, mode: int, size: int, probe: StepPlan, tolerance: float) -> str:

@@ -9,6 +9,7 @@ the engine decides when to capture and moves the lifecycle.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 
 import torch
 
@@ -16,7 +17,8 @@ from graphkeeper.proto import worker_pb2 as pb
 from graphkeeper.proto.policy import effective_requested_mode, mode_name, reason_name, resolve_capture_sizes
 from graphkeeper.worker.executor.graphs.capture import CaptureJob
 from graphkeeper.worker.executor.graphs.dispatcher import Dispatcher, GraphState
-from graphkeeper.worker.executor.graphs.graph_set import GraphSet
+from graphkeeper.worker.executor.graphs.economics import limit_plan
+from graphkeeper.worker.executor.graphs.graph_set import GraphSet, Skipped
 from graphkeeper.worker.executor.graphs.modes import capture_plan, downgrade_mode
 from graphkeeper.worker.executor.runner import ModelRunner
 from graphkeeper.worker.metrics import WorkerMetrics
@@ -41,14 +43,22 @@ class CaptureController:
         self.ladder: list[int] = []
         self.total_seconds = 0.0
         self.last_failure = ""
+        #: The adopted policy's idle-release time (0: graphs are never released while idle).
+        self.idle_release_seconds = 0
 
     @property
     def active(self) -> bool:
         return self.job is not None
 
-    def begin(self, policy: pb.GraphPolicy, runner: ModelRunner) -> None:
-        """Resolves modes and sizes for ``policy`` and plans the capture, largest size first."""
+    def begin(self, policy: pb.GraphPolicy, runner: ModelRunner,
+              traffic: Mapping[tuple[int, bool], int] | None = None) -> None:
+        """Resolves modes and sizes for ``policy`` and plans the capture, largest size first.
+
+        ``traffic`` (steps per (real tokens, uniform decode), observed under the previous policy)
+        chooses which keys a ``max_graphs`` limit keeps; without it, the smallest sizes.
+        """
         cuda = runner.device.type == "cuda"
+        self.idle_release_seconds = policy.idle_release_seconds
         self.requested_mode = effective_requested_mode(policy)
         self.effective_mode, self.downgrade_reason = downgrade_mode(
             self.requested_mode, int(SlotAttention.graph_support), cuda)
@@ -61,8 +71,13 @@ class CaptureController:
             self.dispatcher.update(GraphState(effective_mode=self.effective_mode, ladder=tuple(self.ladder),
                                               backend_unsupported=not cuda))
             return
-        plan = capture_plan(self.effective_mode, self.ladder, self.max_num_seqs)
+        plan, left_out = limit_plan(capture_plan(self.effective_mode, self.ladder, self.max_num_seqs),
+                                    policy.max_graphs, self.ladder, traffic)
         self.graph_set = GraphSet(runner)
+        for mode, size in left_out:
+            self.graph_set.skipped[(mode, size)] = Skipped(
+                pb.FALLBACK_REASON_SIZE_OVER_MAX_GRAPHS,
+                f"the policy keeps at most {policy.max_graphs} graphs; this one served the fewest observed steps")
         tolerance = 1e-4 if runner.loaded.dtype == torch.float32 else 2e-2
         self.job = CaptureJob(self.graph_set, plan, policy.memory_budget_bytes, self.inject_failures, tolerance)
         self.dispatcher.update(GraphState(effective_mode=self.effective_mode, ladder=tuple(self.ladder),
@@ -97,12 +112,33 @@ class CaptureController:
             return
         job.finish()
         self.total_seconds = job.total_seconds
+        self._publish_state()
+        failures = [v.message for v in graphs.skipped.values() if v.reason == pb.FALLBACK_REASON_SIZE_CAPTURE_FAILED]
+        self.last_failure = failures[-1] if failures else ""
+        self._export()
+
+    def _publish_state(self) -> None:
+        graphs = self.graph_set
         self.dispatcher.update(GraphState(
             effective_mode=self.effective_mode, ladder=tuple(self.ladder),
             captured=frozenset(graphs.captured), skipped={k: v.reason for k, v in graphs.skipped.items()},
+            released=frozenset(graphs.released),
         ))
-        failures = [v.message for v in graphs.skipped.values() if v.reason == pb.FALLBACK_REASON_SIZE_CAPTURE_FAILED]
-        self.last_failure = failures[-1] if failures else ""
+
+    def release_idle(self, keys: set[tuple[int, int]]) -> None:
+        """Releases these graphs (idle past the policy's time): their memory is given back, the
+        dispatcher runs their steps eager with GRAPH_RELEASED_IDLE until the next capture phase.
+        Between steps only: never while a step that may replay them is in flight."""
+        graphs = self.graph_set
+        keys = {k for k in keys if graphs is not None and k in graphs.captured}
+        if not keys or self.job is not None:
+            return
+        graphs.release_idle(keys)
+        self._publish_state()
+        self.metrics.idle_releases.inc(len(keys))
+        log.info("released %d idle graph(s) (no replay for %d s): %s; graph memory now %d B", len(keys),
+                 self.idle_release_seconds, ", ".join(f"{mode_name(m)} {n}" for m, n in sorted(keys)),
+                 graphs.memory_bytes)
         self._export()
 
     def release(self) -> None:
@@ -111,7 +147,9 @@ class CaptureController:
             self.graph_set.release()
             self.graph_set = None
         self.job = None
-        self.metrics.captured.clear()
+        for gauge in (self.metrics.captured, self.metrics.released, self.metrics.replay_step_time,
+                      self.metrics.eager_step_time):
+            gauge.clear()
         self.metrics.graph_memory.set(0)
 
     def hold_eager(self) -> None:
@@ -130,12 +168,17 @@ class CaptureController:
 
     def _export(self) -> None:
         m, graphs = self.metrics, self.graph_set
-        m.captured.clear()
-        m.skipped.clear()
-        m.capture_duration.clear()
-        for (mode, size), entry in graphs.captured.items():
+        for gauge in (m.captured, m.skipped, m.capture_duration, m.released, m.replay_step_time, m.eager_step_time):
+            gauge.clear()
+        for (mode, size), entry in [*graphs.captured.items(), *graphs.released.items()]:
+            labels = mode_name(mode), str(size)
+            m.capture_duration.labels(*labels).set(entry.seconds)
+            m.replay_step_time.labels(*labels).set(entry.replay_seconds)
+            m.eager_step_time.labels(*labels).set(entry.eager_seconds)
+        for mode, size in graphs.captured:
             m.captured.labels(mode_name(mode), str(size)).set(1)
-            m.capture_duration.labels(mode_name(mode), str(size)).set(entry.seconds)
+        for mode, size in graphs.released:
+            m.released.labels(mode_name(mode), str(size)).set(1)
         for (mode, size), skipped in graphs.skipped.items():
             m.skipped.labels(mode_name(mode), str(size), reason_name(skipped.reason)).set(1)
         m.capture_phase.set(self.total_seconds)

@@ -43,7 +43,9 @@ class GraphState:
 
     ``backend_unsupported`` is set when graphs cannot be recorded at all (no CUDA);
     ``recapturing`` while a new set is being captured (every step runs eager meanwhile);
-    ``skipped`` maps (mode, size) to SIZE_OVER_BUDGET or SIZE_CAPTURE_FAILED.
+    ``skipped`` maps (mode, size) to SIZE_OVER_BUDGET, SIZE_OVER_MAX_GRAPHS or SIZE_CAPTURE_FAILED;
+    ``released`` holds the keys whose graphs were released after sitting idle (not in ``captured``
+    any more: they come back only at the next capture phase, never on the request path).
     """
 
     effective_mode: int = NONE
@@ -52,6 +54,7 @@ class GraphState:
     skipped: dict[tuple[int, int], int] = field(default_factory=dict)
     backend_unsupported: bool = False
     recapturing: bool = False
+    released: frozenset[tuple[int, int]] = frozenset()
 
 
 def decide(desc: BatchDescriptor, state: GraphState, table: list[int]) -> Decision:
@@ -74,6 +77,8 @@ def decide(desc: BatchDescriptor, state: GraphState, table: list[int]) -> Decisi
     for mode in modes:
         if (mode, padded) in state.captured:
             return Decision(mode, padded)
+    if (modes[0], padded) in state.released:
+        return Decision(NONE, n, pb.FALLBACK_REASON_GRAPH_RELEASED_IDLE)
     reason = state.skipped.get((modes[0], padded), pb.FALLBACK_REASON_SIZE_CAPTURE_FAILED)
     return Decision(NONE, n, reason)
 

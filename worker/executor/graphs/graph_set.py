@@ -8,6 +8,7 @@ keys are one graph per piece between attention calls, replayed with eager attent
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -32,6 +33,9 @@ class CapturedGraph:
     seconds: float
     device_bytes: int
     reserved_bytes: int
+    #: GPU time of one step at this size, replayed and eager (CUDA events, at validation).
+    replay_seconds: float = 0.0
+    eager_seconds: float = 0.0
 
 
 @dataclass
@@ -53,10 +57,13 @@ class GraphSet:
         self.addresses = runner.addresses()
         self.captured: dict[Key, CapturedGraph] = {}
         self.skipped: dict[Key, Skipped] = {}
+        #: Graphs released after sitting idle: their figures stay for status, their graphs are gone.
+        self.released: dict[Key, CapturedGraph] = {}
         self.pool = torch.cuda.graph_pool_handle()
         self.stream = torch.cuda.Stream(device=runner.device)
         self._piece_buffers: dict[str, Tensor] | None = None
         self.memory_bytes = 0  # device memory the capture phase added, measured when it ends
+        self.baseline_used = device_used()  # device memory in use before any of this set's graphs
 
     # --- replay ---------------------------------------------------------------------------
 
@@ -89,11 +96,55 @@ class GraphSet:
             piece.replay()
 
     def release(self) -> None:
+        """Every graph goes, and everything held for them: the pool, the piece buffers, the
+        capture stream's library workspaces."""
         for entry in self.captured.values():
             for graph in entry.graphs:
                 graph.reset()
         self.captured.clear()
+        self.free_unused()
+
+    def drop(self, key: Key) -> CapturedGraph:
+        """Resets one key's graphs (its blocks go back to the shared pool; the pool itself goes
+        back to the device once no graph uses it, see ``free_unused``)."""
+        entry = self.captured.pop(key)
+        for graph in entry.graphs:
+            graph.reset()
+        entry.graphs = []
+        return entry
+
+    def release_idle(self, keys: set[Key]) -> None:
+        """Releases graphs no step replayed for the policy's idle time; their memory is given back
+        (all of it once the last graph of the set goes, see ``free_unused``)."""
+        for key in sorted(keys):
+            if key in self.captured:
+                self.released[key] = self.drop(key)
+        if not self.captured:
+            self.free_unused()
+        gc.collect()
+        torch.cuda.empty_cache()
+        self.memory_bytes = self.measure()
+
+    def free_unused(self) -> None:
+        """With no graph left, gives back what was held only for graphs: the piece buffers, the
+        shared pool (a fresh handle for any later capture: capturing into a freed pool fails an
+        allocator assert) and the cuBLAS/cuBLASLt workspaces, which cuBLAS keeps per stream for
+        the life of the process (32 MiB each on Hopper: the memory a budget that fits nothing
+        used to leave held). Safe only with no graph alive: a graph may have recorded a workspace's
+        address; eager steps allocate theirs again at their next product."""
+        if self.captured:
+            return
         self._piece_buffers = None
+        gc.collect()
+        self.pool = torch.cuda.graph_pool_handle()
+        torch.cuda.synchronize()
+        torch._C._cuda_clearCublasWorkspaces()
+        torch.cuda.empty_cache()
+
+    def measure(self) -> int:
+        """Graph memory now: device memory in use beyond the set's starting point, cache returned."""
+        torch.cuda.empty_cache()
+        return max(device_used() - self.baseline_used, 0)
 
     # --- recording ------------------------------------------------------------------------
 

@@ -1,0 +1,84 @@
+"""Which graphs are worth keeping: the policy's maximum number of graphs, idle release, and the
+memory budget's bound, as pure decisions (no device), so each is testable anywhere.
+
+- ``limit_plan``: at most ``max_graphs`` keys of a capture plan. The keys kept are the ones the
+  observed traffic used most (the steps that would have padded to each key under the full plan),
+  ties and keys no step used in ladder order, smallest size first (small decode batches are the
+  latency-bound steps a graph helps most). The plan's own order (largest first, which sizes the
+  shared pool) is kept; the keys left out are skipped with SIZE_OVER_MAX_GRAPHS. The padding
+  ladder is not changed: a step whose padded size was left out runs eager with that reason.
+- ``idle_keys``: the graphs no step replayed for ``idle_seconds``.
+- ``over_budget_drops``: which graphs to give back, most recently captured first (the smallest
+  of the largest-first plan), until what stays is within the budget.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable, Mapping
+
+from graphkeeper.proto.policy import padding_table
+from graphkeeper.worker.executor.graphs.modes import FULL, PIECEWISE, Key
+
+
+def key_for_step(num_tokens: int, uniform_decode: bool, keys: Collection[Key], table: list[int]) -> Key | None:
+    """The key a step of ``num_tokens`` real tokens would replay if every key in ``keys`` were
+    captured (the dispatcher's choice: FULL for uniform decode, else PIECEWISE); None when none."""
+    if num_tokens < 1 or num_tokens >= len(table):
+        return None
+    padded = table[num_tokens]
+    if uniform_decode and (FULL, padded) in keys:
+        return FULL, padded
+    if (PIECEWISE, padded) in keys:
+        return PIECEWISE, padded
+    return None
+
+
+def traffic_per_key(plan: Iterable[Key], ladder: list[int], traffic: Mapping[tuple[int, bool], int]) -> dict[Key, int]:
+    """Steps of ``traffic`` ((real tokens, uniform decode) -> steps) each key of ``plan`` would serve."""
+    keys = set(plan)
+    table = padding_table(ladder)
+    out = dict.fromkeys(keys, 0)
+    for (tokens, uniform), steps in traffic.items():
+        key = key_for_step(tokens, uniform, keys, table)
+        if key is not None:
+            out[key] += steps
+    return out
+
+
+def limit_plan(plan: list[Key], max_graphs: int, ladder: list[int],
+               traffic: Mapping[tuple[int, bool], int] | None = None) -> tuple[list[Key], list[Key]]:
+    """(kept, left out): at most ``max_graphs`` keys of ``plan`` (0: no limit), in plan order."""
+    if max_graphs <= 0 or len(plan) <= max_graphs:
+        return list(plan), []
+    used = traffic_per_key(plan, ladder, traffic or {})
+    position = {key: i for i, key in enumerate(plan)}
+    # Most steps first; then smallest size; then the plan's order (FULL before PIECEWISE).
+    ranked = sorted(plan, key=lambda k: (-used[k], k[1], position[k]))
+    chosen = set(ranked[:max_graphs])
+    return [k for k in plan if k in chosen], [k for k in plan if k not in chosen]
+
+
+def idle_keys(last_used: Mapping[Key, float], now: float, idle_seconds: float) -> set[Key]:
+    """The keys whose last replay (or capture, for one never replayed) is ``idle_seconds`` or more
+    before ``now``; none when ``idle_seconds`` is 0 (never release)."""
+    if idle_seconds <= 0:
+        return set()
+    return {key for key, last in last_used.items() if now - last >= idle_seconds}
+
+
+def over_budget_drops(captured_order: list[tuple[Key, int]], held: int, budget: int) -> list[Key]:
+    """Keys to give back so that graph memory ``held`` ends within ``budget`` (0: unlimited).
+
+    ``captured_order`` is (key, bytes it added) in capture order; the last captured go first.
+    What a key gives back is estimated by what it added (the shared pool keeps blocks others use,
+    so the caller measures again after each drop and asks again).
+    """
+    if budget <= 0 or held <= budget:
+        return []
+    drops, left = [], held
+    for key, cost in reversed(captured_order):
+        if left <= budget:
+            break
+        drops.append(key)
+        left -= max(cost, 0)
+    return drops
