@@ -105,6 +105,16 @@ def _status(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=lambda a: __import__("graphkeeper.client", fromlist=["status_cmd"]).status_cmd(a))
 
 
+def _graphs(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("graphs", help="print what each captured graph costs and buys, and the worker's traffic")
+    p.add_argument("--target", default="127.0.0.1:50051", help="the worker's inference address (its host is used)")
+    p.add_argument("--control-target", default="", help="its GraphControl address (default: same host, :50052)")
+    p.add_argument("--token-file", default="", help="GraphControl bearer token (or $GRAPHKEEPER_CONTROL_TOKEN_FILE)")
+    p.add_argument("--json", action="store_true", help="one row per graph and the total, and the whole histogram")
+    p.add_argument("--timeout", type=float, default=10.0)
+    p.set_defaults(func=lambda a: __import__("graphkeeper.client", fromlist=["graphs_cmd"]).graphs_cmd(a))
+
+
 def _operator(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("operator", help="run the GraphPolicy operator (a wrapper over kopf run)")
     p.add_argument("--namespace", action="append", default=[], help="watch only these (default: all)")
@@ -125,7 +135,7 @@ def _operator(sub: argparse._SubParsersAction) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="graphkeeper", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    for add in (_worker, _generate, _status, _operator):
+    for add in (_worker, _generate, _status, _graphs, _operator):
         add(sub)
     return parser
 

@@ -1,4 +1,4 @@
-"""``graphkeeper generate`` and ``graphkeeper status``: small gRPC clients of a worker.
+"""``graphkeeper generate``, ``graphkeeper status`` and ``graphkeeper graphs``: small gRPC clients of a worker.
 
 They import only grpc and the generated proto code, never torch.
 """
@@ -149,4 +149,108 @@ def status_cmd(args: argparse.Namespace) -> int:
     print(f"serving   {status.running_sequences} running, {status.queued_requests} queued")
     if status.last_error:
         print(f"error     {status.last_error}")
+    return 0
+
+
+MIB = float(1 << 20)
+#: Columns of ``graphkeeper graphs``, in order.
+GRAPH_COLUMNS = ("mode", "size", "memory_mib", "capture_s", "replay_ms", "eager_ms", "gain_ms", "gain_ms_per_mib",
+                 "replays", "padded_tokens", "saved_s", "released")
+#: Step shapes ``graphkeeper graphs`` lists (the most frequent first); ``--json`` gives them all.
+TOP_SHAPES = 10
+
+
+def graph_rows(status: pb.GraphStatus) -> list[dict[str, Any]]:
+    """What each captured graph buys, one dict per (mode, size), then the whole set as ``mode="total"``.
+
+    Per graph: memory (its measured ``device_bytes``: the first, largest capture sizes the shared
+    pool, so smaller graphs that reuse its blocks cost little), capture time, the GPU time of one
+    step replayed and eager (validation), the gain per step and per MiB, what traffic made of it
+    (replays, padding) and the time it saved (replays x gain). The total row holds the set's
+    measured graph memory and capture phase time, the gain per step averaged over the replays (or
+    over the graphs, with no replay yet), that gain per MiB of the whole set, and the sums.
+    Step times are 0 off the GPU, where no graph is captured.
+    """
+    rows = []
+    for c in status.captured:
+        gain = c.eager_seconds - c.replay_seconds if c.replay_seconds and c.eager_seconds else 0.0
+        mib = c.device_bytes / MIB
+        rows.append({
+            "mode": mode_name(c.mode), "size": c.size, "memory_mib": mib, "capture_s": c.capture_seconds,
+            "replay_ms": c.replay_seconds * 1e3, "eager_ms": c.eager_seconds * 1e3, "gain_ms": gain * 1e3,
+            "gain_ms_per_mib": gain * 1e3 / mib if mib > 0 else None, "replays": c.replays,
+            "padded_tokens": c.padded_tokens, "saved_s": gain * c.replays, "released": c.released,
+        })
+    replays = sum(r["replays"] for r in rows)
+    weights = [r["replays"] for r in rows] if replays else [1] * len(rows)
+
+    def mean(column: str) -> float:
+        return sum(r[column] * w for r, w in zip(rows, weights, strict=True)) / sum(weights) if rows else 0.0
+
+    mib = status.graph_memory_bytes / MIB
+    gain = mean("gain_ms")
+    rows.append({
+        "mode": "total", "size": len(rows), "memory_mib": mib, "capture_s": status.total_capture_seconds,
+        "replay_ms": mean("replay_ms"), "eager_ms": mean("eager_ms"), "gain_ms": gain,
+        "gain_ms_per_mib": gain / mib if mib > 0 else None, "replays": replays,
+        "padded_tokens": sum(r["padded_tokens"] for r in rows), "saved_s": sum(r["saved_s"] for r in rows),
+        "released": sum(1 for r in rows if r["released"]),
+    })
+    return rows
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float):
+        return f"{value:.3f}"
+    return str(value)
+
+
+def graphs_table(status: pb.GraphStatus) -> list[str]:
+    """``graph_rows`` as aligned text lines, then the traffic histogram's summary."""
+    rows = graph_rows(status)
+    header = ("MODE", "SIZE", "MEMORY MiB", "CAPTURE s", "REPLAY ms", "EAGER ms", "GAIN ms", "GAIN ms/MiB",
+              "REPLAYS", "PADDED", "SAVED s", "RELEASED")
+    cells = [header, *[tuple(_cell(r[c]) for c in GRAPH_COLUMNS) for r in rows]]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
+    lines = ["  ".join(v.rjust(w) if i else v.ljust(w) for i, (v, w) in enumerate(zip(row, widths, strict=True)))
+             for row in cells]
+    if len(rows) == 1:
+        lines.insert(1, f"(no graphs captured: effective mode {mode_name(status.effective_mode)}"
+                        + (f", {status.mode_downgrade_reason})" if status.mode_downgrade_reason else ")"))
+    for s in status.skipped:
+        lines.append(f"skipped {mode_name(s.mode)}:{s.size} {reason_name(s.reason)}")
+    t = status.traffic
+    lines.append(f"traffic: {t.steps} steps ({t.overflow_steps} unbinned) in {len(t.shapes)} shapes since "
+                 f"{t.since_unix_seconds:.0f} (policy {t.policy_uid or '(worker default)'} generation "
+                 f"{t.policy_generation})")
+    for shape in sorted(t.shapes, key=lambda s: -s.steps)[:TOP_SHAPES]:
+        kind = "decode" if shape.uniform_decode else "mixed"
+        lines.append(f"  {shape.steps:>8} steps  {shape.num_tokens:>5} tokens  {shape.num_seqs:>4} seqs  {kind}")
+    return lines
+
+
+def graphs_cmd(args: argparse.Namespace) -> int:
+    """``graphkeeper graphs``: what each captured graph costs and buys, from GetGraphStatus."""
+    try:
+        token = read_token(args.token_file)
+    except OSError as err:
+        print(f"error: --token-file: {err}", file=sys.stderr)
+        return 2
+    metadata = (("authorization", f"Bearer {token}"),) if token else ()
+    with grpc.insecure_channel(control_target(args.target, args.control_target)) as control:
+        try:
+            status = pb_grpc.GraphControlStub(control).GetGraphStatus(
+                pb.GetGraphStatusRequest(), timeout=args.timeout, metadata=metadata)
+        except grpc.RpcError as err:
+            print(f"error: {err.code().name}: {err.details()}", file=sys.stderr)
+            return 2
+    if args.json:
+        traffic = json_format.MessageToDict(status.traffic, preserving_proto_field_name=True)
+        print(json.dumps({"graphs": graph_rows(status), "traffic": traffic}, indent=2))
+        return 0
+    print("\n".join(graphs_table(status)))
     return 0
