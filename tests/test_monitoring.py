@@ -90,6 +90,9 @@ def _worker_series() -> dict[str, Series]:
     values = {
         ("graphkeeper_requests", "outcome"): wm.OUTCOMES,
         ("graphkeeper_step_duration_seconds", "execution_mode"): wm.EXECUTION_MODES,
+        ("graphkeeper_step_duration_seconds", "attention_backend"): wm.ATTENTION_BACKENDS,
+        ("graphkeeper_step_tokens", "kind"): wm.STEP_KINDS,
+        ("graphkeeper_step_sequences", "kind"): wm.STEP_KINDS,
         ("graphkeeper_eager_steps", "fallback_reason"): wm.FALLBACK_REASONS,
         ("graphkeeper_graph_skipped", "fallback_reason"): wm.FALLBACK_REASONS,
         ("graphkeeper_lifecycle_state", "state"): wm.LIFECYCLE_STATES,
@@ -100,7 +103,9 @@ def _worker_series() -> dict[str, Series]:
         ("graphkeeper_tenant_steps", "execution"): wm.TENANT_EXECUTIONS,
     }
     for base in ("graphkeeper_graph_replays", "graphkeeper_graph_mode", "graphkeeper_graph_captured",
-                 "graphkeeper_graph_skipped", "graphkeeper_graph_capture_duration_seconds"):
+                 "graphkeeper_graph_skipped", "graphkeeper_graph_capture_duration_seconds",
+                 "graphkeeper_graph_replay_step_seconds", "graphkeeper_graph_eager_step_seconds",
+                 "graphkeeper_graph_padding_tokens", "graphkeeper_graph_released"):
         values[(base, "mode")] = wm.GRAPH_MODES
     metrics = [v for v in vars(m).values() if isinstance(v, MetricWrapperBase)]
     return _export(metrics, values)
