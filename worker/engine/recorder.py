@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from graphkeeper.proto.policy import mode_name, reason_name
 from graphkeeper.worker.engine.traffic import TrafficHistogram
 from graphkeeper.worker.executor.graphs.dispatcher import BatchDescriptor, Decision
-from graphkeeper.worker.metrics import TENANT_EXECUTIONS, WorkerMetrics, attention_backend_label
+from graphkeeper.worker.metrics import STEP_KINDS, TENANT_EXECUTIONS, WorkerMetrics, attention_backend_label
 
 
 @dataclass
@@ -37,6 +37,10 @@ class StepRecorder:
         #: (mode, padded size) -> what that graph earned; started over at every capture phase.
         self.graph_use: dict[tuple[int, int], GraphUse] = {}
         self.attention_backend = "sdpa"
+        # The step-shape series' children, looked up once (labels() is a dict lookup under a lock,
+        # and these are observed on every step).
+        self._shape_series = {kind: (metrics.step_tokens.labels(kind), metrics.step_sequences.labels(kind))
+                              for kind in STEP_KINDS}
 
     def set_attention(self, name: str) -> None:
         """The served model's attention implementation (``SlotAttention.name``), as a bounded label."""
@@ -75,10 +79,10 @@ class StepRecorder:
         self.padded_tokens += rows
         m.real_tokens.inc(desc.num_tokens)
         m.padded_tokens.inc(rows)
-        kind = "decode" if desc.uniform_decode else "mixed"
         self.traffic.count(desc.num_tokens, len(sequences), desc.uniform_decode)
-        m.step_tokens.labels(kind).observe(desc.num_tokens)
-        m.step_sequences.labels(kind).observe(len(sequences))
+        tokens, seqs = self._shape_series["decode" if desc.uniform_decode else "mixed"]
+        tokens.observe(desc.num_tokens)
+        seqs.observe(len(sequences))
         if decision.eager:
             self.eager_steps[decision.reason] += 1
             m.eager_steps.labels(reason_name(decision.reason)).inc()

@@ -80,7 +80,7 @@ class CaptureJob:
                 self._skip(mode, size, pb.FALLBACK_REASON_SIZE_OVER_BUDGET,
                            f"graph memory {held} B held at the end of the capture phase exceeded the budget "
                            f"{self.budget_bytes} B")
-            self.graphs.free_unused()
+            self.graphs.renew_pool()
             held = self.measure()
         if not self.graphs.captured:
             self.graphs.free_unused()
@@ -152,8 +152,10 @@ class CaptureJob:
 
     def _drop(self, mode: int, size: int, reason: int, message: str) -> None:
         self.graphs.drop((mode, size))
-        # With no graph left, the pool, buffers and workspaces go back (a fresh pool for the next).
-        self.graphs.free_unused()
+        # Its graphs may have been the pool's only users: then the next capture needs a fresh pool.
+        # (The capture stream's workspaces stay while the job runs, to be reused; ``finish`` gives
+        # them back when no graph is left.)
+        self.graphs.renew_pool()
         self._skip(mode, size, reason, message)
 
     def _skip(self, mode: int, size: int, reason: int, message: str) -> None:

@@ -12,6 +12,7 @@ import gc
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -19,6 +20,7 @@ from graphkeeper.proto.policy import mode_name
 from graphkeeper.worker.executor.graphs.modes import FULL, Key
 from graphkeeper.worker.executor.runner import ModelRunner
 from graphkeeper.worker.model.attention import AttentionMetadata
+from graphkeeper.worker.plan import StepPlan
 
 
 class StaleGraphError(RuntimeError):
@@ -98,6 +100,7 @@ class GraphSet:
     def release(self) -> None:
         """Every graph goes, and everything held for them: the pool, the piece buffers, the
         capture stream's library workspaces."""
+        torch.cuda.synchronize()  # no replay still running on what is released
         for entry in self.captured.values():
             for graph in entry.graphs:
                 graph.reset()
@@ -125,21 +128,42 @@ class GraphSet:
         torch.cuda.empty_cache()
         self.memory_bytes = self.measure()
 
+    def renew_pool(self) -> None:
+        """With no graph left, the pool was freed with its last graph: the next capture needs a
+        fresh handle (capturing into a freed pool fails an allocator assert)."""
+        if not self.captured:
+            gc.collect()
+            self.pool = torch.cuda.graph_pool_handle()
+
     def free_unused(self) -> None:
         """With no graph left, gives back what was held only for graphs: the piece buffers, the
-        shared pool (a fresh handle for any later capture: capturing into a freed pool fails an
-        allocator assert) and the cuBLAS/cuBLASLt workspaces, which cuBLAS keeps per stream for
-        the life of the process (32 MiB each on Hopper: the memory a budget that fits nothing
-        used to leave held). Safe only with no graph alive: a graph may have recorded a workspace's
-        address; eager steps allocate theirs again at their next product."""
+        shared pool and the cuBLAS/cuBLASLt workspaces, which cuBLAS keeps per (handle, stream)
+        for the life of the process (32 MiB each on Hopper: the capture stream's is what a budget
+        that fits nothing used to leave held with 0 graphs).
+
+        Safe only with no graph alive (a graph may have recorded a workspace's address). torch can
+        only clear every stream's workspaces at once, so one eager row is run afterwards on the
+        current stream: it re-creates what eager steps hold anyway, the state the set's baseline
+        was measured in, and graph memory is measured against like.
+        """
         if self.captured:
             return
         self._piece_buffers = None
-        gc.collect()
-        self.pool = torch.cuda.graph_pool_handle()
+        self.renew_pool()
         torch.cuda.synchronize()
         torch._C._cuda_clearCublasWorkspaces()
+        self._eager_row()
+        torch.cuda.synchronize()
         torch.cuda.empty_cache()
+
+    def _eager_row(self) -> None:
+        """One eager decode row on the KV cache's dummy slot (where padding rows write), LM head included."""
+        runner = self.runner
+        dummy = runner.cache.dummy_slot
+        one = np.zeros(1, dtype=np.int64)
+        plan = StepPlan(prompt_tokens=[], positions=one, slots=np.full(1, dummy, dtype=np.int64), num_decode=1,
+                        sample_rows=np.arange(1), sample_slots=np.full(1, dummy, dtype=np.int64), decode_tokens=one)
+        runner.model.head(runner.forward_eager(runner.prepare(plan, 1), 1))
 
     def measure(self) -> int:
         """Graph memory now: device memory in use beyond the set's starting point, cache returned."""
