@@ -167,7 +167,5 @@ def test_the_ledger_is_the_new_model_s_after_a_reload():
         kv_old = old[pb.LEDGER_STAGE_KV_CACHE].device_used_bytes - w_old
         kv_new = new[pb.LEDGER_STAGE_KV_CACHE].device_used_bytes - w_new
         assert abs(kv_new - kv_old) < 256 * MIB
-        order = [new[s].device_used_bytes for s in (pb.LEDGER_STAGE_WEIGHTS, pb.LEDGER_STAGE_KV_CACHE)]
-        assert order == sorted(order)
     finally:
         engine.drain_and_stop(5)
