@@ -119,3 +119,20 @@ def test_the_ledger_is_one_model_s_after_a_reload(fresh_workers):
     for _ in range(3):
         generate(worker, make_request(PROMPTS[1], 8))
     wait_until(lambda: "steady" in _stages(worker.status()), what="the new model's steady stage")
+
+
+def test_a_policy_file_s_new_fields_are_read_and_stamp_the_histogram(fresh_workers, tmp_path):
+    from graphkeeper.worker.main import read_policy_file
+
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"policyUid": "file-policy", "generation": 3, "maxGraphs": -2}))
+    assert "max_graphs" in read_policy_file(str(bad), 64)[1]
+    good = tmp_path / "policy.json"
+    good.write_text(json.dumps({"policyUid": "file-policy", "generation": 3, "maxGraphs": 4,
+                                "idleReleaseSeconds": 600}))
+    policy, error = read_policy_file(str(good), 64)
+    assert error is None and (policy.max_graphs, policy.idle_release_seconds) == (4, 600)
+    worker = fresh_workers("--policy-file", str(good))
+    generate(worker, make_request(PROMPTS[0], 3))
+    traffic = worker.status().traffic
+    assert (traffic.policy_uid, traffic.policy_generation, traffic.steps) == ("file-policy", 3, 3)
