@@ -71,9 +71,31 @@ from graphkeeper.operator.sync import (
     record_action,
     settle,
 )
+from graphkeeper.operator.traffic import (
+    Applied,
+    FromTraffic,
+    applied_from_status,
+    applied_status,
+    decide_apply,
+    effective_policy,
+    from_traffic_settings,
+    histograms,
+    in_effect,
+    max_capture_size,
+    recommendation_status,
+    sizes_in_effect,
+    waiting_status,
+)
 from graphkeeper.operator.workerclient import GraphControlClient, WorkerError
 from graphkeeper.proto import worker_pb2 as pb
-from graphkeeper.proto.policy import PolicyError, RecaptureKey, policy_from_spec, recapture_key
+from graphkeeper.proto.policy import (
+    MODE_BY_NAME,
+    PolicyError,
+    RecaptureKey,
+    policy_from_spec,
+    recapture_key,
+)
+from graphkeeper.proto.traffic_sizes import CostModel, choose_sizes, evaluate_sizes, measurements_from, merge_histograms
 
 logger = logging.getLogger("graphkeeper.operator")
 
@@ -101,6 +123,9 @@ class Desired:
     max_unavailable: int
     #: Seconds a push or reload may take to settle before the worker counts as failed.
     deadline: float
+    #: ``spec.captureSizes.fromTraffic``, and the wire policy as the spec alone says it.
+    traffic: FromTraffic | None = None
+    spec_wire: pb.GraphPolicy | None = None
 
 
 @dataclass
@@ -113,20 +138,27 @@ class RunOutcome:
     fired: dict[str, list[str]] = field(default_factory=lambda: {PUSH: [], RELOAD: []})
 
 
-def desired_policy(ref: PolicyRef, total: int) -> tuple[Desired | None, str | None]:
+def desired_policy(ref: PolicyRef, total: int, applied: Applied | None = None) -> tuple[Desired | None, str | None]:
     """The policy to roll out to ``total`` selected workers, or why there is none (pure): the
-    operator checks the spec again, so one that slipped past the CRD is reported, not pushed."""
+    operator checks the spec again, so one that slipped past the CRD is reported, not pushed.
+    ``applied``: the sizes chosen from traffic and applied (``traffic.effective_policy``)."""
     invalid = selector_error(ref.spec.get("selector"))
     if invalid is not None:
         return None, invalid
     try:
-        wire = policy_from_spec(ref.spec, uid=ref.uid, name=ref.key, generation=ref.generation)
+        spec_wire = policy_from_spec(ref.spec, uid=ref.uid, name=ref.key, generation=ref.generation)
+        settings = from_traffic_settings(ref.spec)
         max_unavailable, deadline = rollout_settings(ref.spec, total)
     except PolicyError as err:
         return None, f"{err.field}: {err.message}"
     except ValueError as err:
         return None, f"spec.rollout: {err}"
-    return Desired(wire, max_unavailable, deadline), None
+    wire = effective_policy(spec_wire, settings, applied or Applied(), _spec_mode(ref))
+    return Desired(wire, max_unavailable, deadline, settings, spec_wire), None
+
+
+def _spec_mode(ref: PolicyRef) -> str:
+    return str(ref.spec.get("mode") or "FullAndPiecewise")
 
 
 def holding_slots(departed: dict[str, tuple[float, frozenset[str]]],
@@ -167,6 +199,11 @@ class PolicyLoop:
         #: (the process may still be recapturing) until a replacement is READY or the progress
         #: deadline passes.
         self.departed: dict[str, tuple[float, frozenset[str]]] = {}
+        #: Capture sizes from traffic: the set applied last (read back from status, so a restarted
+        #: operator keeps it), the last recommendation, and what it was computed from.
+        self.applied: Applied = applied_from_status(ref.status)
+        self.recommendation: dict[str, Any] | None = (ref.status or {}).get("recommendation")
+        self.traffic_key: tuple | None = None
         self._reconciler = reconciler
         self._woken = asyncio.Event()
         self._woken.set()
@@ -432,7 +469,7 @@ class Reconciler:
         pods = selected_workers(ref, self.pods.get(ref.namespace, ()))
         loop.seen_pods = {p.uid for p in pods}
         loop.seen_targets = {p.control_target for p in pods if p.address}
-        desired, invalid = desired_policy(ref, len(pods))
+        desired, invalid = desired_policy(ref, len(pods), loop.applied)
         if desired is None:
             outcome = RunOutcome([WorkerObservation(p.key, WorkerState.PENDING, "not pushed") for p in pods])
         else:
@@ -450,6 +487,8 @@ class Reconciler:
         # From here to the hand-out nothing awaits: who owns each worker, what it lacks and what
         # is pushed to it come from one snapshot, the same one every other loop sees.
         mine, observations = self._claimed(ref, pods)
+        if desired.traffic is not None:
+            desired = self._from_traffic(loop, ref, mine, desired)
         worker_observations, views = self._classify(ref, mine, desired)
         observations += worker_observations
         departed = holding_slots(loop.departed, views, time.monotonic(), desired.deadline)
@@ -462,6 +501,43 @@ class Reconciler:
         updated = sum(1 for o in observations if o.state == WorkerState.CAPTURED)
         rollout = rollout_status(plan, updated=updated, total=len(mine))
         return RunOutcome(observations, plan, rollout, fired)
+
+    def _from_traffic(self, loop: PolicyLoop, ref: PolicyRef, mine: list[WorkerPod],
+                      desired: Desired) -> Desired:
+        """Merges the owned workers' step histograms (this run's snapshot), recommends sizes, and in
+        Apply mode makes them effective when ``decide_apply`` allows; returns the policy to push.
+        Recomputed only when the merged histogram or the spec changed."""
+        settings, spec_wire = desired.traffic, desired.spec_wire
+        assert settings is not None and spec_wire is not None
+        statuses = [t.status for p in mine
+                    if (t := self.tracks.get(p.uid)) is not None and t.status is not None and t.error is None]
+        traffic = merge_histograms(histograms(statuses))
+        key = (ref.generation, traffic.steps, traffic.workers, traffic.since, loop.applied)
+        if key == loop.traffic_key:
+            return desired
+        loop.traffic_key = key
+        if traffic.steps < settings.min_steps:
+            loop.recommendation = waiting_status(loop.recommendation, traffic, settings)
+            return desired
+        mode = MODE_BY_NAME[_spec_mode(ref)]
+        model = CostModel(mode, measurements_from(c for s in statuses for c in s.captured))
+        top = max_capture_size(spec_wire)
+        new = choose_sizes(traffic, mode=mode, max_capture_size=top, max_graphs=settings.max_graphs,
+                           memory_budget_bytes=settings.memory_budget_bytes, model=model)
+        current = evaluate_sizes(traffic, sizes_in_effect(desired.wire), mode, model)
+        now = time.time()
+        apply, why = decide_apply(settings, loop.applied, now, current, new)
+        if apply:
+            loop.applied = Applied(new.sizes, loop.applied.sequence + 1, now, _spec_mode(ref))
+            loop.traffic_key = (*key[:-1], loop.applied)
+            wire = effective_policy(spec_wire, settings, loop.applied, _spec_mode(ref))
+            desired = replace(desired, wire=wire)
+            self._remember_recapture_key(wire)
+            self._event(ref.body(), "Normal", "CaptureSizesApplied",
+                        f"sizes {list(new.sizes)} from {traffic.steps} steps of {traffic.workers} worker(s), "
+                        f"expected coverage {new.coverage:.1%}: {why}")
+        loop.recommendation = recommendation_status(new, current, traffic, now, why)
+        return desired
 
     def _claimed(self, ref: PolicyRef, pods: list[WorkerPod]) -> tuple[list[WorkerPod], list[WorkerObservation]]:
         """The pods this policy owns, and a CONFLICT observation for each that another policy
@@ -574,6 +650,13 @@ class Reconciler:
         status = build_status(generation=ref.generation, observations=observations,
                               previous=previous, now=datetime.now(UTC), invalid=invalid,
                               rollout=rollout)
+        desired_traffic = from_traffic_or_none(ref)
+        if loop.recommendation and desired_traffic is not None:
+            status["recommendation"] = loop.recommendation
+        effective = applied_status(loop.applied)
+        if effective is not None:
+            effective["inEffect"] = in_effect(desired_traffic, loop.applied, _spec_mode(ref))
+            status["effectiveCaptureSizes"] = effective
         if status == previous:
             return
         await self.kube.patch_policy_status(ref.namespace, ref.name,
@@ -627,6 +710,13 @@ class Reconciler:
     def _live_targets(self) -> set[str]:
         return {t for pods in self.pods.values() for p in pods if p.running
                 for t in (p.control_target, p.target)}
+
+
+def from_traffic_or_none(ref: PolicyRef) -> FromTraffic | None:
+    try:
+        return from_traffic_settings(ref.spec)
+    except PolicyError:
+        return None
 
 
 def _names(names: list[str]) -> str:

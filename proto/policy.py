@@ -23,6 +23,9 @@ MAX_CAPTURE_SIZE_LIMIT = 8192
 #: Upper bound of the default maximum capture size (vLLM's choice).
 DEFAULT_MAX_CAPTURE_CEILING = 512
 MAX_EXPLICIT_SIZES = 256
+#: spec.maxGraphs and spec.idleReleaseSeconds bounds (the CRD's too).
+MAX_GRAPHS_LIMIT = 8192
+MAX_IDLE_RELEASE_SECONDS = 7 * 86400
 MAX_TENANTS = 256
 #: Kubernetes object UIDs are 36-character UUIDs; 128 bytes leaves room and nothing more.
 MAX_POLICY_UID_BYTES = 128
@@ -132,6 +135,7 @@ class RecaptureKey:
     mode: int
     sizes: tuple
     budget_bytes: int
+    max_graphs: int = 0
 
 
 def recapture_key(policy: pb.GraphPolicy | None, limits: tuple[int, int] | None = None) -> RecaptureKey | None:
@@ -154,7 +158,7 @@ def recapture_key(policy: pb.GraphPolicy | None, limits: tuple[int, int] | None 
     else:
         ladder = spec.ladder if spec.WhichOneof("sizes") == "ladder" else pb.CAPTURE_LADDER_DEFAULT
         sizes = ("ladder", ladder or pb.CAPTURE_LADDER_DEFAULT, spec.max_capture_size)
-    return RecaptureKey(effective_requested_mode(policy), sizes, policy.memory_budget_bytes)
+    return RecaptureKey(effective_requested_mode(policy), sizes, policy.memory_budget_bytes, policy.max_graphs)
 
 
 def padding_table(capture_sizes: list[int]) -> list[int]:
@@ -221,6 +225,10 @@ def validate_policy(
     _validate_sizes(policy.capture_sizes, max_num_batched_tokens)
     if policy.memory_budget_bytes < 0:
         raise PolicyError("memory_budget_bytes", f"must not be negative, got {policy.memory_budget_bytes}")
+    if policy.max_graphs < 0:
+        raise PolicyError("max_graphs", f"must not be negative, got {policy.max_graphs}")
+    if policy.idle_release_seconds < 0:
+        raise PolicyError("idle_release_seconds", f"must not be negative, got {policy.idle_release_seconds}")
     _validate_tenants(policy)
     if policy.default_tenant_graphs not in (pb.TENANT_GRAPHS_UNSPECIFIED, *TENANT_GRAPHS_BY_NAME.values()):
         raise PolicyError("default_tenant_graphs",
@@ -368,6 +376,8 @@ def policy_from_spec(
             policy.memory_budget_bytes = parse_quantity(spec["memoryBudget"])
         except PolicyError as err:
             raise PolicyError("spec.memoryBudget", err.message) from None
+    policy.max_graphs = _spec_int(spec, "maxGraphs", MAX_GRAPHS_LIMIT)
+    policy.idle_release_seconds = _spec_int(spec, "idleReleaseSeconds", MAX_IDLE_RELEASE_SECONDS)
     default = spec.get("defaultTenantGraphs", "Enabled")
     if default not in TENANT_GRAPHS_BY_NAME:
         raise PolicyError("spec.defaultTenantGraphs", f"{default!r} is not Enabled or Disabled")
@@ -382,6 +392,16 @@ def policy_from_spec(
     except PolicyError as err:
         raise PolicyError(_spec_field(err.field), err.message) from None
     return policy
+
+
+def _spec_int(spec: Mapping[str, Any], key: str, high: int) -> int:
+    """An optional non-negative integer field of the spec (0 when omitted)."""
+    value = spec.get(key, 0)
+    if value is None:
+        return 0
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= high:
+        raise PolicyError(f"spec.{key}", f"must be an integer from 0 to {high}, got {clipped_repr(str(value))}")
+    return value
 
 
 def _sizes_from_spec(spec: Mapping[str, Any], out: pb.CaptureSizes) -> None:
@@ -406,6 +426,8 @@ def _spec_field(field: str) -> str:
         "memory_budget_bytes": "spec.memoryBudget",
         "tenants": "spec.tenants",
         "mode": "spec.mode",
+        "max_graphs": "spec.maxGraphs",
+        "idle_release_seconds": "spec.idleReleaseSeconds",
     }
     for wire, crd in renames.items():
         if field.startswith(wire):
