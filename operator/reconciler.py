@@ -533,10 +533,13 @@ class Reconciler:
             wire = effective_policy(spec_wire, settings, loop.applied, _spec_mode(ref))
             desired = replace(desired, wire=wire)
             self._remember_recapture_key(wire)
+            metrics.SIZE_APPLIES.inc()
             self._event(ref.body(), "Normal", "CaptureSizesApplied",
                         f"sizes {list(new.sizes)} from {traffic.steps} steps of {traffic.workers} worker(s), "
                         f"expected coverage {new.coverage:.1%}: {why}")
         loop.recommendation = recommendation_status(new, current, traffic, now, why)
+        metrics.set_recommendation(ref.namespace, ref.name, recommended=new.coverage, current=current.coverage,
+                                   graphs=new.graphs, memory_bytes=new.memory_bytes, steps=traffic.steps)
         return desired
 
     def _claimed(self, ref: PolicyRef, pods: list[WorkerPod]) -> tuple[list[WorkerPod], list[WorkerObservation]]:

@@ -29,6 +29,7 @@ from typing import Any
 from graphkeeper.proto import worker_pb2 as pb
 from graphkeeper.proto.policy import (
     DEFAULT_MAX_CAPTURE_CEILING,
+    MAX_GRAPHS_LIMIT,
     PolicyError,
     default_ladder,
     interactivity_ladder,
@@ -78,7 +79,7 @@ def from_traffic_settings(spec: Mapping[str, Any]) -> FromTraffic | None:
         raise PolicyError(f"{FIELD}.mode", f"must be Recommend or Apply, got {mode!r}")
     if spec.get("mode") == "None":
         raise PolicyError(FIELD, "mode None captures no graphs; leave fromTraffic out")
-    max_graphs = _int(raw, "maxGraphs", 0, 0, 8192)
+    max_graphs = _int(raw, "maxGraphs", 0, 1, MAX_GRAPHS_LIMIT) if "maxGraphs" in raw else 0
     budget = 0
     if raw.get("memoryBudget") not in (None, ""):
         try:

@@ -23,10 +23,11 @@ MAX_CAPTURE_SIZE_LIMIT = 8192
 #: Upper bound of the default maximum capture size (vLLM's choice).
 DEFAULT_MAX_CAPTURE_CEILING = 512
 MAX_EXPLICIT_SIZES = 256
-#: spec.maxGraphs and spec.idleReleaseSeconds bounds (the CRD's too).
-MAX_GRAPHS_LIMIT = 8192
-MAX_IDLE_RELEASE_SECONDS = 7 * 86400
 MAX_TENANTS = 256
+#: The most graphs a policy may cap a worker at (every size of the largest explicit list, both modes).
+MAX_GRAPHS_LIMIT = 2 * MAX_EXPLICIT_SIZES
+#: The longest idle-release time: 30 days (longer is never, which is 0).
+MAX_IDLE_RELEASE_SECONDS = 30 * 24 * 3600
 #: Kubernetes object UIDs are 36-character UUIDs; 128 bytes leaves room and nothing more.
 MAX_POLICY_UID_BYTES = 128
 #: ``namespace/name``: a namespace label (63) + ``/`` + an object name (253).
@@ -225,10 +226,11 @@ def validate_policy(
     _validate_sizes(policy.capture_sizes, max_num_batched_tokens)
     if policy.memory_budget_bytes < 0:
         raise PolicyError("memory_budget_bytes", f"must not be negative, got {policy.memory_budget_bytes}")
-    if policy.max_graphs < 0:
-        raise PolicyError("max_graphs", f"must not be negative, got {policy.max_graphs}")
-    if policy.idle_release_seconds < 0:
-        raise PolicyError("idle_release_seconds", f"must not be negative, got {policy.idle_release_seconds}")
+    if not 0 <= policy.max_graphs <= MAX_GRAPHS_LIMIT:
+        raise PolicyError("max_graphs", f"must be in [0, {MAX_GRAPHS_LIMIT}] (0: no limit), got {policy.max_graphs}")
+    if not 0 <= policy.idle_release_seconds <= MAX_IDLE_RELEASE_SECONDS:
+        raise PolicyError("idle_release_seconds", f"must be in [0, {MAX_IDLE_RELEASE_SECONDS}] (0: never), "
+                                                  f"got {policy.idle_release_seconds}")
     _validate_tenants(policy)
     if policy.default_tenant_graphs not in (pb.TENANT_GRAPHS_UNSPECIFIED, *TENANT_GRAPHS_BY_NAME.values()):
         raise PolicyError("default_tenant_graphs",
@@ -424,10 +426,10 @@ def _spec_field(field: str) -> str:
         "capture_sizes.max_capture_size": "spec.captureSizes.maxCaptureSize",
         "capture_sizes.ladder": "spec.captureSizes.ladder",
         "memory_budget_bytes": "spec.memoryBudget",
-        "tenants": "spec.tenants",
-        "mode": "spec.mode",
         "max_graphs": "spec.maxGraphs",
         "idle_release_seconds": "spec.idleReleaseSeconds",
+        "tenants": "spec.tenants",
+        "mode": "spec.mode",
     }
     for wire, crd in renames.items():
         if field.startswith(wire):

@@ -43,6 +43,7 @@ def spec_with(from_traffic: dict | None = None, **extra) -> dict:
     ({"mode": "Apply"}, "spec.captureSizes.fromTraffic"),
     ({"mode": "Apply", "memoryBudget": "1.1Gi"}, "spec.captureSizes.fromTraffic.memoryBudget"),
     ({"mode": "Apply", "maxGraphs": -1}, "spec.captureSizes.fromTraffic.maxGraphs"),
+    ({"mode": "Apply", "maxGraphs": 0}, "spec.captureSizes.fromTraffic.maxGraphs"),
     ({"mode": "Apply", "maxGraphs": 4, "minImprovementPercent": 101},
      "spec.captureSizes.fromTraffic.minImprovementPercent"),
     ({"mode": "Apply", "maxGraphs": 4, "minSteps": 0}, "spec.captureSizes.fromTraffic.minSteps"),
