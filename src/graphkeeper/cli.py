@@ -126,10 +126,10 @@ def _sweep(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("sweep", add_help=False,
                        help="the graph-economics sweep (bench/sweep.py of a checkout; --help for its flags)")
     p.add_argument("rest", nargs=argparse.REMAINDER)
-    p.set_defaults(func=_run_sweep)
+    p.set_defaults(func=lambda a: _run_sweep(a.rest))
 
 
-def _run_sweep(args: argparse.Namespace) -> int:
+def _run_sweep(rest: list[str]) -> int:
     """Runs ``bench/sweep.py`` of the checkout this package is installed from (the benchmarks are
     not part of the wheel: they drive workers from a source tree and write to bench/results/)."""
     from pathlib import Path
@@ -141,7 +141,7 @@ def _run_sweep(args: argparse.Namespace) -> int:
         return 2
     import runpy
 
-    sys.argv = [str(script), *args.rest]
+    sys.argv = [str(script), *rest]
     try:
         runpy.run_path(str(script), run_name="__main__")
     except SystemExit as done:
@@ -158,6 +158,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["sweep"]:  # every flag after it is the sweep's (argparse would claim --help and the like)
+        return _run_sweep(argv[1:])
     args = build_parser().parse_args(argv)
     return int(args.func(args) or 0)
 
