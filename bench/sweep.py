@@ -72,7 +72,8 @@ def load_profile(path: str) -> pb.StepHistogram | None:
     from google.protobuf import json_format
 
     data = json.loads(Path(path).read_text())
-    data = data.get("traffic", data)  # a whole GraphStatus (graphkeeper status --json) or the histogram
+    data = data.get("graphs", data)  # graphkeeper status --json: {"model": ..., "graphs": GraphStatus}
+    data = data.get("traffic", data)  # a whole GraphStatus, or the histogram itself
     return json_format.ParseDict(data, pb.StepHistogram(), ignore_unknown_fields=True)
 
 
