@@ -42,7 +42,7 @@ import kopf
 from graphkeeper.operator import metrics
 from graphkeeper.operator.kube import Kube, api_unreachable
 from graphkeeper.operator.outage import OUTAGE
-from graphkeeper.operator.render import build_status_patch
+from graphkeeper.operator.render import build_configmap, build_status_patch, configmap_differs
 from graphkeeper.operator.rollout import (
     RolloutPlan,
     RolloutWorker,
@@ -204,6 +204,8 @@ class PolicyLoop:
         self.applied: Applied = applied_from_status(ref.status)
         self.recommendation: dict[str, Any] | None = (ref.status or {}).get("recommendation")
         self.traffic_key: tuple | None = None
+        #: The applied set's sequence last written into the policy's ConfigMap (-1: not checked yet).
+        self.rendered_sequence = -1
         self._reconciler = reconciler
         self._woken = asyncio.Event()
         self._woken.set()
@@ -474,6 +476,9 @@ class Reconciler:
             outcome = RunOutcome([WorkerObservation(p.key, WorkerState.PENDING, "not pushed") for p in pods])
         else:
             outcome = await self._roll_out(loop, ref, pods, desired)
+            if loop.applied.sequence and loop.rendered_sequence != loop.applied.sequence:
+                await self._render(ref, desired_policy(ref, len(pods), loop.applied)[0])
+                loop.rendered_sequence = loop.applied.sequence
         await self._report(loop, ref, outcome, invalid)
         metrics.RECONCILE_SECONDS.observe(time.monotonic() - started)
         return self._next_delay(pods, outcome.observations, invalid)
@@ -541,6 +546,16 @@ class Reconciler:
         metrics.set_recommendation(ref.namespace, ref.name, recommended=new.coverage, current=current.coverage,
                                    graphs=new.graphs, memory_bytes=new.memory_bytes, steps=traffic.steps)
         return desired
+
+    async def _render(self, ref: PolicyRef, desired: Desired | None) -> None:
+        """Rewrites the ConfigMap worker pods boot from when the sizes applied from traffic changed,
+        so that a pod started later captures them before it is ready (and is not pushed again)."""
+        if desired is None:
+            return
+        body = build_configmap(ref, desired.wire)
+        current = await self.kube.read_configmap(ref.namespace, body["metadata"]["name"])
+        if configmap_differs(current, body):
+            await self.kube.write_configmap(body, exists=current is not None)
 
     def _claimed(self, ref: PolicyRef, pods: list[WorkerPod]) -> tuple[list[WorkerPod], list[WorkerObservation]]:
         """The pods this policy owns, and a CONFLICT observation for each that another policy

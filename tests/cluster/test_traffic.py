@@ -15,7 +15,9 @@ from pathlib import Path
 
 import pytest
 
+from graphkeeper.operator.naming import configmap_name
 from graphkeeper.operator.traffic import GENERATION_STRIDE
+from graphkeeper.proto.policy import policy_from_json
 
 from .conftest import Kubelet, Operator, Policies, StandIn, wait_until
 from .test_rollout import fleet, most_busy_at_once
@@ -78,6 +80,10 @@ def test_apply_rolls_out_within_max_unavailable_and_does_not_flap(running_operat
     assert obj["spec"]["captureSizes"] == spec("Apply", minIntervalSeconds=3600, minImprovementPercent=5)[
         "captureSizes"], "the user's spec is never edited"
     assert any(e["reason"] == "CaptureSizesApplied" for e in policies.events("app"))
+    # A pod that starts later boots with the applied sizes (the ConfigMap it mounts).
+    cm = policies.cluster.core.read_namespaced_config_map(configmap_name("app"), policies.namespace)
+    booted = policy_from_json(cm.data["policy.json"])
+    assert list(booted.capture_sizes.explicit.sizes) == [1, 8, 40] and booted.generation == wire
     # No interval, but no improvement either: the same traffic asks for the set in effect.
     policies.patch_spec("app", {"captureSizes": {"fromTraffic": {"minIntervalSeconds": 0}}})
     second = 2 * GENERATION_STRIDE + 1  # the spec's generation 2, the same applied set

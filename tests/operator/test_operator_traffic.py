@@ -21,7 +21,7 @@ from graphkeeper.operator.traffic import (
     from_traffic_settings,
 )
 from graphkeeper.proto import worker_pb2 as pb
-from graphkeeper.proto.policy import PolicyError, policy_from_spec, recapture_key
+from graphkeeper.proto.policy import PolicyError, policy_from_json, policy_from_spec, recapture_key
 from graphkeeper.proto.traffic_sizes import Traffic, evaluate_sizes
 
 SELECTOR = {"matchLabels": LABELS}
@@ -181,6 +181,10 @@ def test_apply_rolls_the_chosen_sizes_out_within_max_unavailable_and_does_not_fl
         assert effective["sizes"] == [1, 8, 40] and effective["sequence"] == 1
         assert {w["policyGeneration"] for w in fleet.kube.status["workers"]} == {1}  # the spec's, not the wire's
         assert any(reason == "CaptureSizesApplied" for _, reason, _ in fleet.kube.events)
+        # Pods that start later boot with the applied sizes (the ConfigMap), at the same generation.
+        (configmap,) = fleet.kube.configmaps.values()
+        booted = policy_from_json(configmap["data"]["policy.json"])
+        assert list(booted.capture_sizes.explicit.sizes) == [1, 8, 40] and booted.generation == wire_gen
         # New traffic after the adoption: the same set is recommended, nothing is applied again.
         await fleet.until("a fresh recommendation", lambda: "in effect" in
                           (fleet.kube.status.get("recommendation") or {}).get("message", ""), timeout=30)
