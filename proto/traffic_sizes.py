@@ -416,37 +416,45 @@ def choose_sizes(
             f"an estimated {smallest} bytes)"))
 
     # best[k][j, u]: least cost of serving buckets 0..j with k+1 sizes, the largest being cands[j],
-    # using exactly u budget units; parent[k][j, u] is the previous size's index (-1: none).
-    inf = math.inf
+    # using exactly u budget units; parent[k][j, u] is the previous size's index (-1: none). When
+    # the graph count does not bind (at most as many sizes as candidates), one layer holds every
+    # count: m relaxations instead of m per count.
+    single = max_sizes >= m
+    layers = 1 if single else max_sizes
     width = capacity + 1
-    best = np.full((max_sizes, m, width), inf)
-    parent = np.full((max_sizes, m, width), -1, dtype=np.int64)
+    best = np.full((layers, m, width), math.inf)
+    parent = np.full((layers, m, width), -1, dtype=np.int64)
     idx = np.arange(m)
     for j in range(m):
         if fits[j]:
             best[0, j, mem[j]] = rd[j] * cum_d[j + 1] + rm[j] * cum_m[j + 1]
-    for k in range(1, max_sizes):
-        for j in range(k, m):
-            if not fits[j]:
-                continue
-            # Bucket (i, j]: steps of buckets i+1..j replay at cands[j].
-            bucket = rd[j] * (cum_d[j + 1] - cum_d[1:j + 1]) + rm[j] * (cum_m[j + 1] - cum_m[1:j + 1])
-            cand = best[k - 1, :j, : width - mem[j]] + bucket[:, None]
-            arg = np.argmin(cand, axis=0)
-            val = cand[arg, np.arange(width - mem[j])]
-            best[k, j, mem[j]:] = val
-            parent[k, j, mem[j]:] = np.where(np.isfinite(val), idx[:j][arg], -1)
+
+    def relax(src: int, dst: int, j: int) -> None:
+        # Bucket (i, j]: steps of buckets i+1..j replay at cands[j], after a best set ending at i.
+        w = width - mem[j]
+        bucket = rd[j] * (cum_d[j + 1] - cum_d[1:j + 1]) + rm[j] * (cum_m[j + 1] - cum_m[1:j + 1])
+        cand = best[src, :j, :w] + bucket[:, None]
+        arg = np.argmin(cand, axis=0)
+        val = cand[arg, np.arange(w)]
+        cur = best[dst, j, mem[j]:]
+        better = val < cur
+        parent[dst, j, mem[j]:] = np.where(better, idx[:j][arg], parent[dst, j, mem[j]:])
+        best[dst, j, mem[j]:] = np.where(better, val, cur)
+
+    for k in range(0 if single else 1, layers):
+        for j in range(1 if single else k, m):
+            if fits[j]:
+                relax(k if single else k - 1, k, j)
     total = best + eager_above[1:][None, :, None]  # buckets above the largest size run eager
-    flat = int(np.argmin(total))
-    k, j, u = np.unravel_index(flat, total.shape)
+    k, j, u = np.unravel_index(int(np.argmin(total)), total.shape)
     chosen = []
     if total[k, j, u] <= eager_above[0]:
         while True:
             chosen.append(cands[j])
-            if k == 0:
-                break
             prev = int(parent[k, j, u])
-            u, j, k = u - mem[j], prev, k - 1
+            if prev < 0:
+                break
+            u, j, k = u - mem[j], prev, (k if single else k - 1)
     else:
         note = (note + "; " if note else "") + "no size set beats running every step eager"
     return evaluate_sizes(traffic, chosen, mode, model, grid=grid, note=note)
