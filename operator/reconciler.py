@@ -111,6 +111,10 @@ API_RETRY_SECONDS = 1.0
 MAX_RECAPTURE_KEYS = 64
 #: A settled worker whose pod did not change is read again after this many seconds.
 RESYNC_SECONDS = 60.0
+#: A recommendation from traffic is recomputed at most every this many reconcile intervals (30 s at
+#: the default 5 s) while only the traffic changes: each recomputation is a status write, and a
+#: large fleet's staggered reads would otherwise change the merged histogram every few seconds.
+RECOMMEND_EVERY_INTERVALS = 6
 
 _STATES = [str(s) for s in WorkerState]
 
@@ -204,6 +208,7 @@ class PolicyLoop:
         self.applied: Applied = applied_from_status(ref.status)
         self.recommendation: dict[str, Any] | None = (ref.status or {}).get("recommendation")
         self.traffic_key: tuple | None = None
+        self.recommended_at = -math.inf
         #: The applied set's sequence last written into the policy's ConfigMap (-1: not checked yet).
         self.rendered_sequence = -1
         self._reconciler = reconciler
@@ -518,9 +523,12 @@ class Reconciler:
                     if (t := self.tracks.get(p.uid)) is not None and t.status is not None and t.error is None]
         traffic = merge_histograms(histograms(statuses))
         key = (ref.generation, traffic.steps, traffic.workers, traffic.since, loop.applied)
-        if key == loop.traffic_key:
+        same_spec = loop.traffic_key is not None and (key[0], key[-1]) == (loop.traffic_key[0], loop.traffic_key[-1])
+        if key == loop.traffic_key or (
+                same_spec and time.monotonic() - loop.recommended_at < RECOMMEND_EVERY_INTERVALS * self.interval):
             return desired
         loop.traffic_key = key
+        loop.recommended_at = time.monotonic()
         if traffic.steps < settings.min_steps:
             loop.recommendation = waiting_status(loop.recommendation, traffic, settings)
             return desired

@@ -196,3 +196,17 @@ def test_apply_rolls_the_chosen_sizes_out_within_max_unavailable_and_does_not_fl
         assert fleet.kube.status["recommendation"]["sizes"] == [2, 16, 48]
         assert fleet.holding(wire_gen) == 4 and fleet.kube.status["effectiveCaptureSizes"]["sequence"] == 1
     run_fleet(scenario, 4, capture_seconds=0.2)
+
+
+def test_the_crd_checks_from_traffic_memory_budget_by_the_same_rules_as_memory_budget():
+    """One quantity rule (tests/memory_budget_cases.py holds spec.memoryBudget's to it on an API server)."""
+    from pathlib import Path
+
+    import yaml
+
+    crd = yaml.safe_load((Path(__file__).resolve().parents[2] / "deploy" / "crds" / "graphpolicy.yaml").read_text())
+    spec = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
+    top = spec["memoryBudget"]["x-kubernetes-validations"]
+    nested = spec["captureSizes"]["properties"]["fromTraffic"]["properties"]["memoryBudget"]["x-kubernetes-validations"]
+    assert [r["rule"] for r in nested] == [r["rule"] for r in top]
+    assert [" ".join(r["message"].split()) for r in nested] == [" ".join(r["message"].split()) for r in top]
