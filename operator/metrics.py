@@ -58,6 +58,44 @@ STATUS_WRITES = Counter(
     "GraphPolicy status patches (a reconcile that changes nothing writes nothing).",
 )
 
+#: Capture sizes from traffic (spec.captureSizes.fromTraffic), per policy: what the recommended set
+#: and the set in effect are expected to buy on the merged histogram, and what the recommended set costs.
+EXPECTED_COVERAGE = Gauge(
+    "graphkeeper_operator_expected_coverage_ratio",
+    "Expected share of eligible steps served by a graph on the merged traffic, for the recommended "
+    "sizes and the sizes in effect (sizes: recommended, current).",
+    ["namespace", "policy", "sizes"],
+)
+RECOMMENDED_GRAPHS = Gauge(
+    "graphkeeper_operator_recommended_graphs",
+    "Graphs the sizes recommended from traffic would capture.",
+    ["namespace", "policy"],
+)
+RECOMMENDED_MEMORY = Gauge(
+    "graphkeeper_operator_recommended_graph_memory_bytes",
+    "Estimated graph memory of the sizes recommended from traffic.",
+    ["namespace", "policy"],
+)
+TRAFFIC_STEPS = Gauge(
+    "graphkeeper_operator_traffic_steps",
+    "Steps in the merged step-shape histogram the recommendation was computed from.",
+    ["namespace", "policy"],
+)
+SIZE_APPLIES = Counter(
+    "graphkeeper_operator_capture_size_applies_total",
+    "Capture-size sets applied from traffic (fromTraffic mode Apply).",
+)
+COVERAGE_SIZES = ("recommended", "current")
+
+
+def set_recommendation(namespace: str, policy: str, *, recommended: float, current: float, graphs: int,
+                       memory_bytes: int, steps: int) -> None:
+    EXPECTED_COVERAGE.labels(namespace=namespace, policy=policy, sizes="recommended").set(recommended)
+    EXPECTED_COVERAGE.labels(namespace=namespace, policy=policy, sizes="current").set(current)
+    RECOMMENDED_GRAPHS.labels(namespace=namespace, policy=policy).set(graphs)
+    RECOMMENDED_MEMORY.labels(namespace=namespace, policy=policy).set(memory_bytes)
+    TRAFFIC_STEPS.labels(namespace=namespace, policy=policy).set(steps)
+
 
 def set_worker_states(
     namespace: str, policy: str, counts: dict[str, int], states: list[str]
@@ -70,6 +108,12 @@ def forget_policy(namespace: str, policy: str, states: list[str]) -> None:
     for state in states:
         with contextlib.suppress(KeyError):
             WORKERS.remove(namespace, policy, state)
+    for sizes in COVERAGE_SIZES:
+        with contextlib.suppress(KeyError):
+            EXPECTED_COVERAGE.remove(namespace, policy, sizes)
+    for gauge in (RECOMMENDED_GRAPHS, RECOMMENDED_MEMORY, TRAFFIC_STEPS):
+        with contextlib.suppress(KeyError):
+            gauge.remove(namespace, policy)
 
 
 async def serve(port: int, health: Callable[[], dict]) -> web.AppRunner:

@@ -13,6 +13,7 @@ import kopf
 
 from graphkeeper.operator.render import build_configmap, configmap_differs
 from graphkeeper.operator.selection import PolicyRef, policy_ref_from_body
+from graphkeeper.operator.traffic import applied_from_status, effective_policy, from_traffic_settings
 from graphkeeper.proto.policy import PolicyError, policy_from_spec
 
 
@@ -35,6 +36,9 @@ async def render_policy(body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, *
     ref = policy_ref_from_body(body)
     try:
         wire = policy_from_spec(ref.spec, uid=ref.uid, name=ref.key, generation=ref.generation)
+        # Sizes applied from traffic (kept in status) are what a booting worker must capture too.
+        wire = effective_policy(wire, from_traffic_settings(ref.spec), applied_from_status(ref.status),
+                                str(ref.spec.get("mode") or "FullAndPiecewise"))
     except PolicyError as err:
         logger.warning("not rendered: %s", err)
     else:

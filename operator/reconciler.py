@@ -42,7 +42,7 @@ import kopf
 from graphkeeper.operator import metrics
 from graphkeeper.operator.kube import Kube, api_unreachable
 from graphkeeper.operator.outage import OUTAGE
-from graphkeeper.operator.render import build_status_patch
+from graphkeeper.operator.render import build_configmap, build_status_patch, configmap_differs
 from graphkeeper.operator.rollout import (
     RolloutPlan,
     RolloutWorker,
@@ -71,9 +71,31 @@ from graphkeeper.operator.sync import (
     record_action,
     settle,
 )
+from graphkeeper.operator.traffic import (
+    Applied,
+    FromTraffic,
+    applied_from_status,
+    applied_status,
+    decide_apply,
+    effective_policy,
+    from_traffic_settings,
+    histograms,
+    in_effect,
+    max_capture_size,
+    recommendation_status,
+    sizes_in_effect,
+    waiting_status,
+)
 from graphkeeper.operator.workerclient import GraphControlClient, WorkerError
 from graphkeeper.proto import worker_pb2 as pb
-from graphkeeper.proto.policy import PolicyError, RecaptureKey, policy_from_spec, recapture_key
+from graphkeeper.proto.policy import (
+    MODE_BY_NAME,
+    PolicyError,
+    RecaptureKey,
+    policy_from_spec,
+    recapture_key,
+)
+from graphkeeper.proto.traffic_sizes import CostModel, choose_sizes, evaluate_sizes, measurements_from, merge_histograms
 
 logger = logging.getLogger("graphkeeper.operator")
 
@@ -89,6 +111,10 @@ API_RETRY_SECONDS = 1.0
 MAX_RECAPTURE_KEYS = 64
 #: A settled worker whose pod did not change is read again after this many seconds.
 RESYNC_SECONDS = 60.0
+#: A recommendation from traffic is recomputed at most every this many reconcile intervals (30 s at
+#: the default 5 s) while only the traffic changes: each recomputation is a status write, and a
+#: large fleet's staggered reads would otherwise change the merged histogram every few seconds.
+RECOMMEND_EVERY_INTERVALS = 6
 
 _STATES = [str(s) for s in WorkerState]
 
@@ -101,6 +127,9 @@ class Desired:
     max_unavailable: int
     #: Seconds a push or reload may take to settle before the worker counts as failed.
     deadline: float
+    #: ``spec.captureSizes.fromTraffic``, and the wire policy as the spec alone says it.
+    traffic: FromTraffic | None = None
+    spec_wire: pb.GraphPolicy | None = None
 
 
 @dataclass
@@ -113,20 +142,27 @@ class RunOutcome:
     fired: dict[str, list[str]] = field(default_factory=lambda: {PUSH: [], RELOAD: []})
 
 
-def desired_policy(ref: PolicyRef, total: int) -> tuple[Desired | None, str | None]:
+def desired_policy(ref: PolicyRef, total: int, applied: Applied | None = None) -> tuple[Desired | None, str | None]:
     """The policy to roll out to ``total`` selected workers, or why there is none (pure): the
-    operator checks the spec again, so one that slipped past the CRD is reported, not pushed."""
+    operator checks the spec again, so one that slipped past the CRD is reported, not pushed.
+    ``applied``: the sizes chosen from traffic and applied (``traffic.effective_policy``)."""
     invalid = selector_error(ref.spec.get("selector"))
     if invalid is not None:
         return None, invalid
     try:
-        wire = policy_from_spec(ref.spec, uid=ref.uid, name=ref.key, generation=ref.generation)
+        spec_wire = policy_from_spec(ref.spec, uid=ref.uid, name=ref.key, generation=ref.generation)
+        settings = from_traffic_settings(ref.spec)
         max_unavailable, deadline = rollout_settings(ref.spec, total)
     except PolicyError as err:
         return None, f"{err.field}: {err.message}"
     except ValueError as err:
         return None, f"spec.rollout: {err}"
-    return Desired(wire, max_unavailable, deadline), None
+    wire = effective_policy(spec_wire, settings, applied or Applied(), _spec_mode(ref))
+    return Desired(wire, max_unavailable, deadline, settings, spec_wire), None
+
+
+def _spec_mode(ref: PolicyRef) -> str:
+    return str(ref.spec.get("mode") or "FullAndPiecewise")
 
 
 def holding_slots(departed: dict[str, tuple[float, frozenset[str]]],
@@ -167,6 +203,14 @@ class PolicyLoop:
         #: (the process may still be recapturing) until a replacement is READY or the progress
         #: deadline passes.
         self.departed: dict[str, tuple[float, frozenset[str]]] = {}
+        #: Capture sizes from traffic: the set applied last (read back from status, so a restarted
+        #: operator keeps it), the last recommendation, and what it was computed from.
+        self.applied: Applied = applied_from_status(ref.status)
+        self.recommendation: dict[str, Any] | None = (ref.status or {}).get("recommendation")
+        self.traffic_key: tuple | None = None
+        self.recommended_at = -math.inf
+        #: The applied set's sequence last written into the policy's ConfigMap (-1: not checked yet).
+        self.rendered_sequence = -1
         self._reconciler = reconciler
         self._woken = asyncio.Event()
         self._woken.set()
@@ -432,11 +476,14 @@ class Reconciler:
         pods = selected_workers(ref, self.pods.get(ref.namespace, ()))
         loop.seen_pods = {p.uid for p in pods}
         loop.seen_targets = {p.control_target for p in pods if p.address}
-        desired, invalid = desired_policy(ref, len(pods))
+        desired, invalid = desired_policy(ref, len(pods), loop.applied)
         if desired is None:
             outcome = RunOutcome([WorkerObservation(p.key, WorkerState.PENDING, "not pushed") for p in pods])
         else:
             outcome = await self._roll_out(loop, ref, pods, desired)
+            if loop.applied.sequence and loop.rendered_sequence != loop.applied.sequence:
+                await self._render(ref, desired_policy(ref, len(pods), loop.applied)[0])
+                loop.rendered_sequence = loop.applied.sequence
         await self._report(loop, ref, outcome, invalid)
         metrics.RECONCILE_SECONDS.observe(time.monotonic() - started)
         return self._next_delay(pods, outcome.observations, invalid)
@@ -450,6 +497,8 @@ class Reconciler:
         # From here to the hand-out nothing awaits: who owns each worker, what it lacks and what
         # is pushed to it come from one snapshot, the same one every other loop sees.
         mine, observations = self._claimed(ref, pods)
+        if desired.traffic is not None:
+            desired = self._from_traffic(loop, ref, mine, desired)
         worker_observations, views = self._classify(ref, mine, desired)
         observations += worker_observations
         departed = holding_slots(loop.departed, views, time.monotonic(), desired.deadline)
@@ -462,6 +511,59 @@ class Reconciler:
         updated = sum(1 for o in observations if o.state == WorkerState.CAPTURED)
         rollout = rollout_status(plan, updated=updated, total=len(mine))
         return RunOutcome(observations, plan, rollout, fired)
+
+    def _from_traffic(self, loop: PolicyLoop, ref: PolicyRef, mine: list[WorkerPod],
+                      desired: Desired) -> Desired:
+        """Merges the owned workers' step histograms (this run's snapshot), recommends sizes, and in
+        Apply mode makes them effective when ``decide_apply`` allows; returns the policy to push.
+        Recomputed only when the merged histogram or the spec changed."""
+        settings, spec_wire = desired.traffic, desired.spec_wire
+        assert settings is not None and spec_wire is not None
+        statuses = [t.status for p in mine
+                    if (t := self.tracks.get(p.uid)) is not None and t.status is not None and t.error is None]
+        traffic = merge_histograms(histograms(statuses))
+        key = (ref.generation, traffic.steps, traffic.workers, traffic.since, loop.applied)
+        same_spec = loop.traffic_key is not None and (key[0], key[-1]) == (loop.traffic_key[0], loop.traffic_key[-1])
+        if key == loop.traffic_key or (
+                same_spec and time.monotonic() - loop.recommended_at < RECOMMEND_EVERY_INTERVALS * self.interval):
+            return desired
+        loop.traffic_key = key
+        loop.recommended_at = time.monotonic()
+        if traffic.steps < settings.min_steps:
+            loop.recommendation = waiting_status(loop.recommendation, traffic, settings)
+            return desired
+        mode = MODE_BY_NAME[_spec_mode(ref)]
+        model = CostModel(mode, measurements_from(c for s in statuses for c in s.captured))
+        top = max_capture_size(spec_wire)
+        new = choose_sizes(traffic, mode=mode, max_capture_size=top, max_graphs=settings.max_graphs,
+                           memory_budget_bytes=settings.memory_budget_bytes, model=model)
+        current = evaluate_sizes(traffic, sizes_in_effect(desired.wire), mode, model)
+        now = time.time()
+        apply, why = decide_apply(settings, loop.applied, now, current, new)
+        if apply:
+            loop.applied = Applied(new.sizes, loop.applied.sequence + 1, now, _spec_mode(ref))
+            loop.traffic_key = (*key[:-1], loop.applied)
+            wire = effective_policy(spec_wire, settings, loop.applied, _spec_mode(ref))
+            desired = replace(desired, wire=wire)
+            self._remember_recapture_key(wire)
+            metrics.SIZE_APPLIES.inc()
+            self._event(ref.body(), "Normal", "CaptureSizesApplied",
+                        f"sizes {list(new.sizes)} from {traffic.steps} steps of {traffic.workers} worker(s), "
+                        f"expected coverage {new.coverage:.1%}: {why}")
+        loop.recommendation = recommendation_status(new, current, traffic, now, why)
+        metrics.set_recommendation(ref.namespace, ref.name, recommended=new.coverage, current=current.coverage,
+                                   graphs=new.graphs, memory_bytes=new.memory_bytes, steps=traffic.steps)
+        return desired
+
+    async def _render(self, ref: PolicyRef, desired: Desired | None) -> None:
+        """Rewrites the ConfigMap worker pods boot from when the sizes applied from traffic changed,
+        so that a pod started later captures them before it is ready (and is not pushed again)."""
+        if desired is None:
+            return
+        body = build_configmap(ref, desired.wire)
+        current = await self.kube.read_configmap(ref.namespace, body["metadata"]["name"])
+        if configmap_differs(current, body):
+            await self.kube.write_configmap(body, exists=current is not None)
 
     def _claimed(self, ref: PolicyRef, pods: list[WorkerPod]) -> tuple[list[WorkerPod], list[WorkerObservation]]:
         """The pods this policy owns, and a CONFLICT observation for each that another policy
@@ -574,6 +676,13 @@ class Reconciler:
         status = build_status(generation=ref.generation, observations=observations,
                               previous=previous, now=datetime.now(UTC), invalid=invalid,
                               rollout=rollout)
+        desired_traffic = from_traffic_or_none(ref)
+        if loop.recommendation and desired_traffic is not None:
+            status["recommendation"] = loop.recommendation
+        effective = applied_status(loop.applied)
+        if effective is not None:
+            effective["inEffect"] = in_effect(desired_traffic, loop.applied, _spec_mode(ref))
+            status["effectiveCaptureSizes"] = effective
         if status == previous:
             return
         await self.kube.patch_policy_status(ref.namespace, ref.name,
@@ -627,6 +736,13 @@ class Reconciler:
     def _live_targets(self) -> set[str]:
         return {t for pods in self.pods.values() for p in pods if p.running
                 for t in (p.control_target, p.target)}
+
+
+def from_traffic_or_none(ref: PolicyRef) -> FromTraffic | None:
+    try:
+        return from_traffic_settings(ref.spec)
+    except PolicyError:
+        return None
 
 
 def _names(names: list[str]) -> str:

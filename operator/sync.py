@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, replace
 from graphkeeper.operator.rollout import RolloutWorker
 from graphkeeper.operator.selection import WorkerPod
 from graphkeeper.operator.status import WorkerObservation, WorkerState
+from graphkeeper.operator.traffic import spec_generation
 from graphkeeper.operator.workerclient import ErrorKind, WorkerError
 from graphkeeper.proto import worker_pb2 as pb
 from graphkeeper.proto.policy import MODE_BY_NAME, lifecycle_name
@@ -141,7 +142,8 @@ def observe(pod: WorkerPod, status: pb.GraphStatus, policy: pb.GraphPolicy,
         state=state,
         message=message,
         lifecycle=lifecycle_name(status.state),
-        policy_generation=status.policy_generation if status.policy_uid == policy.policy_uid else 0,
+        policy_generation=(spec_generation(status.policy_generation)
+                           if status.policy_uid == policy.policy_uid else 0),
         model_revision=status.model_revision,
         effective_mode=_MODE_NAME.get(status.effective_mode, ""),
         captured_sizes=tuple(sorted({c.size for c in status.captured})),

@@ -378,6 +378,8 @@ def policy_from_spec(
             policy.memory_budget_bytes = parse_quantity(spec["memoryBudget"])
         except PolicyError as err:
             raise PolicyError("spec.memoryBudget", err.message) from None
+    policy.max_graphs = _spec_int(spec, "maxGraphs", MAX_GRAPHS_LIMIT)
+    policy.idle_release_seconds = _spec_int(spec, "idleReleaseSeconds", MAX_IDLE_RELEASE_SECONDS)
     default = spec.get("defaultTenantGraphs", "Enabled")
     if default not in TENANT_GRAPHS_BY_NAME:
         raise PolicyError("spec.defaultTenantGraphs", f"{default!r} is not Enabled or Disabled")
@@ -392,6 +394,16 @@ def policy_from_spec(
     except PolicyError as err:
         raise PolicyError(_spec_field(err.field), err.message) from None
     return policy
+
+
+def _spec_int(spec: Mapping[str, Any], key: str, high: int) -> int:
+    """An optional non-negative integer field of the spec (0 when omitted)."""
+    value = spec.get(key, 0)
+    if value is None:
+        return 0
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= high:
+        raise PolicyError(f"spec.{key}", f"must be an integer from 0 to {high}, got {clipped_repr(str(value))}")
+    return value
 
 
 def _sizes_from_spec(spec: Mapping[str, Any], out: pb.CaptureSizes) -> None:

@@ -113,7 +113,8 @@ def _worker_series() -> dict[str, Series]:
 
 def _operator_series() -> dict[str, Series]:
     metrics = [v for v in vars(operator_metrics).values() if isinstance(v, MetricWrapperBase)]
-    values = {("graphkeeper_operator_workers", "state"): tuple(str(s) for s in WorkerState)}
+    values = {("graphkeeper_operator_workers", "state"): tuple(str(s) for s in WorkerState),
+              ("graphkeeper_operator_expected_coverage_ratio", "sizes"): operator_metrics.COVERAGE_SIZES}
     return _export(metrics, values)
 
 

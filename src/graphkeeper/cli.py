@@ -132,15 +132,45 @@ def _operator(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=lambda a: __import__("graphkeeper.operator.main", fromlist=["run"]).run(a))
 
 
+def _sweep(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("sweep", add_help=False,
+                       help="the graph-economics sweep (bench/sweep.py of a checkout; --help for its flags)")
+    p.add_argument("rest", nargs=argparse.REMAINDER)
+    p.set_defaults(func=lambda a: _run_sweep(a.rest))
+
+
+def _run_sweep(rest: list[str]) -> int:
+    """Runs ``bench/sweep.py`` of the checkout this package is installed from (the benchmarks are
+    not part of the wheel: they drive workers from a source tree and write to bench/results/)."""
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "bench" / "sweep.py"
+    if not script.exists():
+        print(f"graphkeeper sweep: {script} not found: the sweep runs from a source checkout "
+              "(pip install -e .)", file=sys.stderr)
+        return 2
+    import runpy
+
+    sys.argv = [str(script), *rest]
+    try:
+        runpy.run_path(str(script), run_name="__main__")
+    except SystemExit as done:
+        return int(done.code or 0) if not isinstance(done.code, str) else 2
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="graphkeeper", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    for add in (_worker, _generate, _status, _graphs, _operator):
+    for add in (_worker, _generate, _status, _graphs, _operator, _sweep):
         add(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["sweep"]:  # every flag after it is the sweep's (argparse would claim --help and the like)
+        return _run_sweep(argv[1:])
     args = build_parser().parse_args(argv)
     return int(args.func(args) or 0)
 

@@ -226,6 +226,10 @@ class StandIn:
     capture_seconds: float = 0.0
     load_seconds: float = 0.0
     fail_sizes: tuple[int, ...] = ()
+    #: Simulated traffic (``8:decode:100,40:mixed:5``, steps per second) and a file of the same
+    #: form that the stand-in reads again when it changes.
+    traffic: str = ""
+    traffic_file: str = ""
 
 
 @dataclass
@@ -266,7 +270,8 @@ class Kubelet:
                     "--capture-seconds", str(standin.capture_seconds),
                     "--load-seconds", str(standin.load_seconds),
                     "--fail-sizes", ",".join(map(str, standin.fail_sizes)),
-                    "--lifecycle-log", str(lifecycle), *token_args]
+                    "--lifecycle-log", str(lifecycle), "--traffic", standin.traffic,
+                    "--traffic-file", standin.traffic_file, *token_args]
         else:
             args = [sys.executable, "-m", "graphkeeper.cli", "worker", "--model", "random:tiny",
                     "--host", "127.0.0.1", "--port", str(port), "--metrics-port",

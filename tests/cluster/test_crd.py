@@ -78,6 +78,25 @@ INVALID = {
     "zero progress deadline": (
         {"selector": SELECTOR, "rollout": {"progressDeadlineSeconds": 0}},
         "should be greater than or equal to 1"),
+    "fromTraffic without a bound": (
+        {"selector": SELECTOR, "captureSizes": {"fromTraffic": {"mode": "Apply"}}},
+        "fromTraffic needs maxGraphs or memoryBudget"),
+    "fromTraffic unknown mode": (
+        {"selector": SELECTOR, "captureSizes": {"fromTraffic": {"mode": "Sometimes", "maxGraphs": 8}}},
+        "Unsupported value: \"Sometimes\""),
+    "fromTraffic zero maxGraphs": (
+        {"selector": SELECTOR, "captureSizes": {"fromTraffic": {"mode": "Apply", "maxGraphs": 0}}},
+        "should be greater than or equal to 1"),
+    "fromTraffic budget not whole bytes": (
+        {"selector": SELECTOR, "captureSizes": {"fromTraffic": {"mode": "Apply", "memoryBudget": "1.1Gi"}}},
+        "spec.captureSizes.fromTraffic.memoryBudget"),
+    "fromTraffic improvement above 100": (
+        {"selector": SELECTOR,
+         "captureSizes": {"fromTraffic": {"mode": "Apply", "maxGraphs": 8, "minImprovementPercent": 150}}},
+        "should be less than or equal to 100"),
+    "negative maxGraphs": ({"selector": SELECTOR, "maxGraphs": -1}, "should be greater than or equal to 0"),
+    "idleReleaseSeconds as a duration string": ({"selector": SELECTOR, "idleReleaseSeconds": "5m"},
+                                                "spec.idleReleaseSeconds: Invalid value"),
     "unknown revision policy": ({"selector": SELECTOR, "onModelRevisionChange": "Sometimes"},
                                 "Unsupported value: \"Sometimes\""),
 }
@@ -106,7 +125,12 @@ def test_a_valid_policy_gets_its_defaults(policies: Policies):
             policies.create("decimal", {"selector": SELECTOR, "memoryBudget": "1G"}),
             policies.create("count", {"selector": SELECTOR, "rollout": {"maxUnavailable": 3}}),
             policies.create("percent", {"selector": SELECTOR,
-                                        "rollout": {"maxUnavailable": "100%"}})]
+                                        "rollout": {"maxUnavailable": "100%"}}),
+            policies.create("traffic", {"selector": SELECTOR, "maxGraphs": 16, "idleReleaseSeconds": 600,
+                                        "captureSizes": {"fromTraffic": {"mode": "Recommend",
+                                                                         "memoryBudget": "256Mi"}}})]
+    traffic = more[-1]["spec"]["captureSizes"]["fromTraffic"]
+    assert (traffic["minIntervalSeconds"], traffic["minImprovementPercent"], traffic["minSteps"]) == (600, 5, 1000)
     for accepted in [obj, *more]:  # what admission accepts, the operator accepts too
         policy_from_spec(accepted["spec"], uid="u", name="ns/p", generation=1)
 

@@ -46,6 +46,45 @@ class FakeWorkerState:
     #: (unix time, lifecycle state name) at each change: the stand-in's own lifecycle report.
     transitions: list = field(default_factory=list)
     on_transition: Callable[[float, str], None] | None = None
+    #: Simulated traffic: (real tokens, uniform decode, steps per second). The reported histogram
+    #: holds rate x seconds since the last adoption (a worker resets its histogram on adoption).
+    traffic: list[tuple[int, bool, float]] = field(default_factory=list)
+    #: A file in ``parse_traffic``'s format, read again when it changes (tests change traffic).
+    traffic_file: str = ""
+    traffic_since: float = field(default_factory=time.time)
+    #: Device bytes each captured graph reports (CapturedSize.device_bytes).
+    graph_bytes: int = 4 * 2**20
+    _traffic_mtime: float = 0.0
+
+    def histogram(self, now: float | None = None) -> pb.StepHistogram:
+        """The traffic since the last adoption, as a worker reports it."""
+        if self.traffic_file:
+            from pathlib import Path
+
+            path = Path(self.traffic_file)
+            if path.exists() and path.stat().st_mtime != self._traffic_mtime:
+                self._traffic_mtime = path.stat().st_mtime
+                self.traffic = parse_traffic(path.read_text())
+        elapsed = max(0.0, (now or time.time()) - self.traffic_since)
+        out = pb.StepHistogram(since_unix_seconds=self.traffic_since,
+                               policy_uid=self.policy.policy_uid if self.policy else "",
+                               policy_generation=self.policy.generation if self.policy else 0)
+        for tokens, decode, rate in self.traffic:
+            steps = int(rate * elapsed)
+            if steps:
+                out.shapes.add(num_tokens=tokens, num_seqs=tokens if decode else 1, uniform_decode=decode,
+                               steps=steps)
+                out.steps += steps
+        return out
+
+    def captured(self) -> list[pb.CapturedSize]:
+        """One graph per explicit size of the adopted policy (the light stand-in captures nothing)."""
+        if self.policy is None:
+            return []
+        mode = pb.GRAPH_MODE_FULL if self.policy.mode in (pb.GRAPH_MODE_FULL, pb.GRAPH_MODE_FULL_DECODE_ONLY) \
+            else pb.GRAPH_MODE_PIECEWISE
+        return [pb.CapturedSize(size=s, mode=mode, device_bytes=self.graph_bytes, capture_seconds=0.01)
+                for s in sorted(set(self.policy.capture_sizes.explicit.sizes) - self.fail_sizes)]
 
     def set_state(self, state: int) -> None:
         if state == self.state:
@@ -81,6 +120,7 @@ class FakeGraphControl(pb_grpc.GraphControlServicer, pb_grpc.InferenceWorkerServ
     def _adopt(self, policy: pb.GraphPolicy) -> None:
         self.state.policy = policy
         self.state.pending_policy = None
+        self.state.traffic_since = time.time()
         sizes = set(policy.capture_sizes.explicit.sizes)
         failed = sorted(sizes & self.state.fail_sizes)
         self.state.skipped = [pb.SkippedSize(size=s, reason=pb.FALLBACK_REASON_SIZE_CAPTURE_FAILED,
@@ -140,6 +180,8 @@ class FakeGraphControl(pb_grpc.GraphControlServicer, pb_grpc.InferenceWorkerServ
             pending_model_revision=self.state.pending_revision,
             skipped=self.state.skipped,
             last_error=self.state.last_error,
+            traffic=self.state.histogram(),
+            captured=self.state.captured(),
         )
 
     async def LoadModelRevision(self, request, context):  # noqa: N802
@@ -206,6 +248,19 @@ class FakeWorkerServer:
             await self._control.stop(grace=None)
 
 
+def parse_traffic(text: str) -> list[tuple[int, bool, float]]:
+    """``8:decode:100,40:mixed:5``: steps per second of each (real tokens, kind)."""
+    out = []
+    for item in text.replace("\n", ",").split(","):
+        if not item.strip():
+            continue
+        tokens, kind, rate = item.strip().split(":")
+        if kind not in ("decode", "mixed"):
+            raise ValueError(f"traffic kind must be decode or mixed, got {kind!r}")
+        out.append((int(tokens), kind == "decode", float(rate)))
+    return out
+
+
 async def serve_forever(args) -> None:
     """A fake worker process: GraphControl (on --control-port when given), GetModelInfo and
     gRPC health (SERVING at once) on --port. Lifecycle changes are appended to
@@ -223,7 +278,7 @@ async def serve_forever(args) -> None:
         max_num_batched_tokens=args.max_num_batched_tokens, model_revision=args.model_revision,
         policy=policy, capture_seconds=args.capture_seconds, load_seconds=args.load_seconds,
         fail_sizes=frozenset(int(s) for s in args.fail_sizes.split(",") if s.strip()),
-        token=token,
+        token=token, traffic=parse_traffic(args.traffic), traffic_file=args.traffic_file,
         on_transition=(lambda t, name: log.write(f"{t:.6f} {name}\n")) if log else None)
     server = FakeWorkerServer(state, port=args.port, separate_control=bool(args.control_port),
                               control_port=args.control_port)
@@ -249,6 +304,8 @@ def main() -> None:
     parser.add_argument("--load-seconds", type=float, default=0.0)
     parser.add_argument("--fail-sizes", default="")
     parser.add_argument("--lifecycle-log", default="")
+    parser.add_argument("--traffic", default="", help="steps per second, e.g. 8:decode:100,40:mixed:5")
+    parser.add_argument("--traffic-file", default="", help="the same, read again when it changes")
     asyncio.run(serve_forever(parser.parse_args()))
 
 

@@ -29,6 +29,7 @@ class Recorder:
     def __init__(self) -> None:
         self.status: dict[str, Any] = {}
         self.events: list[tuple[str, str, str]] = []
+        self.configmaps: dict[tuple[str, str], dict[str, Any]] = {}
 
     async def patch_policy_status(self, namespace, name, patch):
         for key, value in patch["status"].items():
@@ -36,6 +37,12 @@ class Recorder:
                 self.status.pop(key, None)
             else:
                 self.status[key] = value
+
+    async def read_configmap(self, namespace, name):
+        return self.configmaps.get((namespace, name))
+
+    async def write_configmap(self, body, exists):
+        self.configmaps[(body["metadata"]["namespace"], body["metadata"]["name"])] = body
 
     def post_event(self, body, type, reason, message):  # noqa: A002 (kopf's keyword)
         self.events.append((type, reason, message))

@@ -1,0 +1,266 @@
+"""Capture sizes from the fleet's traffic: the spec, the apply decision and the status, all pure.
+
+A GraphPolicy with ``spec.captureSizes.fromTraffic`` asks the operator to merge the step-shape
+histograms its workers report (``GraphStatus.traffic``), choose sizes with
+``graphkeeper.proto.traffic_sizes.choose_sizes`` within ``maxGraphs`` and/or ``memoryBudget``,
+and write the recommendation into ``status.recommendation``. In ``Apply`` mode the operator also
+makes the chosen sizes the effective explicit sizes pushed to workers, through the ordinary
+rollout (``maxUnavailable``), without editing the user's spec: the effective set lives in
+``status.effectiveCaptureSizes``.
+
+Workers adopt a policy once per (uid, generation), so a new set at the same ``metadata.generation``
+needs a new wire generation: once a set was applied the wire generation is
+``metadata.generation * GENERATION_STRIDE + sequence`` (the sequence counts applied sets), which
+only ever grows, across spec edits too.
+
+No flapping (``decide_apply``): a new set is applied only ``minIntervalSeconds`` after the last
+one, and only when it lowers the expected step time by ``minImprovementPercent``, unless the sizes
+in effect break the policy's own limits (the first apply from a 62-graph default ladder under
+``maxGraphs: 8`` costs more step time and saves the memory: that is what was asked for).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from graphkeeper.proto import worker_pb2 as pb
+from graphkeeper.proto.policy import (
+    DEFAULT_MAX_CAPTURE_CEILING,
+    MAX_GRAPHS_LIMIT,
+    PolicyError,
+    default_ladder,
+    interactivity_ladder,
+    parse_quantity,
+)
+from graphkeeper.proto.traffic_sizes import SizeChoice, Traffic
+
+FIELD = "spec.captureSizes.fromTraffic"
+RECOMMEND, APPLY = "Recommend", "Apply"
+DEFAULT_MIN_INTERVAL_SECONDS = 600
+DEFAULT_MIN_IMPROVEMENT_PERCENT = 5
+DEFAULT_MIN_STEPS = 1000
+#: Applied sets per spec generation the wire generation can tell apart (about a million).
+GENERATION_STRIDE = 2**20
+MAX_REASONS = 64
+
+
+@dataclass(frozen=True)
+class FromTraffic:
+    """``spec.captureSizes.fromTraffic``, validated."""
+
+    mode: str
+    max_graphs: int = 0
+    memory_budget_bytes: int = 0
+    min_interval_seconds: int = DEFAULT_MIN_INTERVAL_SECONDS
+    min_improvement: float = DEFAULT_MIN_IMPROVEMENT_PERCENT / 100
+    min_steps: int = DEFAULT_MIN_STEPS
+
+
+def _int(spec: Mapping[str, Any], key: str, default: int, low: int, high: int) -> int:
+    value = spec.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise PolicyError(f"{FIELD}.{key}", f"must be an integer from {low} to {high}, got {value!r}")
+    return value
+
+
+def from_traffic_settings(spec: Mapping[str, Any]) -> FromTraffic | None:
+    """The policy's ``fromTraffic`` settings, or None; raises PolicyError naming the field (the
+    CRD refuses the same specs at admission)."""
+    raw = (spec.get("captureSizes") or {}).get("fromTraffic")
+    if raw is None:
+        return None
+    if not isinstance(raw, Mapping):
+        raise PolicyError(FIELD, "must be an object")
+    mode = raw.get("mode")
+    if mode not in (RECOMMEND, APPLY):
+        raise PolicyError(f"{FIELD}.mode", f"must be Recommend or Apply, got {mode!r}")
+    if spec.get("mode") == "None":
+        raise PolicyError(FIELD, "mode None captures no graphs; leave fromTraffic out")
+    max_graphs = _int(raw, "maxGraphs", 0, 1, MAX_GRAPHS_LIMIT) if "maxGraphs" in raw else 0
+    budget = 0
+    if raw.get("memoryBudget") not in (None, ""):
+        try:
+            budget = parse_quantity(raw["memoryBudget"], f"{FIELD}.memoryBudget")
+        except PolicyError as err:
+            raise PolicyError(err.field, err.message) from None
+    if not max_graphs and not budget:
+        raise PolicyError(FIELD, "needs maxGraphs or memoryBudget: a bound on what the chosen sizes may cost")
+    return FromTraffic(
+        mode=mode, max_graphs=max_graphs, memory_budget_bytes=budget,
+        min_interval_seconds=_int(raw, "minIntervalSeconds", DEFAULT_MIN_INTERVAL_SECONDS, 0, 7 * 86400),
+        min_improvement=_int(raw, "minImprovementPercent", DEFAULT_MIN_IMPROVEMENT_PERCENT, 0, 100) / 100,
+        min_steps=_int(raw, "minSteps", DEFAULT_MIN_STEPS, 1, 2**62))
+
+
+# --- the applied set -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Applied:
+    """The set the operator applied last (``status.effectiveCaptureSizes``); sequence 0: none yet."""
+
+    sizes: tuple[int, ...] = ()
+    sequence: int = 0
+    applied_at: float = 0.0
+    #: The spec's graph mode the set was chosen for: a set chosen for one mode is not kept for another.
+    mode: str = ""
+
+
+def applied_from_status(status: Mapping[str, Any] | None) -> Applied:
+    """What a previous run (or a previous operator) applied, read back from the policy's status."""
+    raw = (status or {}).get("effectiveCaptureSizes") or {}
+    try:
+        stamp = raw.get("appliedTime")
+        applied_at = datetime.strptime(stamp, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=UTC).timestamp() if stamp else 0.0
+        return Applied(tuple(int(s) for s in raw.get("sizes") or ()), int(raw.get("sequence") or 0), applied_at,
+                       str(raw.get("mode") or ""))
+    except (TypeError, ValueError):
+        return Applied()
+
+
+def applied_status(applied: Applied) -> dict[str, Any] | None:
+    if applied.sequence == 0:
+        return None
+    return {"sizes": list(applied.sizes), "sequence": applied.sequence, "mode": applied.mode,
+            "appliedTime": _stamp(applied.applied_at)}
+
+
+def wire_generation(generation: int, applied: Applied) -> int:
+    """The generation pushed to workers: the spec's until a set is applied, then one that grows
+    with every applied set and every spec edit."""
+    return generation if applied.sequence == 0 else generation * GENERATION_STRIDE + applied.sequence
+
+
+def spec_generation(wire: int) -> int:
+    """The ``metadata.generation`` a wire generation was built from (what status shows people)."""
+    return wire // GENERATION_STRIDE if wire >= GENERATION_STRIDE else wire
+
+
+def in_effect(settings: FromTraffic | None, applied: Applied, spec_mode: str) -> bool:
+    """Whether the applied sizes replace the spec's in what workers are told."""
+    return (settings is not None and settings.mode == APPLY and bool(applied.sizes)
+            and applied.mode == spec_mode)
+
+
+def effective_policy(wire: pb.GraphPolicy, settings: FromTraffic | None, applied: Applied,
+                     spec_mode: str) -> pb.GraphPolicy:
+    """``wire`` (from the spec) with the applied sizes and wire generation (a new message)."""
+    out = pb.GraphPolicy()
+    out.CopyFrom(wire)
+    out.generation = wire_generation(wire.generation, applied)
+    if in_effect(settings, applied, spec_mode):
+        out.capture_sizes.Clear()  # no maxCaptureSize: it would be captured on top of the chosen sizes
+        out.capture_sizes.explicit.sizes.extend(applied.sizes)
+    return out
+
+
+def max_capture_size(spec_wire: pb.GraphPolicy) -> int:
+    """The largest size a chosen set may hold: the spec's maxCaptureSize, else the default ceiling
+    (a worker's own token budget per step bounds the traffic it reports anyway)."""
+    return spec_wire.capture_sizes.max_capture_size or DEFAULT_MAX_CAPTURE_CEILING
+
+
+def sizes_in_effect(wire: pb.GraphPolicy) -> list[int]:
+    """The sizes ``wire`` asks for, as far as the operator can resolve them without a worker's
+    limits (a ladder runs to maxCaptureSize or the default ceiling)."""
+    sizes = wire.capture_sizes
+    if sizes.WhichOneof("sizes") == "explicit":
+        extra = [sizes.max_capture_size] if sizes.max_capture_size else []
+        return sorted(set(sizes.explicit.sizes) | set(extra))
+    top = max_capture_size(wire)
+    if sizes.WhichOneof("sizes") == "ladder" and sizes.ladder == pb.CAPTURE_LADDER_INTERACTIVITY:
+        return interactivity_ladder(top)
+    return default_ladder(top)
+
+
+# --- the decision --------------------------------------------------------------------------------
+
+
+def improvement(current: SizeChoice, new: SizeChoice) -> float:
+    """How much lower ``new``'s expected step time is than ``current``'s (a fraction; negative: higher)."""
+    return (current.cost - new.cost) / current.cost if current.cost > 0 else 0.0
+
+
+def over_limits(choice: SizeChoice, settings: FromTraffic) -> str:
+    """Why a set breaks the policy's own limits ("" when it does not)."""
+    if settings.max_graphs and choice.graphs > settings.max_graphs:
+        return f"{choice.graphs} graphs, over maxGraphs {settings.max_graphs}"
+    if settings.memory_budget_bytes and choice.memory_bytes > settings.memory_budget_bytes:
+        return (f"an estimated {choice.memory_bytes} bytes of graph memory, over memoryBudget "
+                f"{settings.memory_budget_bytes}")
+    return ""
+
+
+def decide_apply(settings: FromTraffic, applied: Applied, now: float, current: SizeChoice,
+                 new: SizeChoice) -> tuple[bool, str]:
+    """Whether to apply ``new`` in place of ``current`` now, and why (pure)."""
+    if settings.mode != APPLY:
+        return False, "mode Recommend: not applied"
+    if not new.sizes:
+        return False, "nothing to apply: " + (new.note or "no size was chosen")
+    if new.sizes == current.sizes:
+        return False, "the recommended sizes are in effect"
+    if applied.sequence and now - applied.applied_at < settings.min_interval_seconds:
+        left = settings.min_interval_seconds - (now - applied.applied_at)
+        return False, (f"not applied: the last set was applied {now - applied.applied_at:.0f}s ago, "
+                       f"minIntervalSeconds is {settings.min_interval_seconds} ({left:.0f}s left)")
+    broken = over_limits(current, settings)
+    if broken:
+        return True, f"applied: the sizes in effect take {broken}"
+    gain = improvement(current, new)
+    if gain < settings.min_improvement:
+        return False, (f"not applied: expected step time {gain:.1%} lower, minImprovementPercent is "
+                       f"{settings.min_improvement:.0%}")
+    return True, f"applied: expected step time {gain:.1%} lower"
+
+
+# --- the status ----------------------------------------------------------------------------------
+
+
+def _stamp(unix: float) -> str:
+    return datetime.fromtimestamp(unix, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def recommendation_status(new: SizeChoice, current: SizeChoice, traffic: Traffic, now: float,
+                          message: str) -> dict[str, Any]:
+    """``status.recommendation``: the chosen sizes, what they are expected to buy, and why."""
+    out: dict[str, Any] = {
+        "sizes": list(new.sizes),
+        "expectedCoverage": round(new.coverage, 4),
+        "currentCoverage": round(current.coverage, 4),
+        "paddedTokens": new.padded_tokens,
+        "paddingWaste": round(new.padding_waste, 4),
+        "graphs": new.graphs,
+        "memoryBytes": new.memory_bytes,
+        "captureSeconds": round(new.capture_seconds, 3),
+        "improvement": round(improvement(current, new), 4),
+        "costUnits": new.cost_units,
+        "steps": traffic.steps,
+        "eligibleSteps": new.eligible_steps,
+        "workers": traffic.workers,
+        "time": _stamp(now),
+        "reasons": [{"size": r.size, "fromTokens": r.low, "steps": r.steps, "share": round(r.share, 4),
+                     "paddedTokens": r.padded_tokens, "memoryBytes": r.memory_bytes}
+                    for r in new.reasons[:MAX_REASONS]],
+        "message": (message + (f" ({new.note})" if new.note else ""))[:1024],
+    }
+    if traffic.since > 0:
+        out["since"] = _stamp(traffic.since)
+    return out
+
+
+def waiting_status(previous: Mapping[str, Any] | None, traffic: Traffic, settings: FromTraffic) -> dict[str, Any]:
+    """Too little traffic yet: the last recommendation stays, with how far counting has come."""
+    out = dict(previous or {})
+    out.update(steps=traffic.steps, workers=traffic.workers,
+               message=f"waiting for traffic: {traffic.steps} of minSteps {settings.min_steps} steps observed")
+    if traffic.since > 0:
+        out["since"] = _stamp(traffic.since)
+    return out
+
+
+def histograms(statuses: Iterable[pb.GraphStatus]) -> list[pb.StepHistogram]:
+    return [s.traffic for s in statuses if s.HasField("traffic")]
