@@ -37,16 +37,26 @@ def test_the_sequence_count_is_capped_per_device():
 def test_explicit_sizes_that_do_not_fit_are_refused_in_one_line():
     with pytest.raises(SizingError) as err:
         sizes(max_seq_len=100_000_000, max_num_seqs=16)
-    assert "--max-seq-len 100000000 x --max-num-seqs 16" in str(err.value) and "\n" not in str(err.value)
+    assert "--max-seq-len 100000000 needs" in str(err.value) and "one sequence" in str(err.value)
+    assert "\n" not in str(err.value)
     with pytest.raises(SizingError):
         sizes(max_seq_len=100_000_000)
 
 
 def test_the_scratch_slots_count_against_the_budget():
     s = sizes(max_seq_len=1024, max_num_seqs=4, step_tokens=4096)
-    assert s.kv_cache_bytes == (4 + 4) * 1024 * PER_TOKEN
+    assert s.kv_cache_bytes == (4 + 4) * 1024 * PER_TOKEN and s.kv_blocks == 4 * 1024 // 16
     with pytest.raises(SizingError):
-        sizes(max_seq_len=1024, max_num_seqs=4, step_tokens=4096, budget_bytes=7 * 1024 * PER_TOKEN)
+        sizes(max_seq_len=1024, max_num_seqs=4, step_tokens=4096, budget_bytes=5 * 1024 * PER_TOKEN - 1)
+
+
+def test_a_budget_below_the_static_reservation_is_filled_with_blocks():
+    """Paged: 256 sequences of a 8192-token context need not fit at once; the budget becomes blocks
+    (after the scratch slots), sequences are admitted while blocks remain."""
+    s = sizes(max_seq_len=8192, max_num_seqs=256, budget_bytes=4 * GIB, block_size=32)
+    assert s.max_num_seqs == 256 and s.block_size == 32
+    assert s.kv_blocks == (4 * GIB - 8192 * PER_TOKEN) // (32 * PER_TOKEN)
+    assert s.kv_cache_bytes <= 4 * GIB and "blocks of 32 tokens" in s.explanation
 
 
 def test_explicit_sizes_that_fit_are_kept():

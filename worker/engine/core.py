@@ -26,8 +26,10 @@ import torch
 
 from graphkeeper.proto import worker_pb2 as pb
 from graphkeeper.proto.policy import lifecycle_name
+from graphkeeper.worker.engine.blocks import BlockManager, blocks_for
 from graphkeeper.worker.engine.control import Control, Reload, starting_policy
 from graphkeeper.worker.engine.errors import (
+    CannotFit,
     NotServing,
     QueueFull,
     ReloadBusy,
@@ -45,10 +47,11 @@ from graphkeeper.worker.engine.scheduler import ScheduledStep, Scheduler, sub_st
 from graphkeeper.worker.engine.sequence import Limits, Sequence, sequence_for
 from graphkeeper.worker.engine.sizing import settle
 from graphkeeper.worker.engine.startup import Laps, step_phases
-from graphkeeper.worker.engine.status import graph_status, model_info
+from graphkeeper.worker.engine.status import graph_status, kv_cache_status, model_info
 from graphkeeper.worker.executor.graphs.controller import CaptureController
 from graphkeeper.worker.executor.graphs.dispatcher import BatchDescriptor, Dispatcher
 from graphkeeper.worker.metrics import WorkerMetrics
+from graphkeeper.worker.model.kv_cache import check_block_size
 from graphkeeper.worker.model.loader import ModelSourceError, check_source
 from graphkeeper.worker.model.step import forbid_recompiles
 from graphkeeper.worker.model.tokenizer import Tokenizer
@@ -65,6 +68,7 @@ class Engine:
         """Raises SizingError (or ModelSourceError) when the KV cache asked for cannot fit: checked
         here, from the model's config and the memory there is, before anything is allocated."""
         self.device = torch.device(settings.device)
+        check_block_size(settings.kv_block_size)
         settings, self.sizes = settle(settings, self.device)
         log.info("sizes: %s", self.sizes.explanation)
         self.settings = settings
@@ -74,10 +78,13 @@ class Engine:
         self.ledger = Ledger()
         #: Whether this worker records graphs at all (a recapture starts only where they exist).
         self.captures_graphs = self.device.type == "cuda"
-        self.slot = ModelSlot(settings, self.device, self.ledger, self.metrics)
+        self.slot = ModelSlot(settings, self.device, self.ledger, self.metrics, kv_blocks=self.sizes.kv_blocks)
+        self.blocks = BlockManager(self.sizes.kv_blocks, settings.kv_block_size,
+                                   prefix_caching=settings.prefix_caching)
         self.control = Control(starting_policy(settings.policy), self.lifecycle,
                                (settings.max_num_seqs, settings.max_num_batched_tokens))
-        self.scheduler = Scheduler(settings.max_num_seqs, settings.max_num_batched_tokens, settings.prefill_chunk)
+        self.scheduler = Scheduler(settings.max_num_seqs, settings.max_num_batched_tokens, settings.prefill_chunk,
+                                   self.blocks)
         self.dispatcher = Dispatcher()
         self.recorder = StepRecorder(self.metrics)
         self.recorder.listed_tenants = frozenset(t.tenant for t in self.control.policy.tenants)
@@ -122,6 +129,11 @@ class Engine:
         if len(self._inbox) + len(self.scheduler.waiting) >= self.settings.max_queue:
             raise QueueFull(f"queue is full ({self.settings.max_queue} requests waiting)")
         seq = sequence_for(req, stream, self.slot.eos_ids)
+        need = blocks_for(len(seq.prompt) + seq.max_new_tokens, self.blocks.block_size)
+        if need > self.blocks.num_blocks:
+            raise CannotFit(f"prompt ({len(seq.prompt)} tokens) plus max_new_tokens ({seq.max_new_tokens}) needs "
+                            f"{need} KV blocks of {self.blocks.block_size} tokens; the cache has "
+                            f"{self.blocks.num_blocks} in all")
         self.metrics.prompt_tokens.inc(len(seq.prompt))
         self._inbox.append(seq)
         self._wake.set()
@@ -193,7 +205,20 @@ class Engine:
         return graph_status(
             snap, capture=self.capture, recorder=self.recorder, ledger=self.ledger,
             model_revision=loaded.revision if loaded else "", running=len(self.scheduler.running),
-            queued=len(self.scheduler.waiting) + len(self._inbox), compile=self.slot.compile_status())
+            queued=len(self.scheduler.waiting) + len(self._inbox), compile=self.slot.compile_status(),
+            kv_cache=self.kv_status())
+
+    def kv_status(self) -> pb.KVCacheStatus:
+        """The KV cache's blocks, prefix cache and preemptions (counts read without a lock: each is
+        one integer the engine thread writes)."""
+        runner = self.slot.runner
+        return kv_cache_status(self.blocks.block_size, self.blocks.status(), prefix_caching=self.blocks.prefix_caching,
+                               preemptions=self.scheduler.preemptions,
+                               nbytes=runner.cache.nbytes() if runner else self.sizes.kv_cache_bytes)
+
+    def _export_kv(self) -> None:
+        b = self.blocks
+        self.metrics.set_kv(b.block_size, *b.status(), self.scheduler.preemptions)
 
     # --- the engine thread ----------------------------------------------------------------
 
@@ -223,6 +248,7 @@ class Engine:
         self.ledger.record(L.LEDGER_STAGE_CONTEXT, self.device)
         laps.lap("device context")
         self.slot.install(self.slot.load(s.model, s.model_revision))
+        self.blocks.reset_prefix_cache(self.slot.loaded.revision)
         self.control.move(S.LIFECYCLE_STATE_MODEL_LOADED)
         laps.lap("weights and KV cache")
         self.slot.prepare_step()
@@ -234,6 +260,7 @@ class Engine:
         if self.slot.compile_report.enabled:
             forbid_recompiles()
         self._captured()
+        self._export_kv()
         self.control.move(S.LIFECYCLE_STATE_CAPTURED)
         self.control.move(S.LIFECYCLE_STATE_READY)
         laps.lap("capture")
@@ -267,6 +294,7 @@ class Engine:
                 self._isolate(step, failure)  # after the previous step's tokens: streams stay in order
             self.metrics.queue_depth.set(len(self.scheduler.waiting) + len(self._inbox))
             self.metrics.running_sequences.set(len(self.scheduler.running))
+            self._export_kv()
             if inflight is None and step is None:
                 self._wake.wait(0.05 if not self.capture.active else 0)
                 self._wake.clear()
@@ -418,6 +446,7 @@ class Engine:
 
         if not self.control.swap_model(self.captures_graphs, install):
             self.slot.prepare_step()
+        self.blocks.reset_prefix_cache(self.slot.loaded.revision)  # nothing runs now: every block is free
         self.metrics.recaptures.labels("model_revision").inc()
         self._begin_capture()
         self.scheduler.admitting = True
