@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from graphkeeper.worker.engine.sizing import SizingError, choose_sizes, kv_bytes_per_token, parse_bytes
+from graphkeeper.worker.engine.sizing import (
+    SizingError,
+    check_utilization,
+    choose_sizes,
+    kv_bytes_per_token,
+    parse_bytes,
+    plan_kv_by_utilization,
+)
 
 GIB = 1 << 30
 PER_TOKEN = kv_bytes_per_token(30, 3, 64, 4)  # SmolLM2-135M in float32: 46,080 bytes
@@ -74,3 +81,28 @@ def test_sizes_parse_as_kubernetes_writes_them(text, value):
 def test_bad_sizes_are_refused(text):
     with pytest.raises(ValueError):
         parse_bytes(text)
+
+
+def test_track_b_gives_the_cache_what_is_left_after_everything_measured():
+    """80 GiB at 0.9 is 72 GiB; 20 GiB is in use beside a provisional 1 GiB of blocks (weights,
+    graphs, scratch), 3 GiB is the activation peak: 50 GiB of 2 MiB blocks."""
+    plan = plan_kv_by_utilization(total_bytes=80 * GIB, utilization=0.9, used_bytes=21 * GIB,
+                                  provisional_kv_bytes=GIB, activation_peak_bytes=3 * GIB,
+                                  block_bytes=2 << 20, min_blocks=512)
+    expected = (int(80 * GIB * 0.9) - 20 * GIB - 3 * GIB) // (2 << 20)
+    assert plan.kv_blocks == expected and plan.kv_bytes == expected * (2 << 20)
+    assert "activation peak of 3.00 GiB" in plan.explanation
+
+
+def test_track_b_refuses_when_not_one_context_fits():
+    with pytest.raises(SizingError) as err:
+        plan_kv_by_utilization(total_bytes=80 * GIB, utilization=0.25, used_bytes=21 * GIB, provisional_kv_bytes=GIB,
+                               activation_peak_bytes=3 * GIB, block_bytes=2 << 20, min_blocks=512)
+    assert "--gpu-memory-utilization 0.25 leaves 0 bytes" in str(err.value) and "512 blocks" in str(err.value)
+
+
+@pytest.mark.parametrize("value", [0, -0.1, 1.01, float("nan"), float("inf")])
+def test_a_utilization_outside_zero_to_one_is_refused(value):
+    with pytest.raises(ValueError, match="--gpu-memory-utilization must be a fraction in"):
+        check_utilization(value)
+    assert check_utilization(1) == 1.0 and check_utilization(0.05) == 0.05

@@ -61,6 +61,15 @@ class BlockManager:
         self.query_tokens = 0  # prompt tokens looked up in the prefix cache
         self.hit_tokens = 0  # of which found there
 
+    def resize(self, num_blocks: int) -> None:
+        """Manages ``num_blocks`` blocks from now on (a new KV cache); only while none is held."""
+        if self.used:
+            raise RuntimeError(f"cannot resize the KV cache while {self.used} blocks are held")
+        prefix, revision = self.prefix_caching, self.revision
+        queries, hits = self.query_tokens, self.hit_tokens
+        self.__init__(num_blocks, self.block_size, prefix_caching=prefix, revision=revision)
+        self.query_tokens, self.hit_tokens = queries, hits
+
     # --- counts ---------------------------------------------------------------------------
 
     @property

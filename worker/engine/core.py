@@ -45,7 +45,13 @@ from graphkeeper.worker.engine.outputs import InFlight, OutputProcessor, direct_
 from graphkeeper.worker.engine.recorder import StepRecorder
 from graphkeeper.worker.engine.scheduler import ScheduledStep, Scheduler, sub_step
 from graphkeeper.worker.engine.sequence import Limits, Sequence, sequence_for
-from graphkeeper.worker.engine.sizing import settle
+from graphkeeper.worker.engine.sizing import (
+    UtilizationPlan,
+    aligned,
+    check_utilization,
+    plan_kv_by_utilization,
+    settle,
+)
 from graphkeeper.worker.engine.startup import Laps, step_phases
 from graphkeeper.worker.engine.status import graph_status, kv_cache_status, model_info
 from graphkeeper.worker.executor.graphs.controller import CaptureController
@@ -69,6 +75,13 @@ class Engine:
         here, from the model's config and the memory there is, before anything is allocated."""
         self.device = torch.device(settings.device)
         check_block_size(settings.kv_block_size)
+        if settings.gpu_memory_utilization:
+            check_utilization(settings.gpu_memory_utilization)
+            if self.device.type != "cuda":
+                raise ValueError("--gpu-memory-utilization sizes the KV cache from device memory: it needs a CUDA "
+                                 "device (use --kv-cache-memory elsewhere)")
+            if settings.kv_cache_memory:
+                raise ValueError("--gpu-memory-utilization and --kv-cache-memory both size the KV cache: give one")
         settings, self.sizes = settle(settings, self.device)
         log.info("sizes: %s", self.sizes.explanation)
         self.settings = settings
@@ -78,9 +91,14 @@ class Engine:
         self.ledger = Ledger()
         #: Whether this worker records graphs at all (a recapture starts only where they exist).
         self.captures_graphs = self.device.type == "cuda"
-        self.slot = ModelSlot(settings, self.device, self.ledger, self.metrics, kv_blocks=self.sizes.kv_blocks)
-        self.blocks = BlockManager(self.sizes.kv_blocks, settings.kv_block_size,
-                                   prefix_caching=settings.prefix_caching)
+        kv_blocks = self.sizes.kv_blocks
+        if settings.gpu_memory_utilization:  # provisional: one whole context, until the graphs are measured
+            kv_blocks = blocks_for(aligned(settings.max_seq_len), settings.kv_block_size)
+        #: Track B's plan and what was free once the final graphs were captured (0 under track A).
+        self.kv_plan: UtilizationPlan | None = None
+        self.kv_free_after_capture = 0
+        self.slot = ModelSlot(settings, self.device, self.ledger, self.metrics, kv_blocks=kv_blocks)
+        self.blocks = BlockManager(kv_blocks, settings.kv_block_size, prefix_caching=settings.prefix_caching)
         self.control = Control(starting_policy(settings.policy), self.lifecycle,
                                (settings.max_num_seqs, settings.max_num_batched_tokens))
         self.scheduler = Scheduler(settings.max_num_seqs, settings.max_num_batched_tokens, settings.prefill_chunk,
@@ -211,14 +229,60 @@ class Engine:
     def kv_status(self) -> pb.KVCacheStatus:
         """The KV cache's blocks, prefix cache and preemptions (counts read without a lock: each is
         one integer the engine thread writes)."""
-        runner = self.slot.runner
-        return kv_cache_status(self.blocks.block_size, self.blocks.status(), prefix_caching=self.blocks.prefix_caching,
-                               preemptions=self.scheduler.preemptions,
-                               nbytes=runner.cache.nbytes() if runner else self.sizes.kv_cache_bytes)
+        runner, plan = self.slot.runner, self.kv_plan
+        status = kv_cache_status(
+            self.blocks.block_size, self.blocks.status(), prefix_caching=self.blocks.prefix_caching,
+            preemptions=self.scheduler.preemptions,
+            nbytes=runner.cache.nbytes() if runner else self.sizes.kv_cache_bytes,
+            sizing="utilization" if self.settings.gpu_memory_utilization else "explicit")
+        if plan is not None:
+            status.planned_bytes, status.free_after_capture_bytes = plan.kv_bytes, self.kv_free_after_capture
+        return status
 
     def _export_kv(self) -> None:
         b = self.blocks
         self.metrics.set_kv(b.block_size, *b.status(), self.scheduler.preemptions)
+
+    # --- track B: the KV cache sized after measured graph memory ----------------------------
+
+    def _size_kv_by_utilization(self, utilization: float) -> None:
+        """Measures what the step and the graphs take beside the provisional KV cache, gives the
+        cache what is left of ``utilization`` x device memory, and captures the graphs again
+        against it (a new KV allocation invalidates every graph: they are released first).
+
+        The activation peak is measured on an eager step of the whole token budget, the largest
+        a fallback step can be: serving must keep that much free outside the graphs' pools.
+        """
+        device, runner = self.device, self.slot.runner
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        with torch.compiler.set_stance("default"):
+            runner.warm_up(self.settings.max_num_batched_tokens)
+        peak = torch.cuda.max_memory_allocated(device) - base
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(device)
+        cache = runner.cache
+        plan = plan_kv_by_utilization(
+            total_bytes=total, utilization=utilization, used_bytes=total - free,
+            provisional_kv_bytes=cache.num_blocks * cache.block_bytes, activation_peak_bytes=peak,
+            block_bytes=cache.block_bytes, min_blocks=cache.max_blocks_per_seq)
+        log.info("--gpu-memory-utilization: %s", plan.explanation)
+        self.capture.release()
+        runner = cache = None
+        self.slot.resize_kv(plan.kv_blocks)
+        self.blocks.resize(plan.kv_blocks)
+        self.capture.begin(self.control.policy, self.slot.runner)
+        self.capture.run_all()
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(device)
+        # What the cache could have taken, knowing the final capture: the prediction's truth.
+        self.kv_free_after_capture = plan.kv_bytes + int(total * utilization) - (total - free) - peak
+        self.kv_plan = plan
+        log.info("KV cache planned %d B; %d B was free for it after the final capture (%.2f%% apart)",
+                 plan.kv_bytes, self.kv_free_after_capture,
+                 100 * abs(plan.kv_bytes - self.kv_free_after_capture) / max(1, self.kv_free_after_capture))
 
     # --- the engine thread ----------------------------------------------------------------
 
@@ -257,6 +321,8 @@ class Engine:
         laps.lap(f"step ({step_phases(self.slot.compile_report)})")
         self.capture.begin(self.control.policy, self.slot.runner)
         self.capture.run_all()
+        if s.gpu_memory_utilization:
+            self._size_kv_by_utilization(s.gpu_memory_utilization)
         if self.slot.compile_report.enabled:
             forbid_recompiles()
         self._captured()

@@ -72,6 +72,27 @@ class ModelSlot:
                  cache.block_size, s.max_num_seqs, cache_len, gib(cache.nbytes()))
         return loaded, cache
 
+    def resize_kv(self, num_blocks: int) -> KVCache:
+        """Replaces the KV cache (and the runner, whose buffers were built for it) with one of
+        ``num_blocks`` blocks for the same model; the caller released every graph first (they
+        were recorded against the old cache's addresses)."""
+        import gc
+
+        old = self.runner
+        s = self.settings
+        loaded, cache_len, scratch = old.loaded, old.cache.max_seq_len, old.cache.scratch_slots
+        self.runner = old = None  # the old cache's memory goes back before the new one is allocated
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        cache = KVCache(loaded.config, s.max_num_seqs, cache_len, device=self.device, dtype=loaded.dtype,
+                        scratch_slots=scratch, block_size=s.kv_block_size, num_blocks=num_blocks)
+        self.kv_blocks = num_blocks
+        self.runner = ModelRunner(loaded, cache, s.max_num_batched_tokens)
+        self.ledger.record(L.LEDGER_STAGE_KV_CACHE, self.device)
+        log.info("KV cache resized: %d blocks of %d tokens, %s", num_blocks, cache.block_size, gib(cache.nbytes()))
+        return cache
+
     def install(self, fresh: tuple[LoadedModel, KVCache]) -> bool:
         """Makes the new model the one that runs; True when it kept the old step functions (same
         config, dtype and quantization: the compiled pieces are functions of tensors and serve

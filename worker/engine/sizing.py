@@ -211,3 +211,46 @@ def settle(settings, device) -> tuple[object, Sizes]:
         seqs_cap=DEFAULT_SEQS_CAP.get(device.type, 16), step_tokens=settings.max_num_batched_tokens,
         block_size=settings.kv_block_size)
     return dataclasses.replace(settings, max_seq_len=sizes.max_seq_len, max_num_seqs=sizes.max_num_seqs), sizes
+
+
+@dataclass(frozen=True)
+class UtilizationPlan:
+    """Track B's KV cache: what is left of ``utilization`` x device memory once everything else is
+    measured, in blocks."""
+
+    kv_bytes: int  # the blocks' bytes (the scratch blocks excluded)
+    kv_blocks: int
+    explanation: str
+
+
+def check_utilization(value: float) -> float:
+    """``--gpu-memory-utilization``: a fraction in (0, 1]; a ValueError naming the flag otherwise."""
+    if not isinstance(value, (int, float)) or not math.isfinite(value) or not 0 < value <= 1:
+        raise ValueError(f"--gpu-memory-utilization must be a fraction in (0, 1], got {value}")
+    return float(value)
+
+
+def plan_kv_by_utilization(*, total_bytes: int, utilization: float, used_bytes: int, provisional_kv_bytes: int,
+                           activation_peak_bytes: int, block_bytes: int, min_blocks: int) -> UtilizationPlan:
+    """The KV cache's blocks under ``--gpu-memory-utilization`` (pure).
+
+    ``used_bytes`` is the device memory in use after the weights were loaded, the step warmed up and
+    the policy's graphs captured beside a provisional KV cache of ``provisional_kv_bytes`` (its
+    blocks, which the final cache replaces): so the graphs' memory is measured, not estimated.
+    ``activation_peak_bytes`` is the measured transient peak of the largest eager step, which must
+    stay free while serving. The cache takes the rest of ``utilization`` x ``total_bytes``; raises
+    SizingError when that is fewer than ``min_blocks`` (one sequence of the whole context).
+    """
+    check_utilization(utilization)
+    allowed = int(total_bytes * utilization)
+    other = used_bytes - provisional_kv_bytes
+    left = allowed - other - activation_peak_bytes
+    blocks = max(0, left) // block_bytes
+    why = (f"{utilization:g} x {gib(total_bytes)} = {gib(allowed)}, less {gib(other)} in use besides the KV cache "
+           f"(weights, graphs, context) and an activation peak of {gib(activation_peak_bytes)}")
+    if blocks < min_blocks:
+        need = gib(min_blocks * block_bytes)
+        raise SizingError(f"--gpu-memory-utilization {utilization:g} leaves {gib(max(0, left))} for the KV cache "
+                          f"({why}); one sequence of the context needs {min_blocks} blocks ({need})")
+    kv = blocks * block_bytes
+    return UtilizationPlan(kv, blocks, f"KV cache {blocks} blocks ({gib(kv)}): {why}")
