@@ -110,3 +110,23 @@ def test_a_prefix_hit_gives_the_tokens_computed_from_scratch(model, mode):
         assert second == model["refs"][tuple(SHARED[1])]
     finally:
         e.drain_and_stop(5)
+
+
+def test_track_b_sizes_the_cache_after_the_graphs_and_serves(model):
+    """--gpu-memory-utilization: the KV cache is planned after a probe capture, reallocated, the graphs
+    recaptured against it; the plan is within 2% of what was free for it after the final capture."""
+    import gc
+
+    gc.collect()
+    torch.cuda.empty_cache()
+    e = engine(model["path"], pb.GRAPH_MODE_FULL_AND_PIECEWISE, gpu_memory_utilization=0.5)
+    try:
+        kv = e.status().kv_cache
+        assert kv.sizing == "utilization" and kv.planned_bytes > 0
+        assert abs(kv.planned_bytes - kv.free_after_capture_bytes) <= 0.02 * kv.free_after_capture_bytes, kv
+        assert kv.blocks_total * kv.block_size * 512 == kv.planned_bytes
+        assert e.status().captured
+        (tokens, completion), = generate_all(e, PROMPTS[:1])
+        assert tokens == model["refs"][tuple(PROMPTS[0])] and completion.execution.graph_steps
+    finally:
+        e.drain_and_stop(5)
