@@ -32,6 +32,12 @@ for b in "${benches[@]}"; do  # BENCH="" runs the tests alone
         --label "engine core apart" --out "$out/load-engine-apart-h200.json" ;;
     sweep) timeout 300 python3 bench/load_bench.py --scenarios "" --budgets 128,256,512,1024 \
         --seconds "${SECONDS_PER:-12}" --out "$out/load-budget-sweep-h200.json" ;;
+    shared)  # 64 streams on one 2,000-token prefix: TTFT p50 with prefix caching against without
+      timeout 330 python3 bench/load_bench.py --scenarios shared,shared_nocache --no-step-times \
+        --seconds "${SECONDS_PER:-12}" --out "$out/load-shared-prefix-h200.json" ;;
+    capacity)  # llama-8b at context 8192 in 16 GiB of KV cache: short sequences at once, paged vs static
+      timeout 300 python3 bench/kv_capacity.py --kv-cache-memory 16Gi --seconds "${SECONDS_PER:-12}" \
+        --out "$out/kv-capacity-h200.json" ;;
     *) eval "$b" ;;
   esac
 done
