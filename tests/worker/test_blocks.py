@@ -133,3 +133,18 @@ def test_a_cached_prefix_is_not_computed_again():
     assert same.cached_prompt_tokens == 8 and step.plan.prefill[0].length == 4
     assert step.plan.prefill[0].start == 8
     assert list(step.plan.positions[step.plan.num_decode:]) == list(np.arange(8, 12))
+
+
+def test_a_failed_sequence_takes_its_own_blocks_out_of_the_prefix_cache():
+    blocks = BlockManager(16, 4)
+    sched = Scheduler(4, 64, 0, blocks)
+    prefix = list(range(100, 112))
+    a = seq(prefix + [1], 2, "a")
+    sched.add(a)
+    sched.schedule()
+    b = seq(prefix + [2, 3, 4, 5, 6], 2, "b")
+    sched.add(b)
+    sched.schedule()  # b reuses a's 3 blocks and computes 5 tokens: one more full block
+    assert b.cached_prompt_tokens == 12 and b.registered == 4
+    sched.finish(b, failed=True)  # its step raised: its own block may be half written
+    assert blocks.peek(block_hashes(b.prompt, 4, "")) == a.blocks[:3]  # a's blocks are still cached

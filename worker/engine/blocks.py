@@ -154,6 +154,16 @@ class BlockManager:
         self._block_of[block_hash] = block
         self._hash_of[block] = block_hash
 
+    def forget(self, blocks: Seq[int]) -> None:
+        """Drops ``blocks`` from the prefix cache (a failed step may have left them half written)."""
+        for block in blocks:
+            h = self._hash_of.pop(block, None)
+            if h is not None:
+                del self._block_of[h]
+                if block in self._evictable:
+                    del self._evictable[block]
+                    self._free.append(block)
+
     def reset_prefix_cache(self, revision: str) -> None:
         """Forgets every cached block (a new model revision computes other keys)."""
         self.revision = revision

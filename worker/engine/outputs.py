@@ -73,7 +73,7 @@ class OutputProcessor:
         updates = []
         for seq in sequences:
             if not seq.finished:
-                self.scheduler.finish(seq)
+                self.scheduler.finish(seq, failed=outcome == "error")
                 if outcome:
                     self.metrics.requests.labels(outcome).inc()
                 updates.append((seq.stream, [], err))

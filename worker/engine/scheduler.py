@@ -123,8 +123,10 @@ class Scheduler:
             self.finish(seq)
         return gone
 
-    def finish(self, seq: Sequence) -> None:
+    def finish(self, seq: Sequence, failed: bool = False) -> None:
         """Ends a sequence: it leaves every list and its slot is free for the next admission.
+        A ``failed`` sequence's blocks leave the prefix cache too: the step that failed may have
+        written them only in part.
 
         A step already launched may still write the slot; the next one to use it is launched
         after that step on the same stream, so its own writes come later.
@@ -139,6 +141,8 @@ class Scheduler:
             self.free_slots.append(seq.slot)
             self.sampled_running -= not seq.sampling.greedy
             seq.slot = None
+            if failed:
+                self.blocks.forget(seq.blocks[seq.cached_blocks:])
             self.blocks.free(seq.blocks)
             seq.blocks = []
         elif seq in self.waiting:
@@ -160,7 +164,7 @@ class Scheduler:
         self.sampled_running -= not seq.sampling.greedy
         seq.slot = None
         self.blocks.free(seq.blocks)
-        seq.blocks, seq.block_hashes, seq.registered, seq.computed = [], [], 0, 0
+        seq.blocks, seq.block_hashes, seq.registered, seq.cached_blocks, seq.computed = [], [], 0, 0, 0
         seq.preemptions += 1
         self.preemptions += 1
         self.waiting.appendleft(seq)
@@ -255,7 +259,7 @@ class Scheduler:
             blocks.acquire(cached, len(tokens))
             seq.recompute = tokens if seq.output else None
             seq.blocks = cached + blocks.allocate(fresh)
-            seq.block_hashes, seq.registered = hashes, len(cached)
+            seq.block_hashes, seq.registered, seq.cached_blocks = hashes, len(cached), len(cached)
             seq.computed = len(cached) * bs
             seq.cached_prompt_tokens += seq.computed
             seq.slot = self.free_slots.pop()

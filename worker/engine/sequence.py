@@ -34,6 +34,7 @@ class Sequence:
     blocks: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)
     registered: int = 0  # leading blocks registered in the prefix cache
+    cached_blocks: int = 0  # leading blocks found in the prefix cache at admission (written by others)
     #: What the next prefill computes: the prompt, or after a preemption the prompt and the tokens
     #: sampled so far (recomputed, so that decoding resumes where it stopped). None: the prompt.
     recompute: list[int] | None = None
