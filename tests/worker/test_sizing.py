@@ -8,6 +8,7 @@ from graphkeeper.worker.engine.sizing import (
     SizingError,
     check_utilization,
     choose_sizes,
+    estimate_graph_bytes,
     kv_bytes_per_token,
     parse_bytes,
     plan_kv_by_utilization,
@@ -106,3 +107,13 @@ def test_a_utilization_outside_zero_to_one_is_refused(value):
     with pytest.raises(ValueError, match="--gpu-memory-utilization must be a fraction in"):
         check_utilization(value)
     assert check_utilization(1) == 1.0 and check_utilization(0.05) == 0.05
+
+
+def test_graph_memory_of_a_new_ladder_is_estimated_from_what_was_measured():
+    """Captured keys cost what they were measured at; others their size times the largest per-row
+    cost of their mode (or any mode): the estimate a track B worker refuses a policy by."""
+    measured = {(3, 8): 800, (3, 16): 1200, (2, 64): 6400}
+    assert estimate_graph_bytes([(3, 8), (3, 16)], measured) == 2000
+    assert estimate_graph_bytes([(3, 32)], measured) == 32 * 100  # 100 B a row, from size 8
+    assert estimate_graph_bytes([(4, 10)], measured) == 10 * 100  # no FULL_DECODE_ONLY measured: any mode's
+    assert estimate_graph_bytes([(3, 8)], {}) == 0

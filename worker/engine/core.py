@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from graphkeeper.proto import worker_pb2 as pb
-from graphkeeper.proto.policy import lifecycle_name
+from graphkeeper.proto.policy import PolicyError, effective_requested_mode, lifecycle_name, resolve_capture_sizes
 from graphkeeper.worker.engine.blocks import BlockManager, blocks_for
 from graphkeeper.worker.engine.control import Control, Reload, starting_policy
 from graphkeeper.worker.engine.errors import (
@@ -49,6 +49,7 @@ from graphkeeper.worker.engine.sizing import (
     UtilizationPlan,
     aligned,
     check_utilization,
+    estimate_graph_bytes,
     plan_kv_by_utilization,
     settle,
 )
@@ -56,7 +57,9 @@ from graphkeeper.worker.engine.startup import Laps, step_phases
 from graphkeeper.worker.engine.status import graph_status, kv_cache_status, model_info
 from graphkeeper.worker.executor.graphs.controller import CaptureController
 from graphkeeper.worker.executor.graphs.dispatcher import BatchDescriptor, Dispatcher
+from graphkeeper.worker.executor.graphs.modes import capture_plan, downgrade_mode
 from graphkeeper.worker.metrics import WorkerMetrics
+from graphkeeper.worker.model.attention import SlotAttention
 from graphkeeper.worker.model.kv_cache import check_block_size
 from graphkeeper.worker.model.loader import ModelSourceError, check_source
 from graphkeeper.worker.model.step import forbid_recompiles
@@ -97,6 +100,7 @@ class Engine:
         #: Track B's plan and what was free once the final graphs were captured (0 under track A).
         self.kv_plan: UtilizationPlan | None = None
         self.kv_free_after_capture = 0
+        self.graph_room = 0  # track B: device memory graphs may take beside the cache
         self.slot = ModelSlot(settings, self.device, self.ledger, self.metrics, kv_blocks=kv_blocks)
         self.blocks = BlockManager(kv_blocks, settings.kv_block_size, prefix_caching=settings.prefix_caching)
         self.control = Control(starting_policy(settings.policy), self.lifecycle,
@@ -166,6 +170,7 @@ class Engine:
 
         The policy becomes pending here and adopted on the engine thread.
         """
+        self._check_graphs_fit(policy)
         unchanged, recapture = self.control.offer(policy)
         if not unchanged:
             self._commands.put(lambda: self._adopt_policy(policy))
@@ -245,6 +250,26 @@ class Engine:
 
     # --- track B: the KV cache sized after measured graph memory ----------------------------
 
+    def _check_graphs_fit(self, policy: pb.GraphPolicy) -> None:
+        """Under track B the cache took what the graphs left: a policy whose graphs would need
+        more than the graphs hold now plus what is still free is refused (PolicyError), not
+        captured into an out-of-memory."""
+        graphs = self.capture.graph_set
+        if self.kv_plan is None or graphs is None or not graphs.captured:
+            return
+        mode, _ = downgrade_mode(effective_requested_mode(policy), int(SlotAttention.graph_support), True)
+        if mode == pb.GRAPH_MODE_NONE:
+            return
+        ladder = resolve_capture_sizes(policy.capture_sizes, self.settings.max_num_seqs,
+                                       self.settings.max_num_batched_tokens)
+        keys = capture_plan(mode, ladder, self.settings.max_num_seqs)
+        measured = {k: max(0, e.device_bytes) for k, e in graphs.captured.items()}
+        need = estimate_graph_bytes(keys, measured)
+        if need > self.graph_room:
+            raise PolicyError("capture_sizes", f"its graphs would take about {need} B of device memory; beside the KV "
+                              f"cache sized by --gpu-memory-utilization there is room for {self.graph_room} B "
+                              "(fewer or smaller sizes, or restart the worker to size the cache for them)")
+
     def _size_kv_by_utilization(self, utilization: float) -> None:
         """Measures what the step and the graphs take beside the provisional KV cache, gives the
         cache what is left of ``utilization`` x device memory, and captures the graphs again
@@ -279,6 +304,8 @@ class Engine:
         free, total = torch.cuda.mem_get_info(device)
         # What the cache could have taken, knowing the final capture: the prediction's truth.
         self.kv_free_after_capture = plan.kv_bytes + int(total * utilization) - (total - free) - peak
+        graphs = self.capture.graph_set
+        self.graph_room = (graphs.memory_bytes if graphs else 0) + max(0, self.kv_free_after_capture - plan.kv_bytes)
         self.kv_plan = plan
         log.info("KV cache planned %d B; %d B was free for it after the final capture (%.2f%% apart)",
                  plan.kv_bytes, self.kv_free_after_capture,

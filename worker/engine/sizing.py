@@ -254,3 +254,24 @@ def plan_kv_by_utilization(*, total_bytes: int, utilization: float, used_bytes: 
                           f"({why}); one sequence of the context needs {min_blocks} blocks ({need})")
     kv = blocks * block_bytes
     return UtilizationPlan(kv, blocks, f"KV cache {blocks} blocks ({gib(kv)}): {why}")
+
+
+def estimate_graph_bytes(keys: list[tuple[int, int]], measured: dict[tuple[int, int], int]) -> int:
+    """Device memory that capturing ``keys`` (mode, size) would take, from measured keys (pure).
+
+    A key captured before costs what it was measured at; another costs its size times the most
+    any measured key of its mode (or, with none, of any mode) took per row: graph memory grows
+    with the rows a graph records, so this errs on the side of refusing.
+    """
+    def per_row(entries) -> float:
+        return max((b / max(1, s) for (_, s), b in entries), default=0.0)
+
+    any_mode = per_row(measured.items())
+    total = 0
+    for mode, size in keys:
+        if (mode, size) in measured:
+            total += measured[(mode, size)]
+            continue
+        rate = per_row((k, b) for k, b in measured.items() if k[0] == mode) or any_mode
+        total += int(rate * size)
+    return total
