@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from graphkeeper.proto import worker_pb2 as pb
+from graphkeeper.proto.policy import PolicyError
 from graphkeeper.worker.engine import Engine, EngineSettings
 from graphkeeper.worker.model.loader import load_model, save_hf_directory
 
@@ -49,9 +50,13 @@ def model(tmp_path_factory):
     return {"path": str(path), "refs": refs}
 
 
-def engine(path: str, mode: int, **kw) -> Engine:
+def engine(path: str, mode: int, sizes: list[int] | None = None, **kw) -> Engine:
     policy = pb.GraphPolicy(policy_uid="paged", generation=1, mode=mode)
-    policy.capture_sizes.ladder = pb.CAPTURE_LADDER_DEFAULT
+    if sizes:
+        policy.capture_sizes.explicit.sizes.extend(sizes)
+        policy.capture_sizes.max_capture_size = max(sizes)
+    else:
+        policy.capture_sizes.ladder = pb.CAPTURE_LADDER_DEFAULT
     settings = EngineSettings(model=path, device="cuda", dtype="float32", max_num_seqs=16, max_seq_len=MAX_LEN,
                               max_num_batched_tokens=64, policy=policy, **kw)
     e = Engine(settings)
@@ -119,7 +124,7 @@ def test_track_b_sizes_the_cache_after_the_graphs_and_serves(model):
 
     gc.collect()
     torch.cuda.empty_cache()
-    e = engine(model["path"], pb.GRAPH_MODE_FULL_AND_PIECEWISE, gpu_memory_utilization=0.5)
+    e = engine(model["path"], pb.GRAPH_MODE_FULL_AND_PIECEWISE, sizes=[1, 2], gpu_memory_utilization=0.5)
     try:
         kv = e.status().kv_cache
         assert kv.sizing == "utilization" and kv.planned_bytes > 0
@@ -128,5 +133,11 @@ def test_track_b_sizes_the_cache_after_the_graphs_and_serves(model):
         assert e.status().captured
         (tokens, completion), = generate_all(e, PROMPTS[:1])
         assert tokens == model["refs"][tuple(PROMPTS[0])] and completion.execution.graph_steps
+        # The cache took what the two small graphs left: the default ladder's graphs do not fit.
+        bigger = pb.GraphPolicy(policy_uid="paged", generation=2, mode=pb.GRAPH_MODE_FULL_AND_PIECEWISE)
+        bigger.capture_sizes.ladder = pb.CAPTURE_LADDER_DEFAULT
+        with pytest.raises(PolicyError, match="beside the KV cache sized by --gpu-memory-utilization"):
+            e.apply_policy(bigger)
+        assert e.status().policy_generation == 1
     finally:
         e.drain_and_stop(5)
