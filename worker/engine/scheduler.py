@@ -164,7 +164,7 @@ class Scheduler:
         self.sampled_running -= not seq.sampling.greedy
         seq.slot = None
         self.blocks.free(seq.blocks)
-        seq.blocks, seq.block_hashes, seq.registered, seq.cached_blocks, seq.computed = [], [], 0, 0, 0
+        seq.blocks, seq.registered, seq.cached_blocks, seq.computed = [], 0, 0, 0
         seq.preemptions += 1
         self.preemptions += 1
         self.waiting.appendleft(seq)
@@ -249,7 +249,9 @@ class Scheduler:
             if seq.samples_scheduled > len(seq.output):
                 break  # preempted with a token still on its way: it resumes once that token is in
             tokens = seq.prompt + seq.output if seq.output else seq.prompt
-            hashes = block_hashes(tokens, bs, blocks.revision) if blocks.prefix_caching else []
+            if blocks.prefix_caching and len(seq.block_hashes) != len(tokens) // bs:
+                seq.block_hashes = block_hashes(tokens, bs, blocks.revision)  # once, not at every try
+            hashes = seq.block_hashes
             # At most the blocks before the last token: that one is always computed, for its logits.
             cached = blocks.peek(hashes[:(len(tokens) - 1) // bs])
             fresh = blocks_for(len(tokens), bs) - len(cached)
@@ -259,7 +261,7 @@ class Scheduler:
             blocks.acquire(cached, len(tokens))
             seq.recompute = tokens if seq.output else None
             seq.blocks = cached + blocks.allocate(fresh)
-            seq.block_hashes, seq.registered, seq.cached_blocks = hashes, len(cached), len(cached)
+            seq.registered, seq.cached_blocks = len(cached), len(cached)
             seq.computed = len(cached) * bs
             seq.cached_prompt_tokens += seq.computed
             seq.slot = self.free_slots.pop()
