@@ -42,6 +42,12 @@ for b in "${benches[@]}"; do  # BENCH="" runs the tests alone
       timeout 300 python3 bench/sweep.py --preset llama-1b --modes FullAndPiecewise --ladders default \
         --budgets 1Mi --scenario mixed --seconds "${SECONDS_PER:-10}" --worker-args=-O1 \
         --logs "$out/logs-$b" --out "$out/sweep-llama1b-budget-nothing-h200" ;;
+    shared)  # 64 streams on one 2,000-token prefix: TTFT p50 with prefix caching against without
+      timeout 330 python3 bench/load_bench.py --scenarios shared,shared_nocache --no-step-times \
+        --seconds "${SECONDS_PER:-12}" --out "$out/load-shared-prefix-h200.json" ;;
+    capacity)  # llama-8b at context 8192 in 16 GiB of KV cache: short sequences at once, paged vs static
+      timeout 300 python3 bench/kv_capacity.py --kv-cache-memory 16Gi --seconds "${SECONDS_PER:-12}" \
+        --out "$out/kv-capacity-h200.json" ;;
     *) eval "$b" ;;
   esac
 done

@@ -7,6 +7,10 @@ Scenarios (each a fresh worker unless they share its flags):
 - ``mixed``:   64 streams, prompts of 16-400 tokens (some beyond the token budget), 64-256 new tokens,
                arrivals staggered over the first seconds
 - ``mixed256``: the same with 256 streams (and ``--max-num-seqs 256``)
+- ``shared``:  64 streams whose prompts are one common 2,000-token prefix (a system prompt) and a
+               distinct 8-32 token suffix, 32 new tokens each (context 4096); prefix caching on
+- ``shared_nocache``: the same with ``--no-prefix-caching`` (TTFT p50 against ``shared``: the
+               prefix cache's effect)
 
 For each: generated tokens/s, time to first token and inter-token latency (p50, p90, p99, from the
 clients' clocks; a message carrying k tokens counts its gap once per token, divided by k), errors by
@@ -19,6 +23,7 @@ what the GPU allows: ``streams / step time``.
     python bench/load_bench.py --scenarios mixed --worker-pythonpath /tmp/old --legacy  # an older commit
     python bench/load_bench.py --device cpu --preset tiny --seconds 5 --scenarios one,decode  # CPU smoke
     python bench/load_bench.py --scenarios one,decode,mixed --worker-args=--no-engine-process  # engine in-process
+    python bench/load_bench.py --scenarios shared,shared_nocache --no-step-times  # prefix caching on vs off
 """
 
 from __future__ import annotations
@@ -48,13 +53,23 @@ SCENARIOS = {
     "decode": (64, (8, 8), (400, 400), 0.0),
     "mixed": (64, (16, 400), (64, 256), 2.0),
     "mixed256": (256, (16, 400), (64, 256), 2.0),
+    "shared": (64, (8, 32), (32, 32), 0.0),
+    "shared_nocache": (64, (8, 32), (32, 32), 0.0),
 }
+#: Scenarios whose prompts start with one common prefix of this many tokens (the same for every
+#: stream and client process), and the context their worker serves.
+SHARED_PREFIX = {"shared": 2000, "shared_nocache": 2000}
+CONTEXT = {"shared": 4096, "shared_nocache": 4096}
+#: Extra worker flags per scenario.
+SCENARIO_FLAGS = {"shared_nocache": ["--no-prefix-caching"]}
 
 
 @dataclass
 class WorkerFlags:
     max_num_seqs: int
     budget: int
+    max_seq_len: int = 1024
+    extra: tuple[str, ...] = ()
 
 
 def free_port() -> int:
@@ -76,11 +91,11 @@ def start_worker(args: argparse.Namespace, flags: WorkerFlags, log_path: Path,
                     "--switch-interval", str(args.switch_interval), "--flush-gap", str(args.flush_gap), "--"]
     cmd = [sys.executable, *launcher, "worker", "--model", f"random:{args.preset}",
            "--device", args.device, "--dtype", args.dtype, "--port", str(port), "--metrics-port", str(metrics),
-           "--max-num-seqs", str(flags.max_num_seqs), "--max-seq-len", "1024",
+           "--max-num-seqs", str(flags.max_num_seqs), "--max-seq-len", str(flags.max_seq_len),
            "--max-num-batched-tokens", str(flags.budget), "--max-queue", "4096", "--log-level", "WARNING"]
     if not args.legacy:
         cmd += ["--control-port", str(free_port())]
-    cmd += args.worker_args.split()
+    cmd += [*flags.extra, *args.worker_args.split()]
     env = dict(os.environ)
     if args.worker_pythonpath:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (args.worker_pythonpath, env.get("PYTHONPATH")) if p)
@@ -123,11 +138,17 @@ def scrape(url: str) -> dict[str, float]:
 
 
 def client_process(target: str, streams: int, prompt: tuple[int, int], output: tuple[int, int], stagger: float,
-                   seconds: float, seed: int, vocab: int, queue: mp.Queue) -> None:
-    queue.put(asyncio.run(_client(target, streams, prompt, output, stagger, seconds, seed, vocab)))
+                   seconds: float, seed: int, vocab: int, queue: mp.Queue, prefix: tuple[int, ...] = ()) -> None:
+    queue.put(asyncio.run(_client(target, streams, prompt, output, stagger, seconds, seed, vocab, prefix)))
 
 
-async def _client(target, streams, prompt, output, stagger, seconds, seed, vocab) -> dict:
+def shared_prefix(tokens: int, vocab: int) -> tuple[int, ...]:
+    """The common prefix of a shared-prefix scenario: the same ids in every client process."""
+    rng = random.Random(2000)
+    return tuple(rng.randrange(3, vocab) for _ in range(tokens))
+
+
+async def _client(target, streams, prompt, output, stagger, seconds, seed, vocab, prefix=()) -> dict:
     import grpc
 
     from graphkeeper.proto import worker_pb2 as pb
@@ -148,7 +169,7 @@ async def _client(target, streams, prompt, output, stagger, seconds, seed, vocab
             while time.perf_counter() < deadline:
                 n_prompt, n_new = rng.randint(*prompt), rng.randint(*output)
                 req = pb.GenerateRequest(
-                    prompt_token_ids=[rng.randrange(3, vocab) for _ in range(n_prompt)],
+                    prompt_token_ids=[*prefix, *(rng.randrange(3, vocab) for _ in range(n_prompt))],
                     stopping=pb.StoppingCriteria(max_new_tokens=n_new, ignore_eos=True))
                 sent = last = time.perf_counter()
                 first = True
@@ -180,8 +201,9 @@ def drive(target: str, scenario: str, seconds: float, vocab: int, procs: int) ->
     share = [streams // procs + (1 if i < streams % procs else 0) for i in range(procs)]
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
+    prefix = shared_prefix(SHARED_PREFIX.get(scenario, 0), vocab)
     workers = [ctx.Process(target=client_process, args=(target, n, prompt, output, stagger, seconds, 1000 + i,
-                                                         vocab, queue)) for i, n in enumerate(share)]
+                                                         vocab, queue, prefix)) for i, n in enumerate(share)]
     for p in workers:
         p.start()
     parts = [queue.get(timeout=seconds + 900) for _ in workers]
@@ -278,7 +300,8 @@ def main() -> int:
         plan += [("mixed", int(b)) for b in args.budgets.split(",")]
     for scenario, budget in plan:
         streams = SCENARIOS[scenario][0]
-        flags = WorkerFlags(max_num_seqs=max(64, streams), budget=budget or 512)
+        flags = WorkerFlags(max_num_seqs=max(64, streams), budget=budget or 512,
+                            max_seq_len=CONTEXT.get(scenario, 1024), extra=tuple(SCENARIO_FLAGS.get(scenario, ())))
         sample_out = logs / f"{scenario}-{budget}-threads.json" if args.sample_threads else None
         proc, target, metrics = start_worker(args, flags, logs / f"{scenario}-{budget}.log", sample_out)
         row: dict = {}
@@ -290,6 +313,10 @@ def main() -> int:
             row.update(coverage(before, scrape(metrics)))
             row["token_budget"] = flags.budget
             row["max_num_seqs"] = flags.max_num_seqs
+            after = scrape(metrics)
+            for name in ("graphkeeper_prefix_cache_queries_tokens_total", "graphkeeper_prefix_cache_hits_tokens_total",
+                         "graphkeeper_preemptions_total"):
+                row[name.removeprefix("graphkeeper_")] = after.get(name, 0.0) - before.get(name, 0.0)
         finally:
             stopping = time.perf_counter()
             proc.terminate()
@@ -309,6 +336,12 @@ def main() -> int:
               f"{row['itl_ms'].get('p50', 0):.2f} ms p99 {row['itl_ms'].get('p99', 0):.2f} ms, coverage "
               f"{100 * row['coverage']:.1f}%, padding {100 * row['padding_waste']:.1f}%, errors {row['errors']}, "
               f"min requests/stream {row['min_requests_per_stream']}, exit {row['exit_seconds']:.1f} s", flush=True)
+    by_name = {row["scenario"]: row for row in results["scenarios"]}
+    if "shared" in by_name and "shared_nocache" in by_name:
+        on, off = by_name["shared"]["ttft_ms"].get("p50", 0), by_name["shared_nocache"]["ttft_ms"].get("p50", 0)
+        results["shared_prefix_ttft_p50_off_over_on"] = off / on if on else 0.0
+        print(f"shared prefix: TTFT p50 {on:.1f} ms with prefix caching, {off:.1f} ms without "
+              f"({results['shared_prefix_ttft_p50_off_over_on']:.1f}x)", flush=True)
     if args.device == "cuda" and not args.legacy and not args.no_step_times:
         batches = sorted({SCENARIOS[s][0] for s, _ in plan})
         steps = full_step_times(args, batches, context=256)

@@ -25,7 +25,8 @@ import torch
 from graphkeeper.proto import worker_pb2 as pb
 from graphkeeper.proto.policy import MODE_BY_NAME, PolicyError, lifecycle_name, policy_from_json, validate_policy
 from graphkeeper.worker.engine import Engine, EngineClient
-from graphkeeper.worker.engine.sizing import SizingError, parse_bytes
+from graphkeeper.worker.engine.sizing import SizingError, check_utilization, parse_bytes
+from graphkeeper.worker.model.kv_cache import check_block_size
 from graphkeeper.worker.model.loader import ModelSourceError, check_source
 from graphkeeper.worker.model.step import resolve as resolve_optimization
 from graphkeeper.worker.serving.grpc_server import StreamHub, build_servers, track_health
@@ -65,6 +66,29 @@ def limit_errors(max_num_seqs: int, max_seq_len: int, max_num_batched_tokens: in
     if prefill_chunk < 0:
         errors.append(f"--prefill-chunk must not be negative, got {prefill_chunk}")
     return errors
+
+
+def block_size_error(block_size: int) -> str | None:
+    try:
+        check_block_size(block_size)
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def utilization_error(utilization: float | None, device: str, kv_cache_memory: str) -> str | None:
+    """``--gpu-memory-utilization``: a fraction in (0, 1], on a CUDA device, instead of --kv-cache-memory."""
+    if utilization is None:
+        return None
+    try:
+        check_utilization(utilization)
+    except ValueError as err:
+        return str(err)
+    if not device.startswith("cuda"):
+        return "--gpu-memory-utilization sizes the KV cache from device memory: it needs --device cuda"
+    if kv_cache_memory:
+        return "--gpu-memory-utilization and --kv-cache-memory both size the KV cache: give one"
+    return None
 
 
 def port_error(flag: str, port: int) -> str | None:
@@ -179,6 +203,9 @@ def boot_errors(args: argparse.Namespace) -> list[str]:
     errors += [e for e in (dtype_error(args.dtype), drain_error(args.drain_seconds),
                            control_token_error(getattr(args, "control_token_file", ""))) if e]
     errors += model_root_errors(getattr(args, "model_root", None) or [])
+    errors += [e for e in (block_size_error(getattr(args, "kv_block_size", 16)),
+                           utilization_error(getattr(args, "gpu_memory_utilization", None), args.device,
+                                             getattr(args, "kv_cache_memory", ""))) if e]
     if not errors:  # the costlier checks only once the flags themselves make sense
         cuda = torch.cuda.is_available()
         errors += [e for e in (device_error(args.device, cuda, torch.cuda.device_count() if cuda else 0),
@@ -232,6 +259,8 @@ def settings_from_args(args: argparse.Namespace) -> EngineSettings:
         inject_step_failure=_step_injection(os.environ.get(INJECT_STEP_ENV, "")),
         model_roots=tuple(args.model_root), optimization_level=args.optimization_level, compile=args.compile,
         compile_cache_dir=args.compile_cache_dir, quantization=args.quantization,
+        kv_block_size=getattr(args, "kv_block_size", 16), prefix_caching=getattr(args, "prefix_caching", True),
+        gpu_memory_utilization=getattr(args, "gpu_memory_utilization", None) or 0.0,
     )
 
 

@@ -136,6 +136,23 @@ class WorkerMetrics:
         self.tenant_steps = Counter(
             "graphkeeper_tenant_steps", "Steps holding a tenant's sequences (policy-listed tenants only).",
             ["tenant", "execution"], registry=r)
+        # The paged KV cache (what routers read: utilisation and prefix locality).
+        self.kv_blocks = Gauge("graphkeeper_kv_cache_blocks", "KV cache blocks in all.", registry=r)
+        self.kv_used_blocks = Gauge("graphkeeper_kv_cache_used_blocks", "KV cache blocks held by running sequences.",
+                                    registry=r)
+        self.kv_cached_blocks = Gauge("graphkeeper_kv_cache_cached_blocks",
+                                      "Free KV cache blocks that still hold a cached prefix.", registry=r)
+        self.kv_usage = Gauge("graphkeeper_kv_cache_usage_ratio", "Used KV cache blocks over all (0 to 1).",
+                              registry=r)
+        self.kv_block_size = Gauge("graphkeeper_kv_cache_block_size_tokens", "Tokens per KV cache block.",
+                                   registry=r)
+        self.prefix_queries = Counter("graphkeeper_prefix_cache_queries_tokens",
+                                      "Prompt tokens looked up in the prefix cache.", registry=r)
+        self.prefix_hits = Counter("graphkeeper_prefix_cache_hits_tokens",
+                                   "Prompt tokens found in the prefix cache (not computed again).", registry=r)
+        self.preemptions = Counter("graphkeeper_preemptions", "Sequences preempted for lack of KV blocks.",
+                                   registry=r)
+        self._kv_seen = (0, 0, 0, 0, 0, 0)
         for outcome in OUTCOMES:
             self.requests.labels(outcome)
         for cause in RECAPTURE_CAUSES:
@@ -158,6 +175,23 @@ class WorkerMetrics:
         self.compile_info.info({"level": str(level), "compiled": "true" if compiled else "false", "cache": cache,
                                 "kernels": bounded_label(kernels), "quantization": bounded_label(quantization)})
         self.compile_duration.set(seconds)
+
+    def set_kv(self, block_size: int, total: int, used: int, cached: int, queries: int, hits: int,
+               preemptions: int) -> None:
+        """The KV cache's gauges, and its counters moved on to the engine's running totals."""
+        seen = (total, used, cached, queries, hits, preemptions)
+        if seen == self._kv_seen:
+            return
+        _, _, _, q0, h0, p0 = self._kv_seen
+        self._kv_seen = seen
+        self.kv_block_size.set(block_size)
+        self.kv_blocks.set(total)
+        self.kv_used_blocks.set(used)
+        self.kv_cached_blocks.set(cached)
+        self.kv_usage.set(used / total if total else 0.0)
+        self.prefix_queries.inc(max(0, queries - q0))
+        self.prefix_hits.inc(max(0, hits - h0))
+        self.preemptions.inc(max(0, preemptions - p0))
 
     def set_model(self, revision: str, source: str, dtype: str, device: str) -> None:
         """The model-info series: the source's kind and name, never a filesystem path; bounded values."""
@@ -252,6 +286,14 @@ METRIC_NAMES = frozenset({
     "graphkeeper_tenant_steps_total",
     "graphkeeper_compile_info",
     "graphkeeper_compile_duration_seconds",
+    "graphkeeper_kv_cache_blocks",
+    "graphkeeper_kv_cache_used_blocks",
+    "graphkeeper_kv_cache_cached_blocks",
+    "graphkeeper_kv_cache_usage_ratio",
+    "graphkeeper_kv_cache_block_size_tokens",
+    "graphkeeper_prefix_cache_queries_tokens_total",
+    "graphkeeper_prefix_cache_hits_tokens_total",
+    "graphkeeper_preemptions_total",
 })
 
 

@@ -58,6 +58,8 @@ class StepPlan:
     """A scheduled step, flat: decode rows first, then prefill chunks.
 
     Decode rows carry no token here: each reads its slot's latest sampled token on the device.
+    A row's keys go to its slot's blocks (the KV cache's block table, which ``block_updates``
+    changes), at its position.
     ``sample_rows`` are the rows whose next token is needed (every decode row, and the last row
     of a prefill chunk that completes its prompt); ``sample_slots`` their slots.
     """
@@ -71,6 +73,9 @@ class StepPlan:
     sample_slots: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     sampling: SamplingBatch | None = None
     decode_tokens: np.ndarray | None = None  # given only by probes and warm-up, which have no history
+    #: Block-table changes ``[3, k]`` (slot, index in the slot's table, block), applied before the
+    #: step runs; each (slot, index) at most once. None when the step changes no table.
+    block_updates: np.ndarray | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -44,6 +44,13 @@ class EngineSettings:
     max_seq_len: int | None = DEFAULT_MAX_SEQ_LEN
     #: Bytes the KV cache may take (0: a share of the memory there is, engine/sizing.py).
     kv_cache_memory: int = 0
+    #: Tokens per KV block (a power of two) and whether full prompt blocks are cached and shared.
+    kv_block_size: int = 16
+    prefix_caching: bool = True
+    #: Track B (CUDA): the KV cache takes what is left of this fraction of device memory after the
+    #: weights, the measured activation peak and the measured graph memory (0: off; the KV cache is
+    #: sized by kv_cache_memory or a share of free memory before anything is captured).
+    gpu_memory_utilization: float = 0.0
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     max_queue: int = DEFAULT_MAX_QUEUE
     #: Longest prefill chunk (0: the token budget).

@@ -52,6 +52,13 @@ def _worker(sub: argparse._SubParsersAction) -> None:
                    help="tokens per sequence (default: the model's context, capped by memory)")
     p.add_argument("--kv-cache-memory", default="",
                    help="KV cache budget, e.g. 2Gi (default: a share of free memory)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=None,
+                   help="CUDA: the KV cache takes what is left of this fraction of device memory, in (0, 1], after "
+                        "the weights, the activation peak and the graphs (measured at startup)")
+    p.add_argument("--kv-block-size", type=int, default=16,
+                   help="tokens per KV cache block, a power of two (default 16)")
+    p.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the KV blocks of prompt prefixes computed before (default: on)")
     p.add_argument("--max-num-batched-tokens", type=int, default=d.DEFAULT_MAX_NUM_BATCHED_TOKENS,
                    help="token budget per step")
     p.add_argument("--max-queue", type=int, default=d.DEFAULT_MAX_QUEUE,

@@ -106,6 +106,18 @@ def read_token(path: str) -> str:
     return open(path).read().strip() if path else ""  # noqa: SIM115 - tiny file, read once
 
 
+def kv_cache_line(kv: pb.KVCacheStatus) -> str:
+    """The KV cache in one line: blocks, prefix cache hits, preemptions, bytes and how it was sized."""
+    usage = kv.blocks_used / kv.blocks_total if kv.blocks_total else 0.0
+    prefix = (f"prefix cache {kv.prefix_hit_tokens}/{kv.prefix_query_tokens} tokens hit" if kv.prefix_caching
+              else "prefix cache off")
+    sized = kv.sizing or "explicit"
+    if kv.planned_bytes:
+        sized += f", planned {kv.planned_bytes} B, free after capture {kv.free_after_capture_bytes} B"
+    return (f"kv cache  {kv.blocks_used}/{kv.blocks_total} blocks of {kv.block_size} tokens used ({usage:.0%}), "
+            f"{kv.blocks_cached} cached; {prefix}; {kv.preemptions} preemptions; {kv.bytes} B ({sized})")
+
+
 def status_cmd(args: argparse.Namespace) -> int:
     try:
         token = read_token(args.token_file)
@@ -147,6 +159,8 @@ def status_cmd(args: argparse.Namespace) -> int:
     fallbacks = ", ".join(f"{reason_name(f.reason)}={f.steps}" for f in status.fallbacks) or "none"
     print(f"steps     graph {status.graph_steps}, eager {status.eager_steps} (fallbacks: {fallbacks})")
     print(f"serving   {status.running_sequences} running, {status.queued_requests} queued")
+    if status.HasField("kv_cache"):
+        print(kv_cache_line(status.kv_cache))
     if status.last_error:
         print(f"error     {status.last_error}")
     return 0

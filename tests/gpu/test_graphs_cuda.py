@@ -111,29 +111,36 @@ def test_replay_equals_eager_for_32_greedy_steps(bf16_graphs, mode, size):
         assert rel < 1e-2, rel
 
 
+def slot_blocks(cache, slots) -> torch.Tensor:
+    """The blocks that hold ``slots``' keys (a static cache: each slot's own run of blocks)."""
+    return torch.as_tensor(cache.table_host[slots].ravel(), device=cache.k.device)
+
+
 def test_padding_never_changes_outputs_or_other_sequences():
     runner = make_runner("float32")
     graphs = capture(runner, [(FULL, 8), (PIECEWISE, 8)], tolerance=1e-4)
     prompts = prompts_for(5, seed=11)
     tokens = prefill(runner, prompts)
-    bystander = 20  # a slot outside the batch, holding another sequence's keys
-    runner.cache.k[:, bystander].normal_()
-    before = runner.cache.k[:, bystander].clone(), runner.cache.v[:, bystander].clone()
+    cache = runner.cache
+    bystander = slot_blocks(cache, [20])  # a slot outside the batch, holding another sequence's keys
+    batch = slot_blocks(cache, list(range(5)))
+    cache.k[:, bystander] = torch.randn_like(cache.k[:, bystander])
+    before = cache.k[:, bystander].clone(), cache.v[:, bystander].clone()
     plan = mkplan(tokens, [len(p) for p in prompts], list(range(5)), 5, [], list(range(5)))
     eager = sample_logits(runner, runner.forward_eager(runner.prepare(plan, 5), 5), plan)
-    eager_kv = runner.cache.k[:, :5].clone()
+    eager_kv = cache.k[:, batch].clone()
     for mode in (FULL, PIECEWISE):
         outs = []
         for junk in (0, 499):  # different padded-row contents must not matter
             meta = runner.prepare(plan, 8)
             runner.inputs[runner.TOKENS, 5:8] = junk
             outs.append(sample_logits(runner, graphs.replay(mode, 8, meta), plan).clone())
-            assert torch.allclose(runner.cache.k[:, :5], eager_kv, rtol=1e-4, atol=1e-5)
+            assert torch.allclose(cache.k[:, batch], eager_kv, rtol=1e-4, atol=1e-5)
         assert torch.equal(outs[0], outs[1])
         assert torch.equal(outs[0].argmax(-1), eager.argmax(-1))
         assert ((outs[0] - eager).norm() / eager.norm()).item() < 1e-4
-    assert torch.equal(runner.cache.k[:, bystander], before[0])
-    assert torch.equal(runner.cache.v[:, bystander], before[1])
+    assert torch.equal(cache.k[:, bystander], before[0])
+    assert torch.equal(cache.v[:, bystander], before[1])
 
 
 def test_piecewise_mixed_step_matches_eager():
@@ -322,23 +329,39 @@ def test_disabled_tenant_runs_eager_while_others_replay():
         engine.drain_and_stop(5)
 
 
+def paged(slots_total: int, length_max: int, kv_heads: int, d: int, dtype, block_size: int = 16):
+    """A paged cache whose slots' blocks are scattered in a shuffled order, and a gather of a slot's
+    first ``n`` keys (or values) through its table, for references."""
+    per_slot = -(-length_max // block_size)
+    k = torch.randn(slots_total * per_slot + 3, block_size, kv_heads, d, device="cuda", dtype=dtype)
+    v = torch.randn_like(k)
+    order = torch.randperm(k.shape[0], generator=torch.Generator().manual_seed(5))[: slots_total * per_slot]
+    table = order.view(slots_total, per_slot).to("cuda")
+
+    def gather(cache, slot: int, n: int) -> torch.Tensor:
+        pos = torch.arange(n, device="cuda")
+        return cache.flatten(0, 1)[table[slot, pos // block_size] * block_size + pos % block_size]
+
+    return k, v, table, gather
+
+
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
-def test_triton_decode_kernel_matches_sdpa_reference(dtype, tol):
+@pytest.mark.parametrize("block_size", [16, 64])
+def test_triton_decode_kernel_matches_sdpa_reference(dtype, tol, block_size):
     from graphkeeper.worker.kernels import decode_kernel
 
     torch.manual_seed(0)
     slots_total, kv_heads, length_max, d, heads, rows = 9, 2, 200, 64, 8, 7
-    k = torch.randn(slots_total, length_max, kv_heads, d, device="cuda", dtype=dtype)
-    v = torch.randn_like(k)
+    k, v, table, gather = paged(slots_total, length_max, kv_heads, d, dtype, block_size)
     q = torch.randn(rows, heads, d, device="cuda", dtype=dtype)
     slots = torch.tensor([3, 0, 8, 5, 5, 1, 2], device="cuda")
     lengths = torch.tensor([1, 17, 64, 65, 200, 129, 3], device="cuda")
-    got = decode_kernel.decode_attention(q, k, v, slots, lengths).view(rows, heads, d).float()
+    got = decode_kernel.decode_attention(q, k, v, slots, lengths, table).view(rows, heads, d).float()
     group = heads // kv_heads
     for r in range(rows):
         n = int(lengths[r])
-        keys = k[slots[r], :n].float().transpose(0, 1).repeat_interleave(group, 0)
-        values = v[slots[r], :n].float().transpose(0, 1).repeat_interleave(group, 0)
+        keys = gather(k, int(slots[r]), n).float().transpose(0, 1).repeat_interleave(group, 0)
+        values = gather(v, int(slots[r]), n).float().transpose(0, 1).repeat_interleave(group, 0)
         want = torch.softmax(q[r].float()[:, None, :] @ keys.transpose(1, 2) / d**0.5, -1) @ values
         rel = ((got[r] - want[:, 0]).norm() / want.norm()).item()
         assert rel < tol, (r, rel)
@@ -355,8 +378,7 @@ def test_varlen_kernel_matches_a_float64_reference(dtype, tol, heads, kv_heads):
 
     torch.manual_seed(heads)
     d, slots_total, length_max = 64, 6, 300
-    k = torch.randn(slots_total, length_max, kv_heads, d, device="cuda", dtype=dtype)
-    v = torch.randn_like(k)
+    k, v, block_table, gather = paged(slots_total, length_max, kv_heads, d, dtype)
     # (slot, first position, tokens): two decode rows, then chunks of 1, 16, 17 and 40 tokens.
     entries = [(0, 50, 1), (1, 0, 1), (2, 0, 1), (3, 7, BLOCK_Q), (4, 100, BLOCK_Q + 1), (5, 200, 40)]
     rows = sum(n for _, _, n in entries)
@@ -370,13 +392,13 @@ def test_varlen_kernel_matches_a_float64_reference(dtype, tol, heads, kv_heads):
         row += n
     table = torch.tensor(blocks, device="cuda", dtype=torch.long).T.contiguous()
     out = torch.full((rows, heads * d), float("nan"), device="cuda", dtype=dtype)
-    got = varlen_attention(q, k, v, table[0], table[1], table[2], table[3], len(blocks), out=out)
+    got = varlen_attention(q, k, v, table[0], table[1], table[2], table[3], len(blocks), block_table, out=out)
     assert torch.isfinite(got).all(), "every row is written"
     group = heads // kv_heads
     got = got.view(rows, heads, d).double()
     for r, slot, pos in want_rows:
-        keys = k[slot, : pos + 1].double().transpose(0, 1).repeat_interleave(group, 0)
-        values = v[slot, : pos + 1].double().transpose(0, 1).repeat_interleave(group, 0)
+        keys = gather(k, slot, pos + 1).double().transpose(0, 1).repeat_interleave(group, 0)
+        values = gather(v, slot, pos + 1).double().transpose(0, 1).repeat_interleave(group, 0)
         want = torch.softmax(q[r].double()[:, None, :] @ keys.transpose(1, 2) / d**0.5, -1) @ values
         rel = ((got[r] - want[:, 0]).norm() / want.norm()).item()
         assert rel < tol, (r, rel)

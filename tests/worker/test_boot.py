@@ -167,6 +167,10 @@ def _bad_flag_cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
         "model-root-not-a-dir": (["--model-root", str(empty_token)], "--model-root"),
         "not-a-number": (["--max-num-seqs", "lots"], "--max-num-seqs"),
         "bad-log-level": (["--log-level", "loud"], "--log-level"),
+        "block-size-not-a-power-of-two": (["--kv-block-size", "12"], "--kv-block-size must be a power of two"),
+        "utilization-above-one": (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization must be"),
+        "utilization-zero": (["--gpu-memory-utilization", "0"], "in (0, 1]"),
+        "utilization-on-a-cpu": (["--gpu-memory-utilization", "0.9"], "it needs --device cuda"),
     }
 
 

@@ -356,6 +356,9 @@ def test_cli_status(worker):
     assert "step      -O2, not compiled (preset -O2 asks for compilation, but it runs only on CUDA)" in plain
     assert graphs["compile"]["optimization_level"] == 2 and graphs["compile"]["kernels"] == "torch"
     assert worker.model_info().revision in plain
+    kv = graphs["kv_cache"]
+    assert kv["block_size"] == 16 and int(kv["blocks_total"]) == 4 * 128 // 16 and kv["prefix_caching"]
+    assert f"0/{kv['blocks_total']} blocks of 16 tokens used (0%)" in plain and "prefix cache " in plain
 
 
 def test_graph_control_is_only_on_its_port_and_only_with_the_token(worker):

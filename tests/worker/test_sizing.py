@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from graphkeeper.worker.engine.sizing import SizingError, choose_sizes, kv_bytes_per_token, parse_bytes
+from graphkeeper.worker.engine.sizing import (
+    SizingError,
+    check_utilization,
+    choose_sizes,
+    estimate_graph_bytes,
+    kv_bytes_per_token,
+    parse_bytes,
+    plan_kv_by_utilization,
+)
 
 GIB = 1 << 30
 PER_TOKEN = kv_bytes_per_token(30, 3, 64, 4)  # SmolLM2-135M in float32: 46,080 bytes
@@ -37,16 +45,26 @@ def test_the_sequence_count_is_capped_per_device():
 def test_explicit_sizes_that_do_not_fit_are_refused_in_one_line():
     with pytest.raises(SizingError) as err:
         sizes(max_seq_len=100_000_000, max_num_seqs=16)
-    assert "--max-seq-len 100000000 x --max-num-seqs 16" in str(err.value) and "\n" not in str(err.value)
+    assert "--max-seq-len 100000000 needs" in str(err.value) and "one sequence" in str(err.value)
+    assert "\n" not in str(err.value)
     with pytest.raises(SizingError):
         sizes(max_seq_len=100_000_000)
 
 
 def test_the_scratch_slots_count_against_the_budget():
     s = sizes(max_seq_len=1024, max_num_seqs=4, step_tokens=4096)
-    assert s.kv_cache_bytes == (4 + 4) * 1024 * PER_TOKEN
+    assert s.kv_cache_bytes == (4 + 4) * 1024 * PER_TOKEN and s.kv_blocks == 4 * 1024 // 16
     with pytest.raises(SizingError):
-        sizes(max_seq_len=1024, max_num_seqs=4, step_tokens=4096, budget_bytes=7 * 1024 * PER_TOKEN)
+        sizes(max_seq_len=1024, max_num_seqs=4, step_tokens=4096, budget_bytes=5 * 1024 * PER_TOKEN - 1)
+
+
+def test_a_budget_below_the_static_reservation_is_filled_with_blocks():
+    """Paged: 256 sequences of a 8192-token context need not fit at once; the budget becomes blocks
+    (after the scratch slots), sequences are admitted while blocks remain."""
+    s = sizes(max_seq_len=8192, max_num_seqs=256, budget_bytes=4 * GIB, block_size=32)
+    assert s.max_num_seqs == 256 and s.block_size == 32
+    assert s.kv_blocks == (4 * GIB - 8192 * PER_TOKEN) // (32 * PER_TOKEN)
+    assert s.kv_cache_bytes <= 4 * GIB and "blocks of 32 tokens" in s.explanation
 
 
 def test_explicit_sizes_that_fit_are_kept():
@@ -64,3 +82,38 @@ def test_sizes_parse_as_kubernetes_writes_them(text, value):
 def test_bad_sizes_are_refused(text):
     with pytest.raises(ValueError):
         parse_bytes(text)
+
+
+def test_track_b_gives_the_cache_what_is_left_after_everything_measured():
+    """80 GiB at 0.9 is 72 GiB; 20 GiB is in use beside a provisional 1 GiB of blocks (weights,
+    graphs, scratch), 3 GiB is the activation peak: 50 GiB of 2 MiB blocks."""
+    plan = plan_kv_by_utilization(total_bytes=80 * GIB, utilization=0.9, used_bytes=21 * GIB,
+                                  provisional_kv_bytes=GIB, activation_peak_bytes=3 * GIB,
+                                  block_bytes=2 << 20, min_blocks=512)
+    expected = (int(80 * GIB * 0.9) - 20 * GIB - 3 * GIB) // (2 << 20)
+    assert plan.kv_blocks == expected and plan.kv_bytes == expected * (2 << 20)
+    assert "activation peak of 3.00 GiB" in plan.explanation
+
+
+def test_track_b_refuses_when_not_one_context_fits():
+    with pytest.raises(SizingError) as err:
+        plan_kv_by_utilization(total_bytes=80 * GIB, utilization=0.25, used_bytes=21 * GIB, provisional_kv_bytes=GIB,
+                               activation_peak_bytes=3 * GIB, block_bytes=2 << 20, min_blocks=512)
+    assert "--gpu-memory-utilization 0.25 leaves 0 bytes" in str(err.value) and "512 blocks" in str(err.value)
+
+
+@pytest.mark.parametrize("value", [0, -0.1, 1.01, float("nan"), float("inf")])
+def test_a_utilization_outside_zero_to_one_is_refused(value):
+    with pytest.raises(ValueError, match="--gpu-memory-utilization must be a fraction in"):
+        check_utilization(value)
+    assert check_utilization(1) == 1.0 and check_utilization(0.05) == 0.05
+
+
+def test_graph_memory_of_a_new_ladder_is_estimated_from_what_was_measured():
+    """Captured keys cost what they were measured at; others their size times the largest per-row
+    cost of their mode (or any mode): the estimate a track B worker refuses a policy by."""
+    measured = {(3, 8): 800, (3, 16): 1200, (2, 64): 6400}
+    assert estimate_graph_bytes([(3, 8), (3, 16)], measured) == 2000
+    assert estimate_graph_bytes([(3, 32)], measured) == 32 * 100  # 100 B a row, from size 8
+    assert estimate_graph_bytes([(4, 10)], measured) == 10 * 100  # no FULL_DECODE_ONLY measured: any mode's
+    assert estimate_graph_bytes([(3, 8)], {}) == 0

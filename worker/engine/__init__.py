@@ -9,7 +9,7 @@ of its own (``engine.process``), which is how ``graphkeeper worker`` serves.
 
 from graphkeeper.worker.engine.client import EngineClient
 from graphkeeper.worker.engine.core import Engine
-from graphkeeper.worker.engine.errors import NotServing, QueueFull, StalePolicy, StepFailed
+from graphkeeper.worker.engine.errors import CannotFit, NotServing, QueueFull, StalePolicy, StepFailed
 from graphkeeper.worker.engine.lifecycle import SERVING_STATES
 from graphkeeper.worker.engine.model_roots import ReloadRefused
 from graphkeeper.worker.engine.sequence import Limits
@@ -17,6 +17,6 @@ from graphkeeper.worker.model.tokenizer import ChatError, IncrementalDetokenizer
 from graphkeeper.worker.settings import EngineSettings
 
 __all__ = [
-    "SERVING_STATES", "ChatError", "Engine", "EngineClient", "EngineSettings", "IncrementalDetokenizer", "Limits",
-    "NotServing", "QueueFull", "ReloadRefused", "StalePolicy", "StepFailed",
+    "SERVING_STATES", "CannotFit", "ChatError", "Engine", "EngineClient", "EngineSettings", "IncrementalDetokenizer",
+    "Limits", "NotServing", "QueueFull", "ReloadRefused", "StalePolicy", "StepFailed",
 ]

@@ -25,9 +25,11 @@ from typing import Any
 import torch
 
 from graphkeeper.proto import worker_pb2 as pb
-from graphkeeper.proto.policy import lifecycle_name
+from graphkeeper.proto.policy import PolicyError, effective_requested_mode, lifecycle_name, resolve_capture_sizes
+from graphkeeper.worker.engine.blocks import BlockManager, blocks_for
 from graphkeeper.worker.engine.control import Control, Reload, starting_policy
 from graphkeeper.worker.engine.errors import (
+    CannotFit,
     NotServing,
     QueueFull,
     ReloadBusy,
@@ -43,13 +45,23 @@ from graphkeeper.worker.engine.outputs import InFlight, OutputProcessor, direct_
 from graphkeeper.worker.engine.recorder import StepRecorder
 from graphkeeper.worker.engine.scheduler import ScheduledStep, Scheduler, sub_step
 from graphkeeper.worker.engine.sequence import Limits, Sequence, sequence_for
-from graphkeeper.worker.engine.sizing import settle
+from graphkeeper.worker.engine.sizing import (
+    UtilizationPlan,
+    aligned,
+    check_utilization,
+    estimate_graph_bytes,
+    plan_kv_by_utilization,
+    settle,
+)
 from graphkeeper.worker.engine.startup import Laps, step_phases
-from graphkeeper.worker.engine.status import graph_status, model_info
+from graphkeeper.worker.engine.status import graph_status, kv_cache_status, model_info
 from graphkeeper.worker.executor.graphs.controller import CaptureController
 from graphkeeper.worker.executor.graphs.dispatcher import BatchDescriptor, Dispatcher
 from graphkeeper.worker.executor.graphs.economics import idle_keys
+from graphkeeper.worker.executor.graphs.modes import capture_plan, downgrade_mode
 from graphkeeper.worker.metrics import WorkerMetrics
+from graphkeeper.worker.model.attention import SlotAttention
+from graphkeeper.worker.model.kv_cache import check_block_size
 from graphkeeper.worker.model.loader import ModelSourceError, check_source
 from graphkeeper.worker.model.step import forbid_recompiles
 from graphkeeper.worker.model.tokenizer import Tokenizer
@@ -68,6 +80,14 @@ class Engine:
         """Raises SizingError (or ModelSourceError) when the KV cache asked for cannot fit: checked
         here, from the model's config and the memory there is, before anything is allocated."""
         self.device = torch.device(settings.device)
+        check_block_size(settings.kv_block_size)
+        if settings.gpu_memory_utilization:
+            check_utilization(settings.gpu_memory_utilization)
+            if self.device.type != "cuda":
+                raise ValueError("--gpu-memory-utilization sizes the KV cache from device memory: it needs a CUDA "
+                                 "device (use --kv-cache-memory elsewhere)")
+            if settings.kv_cache_memory:
+                raise ValueError("--gpu-memory-utilization and --kv-cache-memory both size the KV cache: give one")
         settings, self.sizes = settle(settings, self.device)
         log.info("sizes: %s", self.sizes.explanation)
         self.settings = settings
@@ -77,10 +97,19 @@ class Engine:
         self.ledger = Ledger()
         #: Whether this worker records graphs at all (a recapture starts only where they exist).
         self.captures_graphs = self.device.type == "cuda"
-        self.slot = ModelSlot(settings, self.device, self.ledger, self.metrics)
+        kv_blocks = self.sizes.kv_blocks
+        if settings.gpu_memory_utilization:  # provisional: one whole context, until the graphs are measured
+            kv_blocks = blocks_for(aligned(settings.max_seq_len), settings.kv_block_size)
+        #: Track B's plan and what was free once the final graphs were captured (0 under track A).
+        self.kv_plan: UtilizationPlan | None = None
+        self.kv_free_after_capture = 0
+        self.graph_room = 0  # track B: device memory graphs may take beside the cache
+        self.slot = ModelSlot(settings, self.device, self.ledger, self.metrics, kv_blocks=kv_blocks)
+        self.blocks = BlockManager(kv_blocks, settings.kv_block_size, prefix_caching=settings.prefix_caching)
         self.control = Control(starting_policy(settings.policy), self.lifecycle,
                                (settings.max_num_seqs, settings.max_num_batched_tokens))
-        self.scheduler = Scheduler(settings.max_num_seqs, settings.max_num_batched_tokens, settings.prefill_chunk)
+        self.scheduler = Scheduler(settings.max_num_seqs, settings.max_num_batched_tokens, settings.prefill_chunk,
+                                   self.blocks)
         self.dispatcher = Dispatcher()
         self.recorder = StepRecorder(self.metrics)
         self.recorder.listed_tenants = frozenset(t.tenant for t in self.control.policy.tenants)
@@ -128,6 +157,11 @@ class Engine:
         if len(self._inbox) + len(self.scheduler.waiting) >= self.settings.max_queue:
             raise QueueFull(f"queue is full ({self.settings.max_queue} requests waiting)")
         seq = sequence_for(req, stream, self.slot.eos_ids)
+        need = blocks_for(len(seq.prompt) + seq.max_new_tokens, self.blocks.block_size)
+        if need > self.blocks.num_blocks:
+            raise CannotFit(f"prompt ({len(seq.prompt)} tokens) plus max_new_tokens ({seq.max_new_tokens}) needs "
+                            f"{need} KV blocks of {self.blocks.block_size} tokens; the cache has "
+                            f"{self.blocks.num_blocks} in all")
         self.metrics.prompt_tokens.inc(len(seq.prompt))
         self._inbox.append(seq)
         self._wake.set()
@@ -142,6 +176,7 @@ class Engine:
 
         The policy becomes pending here and adopted on the engine thread.
         """
+        self._check_graphs_fit(policy)
         unchanged, recapture = self.control.offer(policy)
         if not unchanged:
             self._commands.put(lambda: self._adopt_policy(policy))
@@ -199,7 +234,88 @@ class Engine:
         return graph_status(
             snap, capture=self.capture, recorder=self.recorder, ledger=self.ledger,
             model_revision=loaded.revision if loaded else "", running=len(self.scheduler.running),
-            queued=len(self.scheduler.waiting) + len(self._inbox), compile=self.slot.compile_status())
+            queued=len(self.scheduler.waiting) + len(self._inbox), compile=self.slot.compile_status(),
+            kv_cache=self.kv_status())
+
+    def kv_status(self) -> pb.KVCacheStatus:
+        """The KV cache's blocks, prefix cache and preemptions (counts read without a lock: each is
+        one integer the engine thread writes)."""
+        runner, plan = self.slot.runner, self.kv_plan
+        status = kv_cache_status(
+            self.blocks.block_size, self.blocks.status(), prefix_caching=self.blocks.prefix_caching,
+            preemptions=self.scheduler.preemptions,
+            nbytes=runner.cache.nbytes() if runner else self.sizes.kv_cache_bytes,
+            sizing="utilization" if self.settings.gpu_memory_utilization else "explicit")
+        if plan is not None:
+            status.planned_bytes, status.free_after_capture_bytes = plan.kv_bytes, self.kv_free_after_capture
+        return status
+
+    def _export_kv(self) -> None:
+        b = self.blocks
+        self.metrics.set_kv(b.block_size, *b.status(), self.scheduler.preemptions)
+
+    # --- track B: the KV cache sized after measured graph memory ----------------------------
+
+    def _check_graphs_fit(self, policy: pb.GraphPolicy) -> None:
+        """Under track B the cache took what the graphs left: a policy whose graphs would need
+        more than the graphs hold now plus what is still free is refused (PolicyError), not
+        captured into an out-of-memory."""
+        graphs = self.capture.graph_set
+        if self.kv_plan is None or graphs is None or not graphs.captured:
+            return
+        mode, _ = downgrade_mode(effective_requested_mode(policy), int(SlotAttention.graph_support), True)
+        if mode == pb.GRAPH_MODE_NONE:
+            return
+        ladder = resolve_capture_sizes(policy.capture_sizes, self.settings.max_num_seqs,
+                                       self.settings.max_num_batched_tokens)
+        keys = capture_plan(mode, ladder, self.settings.max_num_seqs)
+        measured = {k: max(0, e.device_bytes) for k, e in graphs.captured.items()}
+        need = estimate_graph_bytes(keys, measured)
+        if need > self.graph_room:
+            raise PolicyError("capture_sizes", f"its graphs would take about {need} B of device memory; beside the KV "
+                              f"cache sized by --gpu-memory-utilization there is room for {self.graph_room} B "
+                              "(fewer or smaller sizes, or restart the worker to size the cache for them)")
+
+    def _size_kv_by_utilization(self, utilization: float) -> None:
+        """Measures what the step and the graphs take beside the provisional KV cache, gives the
+        cache what is left of ``utilization`` x device memory, and captures the graphs again
+        against it (a new KV allocation invalidates every graph: they are released first).
+
+        The activation peak is measured on an eager step of the whole token budget, the largest
+        a fallback step can be: serving must keep that much free outside the graphs' pools.
+        """
+        device, runner = self.device, self.slot.runner
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        with torch.compiler.set_stance("default"):
+            runner.warm_up(self.settings.max_num_batched_tokens)
+        peak = torch.cuda.max_memory_allocated(device) - base
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(device)
+        cache = runner.cache
+        plan = plan_kv_by_utilization(
+            total_bytes=total, utilization=utilization, used_bytes=total - free,
+            provisional_kv_bytes=cache.num_blocks * cache.block_bytes, activation_peak_bytes=peak,
+            block_bytes=cache.block_bytes, min_blocks=cache.max_blocks_per_seq)
+        log.info("--gpu-memory-utilization: %s", plan.explanation)
+        self.capture.release()
+        runner = cache = None
+        self.slot.resize_kv(plan.kv_blocks)
+        self.blocks.resize(plan.kv_blocks)
+        self.capture.begin(self.control.policy, self.slot.runner)
+        self.capture.run_all()
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(device)
+        # What the cache could have taken, knowing the final capture: the prediction's truth.
+        self.kv_free_after_capture = plan.kv_bytes + int(total * utilization) - (total - free) - peak
+        graphs = self.capture.graph_set
+        self.graph_room = (graphs.memory_bytes if graphs else 0) + max(0, self.kv_free_after_capture - plan.kv_bytes)
+        self.kv_plan = plan
+        log.info("KV cache planned %d B; %d B was free for it after the final capture (%.2f%% apart)",
+                 plan.kv_bytes, self.kv_free_after_capture,
+                 100 * abs(plan.kv_bytes - self.kv_free_after_capture) / max(1, self.kv_free_after_capture))
 
     # --- the engine thread ----------------------------------------------------------------
 
@@ -230,6 +346,7 @@ class Engine:
         laps.lap("device context")
         self.slot.install(self.slot.load(s.model, s.model_revision))
         self.recorder.set_attention(self.slot.runner.attention.name)
+        self.blocks.reset_prefix_cache(self.slot.loaded.revision)
         self.control.move(S.LIFECYCLE_STATE_MODEL_LOADED)
         laps.lap("weights and KV cache")
         self.slot.prepare_step()
@@ -238,9 +355,12 @@ class Engine:
         laps.lap(f"step ({step_phases(self.slot.compile_report)})")
         self.capture.begin(self.control.policy, self.slot.runner)
         self.capture.run_all()
+        if s.gpu_memory_utilization:
+            self._size_kv_by_utilization(s.gpu_memory_utilization)
         if self.slot.compile_report.enabled:
             forbid_recompiles()
         self._captured()
+        self._export_kv()
         self.control.move(S.LIFECYCLE_STATE_CAPTURED)
         self.control.move(S.LIFECYCLE_STATE_READY)
         laps.lap("capture")
@@ -278,6 +398,7 @@ class Engine:
                 self._isolate(step, failure)  # after the previous step's tokens: streams stay in order
             self.metrics.queue_depth.set(len(self.scheduler.waiting) + len(self._inbox))
             self.metrics.running_sequences.set(len(self.scheduler.running))
+            self._export_kv()
             if inflight is None and step is None:
                 self._wake.wait(0.05 if not self.capture.active else 0)
                 self._wake.clear()
@@ -457,6 +578,7 @@ class Engine:
         self.ledger.record(L.LEDGER_STAGE_WARMUP, self.device)
         self.steps_since_ready = 0  # STEADY is measured again, on the new model
         self.recorder.set_attention(self.slot.runner.attention.name)
+        self.blocks.reset_prefix_cache(self.slot.loaded.revision)  # nothing runs now: every block is free
         self.metrics.recaptures.labels("model_revision").inc()
         self._begin_capture()
         self.scheduler.admitting = True

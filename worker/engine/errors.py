@@ -18,6 +18,11 @@ class ReloadBusy(NotServing):
     not the caller's bad input)."""
 
 
+class CannotFit(ValueError):
+    """A request whose prompt and max_new_tokens need more KV blocks than the whole cache has:
+    it could never run, so it is refused at admission (INVALID_ARGUMENT)."""
+
+
 class StalePolicy(RuntimeError):
     """A policy generation older than one this worker holds or was sent (FAILED_PRECONDITION)."""
 

@@ -32,8 +32,10 @@ MIN_TOKEN_BYTES = 16
 
 class ModelSlot:
     def __init__(self, settings: EngineSettings, device: torch.device, ledger: Ledger,
-                 metrics: WorkerMetrics) -> None:
+                 metrics: WorkerMetrics, kv_blocks: int | None = None) -> None:
+        """``kv_blocks``: the blocks the sequences share (None: a whole context per sequence)."""
         self.settings = settings
+        self.kv_blocks = kv_blocks
         self.device = device
         self.ledger = ledger
         self.metrics = metrics
@@ -60,11 +62,36 @@ class ModelSlot:
             cache = old.cache  # same shapes: keep the allocation, only the weights move
         else:
             scratch = math.ceil(s.max_num_batched_tokens / cache_len)
+            blocks = self.kv_blocks
+            if blocks is None:
+                blocks = s.max_num_seqs * -(-cache_len // s.kv_block_size)
             cache = KVCache(loaded.config, s.max_num_seqs, cache_len, device=self.device, dtype=loaded.dtype,
-                            scratch_slots=scratch)
+                            scratch_slots=scratch, block_size=s.kv_block_size, num_blocks=blocks)
         self.ledger.record(L.LEDGER_STAGE_KV_CACHE, self.device)
-        log.info("KV cache: %d sequences x %d tokens, %s", s.max_num_seqs, cache_len, gib(cache.nbytes()))
+        log.info("KV cache: %d blocks of %d tokens for up to %d sequences of %d tokens, %s", cache.num_blocks,
+                 cache.block_size, s.max_num_seqs, cache_len, gib(cache.nbytes()))
         return loaded, cache
+
+    def resize_kv(self, num_blocks: int) -> KVCache:
+        """Replaces the KV cache (and the runner, whose buffers were built for it) with one of
+        ``num_blocks`` blocks for the same model; the caller released every graph first (they
+        were recorded against the old cache's addresses)."""
+        import gc
+
+        old = self.runner
+        s = self.settings
+        loaded, cache_len, scratch = old.loaded, old.cache.max_seq_len, old.cache.scratch_slots
+        self.runner = old = None  # the old cache's memory goes back before the new one is allocated
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        cache = KVCache(loaded.config, s.max_num_seqs, cache_len, device=self.device, dtype=loaded.dtype,
+                        scratch_slots=scratch, block_size=s.kv_block_size, num_blocks=num_blocks)
+        self.kv_blocks = num_blocks
+        self.runner = ModelRunner(loaded, cache, s.max_num_batched_tokens)
+        self.ledger.record(L.LEDGER_STAGE_KV_CACHE, self.device)
+        log.info("KV cache resized: %d blocks of %d tokens, %s", num_blocks, cache.block_size, gib(cache.nbytes()))
+        return cache
 
     def install(self, fresh: tuple[LoadedModel, KVCache]) -> bool:
         """Makes the new model the one that runs; True when it kept the old step functions (same

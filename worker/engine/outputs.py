@@ -59,6 +59,7 @@ class OutputProcessor:
         summary = pb.ExecutionSummary(
             graph_steps=[pb.GraphStepCount(mode=m, size=s, steps=n) for (m, s), n in sorted(seq.graph_steps.items())],
             eager_steps=[pb.FallbackCount(reason=r, steps=n) for r, n in sorted(seq.eager_steps.items())],
+            preemptions=seq.preemptions, cached_prompt_tokens=seq.cached_prompt_tokens,
         )
         return pb.Completion(
             request_id=seq.request_id, finish_reason=reason, prompt_tokens=len(seq.prompt),
@@ -72,7 +73,7 @@ class OutputProcessor:
         updates = []
         for seq in sequences:
             if not seq.finished:
-                self.scheduler.finish(seq)
+                self.scheduler.finish(seq, failed=outcome == "error")
                 if outcome:
                     self.metrics.requests.labels(outcome).inc()
                 updates.append((seq.stream, [], err))

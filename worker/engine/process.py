@@ -175,7 +175,7 @@ class EngineHost:
         try:
             seq = self.engine.submit(req, message.sid)
         except Exception as err:  # noqa: BLE001 - QueueFull or NotServing, reported on the stream
-            outcome = "queue_full" if type(err).__name__ == "QueueFull" else "unavailable"
+            outcome = {"QueueFull": "queue_full", "CannotFit": "oversize"}.get(type(err).__name__, "unavailable")
             self.engine.metrics.requests.labels(outcome).inc()
             self.outbox.put(Outputs([(message.sid, [], ErrorBox.of(err))]))
             return

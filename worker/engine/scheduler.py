@@ -2,8 +2,17 @@
 
 Requests join and leave between steps. Each step takes every decoding sequence (one token each)
 first, then prefill chunks, within ``max_num_seqs`` running sequences and a token budget per
-step; long prompts are prefilled in chunks. A sequence holds one KV slot from admission until it
-finishes or is cancelled.
+step; long prompts are prefilled in chunks. A sequence holds one slot (its row of the KV cache's
+block table) and the KV blocks of its tokens from admission until it finishes or is cancelled.
+
+KV memory is paged (``blocks.py``). A waiting sequence is admitted while blocks for its whole
+prompt remain, after reusing the cached blocks of its prompt's longest cached prefix (prefix
+caching: those tokens are not computed again; at least the last prompt token always is, so there
+are logits to sample). A decoding sequence takes a new block when its next token starts one; when
+none is left the youngest running sequence is *preempted*: its blocks and slot are freed and it
+waits at the head of the queue, to be recomputed (prompt and the tokens sampled so far, as one
+prefill) once blocks are free again, so memory that is momentarily short fails no request. The
+plan carries the block tables' changes to the runner as plain data.
 
 Scheduling never waits for the previous step's tokens: the step loop schedules step N+1 while
 step N still runs on the device. A decoding row's input token is the one its sequence sampled
@@ -24,6 +33,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from graphkeeper.worker.engine.blocks import BlockManager, block_hashes, blocks_for
 from graphkeeper.worker.engine.sequence import Sequence
 from graphkeeper.worker.plan import PrefillChunk, SamplingBatch, StepPlan
 
@@ -46,6 +56,7 @@ class DecodeBatch:
         self.positions = np.zeros(0, dtype=np.int64)
         self.sample_index = np.zeros(0, dtype=np.int64)
         self.remaining = np.zeros(0, dtype=np.int64)
+        self.held = np.zeros(0, dtype=np.int64)  # blocks each sequence holds
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -56,6 +67,7 @@ class DecodeBatch:
         self.positions = np.append(self.positions, seq.computed)
         self.sample_index = np.append(self.sample_index, seq.samples_scheduled)
         self.remaining = np.append(self.remaining, seq.max_new_tokens - seq.samples_scheduled)
+        self.held = np.append(self.held, len(seq.blocks))
 
     def advance(self) -> None:
         """Every row's token was launched: one position and one sample on."""
@@ -71,6 +83,7 @@ class DecodeBatch:
         self.seqs = [s for s, k in zip(self.seqs, keep, strict=True) if k]
         self.slots, self.positions = self.slots[keep], self.positions[keep]
         self.sample_index, self.remaining = self.sample_index[keep], self.remaining[keep]
+        self.held = self.held[keep]
 
     def sampled_out(self) -> set[Sequence]:
         """Sequences whose last sample is already launched."""
@@ -78,9 +91,16 @@ class DecodeBatch:
 
 
 class Scheduler:
-    def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, prefill_chunk: int) -> None:
+    def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, prefill_chunk: int,
+                 blocks: BlockManager | None = None) -> None:
+        """``blocks`` manages the KV cache's blocks (None: 256 blocks of 16 tokens per sequence,
+        no prefix caching: what tests of scheduling alone need)."""
         if max_num_batched_tokens < max_num_seqs:
             raise ValueError("the token budget per step must be at least max_num_seqs")
+        self.blocks = blocks or BlockManager(max_num_seqs * 256, 16, prefix_caching=False)
+        self.block_size = self.blocks.block_size
+        self._table_updates: dict[tuple[int, int], int] = {}  # (slot, index) -> block, for the next plan
+        self.preemptions = 0
         self.max_num_seqs = max_num_seqs
         self.token_budget = max_num_batched_tokens
         self.prefill_chunk = prefill_chunk or max_num_batched_tokens
@@ -103,8 +123,10 @@ class Scheduler:
             self.finish(seq)
         return gone
 
-    def finish(self, seq: Sequence) -> None:
+    def finish(self, seq: Sequence, failed: bool = False) -> None:
         """Ends a sequence: it leaves every list and its slot is free for the next admission.
+        A ``failed`` sequence's blocks leave the prefix cache too: the step that failed may have
+        written them only in part.
 
         A step already launched may still write the slot; the next one to use it is launched
         after that step on the same stream, so its own writes come later.
@@ -119,8 +141,33 @@ class Scheduler:
             self.free_slots.append(seq.slot)
             self.sampled_running -= not seq.sampling.greedy
             seq.slot = None
+            if failed:
+                self.blocks.forget(seq.blocks[seq.cached_blocks:])
+            self.blocks.free(seq.blocks)
+            seq.blocks = []
         elif seq in self.waiting:
             self.waiting.remove(seq)
+
+    def preempt(self, seq: Sequence) -> None:
+        """Frees a running sequence's blocks and slot and puts it at the head of the queue, to be
+        recomputed from its prompt and the tokens sampled so far once blocks are free again.
+
+        Steps already launched may still write its blocks; whoever takes them next is launched
+        after those steps on the same stream, as with a freed slot.
+        """
+        self.running.remove(seq)
+        if seq in self.prefilling:
+            self.prefilling.remove(seq)
+        else:
+            self._leave_decode({seq})
+        self.free_slots.append(seq.slot)
+        self.sampled_running -= not seq.sampling.greedy
+        seq.slot = None
+        self.blocks.free(seq.blocks)
+        seq.blocks, seq.registered, seq.cached_blocks, seq.computed = [], 0, 0, 0
+        seq.preemptions += 1
+        self.preemptions += 1
+        self.waiting.appendleft(seq)
 
     def _leave_decode(self, gone: set[Sequence]) -> None:
         if any(s in gone for s in self.decode.seqs):
@@ -128,8 +175,9 @@ class Scheduler:
 
     def schedule(self) -> ScheduledStep | None:
         """The next step, or None when there is nothing to run. Marks its work as launched."""
-        self._admit()
         self._retire_sampled_out()
+        self._grow()
+        self._admit()
         batch = self.decode
         nd = len(batch)
         budget = self.token_budget - nd
@@ -145,15 +193,17 @@ class Scheduler:
         for seq in self.prefilling:
             if budget <= 0:
                 break
-            n = min(budget, self.prefill_chunk, len(seq.prompt) - seq.computed)
+            tokens = seq.to_prefill
+            n = min(budget, self.prefill_chunk, len(tokens) - seq.computed)
             row = nd + len(prompt_tokens)
             chunks.append(PrefillChunk(row=row, length=n, slot=seq.slot, start=seq.computed))
-            prompt_tokens.extend(seq.prompt[seq.computed:seq.computed + n])
+            prompt_tokens.extend(tokens[seq.computed:seq.computed + n])
             positions.append(np.arange(seq.computed, seq.computed + n, dtype=np.int64))
             slots.append(np.full(n, seq.slot, dtype=np.int64))
             sequences.append(seq)
             seq.computed += n
             budget -= n
+            self._register(seq)
             if not seq.prefilling:
                 sample_rows.append(row + n - 1)
                 samplers.append(seq)
@@ -167,6 +217,7 @@ class Scheduler:
             num_decode=nd, prefill=chunks, sample_rows=np.asarray(sample_rows, dtype=np.int64),
             sample_slots=np.array([s.slot for s in samplers], dtype=np.int64),
             sampling=self._sampling(samplers, np.concatenate([batch.sample_index, np.asarray(sample_index, np.int64)])),
+            block_updates=self._take_table_updates(),
         )
         # Launched: decoding sequences move one position on, and finished prefills join the batch.
         batch.advance()
@@ -190,13 +241,64 @@ class Scheduler:
             self.decode.leave(done)
 
     def _admit(self) -> None:
+        """Admits waiting sequences in order while a slot and blocks for the whole prompt remain
+        (the cached blocks of its longest cached prefix are reused, not counted)."""
+        bs, blocks = self.block_size, self.blocks
         while self.admitting and self.waiting and self.free_slots and len(self.running) < self.max_num_seqs:
-            seq = self.waiting.popleft()
+            seq = self.waiting[0]
+            if seq.samples_scheduled > len(seq.output):
+                break  # preempted with a token still on its way: it resumes once that token is in
+            tokens = seq.prompt + seq.output if seq.output else seq.prompt
+            if blocks.prefix_caching and len(seq.block_hashes) != len(tokens) // bs:
+                seq.block_hashes = block_hashes(tokens, bs, blocks.revision)  # once, not at every try
+            hashes = seq.block_hashes
+            # At most the blocks before the last token: that one is always computed, for its logits.
+            cached = blocks.peek(hashes[:(len(tokens) - 1) // bs])
+            fresh = blocks_for(len(tokens), bs) - len(cached)
+            if fresh > blocks.available - blocks.idle(cached):
+                break
+            self.waiting.popleft()
+            blocks.acquire(cached, len(tokens))
+            seq.recompute = tokens if seq.output else None
+            seq.blocks = cached + blocks.allocate(fresh)
+            seq.registered, seq.cached_blocks = len(cached), len(cached)
+            seq.computed = len(cached) * bs
+            seq.cached_prompt_tokens += seq.computed
             seq.slot = self.free_slots.pop()
-            seq.computed = 0
+            for i, block in enumerate(seq.blocks):
+                self._table_updates[(seq.slot, i)] = block
             self.running.append(seq)
             self.prefilling.append(seq)
             self.sampled_running += not seq.sampling.greedy
+
+    def _grow(self) -> None:
+        """Gives every decoding sequence whose next token starts a block a new block, preempting
+        the youngest running sequence (possibly the one growing) while none is left."""
+        batch, bs = self.decode, self.block_size
+        while len(short := np.flatnonzero(batch.positions // bs >= batch.held)):
+            i = int(short[0])
+            if not self.blocks.available:
+                self.preempt(self.running[-1])
+                continue
+            seq = batch.seqs[i]
+            seq.blocks += self.blocks.allocate(1)
+            batch.held[i] += 1
+            self._table_updates[(seq.slot, len(seq.blocks) - 1)] = seq.blocks[-1]
+
+    def _register(self, seq: Sequence) -> None:
+        """Registers the full blocks a launched prefill has now computed in the prefix cache."""
+        full = min(seq.computed // self.block_size, len(seq.block_hashes))
+        for i in range(seq.registered, full):
+            self.blocks.register(seq.blocks[i], seq.block_hashes[i])
+        seq.registered = max(seq.registered, full)
+
+    def _take_table_updates(self) -> np.ndarray | None:
+        """The block-table changes since the last plan, ``[3, k]`` (slot, index, block)."""
+        if not self._table_updates:
+            return None
+        cells = np.array([(s, i, b) for (s, i), b in self._table_updates.items()], dtype=np.int64).T
+        self._table_updates.clear()
+        return cells
 
 
 def sub_step(step: ScheduledStep, keep: set[Sequence]) -> ScheduledStep:
@@ -239,5 +341,6 @@ def sub_step(step: ScheduledStep, keep: set[Sequence]) -> ScheduledStep:
         prompt_tokens=prompt_tokens, positions=np.concatenate(positions), slots=np.concatenate(slots),
         num_decode=len(decode), prefill=chunks, sample_rows=np.asarray(sample_rows, dtype=np.int64),
         sample_slots=plan.sample_slots[sample_from], sampling=sampling,
+        block_updates=plan.block_updates,  # idempotent: the failed step may or may not have applied them
     )
     return ScheduledStep(sub, sequences, [step.samplers[k] for k in sample_from])

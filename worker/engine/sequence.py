@@ -29,6 +29,17 @@ class Sequence:
     seed: int = 0
     output: list[int] = field(default_factory=list)  # tokens the host has received
     slot: int | None = None
+    #: The KV blocks the sequence holds, in order (its block table), and the chained hashes of the
+    #: full blocks of what it prefills, registered in the prefix cache as they are computed.
+    blocks: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)
+    registered: int = 0  # leading blocks registered in the prefix cache
+    cached_blocks: int = 0  # leading blocks found in the prefix cache at admission (written by others)
+    #: What the next prefill computes: the prompt, or after a preemption the prompt and the tokens
+    #: sampled so far (recomputed, so that decoding resumes where it stopped). None: the prompt.
+    recompute: list[int] | None = None
+    preemptions: int = 0
+    cached_prompt_tokens: int = 0  # tokens served from the prefix cache instead of computed
     computed: int = 0  # tokens whose keys and values are in the cache or being written by a launched step
     samples_scheduled: int = 0  # tokens sampled or being sampled by a launched step
     finished: bool = False
@@ -40,8 +51,12 @@ class Sequence:
     last_token_at: float | None = None
 
     @property
+    def to_prefill(self) -> list[int]:
+        return self.prompt if self.recompute is None else self.recompute
+
+    @property
     def prefilling(self) -> bool:
-        return self.computed < len(self.prompt)
+        return self.computed < len(self.to_prefill)
 
     @property
     def wants_samples(self) -> bool:

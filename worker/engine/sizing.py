@@ -1,7 +1,12 @@
 """How long a sequence may be and how many run at once, from the model and the memory there is.
 
-The KV cache reserves ``max_seq_len`` rows for each of ``max_num_seqs`` sequences, so the two
-numbers decide its size. Unset, they come from the model: the context length is the model's own
+The KV cache is paged: sequences hold blocks of ``block_size`` tokens, as many as their tokens
+need, so ``max_num_seqs`` bounds the sequences running at once and the blocks bound the tokens
+they hold together. Its size is what ``max_seq_len`` x ``max_num_seqs`` would reserve, within
+the budget: a budget smaller than that is filled with blocks (sequences are admitted while blocks
+remain and preempted when they run out), as long as one sequence of the whole context fits.
+
+Unset, the context length is the model's own
 (capped so that the cache still holds a few sequences, said in the log) and the number of
 sequences is what the cache then holds (at most a per-device cap). Set explicitly, they are
 checked against the same budget before anything is allocated: a worker asked for a KV cache the
@@ -49,6 +54,9 @@ class Sizes:
     max_num_seqs: int
     kv_cache_bytes: int
     budget_bytes: int
+    #: Blocks of ``block_size`` tokens the sequences share (the scratch blocks come on top).
+    kv_blocks: int
+    block_size: int
     #: One line for the startup log: where each number came from.
     explanation: str
 
@@ -58,15 +66,19 @@ def aligned(tokens: int) -> int:
 
 
 def gib(n: int) -> str:
-    return f"{n / (1 << 30):.2f} GiB"
+    """``n`` bytes for a log line: in GiB, or in MiB / bytes where GiB would read 0.00."""
+    if n >= 10 << 20:
+        return f"{n / (1 << 30):.2f} GiB"
+    return f"{n / (1 << 20):.2f} MiB" if n >= 1 << 20 else f"{n} bytes"
 
 
 def choose_sizes(*, model_context: int, per_token_bytes: int, budget_bytes: int, max_seq_len: int | None,
-                 max_num_seqs: int | None, seqs_cap: int, step_tokens: int = 0) -> Sizes:
-    """The context length and sequence count to serve with; raises SizingError when they cannot fit.
+                 max_num_seqs: int | None, seqs_cap: int, step_tokens: int = 0, block_size: int = 16) -> Sizes:
+    """The context length, sequence count and KV blocks to serve with; raises SizingError when
+    not even one sequence of the context fits.
 
     ``step_tokens`` (the token budget of a step) sizes the cache's scratch slots, which padded
-    rows write to; they count against the budget like the sequences' slots.
+    rows write to; they count against the budget like the sequences' blocks.
     """
     why = []
     if max_seq_len is None:
@@ -85,7 +97,7 @@ def choose_sizes(*, model_context: int, per_token_bytes: int, budget_bytes: int,
     else:
         context = max_seq_len
         why.append(f"context {context} tokens (--max-seq-len)")
-    per_sequence = aligned(context) * per_token_bytes
+    per_sequence = -(-aligned(context) // block_size) * block_size * per_token_bytes  # whole blocks
     scratch = max(1, math.ceil(step_tokens / aligned(context)))
     if max_num_seqs is None:
         seqs = min(seqs_cap, budget_bytes // per_sequence - scratch)
@@ -96,12 +108,17 @@ def choose_sizes(*, model_context: int, per_token_bytes: int, budget_bytes: int,
     else:
         seqs = max_num_seqs
         why.append(f"{seqs} sequences (--max-num-seqs)")
-    total = (seqs + scratch) * per_sequence
-    if total > budget_bytes:
-        raise SizingError(f"--max-seq-len {context} x --max-num-seqs {seqs} needs {gib(total)} of KV cache; "
-                          f"the budget is {gib(budget_bytes)} (--kv-cache-memory)")
-    return Sizes(context, seqs, total, budget_bytes,
-                 ", ".join(why) + f": KV cache {gib(total)} of a {gib(budget_bytes)} budget")
+    least = (1 + scratch) * per_sequence
+    if least > budget_bytes:
+        raise SizingError(f"--max-seq-len {context} needs {gib(least)} of KV cache for one sequence of the whole "
+                          f"context; the budget is {gib(budget_bytes)} (--kv-cache-memory)")
+    total = min((seqs + scratch) * per_sequence, budget_bytes)
+    block_bytes = block_size * per_token_bytes
+    blocks = (total - scratch * per_sequence) // block_bytes
+    total = blocks * block_bytes + scratch * per_sequence
+    return Sizes(context, seqs, total, budget_bytes, blocks, block_size,
+                 ", ".join(why) + f": KV cache {gib(total)} ({blocks} blocks of {block_size} tokens) of a "
+                 f"{gib(budget_bytes)} budget")
 
 
 def kv_bytes_per_token(n_layers: int, n_kv_heads: int, head_dim: int, dtype_bytes: int) -> int:
@@ -191,5 +208,70 @@ def settle(settings, device) -> tuple[object, Sizes]:
         model_context=context, per_token_bytes=kv_bytes_per_token(config.n_layers, config.n_kv_heads,
                                                                   config.head_dim, dtype_bytes),
         budget_bytes=budget, max_seq_len=settings.max_seq_len, max_num_seqs=max_num_seqs,
-        seqs_cap=DEFAULT_SEQS_CAP.get(device.type, 16), step_tokens=settings.max_num_batched_tokens)
+        seqs_cap=DEFAULT_SEQS_CAP.get(device.type, 16), step_tokens=settings.max_num_batched_tokens,
+        block_size=settings.kv_block_size)
     return dataclasses.replace(settings, max_seq_len=sizes.max_seq_len, max_num_seqs=sizes.max_num_seqs), sizes
+
+
+@dataclass(frozen=True)
+class UtilizationPlan:
+    """Track B's KV cache: what is left of ``utilization`` x device memory once everything else is
+    measured, in blocks."""
+
+    kv_bytes: int  # the blocks' bytes (the scratch blocks excluded)
+    kv_blocks: int
+    explanation: str
+
+
+def check_utilization(value: float) -> float:
+    """``--gpu-memory-utilization``: a fraction in (0, 1]; a ValueError naming the flag otherwise."""
+    if not isinstance(value, (int, float)) or not math.isfinite(value) or not 0 < value <= 1:
+        raise ValueError(f"--gpu-memory-utilization must be a fraction in (0, 1], got {value}")
+    return float(value)
+
+
+def plan_kv_by_utilization(*, total_bytes: int, utilization: float, used_bytes: int, provisional_kv_bytes: int,
+                           activation_peak_bytes: int, block_bytes: int, min_blocks: int) -> UtilizationPlan:
+    """The KV cache's blocks under ``--gpu-memory-utilization`` (pure).
+
+    ``used_bytes`` is the device memory in use after the weights were loaded, the step warmed up and
+    the policy's graphs captured beside a provisional KV cache of ``provisional_kv_bytes`` (its
+    blocks, which the final cache replaces): so the graphs' memory is measured, not estimated.
+    ``activation_peak_bytes`` is the measured transient peak of the largest eager step, which must
+    stay free while serving. The cache takes the rest of ``utilization`` x ``total_bytes``; raises
+    SizingError when that is fewer than ``min_blocks`` (one sequence of the whole context).
+    """
+    check_utilization(utilization)
+    allowed = int(total_bytes * utilization)
+    other = used_bytes - provisional_kv_bytes
+    left = allowed - other - activation_peak_bytes
+    blocks = max(0, left) // block_bytes
+    why = (f"{utilization:g} x {gib(total_bytes)} = {gib(allowed)}, less {gib(other)} in use besides the KV cache "
+           f"(weights, graphs, context) and an activation peak of {gib(activation_peak_bytes)}")
+    if blocks < min_blocks:
+        need = gib(min_blocks * block_bytes)
+        raise SizingError(f"--gpu-memory-utilization {utilization:g} leaves {gib(max(0, left))} for the KV cache "
+                          f"({why}); one sequence of the context needs {min_blocks} blocks ({need})")
+    kv = blocks * block_bytes
+    return UtilizationPlan(kv, blocks, f"KV cache {blocks} blocks ({gib(kv)}): {why}")
+
+
+def estimate_graph_bytes(keys: list[tuple[int, int]], measured: dict[tuple[int, int], int]) -> int:
+    """Device memory that capturing ``keys`` (mode, size) would take, from measured keys (pure).
+
+    A key captured before costs what it was measured at; another costs its size times the most
+    any measured key of its mode (or, with none, of any mode) took per row: graph memory grows
+    with the rows a graph records, so this errs on the side of refusing.
+    """
+    def per_row(entries) -> float:
+        return max((b / max(1, s) for (_, s), b in entries), default=0.0)
+
+    any_mode = per_row(measured.items())
+    total = 0
+    for mode, size in keys:
+        if (mode, size) in measured:
+            total += measured[(mode, size)]
+            continue
+        rate = per_row((k, b) for k, b in measured.items() if k[0] == mode) or any_mode
+        total += int(rate * size)
+    return total

@@ -38,7 +38,7 @@ def model_info(loaded: LoadedModel | None, max_seq_len: int, max_num_seqs: int, 
 
 def graph_status(snap: Snapshot, *, capture: CaptureController, recorder: StepRecorder, ledger: Ledger,
                  model_revision: str, running: int, queued: int,
-                 compile: pb.CompileStatus | None = None) -> pb.GraphStatus:
+                 compile: pb.CompileStatus | None = None, kv_cache: pb.KVCacheStatus | None = None) -> pb.GraphStatus:
     """``GraphStatus`` from a snapshot of the GraphControl state and the engine's counters (pure)."""
     c, policy, pending = capture, snap.policy, snap.pending
     graphs = c.graph_set
@@ -74,6 +74,7 @@ def graph_status(snap: Snapshot, *, capture: CaptureController, recorder: StepRe
         last_error=snap.last_error[:MAX_LAST_ERROR],
         compile=compile,
         traffic=recorder.traffic.to_proto(),
+        kv_cache=kv_cache,
     )
 
 
@@ -85,3 +86,12 @@ def captured_size(key: tuple[int, int], entry: CapturedGraph, use: GraphUse | No
         size=size, mode=mode, capture_seconds=entry.seconds, device_bytes=entry.device_bytes,
         reserved_bytes=entry.reserved_bytes, replay_seconds=entry.replay_seconds, eager_seconds=entry.eager_seconds,
         replays=use.replays if use else 0, padded_tokens=use.padded_tokens if use else 0, released=released)
+
+
+def kv_cache_status(block_size: int, counts: tuple[int, int, int, int, int], *, prefix_caching: bool,
+                    preemptions: int, nbytes: int, sizing: str = "explicit") -> pb.KVCacheStatus:
+    """``KVCacheStatus`` from the block manager's counts (total, used, cached, queries, hits) (pure)."""
+    total, used, cached, queries, hits = counts
+    return pb.KVCacheStatus(block_size=block_size, blocks_total=total, blocks_used=used, blocks_cached=cached,
+                            prefix_caching=prefix_caching, prefix_query_tokens=queries, prefix_hit_tokens=hits,
+                            preemptions=preemptions, bytes=nbytes, sizing=sizing)

@@ -69,6 +69,11 @@ class ModelRunner:
         self._staging = [torch.zeros(len(self.ROWS) * max_tokens, dtype=torch.long, pin_memory=cuda)
                          for _ in range(2)]
         self._staged = [torch.cuda.Event() if cuda else None for _ in range(2)]
+        # Block-table changes travel the same way: flat table indices then their blocks, in a
+        # pinned buffer per turn, scattered into the table on the device before the step runs.
+        cells = cache.block_table.numel()
+        self._table_staging = [torch.zeros(2 * cells, dtype=torch.long, pin_memory=cuda) for _ in range(2)]
+        self._table_device = torch.zeros(2 * cells, dtype=torch.long, device=self.device)
         self._stage_turn = 0
         self._host = [torch.zeros(max_tokens, dtype=torch.long, pin_memory=cuda) for _ in range(2)]
         self._sent = [torch.cuda.Event() if cuda else None for _ in range(2)]
@@ -87,6 +92,7 @@ class ModelRunner:
         """
         n, nd = plan.num_tokens, plan.num_decode
         staged, host, turn = self._stage(rows)
+        self._apply_blocks(plan.block_updates, turn)
         host.fill(0)
         host[self.TOKENS, nd:n] = plan.prompt_tokens
         if plan.decode_tokens is not None:
@@ -128,6 +134,22 @@ class ModelRunner:
             staged = self._staging[turn][: len(self.ROWS) * rows].view(len(self.ROWS), rows)
             views = self._staged_views[(turn, rows)] = (staged, staged.numpy())
         return (*views, turn)
+
+    def _apply_blocks(self, updates: np.ndarray | None, turn: int) -> None:
+        """Applies the plan's block-table changes ``[3, k]`` (slot, index, block) to the cache's
+        host table (slot mappings read it) and, by one copy and one scatter, to its device table."""
+        if updates is None or not updates.shape[1]:
+            return
+        cache = self.cache
+        cache.update_host(updates)
+        k = updates.shape[1]
+        pinned = self._table_staging[turn]
+        host = pinned.numpy()
+        host[:k] = updates[0] * cache.max_blocks_per_seq + updates[1]
+        host[k:2 * k] = updates[2]
+        device = self._table_device[:2 * k]
+        device.copy_(pinned[:2 * k], non_blocking=True)
+        cache.block_table.view(-1).index_copy_(0, device[:k], device[k:])
 
     def _block_table(self, host: np.ndarray, plan: StepPlan) -> int:
         """The varlen attention's work list: one block per decode row, and each prefill chunk cut

@@ -1,6 +1,7 @@
-"""Decode attention in one Triton kernel that reads keys and values straight from the slot cache.
+"""Decode attention in one Triton kernel that reads keys and values straight from the paged cache.
 
-A decode row attends to its own sequence's slot up to its length. Gathering each row's slot into
+A decode row attends to its own sequence's keys up to its length, found through the sequence's
+row of the block table (key ``p`` is in block ``table[slot, p // BLOCK_SIZE]``). Gathering each row's slot into
 a batch (what plain SDPA needs) copies the whole slot for every row and every layer: memory
 traffic at large batches and, inside a graph's pool, hundreds of MiB that every graph must keep.
 This kernel instead takes the slot index and the length as inputs, loops over the keys that
@@ -45,9 +46,10 @@ if triton is not None:
 
     @triton.jit
     def _decode_kernel(
-        q_ptr, k_ptr, v_ptr, out_ptr, part_ptr, stats_ptr, slots_ptr, lengths_ptr, scale,
-        stride_qb, stride_qh, stride_ks, stride_kh, stride_kl, stride_ob, stride_oh,
-        GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+        q_ptr, k_ptr, v_ptr, out_ptr, part_ptr, stats_ptr, slots_ptr, lengths_ptr, table_ptr, scale,
+        stride_qb, stride_qh, stride_kb, stride_kh, stride_kl, stride_ob, stride_oh, stride_t,
+        BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+        BLOCK_N: tl.constexpr,
         SPLIT_KEYS: tl.constexpr, SPLITS: tl.constexpr, IEEE: tl.constexpr, USE_PDL: tl.constexpr,
     ):
         await_inputs(USE_PDL)  # everything below reads what earlier kernels wrote
@@ -63,15 +65,17 @@ if triton is not None:
         dims = tl.arange(0, HEAD_DIM)
         q = tl.load(q_ptr + row * stride_qb + heads[:, None] * stride_qh + dims[None, :],
                     mask=head_ok[:, None], other=0.0)
-        k_base = k_ptr + slot * stride_ks + kv_head * stride_kh
-        v_base = v_ptr + slot * stride_ks + kv_head * stride_kh
+        table = table_ptr + slot * stride_t
+        k_base = k_ptr + kv_head * stride_kh
+        v_base = v_ptr + kv_head * stride_kh
         m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         l_i = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
         for start in range(first, end, BLOCK_N):
             keys = start + tl.arange(0, BLOCK_N)
             key_ok = keys < end
-            offsets = keys[:, None] * stride_kl + dims[None, :]
+            block = tl.load(table + keys // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
+            offsets = (block * stride_kb + (keys % BLOCK_SIZE) * stride_kl)[:, None] + dims[None, :]
             k = tl.load(k_base + offsets, mask=key_ok[:, None], other=0.0)
             v = tl.load(v_base + offsets, mask=key_ok[:, None], other=0.0)
             m_i, l_i, acc = online_softmax_step(q, k, v, key_ok[None, :], scale, m_i, l_i, acc, IEEE)
@@ -127,9 +131,10 @@ def decode_splits(rows: int, kv_heads: int, max_len: int, dtype: torch.dtype) ->
 
 
 def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, lengths: Tensor,
-                     out: Tensor | None = None) -> Tensor:
-    """``q [B, heads, d]`` over ``k_cache/v_cache [slots, L, kv_heads, d]`` -> ``[B, heads * d]``,
-    written into ``out`` (contiguous ``[B, heads * d]``) when given.
+                     block_table: Tensor, out: Tensor | None = None) -> Tensor:
+    """``q [B, heads, d]`` over ``k_cache/v_cache [blocks, block_size, kv_heads, d]`` through
+    ``block_table [slots, max_blocks]`` -> ``[B, heads * d]``, written into ``out`` (contiguous
+    ``[B, heads * d]``) when given.
 
     Reads only each row's live keys (``lengths``, on the device); splits them across programs
     when the batch is small (``decode_splits``).
@@ -137,7 +142,8 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor,
     rows, heads, head_dim = q.shape
     kv_heads = k_cache.shape[2]
     group = heads // kv_heads
-    splits, split_keys = decode_splits(rows, kv_heads, k_cache.shape[1], q.dtype)
+    block_size = k_cache.shape[1]
+    splits, split_keys = decode_splits(rows, kv_heads, block_table.shape[1] * block_size, q.dtype)
     if out is None:
         out = torch.empty(rows, heads, head_dim, dtype=q.dtype, device=q.device)
     else:
@@ -147,10 +153,11 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor,
         part = torch.empty(rows, heads, splits, head_dim, dtype=torch.float32, device=q.device)
         stats = torch.empty(rows, heads, splits, 2, dtype=torch.float32, device=q.device)
     _decode_kernel[(rows, kv_heads, splits)](
-        q, k_cache, v_cache, out, part, stats, slots, lengths, head_dim ** -0.5,
+        q, k_cache, v_cache, out, part, stats, slots, lengths, block_table, head_dim ** -0.5,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(2), k_cache.stride(1),
-        out.stride(0), out.stride(1),
-        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_N=BLOCK_N,
+        out.stride(0), out.stride(1), block_table.stride(0),
+        BLOCK_SIZE=block_size, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
+        BLOCK_N=BLOCK_N,
         SPLIT_KEYS=split_keys, SPLITS=splits, IEEE=q.dtype == torch.float32, num_warps=4, **pdl.launch_options(),
     )
     if splits > 1:

@@ -1,5 +1,5 @@
 """Varlen attention for a whole mixed step in one Triton kernel launch per layer, reading keys and
-values in place from the slot cache.
+values in place from the paged cache through each slot's row of the block table.
 
 A step's rows are decode tokens (one per sequence) and prefill chunks (many consecutive tokens
 of one sequence). The host cuts the step into *blocks*: one per decode row, and each prefill
@@ -28,9 +28,10 @@ if triton is not None:
 
     @triton.jit
     def _varlen_kernel(
-        q_ptr, k_ptr, v_ptr, out_ptr, block_row_ptr, block_len_ptr, block_slot_ptr, block_pos_ptr, scale,
-        stride_qt, stride_qh, stride_ks, stride_kh, stride_kl, stride_ot, stride_oh,
-        GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, HEAD_DIM: tl.constexpr,
+        q_ptr, k_ptr, v_ptr, out_ptr, block_row_ptr, block_len_ptr, block_slot_ptr, block_pos_ptr, table_ptr,
+        scale, stride_qt, stride_qh, stride_kb, stride_kh, stride_kl, stride_ot, stride_oh, stride_t,
+        BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
         BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
     ):
         block = tl.program_id(0)
@@ -50,16 +51,18 @@ if triton is not None:
         dims = tl.arange(0, HEAD_DIM)
         q_offsets = (first_row + token)[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :]
         q = tl.load(q_ptr + q_offsets, mask=row_ok[:, None], other=0.0)
-        k_base = k_ptr + slot * stride_ks + kv_head * stride_kh
-        v_base = v_ptr + slot * stride_ks + kv_head * stride_kh
+        table = table_ptr + slot * stride_t
+        k_base = k_ptr + kv_head * stride_kh
+        v_base = v_ptr + kv_head * stride_kh
         m_i = tl.full([BLOCK_Q * GROUP_PAD], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_Q * GROUP_PAD], tl.float32)
         acc = tl.zeros([BLOCK_Q * GROUP_PAD, HEAD_DIM], tl.float32)
         end = first_pos + n_rows  # keys the block's last token sees
         for start in range(0, end, BLOCK_N):
             keys = start + tl.arange(0, BLOCK_N)
-            offsets = keys[:, None] * stride_kl + dims[None, :]
             key_ok = keys < end
+            block = tl.load(table + keys // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
+            offsets = (block * stride_kb + (keys % BLOCK_SIZE) * stride_kl)[:, None] + dims[None, :]
             k = tl.load(k_base + offsets, mask=key_ok[:, None], other=0.0)
             v = tl.load(v_base + offsets, mask=key_ok[:, None], other=0.0)
             visible = keys[None, :] <= pos[:, None]
@@ -71,10 +74,12 @@ if triton is not None:
 
 def varlen_attention(
     q: Tensor, k_cache: Tensor, v_cache: Tensor, block_row: Tensor, block_len: Tensor, block_slot: Tensor,
-    block_pos: Tensor, num_blocks: int, out: Tensor | None = None,
+    block_pos: Tensor, num_blocks: int, block_table: Tensor, out: Tensor | None = None,
 ) -> Tensor:
-    """``q [T, heads, d]`` over ``k_cache/v_cache [slots, L, kv_heads, d]`` -> ``[T, heads * d]``,
-    written into ``out`` (contiguous ``[T, heads * d]``) when given.
+    """``q [T, heads, d]`` over ``k_cache/v_cache [blocks, block_size, kv_heads, d]`` through
+    ``block_table [slots, max_blocks]`` -> ``[T, heads * d]``, written into ``out`` (contiguous
+    ``[T, heads * d]``) when given. (The kernel's *blocks* are runs of query rows, its work list;
+    the cache's blocks are runs of key positions.)
 
     Rows that no block covers (padding) are left as they are in ``out`` (zeros when allocated here):
     they belong to no sequence, and only their finiteness matters.
@@ -88,10 +93,10 @@ def varlen_attention(
     if num_blocks:
         group_pad = triton.next_power_of_2(group)
         _varlen_kernel[(num_blocks, kv_heads)](
-            q, k_cache, v_cache, out3, block_row, block_len, block_slot, block_pos, head_dim ** -0.5,
+            q, k_cache, v_cache, out3, block_row, block_len, block_slot, block_pos, block_table, head_dim ** -0.5,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(2), k_cache.stride(1),
-            out3.stride(0), out3.stride(1),
-            GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=BLOCK_Q, HEAD_DIM=head_dim,
+            out3.stride(0), out3.stride(1), block_table.stride(0),
+            BLOCK_SIZE=k_cache.shape[1], GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=BLOCK_Q, HEAD_DIM=head_dim,
             BLOCK_N=32 if head_dim > 64 else 64, IEEE=q.dtype == torch.float32,
             num_warps=8 if group_pad >= 8 else 4,
         )

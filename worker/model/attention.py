@@ -1,4 +1,7 @@
-"""Attention over the static KV cache, and what the backend can record in a CUDA graph.
+"""Attention over the paged KV cache, and what the backend can record in a CUDA graph.
+
+Every read goes through the cache's block table (``kv_cache.py``): a row's keys are found from its
+slot's row of the table, so sequences hold blocks anywhere in the cache and share cached ones.
 
 A step's tokens are laid out flat: first one row per decoding sequence, then the prefill chunks,
 then padding. A uniform decode step is attended by the decode kernel, whose shapes depend only on
@@ -59,8 +62,8 @@ class AttentionMetadata:
 
 
 class SlotAttention:
-    """Attention over the slot cache: decode rows through the Triton kernel on CUDA (no gather)
-    or SDPA elsewhere; prefill chunks through SDPA.
+    """Attention over the paged cache, addressed by slot (a slot's block-table row): decode rows
+    through the Triton kernel on CUDA (no gather) or SDPA elsewhere; prefill chunks through SDPA.
 
     Grouped-query attention without repeating keys: the query heads of a group become the
     query-length axis of one SDPA call over the group's key head.
@@ -93,12 +96,12 @@ class SlotAttention:
             slots, lengths = _first(meta.slots, rows), _first(meta.lengths, rows)
             if self.triton_decode:
                 return decode_kernel.decode_attention(q, cache.k_layers[layer], cache.v_layers[layer], slots, lengths,
-                                                      out)
+                                                      cache.block_table, out)
             return _into(out, self._decode(layer, q, slots, lengths))
         if self.triton_varlen:
             return varlen_kernel.varlen_attention(
                 q, cache.k_layers[layer], cache.v_layers[layer], meta.block_row, meta.block_len, meta.block_slot,
-                meta.block_pos, meta.num_blocks, out)
+                meta.block_pos, meta.num_blocks, cache.block_table, out)
         result = q.new_zeros(rows, self.n_heads * self.head_dim)
         nd = meta.num_decode
         if nd:
@@ -108,14 +111,26 @@ class SlotAttention:
             result[span] = self._prefill(layer, q[span], chunk)
         return _into(out, result)
 
+    def _rows(self, slots: Tensor, span: int) -> Tensor:
+        """Flat cache rows of positions ``0 .. span - 1`` of each slot: ``[len(slots), span]``."""
+        bs = self.cache.block_size
+        pos = self.key_positions[:span]
+        return self.cache.block_table[slots][:, pos // bs] * bs + pos % bs
+
+    def _gather(self, layer: int, rows: Tensor) -> tuple[Tensor, Tensor]:
+        """Keys and values at flat cache ``rows`` (any shape) -> ``[*rows.shape, n_kv, d]``."""
+        k = self.cache.k_layers[layer].view(-1, self.n_kv, self.head_dim)
+        v = self.cache.v_layers[layer].view(-1, self.n_kv, self.head_dim)
+        return k[rows], v[rows]
+
     def _decode(self, layer: int, q: Tensor, slots: Tensor, lengths: Tensor) -> Tensor:
-        """SDPA over each row's slot (the CPU's decode path)."""
+        """SDPA over each row's keys, gathered through the block table (the CPU's decode path)."""
         b = q.shape[0]
         # On the CPU, read only the rows some sequence has (a host read costs nothing there): a
         # model with a long context would otherwise copy every slot's whole cache every step.
         span = int(lengths.max()) if q.device.type == "cpu" else self.cache.max_seq_len
-        keys = self.cache.k_layers[layer][slots, :span].transpose(1, 2)  # [B, n_kv, span, d]
-        values = self.cache.v_layers[layer][slots, :span].transpose(1, 2)
+        keys, values = self._gather(layer, self._rows(slots, span))
+        keys, values = keys.transpose(1, 2), values.transpose(1, 2)  # [B, n_kv, span, d]
         query = q.view(b, self.n_kv, self.group, self.head_dim)
         mask = (self.key_positions[None, :span] < lengths[:, None]).view(b, 1, 1, -1)
         out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask)
@@ -124,8 +139,9 @@ class SlotAttention:
     def _prefill(self, layer: int, q: Tensor, chunk: PrefillChunk) -> Tensor:
         n, g = chunk.length, self.group
         context = chunk.start + n
-        keys = self.cache.k_layers[layer][chunk.slot, :context].transpose(0, 1)  # [n_kv, context, d]
-        values = self.cache.v_layers[layer][chunk.slot, :context].transpose(0, 1)
+        rows = self._rows(torch.tensor([chunk.slot], device=q.device), context)[0]
+        keys, values = self._gather(layer, rows)
+        keys, values = keys.transpose(0, 1), values.transpose(0, 1)  # [n_kv, context, d]
         # [n, n_kv, g, d] -> [n_kv, n * g, d]: row t*g + j is token t, head j of the group.
         query = q.view(n, self.n_kv, g, self.head_dim).permute(1, 0, 2, 3).reshape(self.n_kv, n * g, -1)
         token_pos = torch.arange(chunk.start, context, device=q.device).repeat_interleave(g)

@@ -35,6 +35,7 @@ from graphkeeper.proto import worker_pb2_grpc as pb_grpc
 from graphkeeper.proto.policy import PolicyError
 from graphkeeper.worker.engine import (
     SERVING_STATES,
+    CannotFit,
     ChatError,
     Engine,
     IncrementalDetokenizer,
@@ -163,6 +164,9 @@ class InferenceServicer(pb_grpc.InferenceWorkerServicer):
         except QueueFull as err:
             engine.metrics.requests.labels("queue_full").inc()
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(err))
+        except CannotFit as err:
+            engine.metrics.requests.labels("oversize").inc()
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
         except NotServing as err:
             engine.metrics.requests.labels("unavailable").inc()
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(err))
@@ -188,6 +192,8 @@ class InferenceServicer(pb_grpc.InferenceWorkerServicer):
                     await context.abort(grpc.StatusCode.INTERNAL, str(end))
                 if isinstance(end, QueueFull):  # refused by an engine core in its own process
                     await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(end))
+                if isinstance(end, CannotFit):
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(end))
                 if isinstance(end, NotServing):
                     await context.abort(grpc.StatusCode.UNAVAILABLE, str(end))
                 if hub is not None and (gap := hub.flush_gap()):

@@ -1,0 +1,150 @@
+"""The KV cache's block bookkeeping and the scheduler's use of it, without a model: reference
+counts, the prefix cache (chained hashes, LRU eviction, a revision change), admission by blocks,
+block-table changes in the plan, and preemption of the youngest sequence with its recompute."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from graphkeeper.worker.engine.blocks import BlockManager, NoFreeBlocks, block_hashes, blocks_for
+from graphkeeper.worker.engine.scheduler import Scheduler
+from graphkeeper.worker.engine.sequence import Sequence
+from graphkeeper.worker.plan import SamplingSpec
+
+
+def seq(prompt: list[int], max_new: int, name: str) -> Sequence:
+    return Sequence(request_id=name, tenant="", prompt=prompt, max_new_tokens=max_new, sampling=SamplingSpec())
+
+
+def table(plan) -> dict[tuple[int, int], int]:
+    u = plan.block_updates
+    return {} if u is None else {(int(s), int(i)): int(b) for s, i, b in u.T}
+
+
+def test_blocks_are_counted_shared_and_freed():
+    m = BlockManager(4, 16, prefix_caching=False)
+    a = m.allocate(3)
+    assert len(set(a)) == 3 and m.available == 1 and m.used == 3
+    with pytest.raises(NoFreeBlocks):
+        m.allocate(2)
+    m.free(a[:2])
+    assert m.available == 3 and m.cached == 0
+    assert blocks_for(33, 16) == 3 and blocks_for(32, 16) == 2
+
+
+def test_block_hashes_chain_over_tokens_parent_and_revision():
+    tokens = list(range(40))
+    h = block_hashes(tokens, 16, "r1")
+    assert len(h) == 2  # the last 8 tokens fill no block
+    assert block_hashes(tokens[:32], 16, "r1") == h
+    assert block_hashes([99] + tokens[1:], 16, "r1")[1] != h[1]  # same tokens, another parent
+    assert block_hashes(tokens, 16, "r2")[0] != h[0]
+
+
+def test_cached_blocks_are_reused_then_evicted_least_recently_used_and_dropped_on_a_new_revision():
+    m = BlockManager(4, 4, revision="r")
+    x, y = block_hashes([1, 2, 3, 4, 5, 6, 7, 8], 4, "r"), block_hashes([9, 9, 9, 9], 4, "r")
+    bx, by = m.allocate(2), m.allocate(1)
+    for block, h in zip(bx + by, x + y, strict=True):
+        m.register(block, h)
+    m.free(bx)
+    m.free(by)
+    assert m.cached == 3 and m.available == 4 and m.used == 0
+    found = m.peek(x)
+    assert found == bx and m.idle(found) == 2
+    m.acquire(found, 9)
+    assert m.used == 2 and m.cached == 1 and (m.query_tokens, m.hit_tokens) == (9, 8)
+    m.free(found)  # x's blocks are now the most recently used
+    m.allocate(2)  # one free block, then the oldest cached one: y's
+    assert m.peek(y) == [] and m.peek(x) == bx
+    m.reset_prefix_cache("r2")
+    assert m.peek(x) == [] and m.cached == 0 and m.available == 2
+
+
+def test_admission_waits_for_blocks_and_the_plan_carries_the_block_tables():
+    sched = Scheduler(4, 64, 0, BlockManager(4, 4, prefix_caching=False))
+    a, b = seq(list(range(10)), 4, "a"), seq(list(range(20, 27)), 4, "b")
+    sched.add(a)
+    sched.add(b)
+    first = sched.schedule()
+    # a's 10 tokens take 3 blocks; b's 7 would take 2 of the 1 left: b waits.
+    assert sched.running == [a] and list(sched.waiting) == [b]
+    assert table(first.plan) == {(a.slot, i): blk for i, blk in enumerate(a.blocks)} and len(a.blocks) == 3
+    second = sched.schedule()  # a decodes at position 10, in its third block: nothing new
+    assert table(second.plan) == {}
+    sched.schedule()
+    sched.schedule()  # position 12 starts a fourth block
+    assert len(a.blocks) == 4
+
+
+def test_the_youngest_sequence_is_preempted_and_resumes_from_its_tokens():
+    blocks = BlockManager(5, 4, prefix_caching=False)
+    sched = Scheduler(4, 64, 0, blocks)
+    a, b = seq(list(range(8)), 8, "a"), seq(list(range(30, 38)), 8, "b")
+    sched.add(a)
+    sched.add(b)
+    step = sched.schedule()  # both prompts: 2 blocks each, 1 left
+    assert step.samplers == [a, b] and blocks.available == 1
+    a.output.append(100)
+    b.output.append(200)  # the first step's tokens are in
+    sched.schedule()  # both decode at position 8: a takes the last block, b preempts itself
+    assert sched.running == [a] and list(sched.waiting) == [b] and b.preemptions == 1 and sched.preemptions == 1
+    assert b.blocks == [] and b.slot is None and blocks.available == 2  # b now needs 3: it waits
+    sched.finish(a)  # a ends: its blocks free
+    resumed = sched.schedule()
+    # b is recomputed from its prompt and the token it sampled, and samples its second token.
+    assert b.recompute == b.prompt + [200] and resumed.plan.prompt_tokens == b.prompt + [200]
+    assert resumed.samplers == [b] and list(resumed.plan.sample_rows) == [8]
+    assert b.samples_scheduled == 2 and len(b.blocks) == 3  # its second token is the one this step samples
+
+
+def test_a_preempted_sequence_waits_for_its_token_on_the_way():
+    sched = Scheduler(4, 64, 0, BlockManager(4, 4, prefix_caching=False))
+    a = seq(list(range(8)), 8, "a")
+    sched.add(a)
+    sched.schedule()
+    sched.schedule()  # a's first token is on its way, its second launched
+    sched.preempt(a)
+    assert sched.schedule() is None  # not admitted: 2 sampled tokens launched, none received
+    a.output += [5, 6]
+    step = sched.schedule()
+    assert step.plan.prompt_tokens == list(range(8)) + [5, 6]
+
+
+def test_a_cached_prefix_is_not_computed_again():
+    blocks = BlockManager(16, 4)
+    sched = Scheduler(4, 64, 0, blocks)
+    prefix = list(range(100, 110))
+    a = seq(prefix + [1, 2], 2, "a")
+    sched.add(a)
+    sched.schedule()  # a computes 12 tokens: 3 full blocks registered
+    b = seq(prefix + [3, 4, 5], 2, "b")
+    sched.add(b)
+    step = sched.schedule()
+    # b shares a's first two blocks (8 tokens of the prefix; the third block holds a's own tokens).
+    assert b.blocks[:2] == a.blocks[:2] and b.cached_prompt_tokens == 8 and blocks.refs[a.blocks[0]] == 2
+    chunk = step.plan.prefill[0]
+    assert (chunk.start, chunk.length) == (8, 5) and step.plan.prompt_tokens == [108, 109, 3, 4, 5]
+    assert table(step.plan)[(b.slot, 0)] == a.blocks[0]
+    same = seq(prefix + [1, 2], 2, "same")  # a's whole prompt: the last token is computed again
+    sched.add(same)
+    step = sched.schedule()
+    assert same.cached_prompt_tokens == 8 and step.plan.prefill[0].length == 4
+    assert step.plan.prefill[0].start == 8
+    assert list(step.plan.positions[step.plan.num_decode:]) == list(np.arange(8, 12))
+
+
+def test_a_failed_sequence_takes_its_own_blocks_out_of_the_prefix_cache():
+    blocks = BlockManager(16, 4)
+    sched = Scheduler(4, 64, 0, blocks)
+    prefix = list(range(100, 112))
+    a = seq(prefix + [1], 2, "a")
+    sched.add(a)
+    sched.schedule()
+    b = seq(prefix + [2, 3, 4, 5, 6], 2, "b")
+    sched.add(b)
+    sched.schedule()  # b reuses a's 3 blocks and computes 5 tokens: one more full block
+    assert b.cached_prompt_tokens == 12 and b.registered == 4
+    sched.finish(b, failed=True)  # its step raised: its own block may be half written
+    assert blocks.peek(block_hashes(b.prompt, 4, "")) == a.blocks[:3]  # a's blocks are still cached

@@ -1,0 +1,113 @@
+"""The paged KV cache through real workers (float32, greedy, CPU): a cache too small for the batch
+preempts and recomputes without changing a token, a prompt whose prefix is cached computes only
+the rest and the same tokens, and the KV cache's status and metrics say what happened."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from worker_harness import generate, generate_concurrently, make_request
+
+from graphkeeper.worker.model.loader import load_model, save_hf_directory
+
+transformers = pytest.importorskip("transformers")
+
+MAX_NEW = 24
+_rng = random.Random(4321)
+PROMPTS = [[_rng.randrange(3, 512) for _ in range(n)] for n in (1, 7, 20, 33, 47, 60)]
+PREFIX = [_rng.randrange(3, 512) for _ in range(40)]  # two full blocks of 16 and 8 tokens more
+SHARED = [PREFIX + [_rng.randrange(3, 512) for _ in range(n)] for n in (5, 9, 24)]
+#: random:tiny in float32 keeps 512 bytes of keys and values per token (2 layers, 2 heads of 16).
+TOKEN_BYTES = 512
+#: The harness's --max-seq-len 128 and --max-num-batched-tokens 64 make one scratch slot of 128
+#: tokens; on top of it, 9 blocks of 16 tokens: one whole context and a block, for 4 sequences of
+#: up to 84 tokens each.
+TINY_CACHE = str(128 * TOKEN_BYTES + 9 * 16 * TOKEN_BYTES)
+
+
+def hf_greedy(model, prompt: list[int], max_new: int) -> list[int]:
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new,
+                             do_sample=False, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    """Random tiny weights saved as an HF directory and transformers' greedy tokens on them."""
+    path = tmp_path_factory.mktemp("hf-tiny-paged")
+    built = load_model("random:tiny@11", device="cpu", dtype="float32", max_positions=256)
+    save_hf_directory(built.model, path)
+    hf = transformers.LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    hf.generation_config.eos_token_id = None
+    refs = {tuple(p): hf_greedy(hf, p, MAX_NEW) for p in [*PROMPTS, *SHARED]}
+    return {"path": str(path), "refs": refs}
+
+
+def requests(prompts, tag):
+    return [make_request(p, MAX_NEW, request_id=f"{tag}-{i}", ignore_eos=True) for i, p in enumerate(prompts)]
+
+
+def test_a_cache_too_small_for_the_batch_preempts_and_changes_no_token(module_workers, model):
+    worker = module_workers("--max-num-seqs", "4", "--max-seq-len", "128", "--max-num-batched-tokens", "64",
+                            "--kv-cache-memory", TINY_CACHE, "--no-prefix-caching", model=model["path"])
+    kv = worker.status().kv_cache
+    assert (kv.block_size, kv.blocks_total, kv.prefix_caching) == (16, 9, False)
+    results = generate_concurrently(worker, requests(PROMPTS, "tight"))
+    for prompt, (tokens, completion) in zip(PROMPTS, results, strict=True):
+        assert tokens == model["refs"][tuple(prompt)], f"prompt of {len(prompt)} tokens"
+        assert completion.generated_tokens == MAX_NEW
+    preempted = sum(c.execution.preemptions for _, c in results)
+    assert preempted > 0, "9 blocks for 4 sequences of up to 84 tokens must preempt"
+    assert worker.status().kv_cache.preemptions == preempted
+    assert worker.metric("graphkeeper_preemptions_total") == preempted
+    assert worker.metric("graphkeeper_kv_cache_blocks") == 9
+    assert worker.metric("graphkeeper_kv_cache_block_size_tokens") == 16
+    assert worker.metric("graphkeeper_kv_cache_used_blocks") == 0  # every sequence ended
+    assert worker.metric("graphkeeper_kv_cache_usage_ratio") == 0
+
+
+def test_a_prefix_served_from_the_cache_gives_the_same_tokens(module_workers, model):
+    worker = module_workers(model=model["path"])
+    kv = worker.status().kv_cache
+    assert kv.prefix_caching and kv.block_size == 16 and kv.blocks_total > 0
+    first, completion = generate(worker, requests(SHARED[:1], "first")[0])
+    assert first == model["refs"][tuple(SHARED[0])] and completion.execution.cached_prompt_tokens == 0
+    hits = 0
+    for i, prompt in enumerate(SHARED[1:] + SHARED[:1]):
+        tokens, completion = generate(worker, make_request(prompt, MAX_NEW, request_id=f"hit-{i}", ignore_eos=True))
+        assert tokens == model["refs"][tuple(prompt)], f"prompt of {len(prompt)} tokens"
+        # The two full blocks of the shared prefix come from the cache (and, for the 64-token
+        # prompt sent before as the first request, nothing more: its own blocks were never computed).
+        assert completion.execution.cached_prompt_tokens >= 32
+        hits += completion.execution.cached_prompt_tokens
+    kv = worker.status().kv_cache
+    assert kv.prefix_hit_tokens == hits and kv.prefix_query_tokens == sum(map(len, SHARED)) + len(SHARED[0])
+    assert kv.blocks_used == 0 and kv.blocks_cached > 0
+    assert worker.metric("graphkeeper_prefix_cache_hits_tokens_total") == hits
+    assert worker.metric("graphkeeper_prefix_cache_queries_tokens_total") == kv.prefix_query_tokens
+    assert worker.metric("graphkeeper_kv_cache_cached_blocks") == kv.blocks_cached
+
+
+def test_without_prefix_caching_nothing_is_reused_and_the_tokens_are_the_same(module_workers, model):
+    worker = module_workers("--no-prefix-caching", model=model["path"])
+    for i, prompt in enumerate(SHARED + SHARED[:1]):
+        tokens, completion = generate(worker, make_request(prompt, MAX_NEW, request_id=f"off-{i}", ignore_eos=True))
+        assert tokens == model["refs"][tuple(prompt)]
+        assert completion.execution.cached_prompt_tokens == 0
+    kv = worker.status().kv_cache
+    assert not kv.prefix_caching and kv.prefix_hit_tokens == 0 and kv.blocks_cached == 0
+    assert worker.metric("graphkeeper_prefix_cache_queries_tokens_total") == 0
+
+
+def test_a_block_size_that_is_not_a_power_of_two_is_refused_at_boot(tmp_path):
+    import subprocess
+
+    from worker_harness import GRAPHKEEPER
+
+    out = subprocess.run([str(GRAPHKEEPER), "worker", "--model", "random:tiny", "--kv-block-size", "24"],
+                         capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert out.returncode != 0 and "--kv-block-size must be a power of two" in out.stderr and "24" in out.stderr
