@@ -79,7 +79,7 @@ def start_worker(args: argparse.Namespace, flags: WorkerFlags, log_path: Path,
            "--max-num-seqs", str(flags.max_num_seqs), "--max-seq-len", "1024",
            "--max-num-batched-tokens", str(flags.budget), "--max-queue", "4096", "--log-level", "WARNING"]
     if not args.legacy:
-        cmd += ["--control-port", str(free_port())]
+        cmd += ["--control-port", str(free_port()), "--http-port", "0"]
     cmd += args.worker_args.split()
     env = dict(os.environ)
     if args.worker_pythonpath:

@@ -149,7 +149,8 @@ def test_a_prompt_longer_than_the_context_is_refused_and_the_worker_serves_on(sm
 def refusal(model: str, *flags: str) -> str:
     """``graphkeeper worker --model model`` must refuse to start with one line on stderr; returns it."""
     proc = subprocess.run([str(GRAPHKEEPER), "worker", "--model", model, "--metrics-port", "0", "--port", "0",
-                           "--control-port", "0", *flags], capture_output=True, text=True, timeout=120)
+                           "--control-port", "0", "--http-port", "0", *flags],
+                          capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert "Traceback" not in proc.stderr and lines[-1].startswith("graphkeeper worker: "), proc.stderr
