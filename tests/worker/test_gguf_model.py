@@ -9,6 +9,7 @@ import subprocess
 from pathlib import Path
 
 import grpc
+import openai
 import pytest
 from worker_harness import GRAPHKEEPER, generate, generate_concurrently, make_request
 
@@ -118,6 +119,20 @@ def test_a_chat_request_answers_the_question_in_words(smollm):
     assert "Paris" in text, text
     assert completion.finish_reason == pb.FINISH_REASON_EOS  # stopped on <|im_end|>, which is not shown
     assert "<|im_end|>" not in text
+
+
+def test_the_openai_sdk_asks_the_default_model_and_reads_the_answer(smollm):
+    """The real chat template and the real model behind /v1/chat/completions, through the openai
+    SDK: the answer, streamed and not, and the same text both ways (greedy)."""
+    client = openai.OpenAI(base_url=smollm.http_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    model = client.models.list().data[0].id
+    messages = [{"role": "user", "content": QUESTION}]
+    resp = client.chat.completions.create(model=model, messages=messages, max_tokens=16, temperature=0)
+    answer = resp.choices[0].message.content
+    assert "Paris" in answer and "<|im_end|>" not in answer, answer
+    assert resp.choices[0].finish_reason == "stop"  # EOS (<|im_end|>) within 16 tokens
+    stream = client.chat.completions.create(model=model, messages=messages, max_tokens=16, temperature=0, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in stream) == answer
 
 
 def test_model_info_reports_the_model_and_its_tokenizer(smollm):
