@@ -19,6 +19,7 @@ what the GPU allows: ``streams / step time``.
     python bench/load_bench.py --scenarios mixed --worker-pythonpath /tmp/old --legacy  # an older commit
     python bench/load_bench.py --device cpu --preset tiny --seconds 5 --scenarios one,decode  # CPU smoke
     python bench/load_bench.py --scenarios one,decode,mixed --worker-args=--no-engine-process  # engine in-process
+    python bench/load_bench.py --scenarios c1-p1024-o128,c64-p1024-o128 --worker-args="--max-seq-len 2048"
 """
 
 from __future__ import annotations
@@ -51,6 +52,21 @@ SCENARIOS = {
 }
 
 
+def scenario_spec(name: str) -> tuple[int, tuple[int, int], tuple[int, int], float]:
+    """A named scenario, or ``c<streams>-p<prompt>-o<output>`` (fixed lengths, no stagger): the
+    workload published serving numbers use, e.g. ``c64-p1024-o128`` (bench/openai_bench.py runs the
+    same through HTTP)."""
+    if name in SCENARIOS:
+        return SCENARIOS[name]
+    try:
+        c, p, o = name.split("-")
+        assert c[0] == "c" and p[0] == "p" and o[0] == "o"
+        streams, prompt, output = int(c[1:]), int(p[1:]), int(o[1:])
+    except (ValueError, AssertionError, IndexError):
+        raise SystemExit(f"unknown scenario {name!r}: one of {', '.join(SCENARIOS)} or c<N>-p<P>-o<O>") from None
+    return streams, (prompt, prompt), (output, output), 0.0
+
+
 @dataclass
 class WorkerFlags:
     max_num_seqs: int
@@ -74,7 +90,7 @@ def start_worker(args: argparse.Namespace, flags: WorkerFlags, log_path: Path,
     if sample_out is not None or args.switch_interval or args.flush_gap:
         launcher = [str(Path(__file__).parent / "thread_sampler.py"), "--out", str(sample_out or ""),
                     "--switch-interval", str(args.switch_interval), "--flush-gap", str(args.flush_gap), "--"]
-    cmd = [sys.executable, *launcher, "worker", "--model", f"random:{args.preset}",
+    cmd = [sys.executable, *launcher, "worker", "--model", args.model or f"random:{args.preset}",
            "--device", args.device, "--dtype", args.dtype, "--port", str(port), "--metrics-port", str(metrics),
            "--max-num-seqs", str(flags.max_num_seqs), "--max-seq-len", "1024",
            "--max-num-batched-tokens", str(flags.budget), "--max-queue", "4096", "--log-level", "WARNING"]
@@ -175,7 +191,7 @@ async def _client(target, streams, prompt, output, stagger, seconds, seed, vocab
 
 
 def drive(target: str, scenario: str, seconds: float, vocab: int, procs: int) -> dict:
-    streams, prompt, output, stagger = SCENARIOS[scenario]
+    streams, prompt, output, stagger = scenario_spec(scenario)
     procs = max(1, min(procs, streams))
     share = [streams // procs + (1 if i < streams % procs else 0) for i in range(procs)]
     ctx = mp.get_context("spawn")
@@ -239,6 +255,8 @@ def full_step_times(args: argparse.Namespace, batches: list[int], context: int) 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="llama-1b")
+    parser.add_argument("--model", default="", help="the worker's --model (default: random:<preset>); prompts "
+                        "are drawn from the preset's vocabulary")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--scenarios", default="one,decode,mixed,mixed256")
@@ -277,7 +295,7 @@ def main() -> int:
     if args.budgets:
         plan += [("mixed", int(b)) for b in args.budgets.split(",")]
     for scenario, budget in plan:
-        streams = SCENARIOS[scenario][0]
+        streams = scenario_spec(scenario)[0]
         flags = WorkerFlags(max_num_seqs=max(64, streams), budget=budget or 512)
         sample_out = logs / f"{scenario}-{budget}-threads.json" if args.sample_threads else None
         proc, target, metrics = start_worker(args, flags, logs / f"{scenario}-{budget}.log", sample_out)
@@ -310,7 +328,7 @@ def main() -> int:
               f"{100 * row['coverage']:.1f}%, padding {100 * row['padding_waste']:.1f}%, errors {row['errors']}, "
               f"min requests/stream {row['min_requests_per_stream']}, exit {row['exit_seconds']:.1f} s", flush=True)
     if args.device == "cuda" and not args.legacy and not args.no_step_times:
-        batches = sorted({SCENARIOS[s][0] for s, _ in plan})
+        batches = sorted({scenario_spec(s)[0] for s, _ in plan})
         steps = full_step_times(args, batches, context=256)
         results["full_step"] = {str(b): r for b, r in steps.items()}
         for row in results["scenarios"]:

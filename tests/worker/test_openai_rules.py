@@ -26,6 +26,9 @@ def test_a_completion_body_becomes_a_generate_request():
     assert parse_completion({"prompt": [[1, 2, 3]]}).request.prompt_token_ids == [1, 2, 3]  # a batch of one
     assert parse_completion({"prompt": "x"}).request.stopping.max_new_tokens == 16  # OpenAI's default
     assert parse_completion({"prompt": "x"}).request.sampling.temperature == 1.0  # OpenAI's default
+    # vLLM's continuous_usage_stats (benchmark clients send it): usage in every chunk.
+    assert parse_completion({"prompt": "x", "stream": True, "stream_options": {
+        "include_usage": True, "continuous_usage_stats": True}}).continuous_usage
 
 
 def test_a_chat_body_becomes_messages_and_fills_the_context_without_max_tokens():

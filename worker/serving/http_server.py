@@ -368,6 +368,8 @@ class _Run:
                                      [choice(chat, text, None, delta=True, role=self.first,
                                              token_ids=self._token_ids(tokens))], chunk=True)
                     self.first = False
+                    if parsed.continuous_usage:
+                        chunk["usage"] = self._usage()
                     await response.write(sse(chunk))
                 if last:
                     break
@@ -383,6 +385,8 @@ class _Run:
         if chat:
             final["choices"][0]["delta"] = {}
         final["graphkeeper"] = extension(self.completion)
+        if parsed.continuous_usage:
+            final["usage"] = self._usage()
         await response.write(sse(final))
         if parsed.include_usage:
             tail = envelope(self.rid, chat, parsed.created, self.model, [], chunk=True)

@@ -78,6 +78,8 @@ class Parsed:
     #: No output length was asked for: the context left after the prompt is the limit.
     fill_context: bool = False
     chat: bool = False
+    #: ``stream_options.continuous_usage_stats`` (vLLM's): every chunk carries the usage so far.
+    continuous_usage: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -170,9 +172,10 @@ def _refuse_unsupported(body: dict) -> None:
         raise unsupported("response_format", "only {\"type\": \"text\"} is supported")
 
 
-def _common(body: dict, request: pb.GenerateRequest, tenant_header: str | None) -> tuple[str | None, bool, bool,
-                                                                                          tuple[str, ...]]:
-    """The fields both endpoints share, into ``request``: (model, stream, include_usage, stop strings)."""
+def _common(body: dict, request: pb.GenerateRequest, tenant_header: str | None) -> tuple[
+        str | None, bool, tuple[bool, bool], tuple[str, ...]]:
+    """The fields both endpoints share, into ``request``: (model, stream, (include_usage,
+    continuous_usage_stats), stop strings)."""
     _refuse_unsupported(body)
     model = body.get("model")
     if model is not None:
@@ -204,7 +207,7 @@ def _common(body: dict, request: pb.GenerateRequest, tenant_header: str | None) 
     stop = _stop_strings(body.get("stop"))
     stream = _bool(body, "stream")
     options = body.get("stream_options")
-    include_usage = False
+    include_usage = continuous = False
     if options is not None:
         if not isinstance(options, dict):
             raise invalid("stream_options", f"must be an object, got {_type(options)}")
@@ -213,13 +216,12 @@ def _common(body: dict, request: pb.GenerateRequest, tenant_header: str | None) 
         for key in options:
             if key not in ("include_usage", "continuous_usage_stats"):
                 raise invalid(f"stream_options.{key}", "unknown field")
-        if options.get("continuous_usage_stats"):
-            raise unsupported("stream_options.continuous_usage_stats", "usage is reported once, at the end")
         include_usage = _bool(options, "include_usage")
+        continuous = _bool(options, "continuous_usage_stats")
     tenant = tenant_header if tenant_header is not None else body.get("user")
     if tenant is not None:
         request.tenant = _str(tenant, TENANT_HEADER if tenant_header is not None else "user")
-    return model, stream, include_usage, stop
+    return model, stream, (include_usage, continuous), stop
 
 
 def _stop_strings(value: Any) -> tuple[str, ...]:
@@ -272,10 +274,10 @@ def parse_completion(body: Any, tenant_header: str | None = None) -> Parsed:
         raise invalid("prompt", "is required")
     else:
         raise invalid("prompt", "must be a string, an array of token ids or a batch of one of them")
-    model, stream, include_usage, stop = _common(body, request, tenant_header)
+    model, stream, (include_usage, continuous), stop = _common(body, request, tenant_header)
     max_tokens = _max_tokens(body, ("max_tokens",))
     request.stopping.max_new_tokens = DEFAULT_COMPLETION_TOKENS if max_tokens is None else max_tokens
-    return Parsed(request, model, stream, include_usage, stop)
+    return Parsed(request, model, stream, include_usage, stop, continuous_usage=continuous)
 
 
 def parse_chat(body: Any, tenant_header: str | None = None) -> Parsed:
@@ -303,10 +305,11 @@ def parse_chat(body: Any, tenant_header: str | None = None) -> Parsed:
             _str(message["name"], f"{name}.name")
         request.messages.append(pb.ChatMessage(role=_str(role, f"{name}.role"),
                                                content=_content(message.get("content"), f"{name}.content")))
-    model, stream, include_usage, stop = _common(body, request, tenant_header)
+    model, stream, (include_usage, continuous), stop = _common(body, request, tenant_header)
     max_tokens = _max_tokens(body, ("max_completion_tokens", "max_tokens"))
     request.stopping.max_new_tokens = max_tokens or 1
-    return Parsed(request, model, stream, include_usage, stop, fill_context=max_tokens is None, chat=True)
+    return Parsed(request, model, stream, include_usage, stop, fill_context=max_tokens is None, chat=True,
+                  continuous_usage=continuous)
 
 
 def _content(value: Any, name: str) -> str:
