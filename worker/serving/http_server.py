@@ -141,6 +141,7 @@ class OpenAIServer:
         try:
             return await handler(request)
         except ApiError as err:
+            log.debug("%s %s: %d %s", request.method, request.path, err.status, err.message)
             return error_response(err)
         except web.HTTPException as err:  # unknown path (404), wrong method (405)
             if err.status < 400:
