@@ -100,6 +100,14 @@ def test_token_id_prompts_and_streaming_give_the_same_text(server, client, chat_
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 16  # the usage chunk comes last
     assert "graphkeeper" in chunks[-2].model_extra  # the summary rides on the finishing chunk
+    # vLLM's continuous_usage_stats (GuideLLM sends it): every chunk carries the usage so far.
+    body = {"prompt": "kubernetes operator", "max_tokens": 6, "stream": True, "ignore_eos": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    events = [json.loads(line[6:]) for line in httpx.post(server.http_url + "/v1/completions", json=body,
+                                                         timeout=60).text.splitlines()
+              if line.startswith("data: {")]
+    counts = [e["usage"]["completion_tokens"] for e in events]
+    assert counts == sorted(counts) and counts[-1] == 6 and all("usage" in e for e in events)
     # A prompt as token ids: the ids gRPC tokenizes the text into give the same completion.
     request = pb.GenerateRequest(prompt_text="kubernetes operator", stopping=pb.StoppingCriteria(max_new_tokens=1))
     completion = [r.completion for r in server.inference.Generate(request, timeout=60) if r.HasField("completion")][0]
@@ -241,12 +249,15 @@ def test_a_full_queue_is_429_and_the_worker_serves_on(server, client):
         results = list(pool.map(post, [False, True] * 4))
     refused = [r for status, r in results if status == 429]
     served = [r for status, r in results if status == 200]
-    assert refused and len(served) >= 4 and len(refused) + len(served) == 8, results
+    # Requests not yet taken from the engine core's inbox count as queued, so how many are served
+    # depends on arrival timing; at most 4 + 1 are ever admitted at once, so 8 at once see a 429.
+    assert refused and served and len(refused) + len(served) == 8, results
     assert all(r["error"]["type"] == "rate_limit_error" and r["error"]["code"] == "queue_full" for r in refused)
-    for r in served:
-        usage = r["usage"] if isinstance(r, dict) else json.loads(r.split("data: ")[-2])["usage"] \
-            if '"usage"' in r.split("data: ")[-2] else None
-        assert usage is None or usage["completion_tokens"] == MAX_SEQ_LEN - 3
+    for r in served:  # each admitted request ran to the end: a whole body, or a stream to [DONE]
+        if isinstance(r, dict):
+            assert r["usage"]["completion_tokens"] == MAX_SEQ_LEN - 3
+        else:
+            assert r.rstrip().endswith("data: [DONE]") and '"finish_reason":"length"' in r
     no_leak(server)
     assert complete(client, "the graphs", 2).usage.completion_tokens == 2
 
