@@ -39,6 +39,8 @@ def test_a_chat_body_becomes_messages_and_fills_the_context_without_max_tokens()
     assert parsed.fill_context and parsed.chat
     assert parse_chat({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 9,
                        "max_tokens": 3}).request.stopping.max_new_tokens == 9
+    chat = parse_chat({"messages": [{"role": "user", "content": "x"}], "max_tokens": 3})
+    assert chat.max_tokens_param == "max_tokens"  # errors about the length name the field the client sent
 
 
 @pytest.mark.parametrize(("body", "status", "param"), [

@@ -87,7 +87,7 @@ def openai_param(field: str, parsed: Parsed, tenant_param: str) -> str:
     if base == "tenant":
         return tenant_param
     if base == "stopping.max_new_tokens":
-        return "max_completion_tokens" if parsed.chat else "max_tokens"
+        return parsed.max_tokens_param
     return _PARAMS.get(base, base) + bracket + rest
 
 

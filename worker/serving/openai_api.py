@@ -80,6 +80,8 @@ class Parsed:
     chat: bool = False
     #: ``stream_options.continuous_usage_stats`` (vLLM's): every chunk carries the usage so far.
     continuous_usage: bool = False
+    #: The field that set the output length, for errors about it (``max_tokens`` or ``max_completion_tokens``).
+    max_tokens_param: str = "max_tokens"
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -242,14 +244,15 @@ def _stop_strings(value: Any) -> tuple[str, ...]:
     return tuple(out)
 
 
-def _max_tokens(body: dict, names: tuple[str, ...]) -> int | None:
+def _max_tokens(body: dict, names: tuple[str, ...]) -> tuple[int | None, str]:
+    """The output length the client asked for, and the field it used (the first of ``names`` set)."""
     for name in names:
         value = _int(body, name)
         if value is not None:
             if value < 1:
                 raise invalid(name, f"must be at least 1, got {value}")
-            return value
-    return None
+            return value, name
+    return None, names[0]
 
 
 def parse_completion(body: Any, tenant_header: str | None = None) -> Parsed:
@@ -275,9 +278,9 @@ def parse_completion(body: Any, tenant_header: str | None = None) -> Parsed:
     else:
         raise invalid("prompt", "must be a string, an array of token ids or a batch of one of them")
     model, stream, (include_usage, continuous), stop = _common(body, request, tenant_header)
-    max_tokens = _max_tokens(body, ("max_tokens",))
+    max_tokens, param = _max_tokens(body, ("max_tokens",))
     request.stopping.max_new_tokens = DEFAULT_COMPLETION_TOKENS if max_tokens is None else max_tokens
-    return Parsed(request, model, stream, include_usage, stop, continuous_usage=continuous)
+    return Parsed(request, model, stream, include_usage, stop, continuous_usage=continuous, max_tokens_param=param)
 
 
 def parse_chat(body: Any, tenant_header: str | None = None) -> Parsed:
@@ -306,10 +309,10 @@ def parse_chat(body: Any, tenant_header: str | None = None) -> Parsed:
         request.messages.append(pb.ChatMessage(role=_str(role, f"{name}.role"),
                                                content=_content(message.get("content"), f"{name}.content")))
     model, stream, (include_usage, continuous), stop = _common(body, request, tenant_header)
-    max_tokens = _max_tokens(body, ("max_completion_tokens", "max_tokens"))
+    max_tokens, param = _max_tokens(body, ("max_completion_tokens", "max_tokens"))
     request.stopping.max_new_tokens = max_tokens or 1
     return Parsed(request, model, stream, include_usage, stop, fill_context=max_tokens is None, chat=True,
-                  continuous_usage=continuous)
+                  continuous_usage=continuous, max_tokens_param=param)
 
 
 def _content(value: Any, name: str) -> str:
