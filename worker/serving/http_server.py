@@ -5,8 +5,8 @@
 ``openai_api``, admitted by the same function as a gRPC Generate (``grpc_server.admitted``),
 submitted to the same engine facade (the in-process ``Engine`` or the ``EngineClient`` of the
 engine-core process) and fed by the same ``StreamHub``: each stream writes what accumulated since
-its last write, one SSE event per token while the client keeps up, several tokens per event only
-when it does not, paced like the gRPC streams (``StreamHub.flush_gap``).
+its last write: one SSE event per token while the client keeps up, several tokens per event when
+it does not or when many streams are open (paced like the gRPC streams, ``StreamHub.flush_gap``).
 
 A client that goes away cancels its sequence (the handler is cancelled on disconnect, and a write
 to a closed connection fails), so its slot returns at once. Every refusal is an OpenAI error
