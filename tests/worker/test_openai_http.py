@@ -281,6 +281,8 @@ def _post(server: Worker, content: bytes, path: str = "/v1/completions") -> http
     (json.dumps({"prompt": [1] * (MAX_SEQ_LEN + 10), "max_tokens": 2}).encode(), 400, "context"),
     (json.dumps({"prompt": "the graphs " * 2000, "max_tokens": 2}).encode(), 400, "context"),
     (b'[' * 100_000, 400, "JSON"),
+    (b'{"prompt": "the", "max_tokens": 1' + b"0" * 50 + b"}", 400, "max_tokens"),
+    (b'{"prompt": "the", "max_tokens": 2, "temperature": 1e999}', 400, "temperature"),
 ])
 def test_bad_bodies_are_clear_4xx_and_the_worker_serves_on(server, client, content, status, words):
     resp = _post(server, content)

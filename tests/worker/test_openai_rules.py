@@ -63,6 +63,10 @@ def test_a_chat_body_becomes_messages_and_fills_the_context_without_max_tokens()
     ({"prompt": "x", "stop_token_ids": [True]}, 400, "stop_token_ids[0]"),
     ({"prompt": "x", "messages": []}, 400, "messages"),
     ({"prompt": "x", "zzz": 1, "aaa": 2}, 400, "aaa"),
+    ({"prompt": "x", "max_tokens": 10**40}, 400, "max_tokens"),
+    ({"prompt": "x", "top_k": 2**31}, 400, "top_k"),
+    ({"prompt": "x", "temperature": 10**400}, 400, "temperature"),
+    ({"prompt": "x", "seed": 2**64}, 400, "seed"),
 ])
 def test_completion_refusals_name_the_field(body, status, param):
     with pytest.raises(ApiError) as err:

@@ -26,6 +26,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from graphkeeper.proto import worker_pb2 as pb
+from graphkeeper.proto.policy import clipped_repr
 from graphkeeper.worker.engine import Engine, IncrementalDetokenizer, NotServing, QueueFull, StepFailed
 from graphkeeper.worker.serving.admission import MAX_PROMPT_TEXT_BYTES, AdmissionError, Oversize
 from graphkeeper.worker.serving.grpc_server import StreamHub, TokenStream, admitted, public_model_info
@@ -220,7 +221,7 @@ class OpenAIServer:
         model = self.model_name()
         if parsed.model is not None and parsed.model != model:
             self._count("invalid")
-            raise ApiError(404, f"the model {parsed.model!r} does not exist: this server serves {model!r}",
+            raise ApiError(404, f"the model {clipped_repr(parsed.model)} does not exist: this server serves {model!r}",
                            "model", "not_found_error", "model_not_found")
         engine = self.engine
         try:

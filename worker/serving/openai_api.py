@@ -97,12 +97,15 @@ def _bool(body: dict, name: str, default: bool = False) -> bool:
     return value
 
 
-def _int(body: dict, name: str) -> int | None:
+def _int(body: dict, name: str, limit: int = 2**31 - 1) -> int | None:
+    """An integer field, at most ``limit`` in magnitude (the engine's fields are 32-bit)."""
     value = body.get(name)
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int):
         raise invalid(name, f"must be an integer, got {_type(value)}")
+    if abs(value) > limit:
+        raise invalid(name, f"must be at most {limit} in magnitude")
     return value
 
 
@@ -112,7 +115,10 @@ def _number(body: dict, name: str) -> float | None:
         return None
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise invalid(name, f"must be a number, got {_type(value)}")
-    return float(value)
+    try:
+        return float(value)
+    except OverflowError:  # an integer of hundreds of digits
+        raise invalid(name, "is out of range") from None
 
 
 def _str(value: Any, name: str) -> str:
@@ -194,7 +200,7 @@ def _common(body: dict, request: pb.GenerateRequest, tenant_header: str | None) 
         if top_k < -1:
             raise invalid("top_k", f"must be -1 (off), 0 (off) or positive, got {top_k}")
         request.sampling.top_k = max(0, top_k)
-    seed = _int(body, "seed")
+    seed = _int(body, "seed", 2**64 - 1)
     if seed is not None:
         request.sampling.seed = seed & (2**64 - 1)
     request.stopping.ignore_eos = _bool(body, "ignore_eos")
