@@ -51,6 +51,8 @@ def test_a_chat_body_becomes_messages_and_fills_the_context_without_max_tokens()
     ({"prompt": "x", "stop": ["a"] * 17}, 400, "stop"),
     ({"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options"),
     ({"prompt": "x", "stream": True, "stream_options": {"extra": 1}}, 400, "stream_options.extra"),
+    ({"prompt": "x", "stream": True, "stream_options": {"include_usage": "yes"}}, 400,
+     "stream_options.include_usage"),
     ({"prompt": ""}, 400, "prompt"),
     ({}, 400, "prompt"),
     ({"prompt": ["a", "b"]}, 501, "prompt"),

@@ -88,12 +88,13 @@ class Parsed:
 # --- typed getters: each names the field it refuses -------------------------------------------
 
 
-def _bool(body: dict, name: str, default: bool = False) -> bool:
-    value = body.get(name)
+def _bool(body: dict, key: str, default: bool = False, name: str = "") -> bool:
+    """``body[key]`` as a boolean; errors name ``name`` (default: the key)."""
+    value = body.get(key)
     if value is None:
         return default
     if not isinstance(value, bool):
-        raise invalid(name, f"must be a boolean, got {_type(value)}")
+        raise invalid(name or key, f"must be a boolean, got {_type(value)}")
     return value
 
 
@@ -224,8 +225,8 @@ def _common(body: dict, request: pb.GenerateRequest, tenant_header: str | None) 
         for key in options:
             if key not in ("include_usage", "continuous_usage_stats"):
                 raise invalid(f"stream_options.{key}", "unknown field")
-        include_usage = _bool(options, "include_usage")
-        continuous = _bool(options, "continuous_usage_stats")
+        include_usage = _bool(options, "include_usage", name="stream_options.include_usage")
+        continuous = _bool(options, "continuous_usage_stats", name="stream_options.continuous_usage_stats")
     tenant = tenant_header if tenant_header is not None else body.get("user")
     if tenant is not None:
         request.tenant = _str(tenant, TENANT_HEADER if tenant_header is not None else "user")
