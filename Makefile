@@ -26,7 +26,10 @@ setup:
 	fi
 
 run: setup
-	$(BIN)/graphkeeper worker --model $(MODEL) --device $(DEVICE) --port 50051 --metrics-port 9400
+	@echo "Once READY, ask it over OpenAI-compatible HTTP (in another shell), with curl or the openai SDK:"
+	@printf '  %s\n' "curl -s 127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' -d '{\"messages\": [{\"role\": \"user\", \"content\": \"What is the capital of France?\"}], \"max_tokens\": 32, \"temperature\": 0}'"
+	@printf '  %s\n' "$(BIN)/python -c \"from openai import OpenAI; c = OpenAI(base_url='http://127.0.0.1:8000/v1', api_key='unused'); print(c.chat.completions.create(model=c.models.list().data[0].id, max_tokens=32, temperature=0, messages=[{'role': 'user', 'content': 'What is the capital of France?'}]).choices[0].message.content)\""
+	$(BIN)/graphkeeper worker --model $(MODEL) --device $(DEVICE) --port 50051 --metrics-port 9400 --http-port 8000
 
 test: setup
 	$(BIN)/pytest

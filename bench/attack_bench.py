@@ -73,7 +73,8 @@ def start_worker(model: Path, mode: str, log_path: Path, before: str = "") -> tu
 
     port = free_port()
     cmd = [sys.executable, "-m", "graphkeeper.cli", "worker", "--model", str(model), "--device", "cpu",
-           "--port", str(port), "--control-port", str(free_port()), "--metrics-port", "0", *WORKER_FLAGS]
+           "--port", str(port), "--control-port", str(free_port()), "--metrics-port", "0", "--http-port", "0",
+           *WORKER_FLAGS]
     if mode != "before":
         cmd.append("--engine-process" if mode == "apart" else "--no-engine-process")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}

@@ -37,7 +37,7 @@ def start_worker(args: argparse.Namespace, mode: str) -> tuple[subprocess.Popen,
     cmd = [str(Path(sys.executable).parent / "graphkeeper"), "worker", "--model", f"random:{args.preset}",
            "--device", args.device, "--port", str(port), "--metrics-port", "0", "--max-num-seqs", "64",
            "--max-seq-len", "1024", "--max-num-batched-tokens", "512", "--graph-mode", mode,
-           "--control-port", str(free_port())]
+           "--control-port", str(free_port()), "--http-port", "0"]
     if not (Path(sys.executable).parent / "graphkeeper").exists():
         cmd = [sys.executable, "-m", "graphkeeper.cli", *cmd[1:]]
     proc = subprocess.Popen(cmd, stdout=sys.stderr, stderr=sys.stderr)

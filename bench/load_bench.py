@@ -24,6 +24,7 @@ what the GPU allows: ``streams / step time``.
     python bench/load_bench.py --device cpu --preset tiny --seconds 5 --scenarios one,decode  # CPU smoke
     python bench/load_bench.py --scenarios one,decode,mixed --worker-args=--no-engine-process  # engine in-process
     python bench/load_bench.py --scenarios shared,shared_nocache --no-step-times  # prefix caching on vs off
+    python bench/load_bench.py --scenarios c1-p1024-o128,c64-p1024-o128 --worker-args="--max-seq-len 2048"
 """
 
 from __future__ import annotations
@@ -64,6 +65,21 @@ CONTEXT = {"shared": 4096, "shared_nocache": 4096}
 SCENARIO_FLAGS = {"shared_nocache": ["--no-prefix-caching"]}
 
 
+def scenario_spec(name: str) -> tuple[int, tuple[int, int], tuple[int, int], float]:
+    """A named scenario, or ``c<streams>-p<prompt>-o<output>`` (fixed lengths, no stagger): the
+    workload published serving numbers use, e.g. ``c64-p1024-o128`` (bench/openai_bench.py runs the
+    same through HTTP)."""
+    if name in SCENARIOS:
+        return SCENARIOS[name]
+    try:
+        c, p, o = name.split("-")
+        assert c[0] == "c" and p[0] == "p" and o[0] == "o"
+        streams, prompt, output = int(c[1:]), int(p[1:]), int(o[1:])
+    except (ValueError, AssertionError, IndexError):
+        raise SystemExit(f"unknown scenario {name!r}: one of {', '.join(SCENARIOS)} or c<N>-p<P>-o<O>") from None
+    return streams, (prompt, prompt), (output, output), 0.0
+
+
 @dataclass
 class WorkerFlags:
     max_num_seqs: int
@@ -89,12 +105,12 @@ def start_worker(args: argparse.Namespace, flags: WorkerFlags, log_path: Path,
     if sample_out is not None or args.switch_interval or args.flush_gap:
         launcher = [str(Path(__file__).parent / "thread_sampler.py"), "--out", str(sample_out or ""),
                     "--switch-interval", str(args.switch_interval), "--flush-gap", str(args.flush_gap), "--"]
-    cmd = [sys.executable, *launcher, "worker", "--model", f"random:{args.preset}",
+    cmd = [sys.executable, *launcher, "worker", "--model", args.model or f"random:{args.preset}",
            "--device", args.device, "--dtype", args.dtype, "--port", str(port), "--metrics-port", str(metrics),
            "--max-num-seqs", str(flags.max_num_seqs), "--max-seq-len", str(flags.max_seq_len),
            "--max-num-batched-tokens", str(flags.budget), "--max-queue", "4096", "--log-level", "WARNING"]
     if not args.legacy:
-        cmd += ["--control-port", str(free_port())]
+        cmd += ["--control-port", str(free_port()), "--http-port", "0"]
     cmd += [*flags.extra, *args.worker_args.split()]
     env = dict(os.environ)
     if args.worker_pythonpath:
@@ -196,7 +212,7 @@ async def _client(target, streams, prompt, output, stagger, seconds, seed, vocab
 
 
 def drive(target: str, scenario: str, seconds: float, vocab: int, procs: int) -> dict:
-    streams, prompt, output, stagger = SCENARIOS[scenario]
+    streams, prompt, output, stagger = scenario_spec(scenario)
     procs = max(1, min(procs, streams))
     share = [streams // procs + (1 if i < streams % procs else 0) for i in range(procs)]
     ctx = mp.get_context("spawn")
@@ -261,6 +277,8 @@ def full_step_times(args: argparse.Namespace, batches: list[int], context: int) 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="llama-1b")
+    parser.add_argument("--model", default="", help="the worker's --model (default: random:<preset>); prompts "
+                        "are drawn from the preset's vocabulary")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--scenarios", default="one,decode,mixed,mixed256")
@@ -299,9 +317,11 @@ def main() -> int:
     if args.budgets:
         plan += [("mixed", int(b)) for b in args.budgets.split(",")]
     for scenario, budget in plan:
-        streams = SCENARIOS[scenario][0]
+        spec = scenario_spec(scenario)
+        streams = spec[0]
         flags = WorkerFlags(max_num_seqs=max(64, streams), budget=budget or 512,
-                            max_seq_len=CONTEXT.get(scenario, 1024), extra=tuple(SCENARIO_FLAGS.get(scenario, ())))
+                            max_seq_len=CONTEXT.get(scenario, max(1024, spec[1][1] + spec[2][1])),
+                            extra=tuple(SCENARIO_FLAGS.get(scenario, ())))
         sample_out = logs / f"{scenario}-{budget}-threads.json" if args.sample_threads else None
         proc, target, metrics = start_worker(args, flags, logs / f"{scenario}-{budget}.log", sample_out)
         row: dict = {}
@@ -343,7 +363,7 @@ def main() -> int:
         print(f"shared prefix: TTFT p50 {on:.1f} ms with prefix caching, {off:.1f} ms without "
               f"({results['shared_prefix_ttft_p50_off_over_on']:.1f}x)", flush=True)
     if args.device == "cuda" and not args.legacy and not args.no_step_times:
-        batches = sorted({SCENARIOS[s][0] for s, _ in plan})
+        batches = sorted({scenario_spec(s)[0] for s, _ in plan})
         steps = full_step_times(args, batches, context=256)
         results["full_step"] = {str(b): r for b, r in steps.items()}
         for row in results["scenarios"]:

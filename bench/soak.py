@@ -271,7 +271,7 @@ def soak(args: argparse.Namespace) -> dict:
     cmd = [
         str(Path(sys.executable).parent / "graphkeeper"), "worker", "--model", args.model, "--device", args.device,
         "--host", "127.0.0.1", "--port", str(port), "--metrics-port", str(metrics_port),
-        "--control-port", str(control_port), "--control-token-file", str(token_file),
+        "--control-port", str(control_port), "--control-token-file", str(token_file), "--http-port", "0",
         "--max-num-seqs", str(args.max_num_seqs), "--max-seq-len", str(args.max_seq_len),
         "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--max-queue", str(args.max_queue),
         "--drain-seconds", "30",

@@ -41,7 +41,7 @@ def start(preset: str, flags: list[str], cache_dir: str, log_path: Path, max_num
 
     port, control = free_port(), free_port()
     cmd = [sys.executable, "-m", "graphkeeper.cli", "worker", "--model", f"random:{preset}", "--device", "cuda",
-           "--port", str(port), "--control-port", str(control), "--metrics-port", "0",
+           "--port", str(port), "--control-port", str(control), "--metrics-port", "0", "--http-port", "0",
            "--max-num-seqs", str(max_num_seqs), "--max-seq-len", "1024", "--compile-cache-dir", cache_dir,
            "--log-level", "INFO", *flags]
     began = time.perf_counter()

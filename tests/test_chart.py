@@ -80,11 +80,24 @@ def test_workers_serve_control_on_its_own_port_and_probe_inference(helm):
     docs = render(helm, "--set", "workers.enabled=true", "--set", "workers.modelRoots={/models}")
     container = one(docs, "Deployment", "gk-graphkeeper-worker")["spec"]["template"]["spec"]["containers"][0]
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
-    assert ports == {"grpc": 50051, "control": 50052, "metrics": 9400}
+    assert ports == {"grpc": 50051, "control": 50052, "metrics": 9400, "http": 8000}
+    assert {"--http-port=8000", "--vllm-metric-names"} <= set(container["args"])
     assert "--control-port=50052" in container["args"]
     assert "--model-root=/models" in container["args"]
     assert container["readinessProbe"]["grpc"] == {
         "port": 50051, "service": "graphkeeper.worker.v1.InferenceWorker"}
+
+
+def test_workers_serve_openai_http_and_vllm_metric_names_by_choice(helm):
+    docs = render(helm, "--set", "workers.enabled=true", "--set", "workers.httpPort=8080",
+                  "--set", "workers.vllmMetricNames=false", "--set", "workers.servedModelName=smollm2",
+                  "--set", "workers.service.ports.http=0")
+    container = one(docs, "Deployment", "gk-graphkeeper-worker")["spec"]["template"]["spec"]["containers"][0]
+    assert {"--http-port=8080", "--served-model-name=smollm2"} <= set(container["args"])
+    assert "--vllm-metric-names" not in container["args"]
+    assert {p["name"]: p["containerPort"] for p in container["ports"]}["http"] == 8080
+    svc = one(docs, "Service", "gk-graphkeeper-worker")["spec"]
+    assert [p["name"] for p in svc["ports"]] == ["grpc"]  # 0: the HTTP API is not behind the Service
 
 
 def test_workers_get_the_preset_quantization_and_a_compile_cache_volume(helm):
@@ -127,7 +140,7 @@ def test_network_policy_opens_control_only_to_the_operator(helm):
     assert control == [{"ports": [{"port": "control", "protocol": "TCP"}],
                         "from": [{"podSelector": {"matchLabels": operator_pods}}]}]
     served = {p["port"] for r in worker["ingress"] for p in r["ports"]}
-    assert served == {"control", "grpc", "metrics"}, "nothing else is reachable"
+    assert served == {"control", "grpc", "http", "metrics"}, "nothing else is reachable"
     operator = one(docs, "NetworkPolicy", "gk-graphkeeper-operator")["spec"]
     assert operator["podSelector"]["matchLabels"] == operator_pods
 
@@ -175,7 +188,9 @@ def test_the_workers_service_selects_the_workers_grpc_port(helm):
         "matchLabels"]
     assert svc["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
     assert svc["spec"]["ports"] == [{"name": "grpc", "port": 50051, "targetPort": "grpc", "protocol": "TCP",
-                                     "appProtocol": "kubernetes.io/h2c"}]
+                                     "appProtocol": "kubernetes.io/h2c"},
+                                    {"name": "http", "port": 8000, "targetPort": "http", "protocol": "TCP",
+                                     "appProtocol": "http"}]
     container_ports = {p["name"] for p in pod["spec"]["containers"][0]["ports"]}
     assert {p["targetPort"] for p in svc["spec"]["ports"]} <= container_ports
     # The control port is never behind the Service; metrics only when asked for.
@@ -183,7 +198,7 @@ def test_the_workers_service_selects_the_workers_grpc_port(helm):
                   "--set", "workers.service.clusterIP=None")
     svc = one(docs, "Service", "gk-graphkeeper-worker")["spec"]
     assert [(p["name"], p["port"], p["targetPort"]) for p in svc["ports"]] == [
-        ("grpc", 50051, "grpc"), ("metrics", 9400, "metrics")]
+        ("grpc", 50051, "grpc"), ("http", 8000, "http"), ("metrics", 9400, "metrics")]
     assert svc["clusterIP"] == "None"
     docs = render(helm, "--set", "workers.enabled=true", "--set", "workers.service.enabled=false")
     assert [d["metadata"]["name"] for d in docs if d["kind"] == "Service"] == ["gk-graphkeeper-operator-metrics"]

@@ -30,7 +30,9 @@ from graphkeeper.worker.model.kv_cache import check_block_size
 from graphkeeper.worker.model.loader import ModelSourceError, check_source
 from graphkeeper.worker.model.step import resolve as resolve_optimization
 from graphkeeper.worker.serving.grpc_server import StreamHub, build_servers, track_health
+from graphkeeper.worker.serving.http_server import OpenAIServer
 from graphkeeper.worker.serving.metrics_server import serve_http
+from graphkeeper.worker.serving.vllm_metrics import exported_registry
 from graphkeeper.worker.settings import DTYPES, EngineSettings
 
 log = logging.getLogger("graphkeeper.worker")
@@ -44,7 +46,7 @@ STOP_GRACE_SECONDS = 2.0
 #: A GraphPolicy JSON is a ConfigMap value, and ConfigMaps hold at most 1 MiB.
 MAX_POLICY_FILE_BYTES = 1 << 20
 MAX_TOKEN_FILE_BYTES = 64 << 10
-PORT_FLAGS = ("port", "control_port", "metrics_port")
+PORT_FLAGS = ("port", "control_port", "metrics_port", "http_port")
 
 
 # --- boot checks: pure functions that return one line per problem (empty when all is well) ---
@@ -92,7 +94,7 @@ def utilization_error(utilization: float | None, device: str, kv_cache_memory: s
 
 
 def port_error(flag: str, port: int) -> str | None:
-    """0 is allowed (ephemeral, or disabled for --metrics-port); otherwise a TCP port."""
+    """0 is allowed (ephemeral, or disabled for --metrics-port and --http-port); otherwise a TCP port."""
     if not 0 <= port <= 65535:
         return f"--{flag.replace('_', '-')} must be in [0, 65535], got {port}"
     return None
@@ -329,20 +331,27 @@ async def _serve(args: argparse.Namespace, settings: EngineSettings, token: str)
     if not token and not _is_loopback(control_host):
         log.warning("no --control-token-file: GraphControl listens on 127.0.0.1 only, not %s", control_host)
         control_host = "127.0.0.1"
+    http: OpenAIServer | None = None
+    http_host = getattr(args, "http_host", "") or args.host
+    served_name = getattr(args, "served_model_name", "")
+    registry = exported_registry(engine, served_name, getattr(args, "vllm_metric_names", False))
     try:
         servers = build_servers(engine, args.host, args.port, control_host, args.control_port, token, hub)
         track_health(engine, servers.health, loop)
         if args.metrics_port:
-            serve_http(engine, args.host, args.metrics_port)
+            serve_http(engine, args.host, args.metrics_port, registry=registry)
+        if getattr(args, "http_port", 0):
+            http = OpenAIServer(engine, hub, served_name, metrics=registry)
+            await http.start(http_host, args.http_port)
         await servers.inference.start()
         await servers.control.start()
     except BaseException:
         if isinstance(engine, EngineClient):  # a port in use: the engine core must not outlive us
             await asyncio.to_thread(engine.close)
         raise
-    log.info("gRPC inference on %s:%d, control on %s:%d%s, metrics on %s:%s", args.host, servers.inference_port,
-             control_host, servers.control_port, " (bearer token)" if token else "", args.host,
-             args.metrics_port or "-")
+    log.info("gRPC inference on %s:%d, control on %s:%d%s, metrics on %s:%s, OpenAI HTTP on %s", args.host,
+             servers.inference_port, control_host, servers.control_port, " (bearer token)" if token else "", args.host,
+             args.metrics_port or "-", f"{http_host}:{http.port}" if http is not None else "-")
     if not isinstance(engine, EngineClient):
         engine.start()
     stop = asyncio.Event()
@@ -362,7 +371,8 @@ async def _serve(args: argparse.Namespace, settings: EngineSettings, token: str)
     elif isinstance(engine, EngineClient):
         await asyncio.to_thread(engine.close)  # a failed engine core exits now; never left holding the device
     # The drain deadline is a deadline: whatever is still open ends now.
-    await asyncio.gather(servers.inference.stop(STOP_GRACE_SECONDS), servers.control.stop(STOP_GRACE_SECONDS))
+    await asyncio.gather(servers.inference.stop(STOP_GRACE_SECONDS), servers.control.stop(STOP_GRACE_SECONDS),
+                         *((http.stop(),) if http is not None else ()))
     log.info("stopped")
     return code
 

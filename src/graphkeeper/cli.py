@@ -30,7 +30,7 @@ def _one_line_errors(parser: argparse.ArgumentParser) -> None:
 def _worker(sub: argparse._SubParsersAction) -> None:
     from graphkeeper.worker import settings as d  # the engine's defaults (a leaf: no torch)
 
-    p = sub.add_parser("worker", help="serve a model over gRPC until stopped")
+    p = sub.add_parser("worker", help="serve a model over gRPC and OpenAI-compatible HTTP until stopped")
     p.add_argument("--model", default=d.DEFAULT_MODEL,
                    help="an HF-style directory, a .gguf file, builtin:<name> or random:<preset>[@seed] "
                    "(default: %(default)s)")
@@ -44,6 +44,14 @@ def _worker(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model-root", action="append", default=[],
                    help="where LoadModelRevision may load from (repeatable; none: no path may be loaded)")
     p.add_argument("--metrics-port", type=int, default=9400, help="0 disables /metrics")
+    p.add_argument("--http-host", default="", help="OpenAI-compatible HTTP address (default: --host)")
+    p.add_argument("--http-port", type=int, default=8000,
+                   help="OpenAI-compatible HTTP port (/v1/completions, /v1/chat/completions, /health); 0 disables it")
+    p.add_argument("--served-model-name", default="",
+                   help="the model's name in the HTTP API (default: the model file or directory's name)")
+    p.add_argument("--vllm-metric-names", action=argparse.BooleanOptionalAction, default=False,
+                   help="also export queue, running and KV-cache gauges under vLLM's names (vllm:num_requests_waiting, "
+                        "...) for inference gateways and autoscalers that read them")
     p.add_argument("--device", default=d.DEFAULT_DEVICE, help="cpu, cuda or cuda:N")
     p.add_argument("--dtype", default=d.DEFAULT_DTYPE, help=", ".join(d.DTYPES))
     p.add_argument("--max-num-seqs", type=int, default=d.DEFAULT_MAX_NUM_SEQS,

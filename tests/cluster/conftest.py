@@ -277,7 +277,7 @@ class Kubelet:
                     "--host", "127.0.0.1", "--port", str(port), "--metrics-port",
                     str(metrics_port), "--device", "cpu", "--max-num-seqs", "4",
                     "--max-seq-len", "128", "--max-num-batched-tokens", "64",
-                    "--drain-seconds", "0"]
+                    "--drain-seconds", "0", "--http-port", "0"]
             args += ["--control-port", str(control), *token_args]
         if model_revision:
             args += ["--model-revision", model_revision]

@@ -184,7 +184,8 @@ def test_a_request_through_the_workers_service_reaches_a_worker(release: Node):
     for pod in pods:  # device: cpu, and the chart asked for no GPU (the node has none to give)
         assert "nvidia.com/gpu" not in json.dumps(pod["spec"]["containers"][0]["resources"])
     spec = release.get("service", service, "-n", NAMESPACE)["spec"]
-    assert [(p["name"], p["port"], p["targetPort"]) for p in spec["ports"]] == [("grpc", 50051, "grpc")]
+    assert [(p["name"], p["port"], p["targetPort"]) for p in spec["ports"]] == [
+        ("grpc", 50051, "grpc"), ("http", 8000, "http")]
 
     # What kube-proxy or a gateway routes to: the EndpointSlice controller's view of the Service is
     # exactly the Ready workers' gRPC ports.

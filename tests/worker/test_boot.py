@@ -135,7 +135,7 @@ def test_boot_errors_collects_flags_and_settings_exit_with_one_line(tmp_path):
 def run_worker(*flags: str, cwd: Path) -> subprocess.CompletedProcess:
     # No GPU is visible, so "--device cuda" is refused on a GPU machine too.
     return subprocess.run(
-        [str(GRAPHKEEPER), "worker", "--port", str(free_port()), "--metrics-port", "0", *flags],
+        [str(GRAPHKEEPER), "worker", "--port", str(free_port()), "--metrics-port", "0", "--http-port", "0", *flags],
         capture_output=True, text=True, timeout=120, cwd=cwd, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
     )
 
@@ -194,8 +194,8 @@ def test_missing_policy_file_still_starts(tmp_path):
     port, control_port = free_port(), free_port()
     proc = subprocess.Popen(
         [str(GRAPHKEEPER), "worker", "--port", str(port), "--control-port", str(control_port), "--metrics-port", "0",
-         "--policy-file", str(tmp_path / "later.json"), "--max-num-seqs", "2", "--max-seq-len", "32",
-         "--max-num-batched-tokens", "16"],
+         "--http-port", "0", "--policy-file", str(tmp_path / "later.json"), "--max-num-seqs", "2",
+         "--max-seq-len", "32", "--max-num-batched-tokens", "16"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path,
     )
     try:
@@ -221,7 +221,7 @@ def test_the_process_exits_promptly_after_stopped(tmp_path):
     port, control_port = free_port(), free_port()
     proc = subprocess.Popen(
         [str(GRAPHKEEPER), "worker", "--port", str(port), "--control-port", str(control_port), "--metrics-port", "0",
-         "--max-num-seqs", "2", "--max-seq-len", "32", "--max-num-batched-tokens", "16"],
+         "--http-port", "0", "--max-num-seqs", "2", "--max-seq-len", "32", "--max-num-batched-tokens", "16"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path,
     )
     try:
@@ -262,7 +262,7 @@ def test_port_in_use_is_one_line_and_a_nonzero_exit(tmp_path):
         taken.listen()
         port = taken.getsockname()[1]
         proc = subprocess.run(
-            [str(GRAPHKEEPER), "worker", "--port", str(port), "--metrics-port", "0"],
+            [str(GRAPHKEEPER), "worker", "--port", str(port), "--metrics-port", "0", "--http-port", "0"],
             capture_output=True, text=True, timeout=120, cwd=tmp_path,
         )
     assert proc.returncode != 0

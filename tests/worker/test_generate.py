@@ -381,7 +381,8 @@ def test_graph_control_is_only_on_its_port_and_only_with_the_token(worker):
 
 def test_a_second_worker_on_a_port_in_use_exits_with_one_line(worker, tmp_path):
     port = worker.target.rsplit(":", 1)[1]
-    proc = subprocess.run([str(GRAPHKEEPER), "worker", "--port", port, "--metrics-port", "0", "--control-port", "0"],
+    proc = subprocess.run([str(GRAPHKEEPER), "worker", "--port", port, "--metrics-port", "0", "--control-port", "0",
+                           "--http-port", "0"],
                           capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert proc.returncode != 0
     assert "Traceback" not in proc.stderr

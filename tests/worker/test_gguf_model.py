@@ -9,6 +9,7 @@ import subprocess
 from pathlib import Path
 
 import grpc
+import openai
 import pytest
 from worker_harness import GRAPHKEEPER, generate, generate_concurrently, make_request
 
@@ -120,6 +121,20 @@ def test_a_chat_request_answers_the_question_in_words(smollm):
     assert "<|im_end|>" not in text
 
 
+def test_the_openai_sdk_asks_the_default_model_and_reads_the_answer(smollm):
+    """The real chat template and the real model behind /v1/chat/completions, through the openai
+    SDK: the answer, streamed and not, and the same text both ways (greedy)."""
+    client = openai.OpenAI(base_url=smollm.http_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    model = client.models.list().data[0].id
+    messages = [{"role": "user", "content": QUESTION}]
+    resp = client.chat.completions.create(model=model, messages=messages, max_tokens=16, temperature=0)
+    answer = resp.choices[0].message.content
+    assert "Paris" in answer and "<|im_end|>" not in answer, answer
+    assert resp.choices[0].finish_reason == "stop"  # EOS (<|im_end|>) within 16 tokens
+    stream = client.chat.completions.create(model=model, messages=messages, max_tokens=16, temperature=0, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in stream) == answer
+
+
 def test_model_info_reports_the_model_and_its_tokenizer(smollm):
     info = smollm.inference.GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
     assert (info.vocab_size, info.num_layers, info.hidden_size) == (49152, 30, 576)
@@ -149,7 +164,8 @@ def test_a_prompt_longer_than_the_context_is_refused_and_the_worker_serves_on(sm
 def refusal(model: str, *flags: str) -> str:
     """``graphkeeper worker --model model`` must refuse to start with one line on stderr; returns it."""
     proc = subprocess.run([str(GRAPHKEEPER), "worker", "--model", model, "--metrics-port", "0", "--port", "0",
-                           "--control-port", "0", *flags], capture_output=True, text=True, timeout=120)
+                           "--control-port", "0", "--http-port", "0", *flags],
+                          capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert "Traceback" not in proc.stderr and lines[-1].startswith("graphkeeper worker: "), proc.stderr

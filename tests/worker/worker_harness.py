@@ -77,6 +77,8 @@ class Worker:
     log_path: Path
     control_target: str = ""
     token: str = ""
+    #: The OpenAI-compatible HTTP API's base URL (``http://host:port``).
+    http_url: str = ""
     health_seen: list[int] = field(default_factory=list)
     _channel: grpc.Channel | None = None
     _control_channel: grpc.Channel | None = None
@@ -150,9 +152,10 @@ def start_worker(
     log_dir: Path, *extra: str, model: str = "random:tiny", env: dict[str, str] | None = None,
     wait: bool = True,
 ) -> Worker:
-    """Starts ``graphkeeper worker`` on free loopback ports, its control port guarded by a token
-    file, and waits for health SERVING."""
+    """Starts ``graphkeeper worker`` on free loopback ports (gRPC, control, metrics and OpenAI HTTP),
+    its control port guarded by a token file, and waits for health SERVING."""
     port, metrics_port, control_port = free_port(), free_port(), free_port()
+    http_port = free_port() if "--http-port" not in extra else int(extra[extra.index("--http-port") + 1])
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"worker-{port}.log"
     token = secrets.token_hex(16)
@@ -163,6 +166,8 @@ def start_worker(
         "--metrics-port", str(metrics_port), "--device", "cpu", "--drain-seconds", "60",
         "--control-port", str(control_port), "--control-token-file", str(token_file), *extra,
     ]
+    if "--http-port" not in extra:
+        args += ["--http-port", str(http_port)]
     if not any(a == "--max-num-seqs" for a in extra):
         args += BASE_ARGS
     with log_path.open("wb") as log_file:
@@ -171,7 +176,8 @@ def start_worker(
             env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
         )
     worker = Worker(proc, f"127.0.0.1:{port}", f"http://127.0.0.1:{metrics_port}", log_path,
-                    control_target=f"127.0.0.1:{control_port}", token=token)
+                    control_target=f"127.0.0.1:{control_port}", token=token,
+                    http_url=f"http://127.0.0.1:{http_port}" if http_port else "")
     if wait:
         try:
             wait_serving(worker)

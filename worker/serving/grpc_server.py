@@ -156,7 +156,7 @@ class InferenceServicer(pb_grpc.InferenceWorkerServicer):
         engine = self.engine
         text = bool(request.prompt_text or request.messages)
         try:
-            request = await self._admitted(request)
+            request = await admitted(engine, request)
             seq = engine.submit(request, stream)
         except AdmissionError as err:
             engine.metrics.requests.labels("oversize" if isinstance(err, Oversize) else "invalid").inc()
@@ -206,44 +206,52 @@ class InferenceServicer(pb_grpc.InferenceWorkerServicer):
             if hub is not None:
                 hub.open_streams -= 1
 
-    async def _admitted(self, request: pb.GenerateRequest) -> pb.GenerateRequest:
-        """The request checked against the served model, a text prompt tokenized (off the event
-        loop when long) and checked again as token ids; raises AdmissionError or NotServing.
-
-        Every size check runs before anything is copied or tokenized: a prompt that cannot fit
-        the context costs its length checks, not its tokenization (``validate_text_length``).
-        """
-        limits = self.engine.limits()
-        if limits is None:
-            raise NotServing("model not loaded yet")
-        validate_request(request, limits)  # sizes and rules before any tokenizing
-        if not request.prompt_text and not request.messages:
-            return request
-        tokenizer = self.engine.tokenizer
-        if request.messages:
-            chat = [(m.role, m.content) for m in request.messages]
-            encode, size = (lambda: tokenizer.encode_chat(chat)), sum(len(m.content) for m in request.messages)
-        else:
-            encode, size = (lambda: tokenizer.encode_ids(request.prompt_text)), len(request.prompt_text)
-        try:
-            ids = await asyncio.get_running_loop().run_in_executor(TOKENIZE_POOL, encode) \
-                if size > INLINE_TOKENIZE_CHARS else encode()
-        except ChatError as err:
-            raise AdmissionError(err.field, str(err).removeprefix(f"{err.field}: ")) from None
-        validate_tokenized(ids, request.stopping.max_new_tokens, limits,
-                           "messages" if request.messages else "prompt_text")
-        tokenized = pb.GenerateRequest()
-        tokenized.CopyFrom(request)
-        tokenized.ClearField("prompt_text")
-        tokenized.ClearField("messages")
-        tokenized.prompt_token_ids.extend(ids)
-        return tokenized
-
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext):  # noqa: N802
         info = self.engine.model_info()
         if info is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "model not loaded yet")
         return public_model_info(info)
+
+
+async def admitted(engine: Engine, request: pb.GenerateRequest, fill_context: bool = False) -> pb.GenerateRequest:
+    """The request checked against the served model, a text prompt tokenized (off the event
+    loop when long) and checked again as token ids; raises AdmissionError or NotServing. Both
+    front ends (gRPC here, OpenAI HTTP in ``http_server``) admit through this one function.
+
+    Every size check runs before anything is copied or tokenized: a prompt that cannot fit
+    the context costs its length checks, not its tokenization (``validate_text_length``).
+    ``fill_context``: the client set no output length, so ``max_new_tokens`` (sent as 1) becomes
+    whatever the context leaves after the prompt, as OpenAI-compatible servers do.
+    """
+    limits = engine.limits()
+    if limits is None:
+        raise NotServing("model not loaded yet")
+    validate_request(request, limits)  # sizes and rules before any tokenizing
+    if not request.prompt_text and not request.messages:
+        if fill_context:
+            request.stopping.max_new_tokens = max(1, limits.max_seq_len - len(request.prompt_token_ids))
+        return request
+    tokenizer = engine.tokenizer
+    if request.messages:
+        chat = [(m.role, m.content) for m in request.messages]
+        encode, size = (lambda: tokenizer.encode_chat(chat)), sum(len(m.content) for m in request.messages)
+    else:
+        encode, size = (lambda: tokenizer.encode_ids(request.prompt_text)), len(request.prompt_text)
+    try:
+        ids = await asyncio.get_running_loop().run_in_executor(TOKENIZE_POOL, encode) \
+            if size > INLINE_TOKENIZE_CHARS else encode()
+    except ChatError as err:
+        raise AdmissionError(err.field, str(err).removeprefix(f"{err.field}: ")) from None
+    tokenized = pb.GenerateRequest()
+    tokenized.CopyFrom(request)
+    if fill_context:
+        tokenized.stopping.max_new_tokens = max(1, limits.max_seq_len - len(ids))
+    validate_tokenized(ids, tokenized.stopping.max_new_tokens, limits,
+                       "messages" if request.messages else "prompt_text")
+    tokenized.ClearField("prompt_text")
+    tokenized.ClearField("messages")
+    tokenized.prompt_token_ids.extend(ids)
+    return tokenized
 
 
 def public_model_info(info: pb.GetModelInfoResponse) -> pb.GetModelInfoResponse:

@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from http import HTTPStatus
+from typing import Any
 from urllib.parse import urlsplit
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -69,11 +70,12 @@ def render_response(status: int, body: bytes, content_type: str, head_only: bool
     return header if head_only else header + body
 
 
-def engine_endpoints(engine: Engine) -> dict[str, Callable[[], tuple[int, bytes, str]]]:
-    """The answer of each path for this engine: (status, body, content type)."""
+def engine_endpoints(engine: Engine, registry: Any = None) -> dict[str, Callable[[], tuple[int, bytes, str]]]:
+    """The answer of each path for this engine: (status, body, content type). ``registry``: what
+    ``/metrics`` exports (anything with ``collect()``), the engine's own registry by default."""
 
     def metrics() -> tuple[int, bytes, str]:
-        return 200, generate_latest(engine.metrics.registry), CONTENT_TYPE_LATEST
+        return 200, generate_latest(registry if registry is not None else engine.metrics.registry), CONTENT_TYPE_LATEST
 
     def healthz() -> tuple[int, bytes, str]:
         alive = engine.alive()
@@ -184,9 +186,9 @@ def _end_tasks(loop: asyncio.AbstractEventLoop) -> None:
 
 
 def serve_http(engine: Engine, host: str, port: int, *, max_connections: int = MAX_CONNECTIONS,
-               timeout: float = TIMEOUT_SECONDS) -> MetricsServer:
+               timeout: float = TIMEOUT_SECONDS, registry: Any = None) -> MetricsServer:
     """Starts the metrics and probe server in a daemon thread and returns it (OSError if unbound)."""
-    server = MetricsServer(engine_endpoints(engine), host, port, max_connections=max_connections,
+    server = MetricsServer(engine_endpoints(engine, registry), host, port, max_connections=max_connections,
                            timeout=timeout)
     server.start()
     return server

@@ -1,0 +1,399 @@
+"""The OpenAI-compatible HTTP API (aiohttp) on the worker's asyncio loop, beside gRPC.
+
+``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``, ``GET /health``
+(200 only while the worker serves) and ``GET /metrics``. A request is read by the pure rules of
+``openai_api``, admitted by the same function as a gRPC Generate (``grpc_server.admitted``),
+submitted to the same engine facade (the in-process ``Engine`` or the ``EngineClient`` of the
+engine-core process) and fed by the same ``StreamHub``: each stream writes what accumulated since
+its last write: one SSE event per token while the client keeps up, several tokens per event when
+it does not or when many streams are open (paced like the gRPC streams, ``StreamHub.flush_gap``).
+
+A client that goes away cancels its sequence (the handler is cancelled on disconnect, and a write
+to a closed connection fails), so its slot returns at once. Every refusal is an OpenAI error
+object with its status: 400 naming the field, 404 for another model, 413 for a body over the
+cap, 429 for a full queue, 501 for what is not supported, 503 while not serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from graphkeeper.proto import worker_pb2 as pb
+from graphkeeper.proto.policy import clipped_repr
+from graphkeeper.worker.engine import Engine, IncrementalDetokenizer, NotServing, QueueFull, StepFailed
+from graphkeeper.worker.serving.admission import MAX_PROMPT_TEXT_BYTES, AdmissionError, Oversize
+from graphkeeper.worker.serving.grpc_server import StreamHub, TokenStream, admitted, public_model_info
+from graphkeeper.worker.serving.openai_api import (
+    EXECUTION_HEADER,
+    TENANT_HEADER,
+    ApiError,
+    Parsed,
+    StopMatcher,
+    choice,
+    envelope,
+    extension,
+    finish_reason,
+    models_list,
+    new_id,
+    parse_chat,
+    parse_completion,
+    usage,
+)
+
+log = logging.getLogger(__name__)
+
+#: JSON may spell a character in up to 12 bytes (a surrogate pair of \\u escapes) and a token id
+#: in up to 12 (``2147483647, ``): past this a body cannot be a valid request and is refused (413)
+#: before it is read whole.
+JSON_OVERHEAD_BYTES = 64 << 10
+BACKLOG = 1024
+#: What open requests get to finish once the worker stops (the drain already waited for them).
+SHUTDOWN_SECONDS = 2.0
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+DONE = b"data: [DONE]\n\n"
+
+
+def max_body_bytes(max_seq_len: int) -> int:
+    """The largest body a valid request could have on a worker with ``max_seq_len``."""
+    return 6 * MAX_PROMPT_TEXT_BYTES + 12 * max_seq_len + JSON_OVERHEAD_BYTES
+
+
+def dumps(value: Any) -> bytes:
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def sse(value: Any) -> bytes:
+    return b"data: " + dumps(value) + b"\n\n"
+
+
+def error_response(err: ApiError) -> web.Response:
+    return web.Response(body=dumps(err.body()), status=err.status, content_type="application/json")
+
+
+#: gRPC admission names proto fields; the OpenAI client sent these.
+_PARAMS = {"prompt_text": "prompt", "prompt_token_ids": "prompt", "stopping.stop_token_ids": "stop_token_ids",
+           "sampling.temperature": "temperature", "sampling.top_p": "top_p", "sampling.top_k": "top_k"}
+
+
+def openai_param(field: str, parsed: Parsed, tenant_param: str) -> str:
+    """The request field an admission error is about, in the client's names."""
+    base, bracket, rest = field.partition("[")
+    if base == "tenant":
+        return tenant_param
+    if base == "stopping.max_new_tokens":
+        return parsed.max_tokens_param
+    return _PARAMS.get(base, base) + bracket + rest
+
+
+class OpenAIServer:
+    """The HTTP API for one engine; ``start`` binds it on the running loop."""
+
+    def __init__(self, engine: Engine, hub: StreamHub, served_model_name: str = "",
+                 metrics: Any = None) -> None:
+        self.engine = engine
+        self.hub = hub
+        self.served_model_name = served_model_name
+        self.metrics_registry = metrics
+        self.created = 0
+        self.port = 0
+        self.runner: web.AppRunner | None = None
+        self.max_body = max_body_bytes(engine.settings.max_seq_len)
+        self.app = web.Application(client_max_size=self.max_body,
+                                   middlewares=[self._errors])
+        self.app.router.add_post("/v1/completions", self.completions)
+        self.app.router.add_post("/v1/chat/completions", self.chat_completions)
+        self.app.router.add_get("/v1/models", self.models)
+        self.app.router.add_get("/health", self.health)
+        if metrics is not None:
+            self.app.router.add_get("/metrics", self.metrics)
+
+    async def start(self, host: str, port: int) -> int:
+        """Binds and serves on the running loop; returns the port. OSError naming the address."""
+        self.created = int(time.time())
+        # handler_cancellation: a client that disconnects cancels its handler, which frees the slot.
+        self.runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None,
+                                    shutdown_timeout=SHUTDOWN_SECONDS)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, host, port, backlog=BACKLOG)
+        try:
+            await site.start()
+        except OSError as err:
+            await self.runner.cleanup()
+            raise OSError(f"cannot bind the HTTP port {host}:{port}: {err.strerror or err}") from None
+        server = site._server  # aiohttp keeps the asyncio server here; its socket knows an ephemeral port
+        self.port = server.sockets[0].getsockname()[1] if server is not None and server.sockets else port
+        return self.port
+
+    async def stop(self) -> None:
+        if self.runner is not None:
+            await self.runner.cleanup()
+
+    # --- plumbing --------------------------------------------------------------------------
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except ApiError as err:
+            log.debug("%s %s: %d %s", request.method, request.path, err.status, err.message)
+            return error_response(err)
+        except web.HTTPException as err:  # unknown path (404), wrong method (405)
+            if err.status < 400:
+                raise
+            kind = "not_found_error" if err.status == 404 else "invalid_request_error"
+            return error_response(ApiError(err.status, f"{request.method} {request.path}: {err.reason}",
+                                           type_=kind))
+
+    def _count(self, outcome: str) -> None:
+        self.engine.metrics.requests.labels(outcome).inc()
+
+    def model_name(self) -> str:
+        """The name clients send as ``model``: --served-model-name, else the model's public name."""
+        info = self.engine.model_info()
+        if info is None:
+            raise ApiError(503, "the model is not loaded yet", type_="service_unavailable_error",
+                           code="not_ready")
+        return self.served_model_name or public_model_info(info).source
+
+    async def _body(self, request: web.Request) -> Any:
+        too_large = ApiError(413, f"the request body is larger than {self.max_body} bytes", code="body_too_large")
+        if request.content_length is not None and request.content_length > self.max_body:
+            self._count("oversize")  # refused from its header, before a byte of it is read
+            raise too_large
+        try:
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            self._count("oversize")
+            raise too_large from None
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as err:
+            self._count("invalid")
+            raise ApiError(400, f"the request body is not UTF-8 ({err.reason} at byte {err.start})") from None
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as err:
+            self._count("invalid")
+            raise ApiError(400, f"the request body is not valid JSON: {err.msg} at line {err.lineno} column "
+                           f"{err.colno}") from None
+        except RecursionError:
+            self._count("invalid")
+            raise ApiError(400, "the request body is not valid JSON here: it nests too deeply") from None
+
+    # --- endpoints -------------------------------------------------------------------------
+
+    async def health(self, request: web.Request) -> web.Response:
+        engine = self.engine
+        ready = engine.lifecycle.serving and engine.failed is None and engine.limits() is not None
+        return web.Response(status=200 if ready else 503, text="ok\n" if ready else "not ready\n")
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        # Off the loop: the split worker asks the engine core for its families.
+        body = await asyncio.to_thread(generate_latest, self.metrics_registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def models(self, request: web.Request) -> web.Response:
+        name = self.model_name()
+        return web.Response(body=dumps(models_list(name, self.created, self.engine.settings.max_seq_len)),
+                            content_type="application/json")
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=False)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=True)
+
+    async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        body = await self._body(request)
+        tenant_header = request.headers.get(TENANT_HEADER)
+        try:
+            parsed = parse_chat(body, tenant_header) if chat else parse_completion(body, tenant_header)
+        except ApiError:
+            self._count("invalid")
+            raise
+        model = self.model_name()
+        if parsed.model is not None and parsed.model != model:
+            self._count("invalid")
+            raise ApiError(404, f"the model {clipped_repr(parsed.model)} does not exist: this server serves {model!r}",
+                           "model", "not_found_error", "model_not_found")
+        engine = self.engine
+        try:
+            admitted_request = await admitted(engine, parsed.request, parsed.fill_context)
+        except AdmissionError as err:
+            self._count("oversize" if isinstance(err, Oversize) else "invalid")
+            param = openai_param(err.field, parsed, TENANT_HEADER if tenant_header is not None else "user")
+            raise ApiError(400, f"{param}: {err.message}", param) from None
+        except NotServing as err:
+            self._count("unavailable")
+            raise ApiError(503, str(err), type_="service_unavailable_error", code="not_ready") from None
+        stream = TokenStream()
+        try:
+            seq = engine.submit(admitted_request, stream)
+        except QueueFull as err:
+            self._count("queue_full")
+            raise _queue_full(err) from None
+        except NotServing as err:
+            self._count("unavailable")
+            raise ApiError(503, str(err), type_="service_unavailable_error", code="not_ready") from None
+        run = _Run(engine, seq, stream, parsed, admitted_request, model, self.hub)
+        self.hub.open_streams += 1
+        try:
+            if parsed.stream:
+                return await run.stream_to(request)
+            return await run.respond()
+        except (asyncio.CancelledError, ConnectionError):
+            # The client went away (or the server is stopping): free the slot.
+            if not run.ended:
+                engine.cancel(seq)
+            raise
+        finally:
+            self.hub.open_streams -= 1
+
+
+def _queue_full(err: BaseException) -> ApiError:
+    return ApiError(429, str(err), type_="rate_limit_error", code="queue_full")
+
+
+class _Run:
+    """One admitted request's tokens, turned into text, stop-string matched and answered."""
+
+    def __init__(self, engine: Engine, seq: Any, stream: TokenStream, parsed: Parsed, request: pb.GenerateRequest,
+                 model: str, hub: StreamHub) -> None:
+        self.engine, self.seq, self.stream, self.parsed, self.hub = engine, seq, stream, parsed, hub
+        self.model = model
+        self.prompt_tokens = len(request.prompt_token_ids)
+        tokenizer = engine.tokenizer
+        self.detok = IncrementalDetokenizer(tokenizer, list(request.prompt_token_ids)) if tokenizer else None
+        self.matcher = StopMatcher(parsed.stop)
+        self.rid = new_id(parsed.chat)
+        self.generated = 0
+        self.completion: pb.Completion | None = None
+        self.ended = False
+        self.first = True
+
+    async def next_delta(self) -> tuple[str, list[int]] | None:
+        """The text and token ids since the last call, or None once the request has ended.
+
+        A stop string cancels the sequence at once (its slot returns) and the rest of the stream
+        is waited for and dropped, so the engine's completion (the execution summary) still comes.
+        """
+        stream = self.stream
+        while True:
+            if self.ended:
+                return None
+            await stream.wake.wait()
+            stream.wake.clear()
+            text, tokens = "", []
+            if stream.tokens:
+                tokens, stream.tokens = stream.tokens, []
+                if not self.matcher.stopped:
+                    self.generated += len(tokens)
+                    text = self.matcher.feed(self.detok.add(tokens)) if self.detok else ""
+                    if self.matcher.stopped:
+                        self.engine.cancel(self.seq)
+                else:
+                    tokens = []
+            end = stream.end
+            if isinstance(end, pb.Completion):
+                self.ended, self.completion = True, end
+                if not self.matcher.stopped:
+                    self.generated = end.generated_tokens
+                    if self.detok is not None:
+                        text += self.matcher.feed(self.detok.flush())
+                    text += self.matcher.flush()
+            elif isinstance(end, QueueFull):  # refused by an engine core in its own process
+                self.ended = True
+                self.engine.metrics.requests.labels("queue_full").inc()
+                raise _queue_full(end)
+            elif isinstance(end, StepFailed):
+                self.ended = True
+                raise ApiError(500, str(end), type_="server_error", code="step_failed")
+            elif isinstance(end, NotServing):
+                self.ended = True
+                raise ApiError(503, str(end), type_="service_unavailable_error", code="not_ready")
+            elif isinstance(end, BaseException):
+                self.ended = True
+                raise ApiError(500, f"{type(end).__name__}: {end}", type_="server_error")
+            if text or tokens or self.ended:
+                return text, tokens
+
+    async def pace(self) -> None:
+        """After a write, as the gRPC streams do: tokens that arrive meanwhile go out together."""
+        if not self.ended and (gap := self.hub.flush_gap()):
+            await asyncio.sleep(gap)
+
+    def _token_ids(self, tokens: list[int]) -> list[int] | None:
+        return None if self.detok is not None else tokens
+
+    def _finish(self) -> str:
+        return finish_reason(self.completion, self.matcher.stopped)
+
+    def _usage(self) -> dict[str, int]:
+        return usage(self.prompt_tokens, self.generated)
+
+    async def respond(self) -> web.Response:
+        texts, ids = [], []
+        while (delta := await self.next_delta()) is not None:
+            texts.append(delta[0])
+            ids.extend(delta[1])
+            await self.pace()
+        parsed = self.parsed
+        body = envelope(self.rid, parsed.chat, parsed.created, self.model,
+                        [choice(parsed.chat, "".join(texts), self._finish(), delta=False,
+                                token_ids=self._token_ids(ids))], chunk=False)
+        body["usage"] = self._usage()
+        body["graphkeeper"] = ext = extension(self.completion)
+        return web.Response(body=dumps(body), content_type="application/json",
+                            headers={EXECUTION_HEADER: dumps(ext["execution"]).decode()})
+
+    async def stream_to(self, request: web.Request) -> web.StreamResponse:
+        """Server-sent events. The headers go out with the first token, so a request the engine
+        core refuses (a full queue) is still answered with its status rather than a broken stream."""
+        first = await self.next_delta()  # raises ApiError before anything is sent
+        response = web.StreamResponse(status=200, headers=SSE_HEADERS)
+        await response.prepare(request)
+        parsed, chat = self.parsed, self.parsed.chat
+        delta = first
+        try:
+            while delta is not None:
+                text, tokens = delta
+                last = self.ended
+                if text or (tokens and self.detok is None) or (chat and self.first):
+                    chunk = envelope(self.rid, chat, parsed.created, self.model,
+                                     [choice(chat, text, None, delta=True, role=self.first,
+                                             token_ids=self._token_ids(tokens))], chunk=True)
+                    self.first = False
+                    if parsed.continuous_usage:
+                        chunk["usage"] = self._usage()
+                    await response.write(sse(chunk))
+                if last:
+                    break
+                await self.pace()
+                delta = await self.next_delta()
+        except ApiError as err:  # the stream already began: the error is its last event
+            await response.write(sse(err.body()))
+            await response.write(DONE)
+            await response.write_eof()
+            return response
+        final = envelope(self.rid, chat, parsed.created, self.model,
+                         [choice(chat, "", self._finish(), delta=True)], chunk=True)
+        if chat:
+            final["choices"][0]["delta"] = {}
+        final["graphkeeper"] = extension(self.completion)
+        if parsed.continuous_usage:
+            final["usage"] = self._usage()
+        await response.write(sse(final))
+        if parsed.include_usage:
+            tail = envelope(self.rid, chat, parsed.created, self.model, [], chunk=True)
+            tail["usage"] = self._usage()
+            await response.write(sse(tail))
+        await response.write(DONE)
+        await response.write_eof()
+        return response
