@@ -61,8 +61,8 @@ if triton is not None:
         for start in range(0, end, BLOCK_N):
             keys = start + tl.arange(0, BLOCK_N)
             key_ok = keys < end
-            block = tl.load(table + keys // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
-            offsets = (block * stride_kb + (keys % BLOCK_SIZE) * stride_kl)[:, None] + dims[None, :]
+            kv_block = tl.load(table + keys // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
+            offsets = (kv_block * stride_kb + (keys % BLOCK_SIZE) * stride_kl)[:, None] + dims[None, :]
             k = tl.load(k_base + offsets, mask=key_ok[:, None], other=0.0)
             v = tl.load(v_base + offsets, mask=key_ok[:, None], other=0.0)
             visible = keys[None, :] <= pos[:, None]
