@@ -160,7 +160,9 @@ def namespace(cluster: Cluster) -> Iterator[str]:
         except kubernetes.client.ApiException:
             return False
 
-    wait_until("the default ServiceAccount", has_sa, timeout=30)
+    # The controller-manager's ServiceAccount controller creates it; on a loaded 2-core machine that
+    # has been seen to take over 30 s late in the suite (CI, 2026-12-03).
+    wait_until("the default ServiceAccount", has_sa, timeout=120)
     yield name
     with contextlib.suppress(kubernetes.client.ApiException):
         cluster.core.delete_namespace(name)
