@@ -133,14 +133,7 @@ class Scheduler:
         """
         seq.finished = True
         if seq.slot is not None:
-            self.running.remove(seq)
-            if seq in self.prefilling:
-                self.prefilling.remove(seq)
-            else:
-                self._leave_decode({seq})
-            self.free_slots.append(seq.slot)
-            self.sampled_running -= not seq.sampling.greedy
-            seq.slot = None
+            self._release_slot(seq)
             if failed:
                 self.blocks.forget(seq.blocks[seq.cached_blocks:])
             self.blocks.free(seq.blocks)
@@ -155,6 +148,15 @@ class Scheduler:
         Steps already launched may still write its blocks; whoever takes them next is launched
         after those steps on the same stream, as with a freed slot.
         """
+        self._release_slot(seq)
+        self.blocks.free(seq.blocks)
+        seq.blocks, seq.registered, seq.cached_blocks, seq.computed = [], 0, 0, 0
+        seq.preemptions += 1
+        self.preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def _release_slot(self, seq: Sequence) -> None:
+        """Takes a running sequence out of the batch and gives its slot back (finish and preempt)."""
         self.running.remove(seq)
         if seq in self.prefilling:
             self.prefilling.remove(seq)
@@ -163,11 +165,6 @@ class Scheduler:
         self.free_slots.append(seq.slot)
         self.sampled_running -= not seq.sampling.greedy
         seq.slot = None
-        self.blocks.free(seq.blocks)
-        seq.blocks, seq.registered, seq.cached_blocks, seq.computed = [], 0, 0, 0
-        seq.preemptions += 1
-        self.preemptions += 1
-        self.waiting.appendleft(seq)
 
     def _leave_decode(self, gone: set[Sequence]) -> None:
         if any(s in gone for s in self.decode.seqs):
