@@ -48,6 +48,8 @@ GPU_ONLY = {
     ("Captured graphs per pod", "graphkeeper_graph_captured"),
     ("Captured graphs per pod", "graphkeeper_graph_skipped"),
     ("Capture time per graph", "graphkeeper_graph_capture_duration_seconds"),
+    ("What each graph buys: GPU time saved", "graphkeeper_graph_replays_total"),
+    ("Padding computed per graph", "graphkeeper_graph_padding_tokens_total"),
 }
 
 
