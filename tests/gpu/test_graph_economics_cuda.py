@@ -137,10 +137,13 @@ def test_max_graphs_is_honoured_and_keeps_the_graphs_traffic_used():
         assert kept == {(FULL, 1), (PIECEWISE, 1), (FULL, 2)}  # no traffic yet: the smallest sizes
         over = {(s.mode, s.size) for s in status.skipped if s.reason == pb.FALLBACK_REASON_SIZE_OVER_MAX_GRAPHS}
         assert over and not (over & kept)
-        completion = generate(engine, list(range(3, 23)), 2)  # a 20-token prefill pads to a size left out
+        # 20-token prefills pad to a size left out. Each prompt starts with its own token: a repeated
+        # prompt would find its first 16-token block in the prefix cache and prefill only 4 tokens.
+        completion = generate(engine, list(range(3, 23)), 2)
         assert pb.FALLBACK_REASON_SIZE_OVER_MAX_GRAPHS in {e.reason for e in completion.execution.eager_steps}
-        for _ in range(3):
-            generate(engine, list(range(3, 23)), 2)
+        assert completion.execution.cached_prompt_tokens == 0
+        for first in range(4, 7):
+            assert generate(engine, list(range(first, first + 20)), 2).execution.cached_prompt_tokens == 0
         engine.apply_policy(policy(generation=2, max_graphs=2))
         wait_for(lambda: engine.status().policy_generation == 2 and engine.status().state == pb.LIFECYCLE_STATE_READY,
                  what="generation 2 captured")

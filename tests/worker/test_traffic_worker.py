@@ -101,7 +101,8 @@ def test_graphkeeper_graphs_against_the_worker(traffic_worker):
     assert plain[0].split()[:2] == ["MODE", "SIZE"]
     assert plain[1].startswith("(no graphs captured: effective mode none")
     assert plain[2].split()[0] == "total"
-    assert any(line.startswith("traffic: ") and "policy traffic-policy" in line for line in plain)
+    policy = f"policy {status.traffic.policy_uid or '(worker default)'} generation {status.traffic.policy_generation}"
+    assert any(line.startswith(f"traffic: {status.traffic.steps} steps") and policy in line for line in plain)
     assert any(line.split()[-1] == "mixed" for line in plain[3:])
 
 

@@ -56,7 +56,8 @@ class ModelSlot:
         log.info("loading %s (%s on disk) on %s", source, describe_size(source_bytes(source)), self.device)
         loaded = load_model(source, device=self.device, dtype=s.dtype, max_positions=cache_len, revision=revision,
                             quantization=s.quantization)
-        self.ledger.record(L.LEDGER_STAGE_WEIGHTS, self.device)
+        # Settled as Ledger.restart measures after a reload: the stage is comparable across loads.
+        self.ledger.record(L.LEDGER_STAGE_WEIGHTS, self.device, settle=True)
         old = self.runner
         if old is not None and old.loaded.config == loaded.config and old.loaded.dtype == loaded.dtype:
             cache = old.cache  # same shapes: keep the allocation, only the weights move
