@@ -118,22 +118,36 @@ def kv_cache_line(kv: pb.KVCacheStatus) -> str:
             f"{kv.blocks_cached} cached; {prefix}; {kv.preemptions} preemptions; {kv.bytes} B ({sized})")
 
 
-def status_cmd(args: argparse.Namespace) -> int:
+class CommandError(Exception):
+    """What a command prints as ``error: ...`` before it exits with status 2."""
+
+
+def fetch_status(args: argparse.Namespace, with_model: bool) -> tuple[pb.GetModelInfoResponse | None, pb.GraphStatus]:
+    """The worker's graph status (and its model info, when asked) over the control port with the
+    control token, for ``status`` and ``graphs``; CommandError says what went wrong."""
     try:
         token = read_token(args.token_file)
     except OSError as err:
-        print(f"error: --token-file: {err}", file=sys.stderr)
-        return 2
+        raise CommandError(f"--token-file: {err}") from None
     metadata = (("authorization", f"Bearer {token}"),) if token else ()
     with grpc.insecure_channel(args.target) as channel, \
             grpc.insecure_channel(control_target(args.target, args.control_target)) as control:
         try:
-            info = pb_grpc.InferenceWorkerStub(channel).GetModelInfo(pb.GetModelInfoRequest(), timeout=args.timeout)
+            info = (pb_grpc.InferenceWorkerStub(channel).GetModelInfo(pb.GetModelInfoRequest(), timeout=args.timeout)
+                    if with_model else None)
             status = pb_grpc.GraphControlStub(control).GetGraphStatus(
                 pb.GetGraphStatusRequest(), timeout=args.timeout, metadata=metadata)
         except grpc.RpcError as err:
-            print(f"error: {err.code().name}: {err.details()}", file=sys.stderr)
-            return 2
+            raise CommandError(f"{err.code().name}: {err.details()}") from None
+    return info, status
+
+
+def status_cmd(args: argparse.Namespace) -> int:
+    try:
+        info, status = fetch_status(args, with_model=True)
+    except CommandError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     if args.json:
         doc = {"model": json_format.MessageToDict(info, preserving_proto_field_name=True),
                "graphs": json_format.MessageToDict(status, preserving_proto_field_name=True)}
@@ -250,18 +264,10 @@ def graphs_table(status: pb.GraphStatus) -> list[str]:
 def graphs_cmd(args: argparse.Namespace) -> int:
     """``graphkeeper graphs``: what each captured graph costs and buys, from GetGraphStatus."""
     try:
-        token = read_token(args.token_file)
-    except OSError as err:
-        print(f"error: --token-file: {err}", file=sys.stderr)
+        _, status = fetch_status(args, with_model=False)
+    except CommandError as err:
+        print(f"error: {err}", file=sys.stderr)
         return 2
-    metadata = (("authorization", f"Bearer {token}"),) if token else ()
-    with grpc.insecure_channel(control_target(args.target, args.control_target)) as control:
-        try:
-            status = pb_grpc.GraphControlStub(control).GetGraphStatus(
-                pb.GetGraphStatusRequest(), timeout=args.timeout, metadata=metadata)
-        except grpc.RpcError as err:
-            print(f"error: {err.code().name}: {err.details()}", file=sys.stderr)
-            return 2
     if args.json:
         traffic = json_format.MessageToDict(status.traffic, preserving_proto_field_name=True)
         print(json.dumps({"graphs": graph_rows(status), "traffic": traffic}, indent=2))

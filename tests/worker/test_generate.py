@@ -12,12 +12,12 @@ import subprocess
 
 import grpc
 import pytest
-import torch
 from google.protobuf.descriptor_pool import DescriptorPool
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
 )
+from hf_reference import hf_greedy, tiny_hf_model
 from worker_harness import (
     CONTROL_SERVICE,
     GRAPHKEEPER,
@@ -30,7 +30,6 @@ from worker_harness import (
 
 from graphkeeper.proto import worker_pb2 as pb
 from graphkeeper.proto import worker_pb2_grpc as pb_grpc
-from graphkeeper.worker.model.loader import load_model, save_hf_directory
 
 transformers = pytest.importorskip("transformers")
 
@@ -42,23 +41,12 @@ LONG_PROMPT = [_rng.randrange(3, 512) for _ in range(60)]
 BACKEND = pb.FALLBACK_REASON_BACKEND_UNSUPPORTED
 
 
-def hf_greedy(model, prompt: list[int], max_new: int) -> list[int]:
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new,
-                             do_sample=False, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
-
-
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     """Random tiny weights saved as an HF directory, transformers' greedy outputs on them, and an
     EOS id chosen so that one prompt's greedy output hits it (written into config.json)."""
     path = tmp_path_factory.mktemp("hf-tiny")
-    built = load_model("random:tiny@11", device="cpu", dtype="float32", max_positions=256)
-    save_hf_directory(built.model, path)
-    hf = transformers.LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    hf.generation_config.eos_token_id = None  # the worker is asked to ignore EOS for these
+    hf = tiny_hf_model(path)
     refs = {tuple(p): hf_greedy(hf, p, MAX_NEW) for p in [*PROMPTS, LONG_PROMPT]}
     ref = refs[tuple(PROMPTS[2])]
     eos_at = next(i for i in range(3, MAX_NEW) if ref[i] not in ref[:i])

@@ -7,10 +7,8 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
+from hf_reference import hf_greedy, tiny_hf_model
 from worker_harness import generate, generate_concurrently, make_request
-
-from graphkeeper.worker.model.loader import load_model, save_hf_directory
 
 transformers = pytest.importorskip("transformers")
 
@@ -27,22 +25,11 @@ TOKEN_BYTES = 512
 TINY_CACHE = str(128 * TOKEN_BYTES + 9 * 16 * TOKEN_BYTES)
 
 
-def hf_greedy(model, prompt: list[int], max_new: int) -> list[int]:
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new,
-                             do_sample=False, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
-
-
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     """Random tiny weights saved as an HF directory and transformers' greedy tokens on them."""
     path = tmp_path_factory.mktemp("hf-tiny-paged")
-    built = load_model("random:tiny@11", device="cpu", dtype="float32", max_positions=256)
-    save_hf_directory(built.model, path)
-    hf = transformers.LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    hf.generation_config.eos_token_id = None
+    hf = tiny_hf_model(path)
     refs = {tuple(p): hf_greedy(hf, p, MAX_NEW) for p in [*PROMPTS, *SHARED]}
     return {"path": str(path), "refs": refs}
 

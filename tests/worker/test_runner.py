@@ -10,6 +10,7 @@ import torch
 
 from graphkeeper.worker.executor.runner import ModelRunner
 from graphkeeper.worker.executor.sampling import sample
+from graphkeeper.worker.kernels.linear_kernel import warm_rows
 from graphkeeper.worker.model.kv_cache import KVCache
 from graphkeeper.worker.model.loader import load_model
 from graphkeeper.worker.plan import PrefillChunk, SamplingBatch, SamplingSpec, StepPlan
@@ -80,3 +81,25 @@ def test_warm_up_runs_a_prefill_chunk_as_well_as_a_decode_step(runner):
     rows = torch.from_numpy(cache.row_index(dummy, np.arange(cache.max_seq_len)))
     written = cache.k[0].flatten(0, 1)[rows].abs().sum(dim=(-1, -2))
     assert written[0] > 0 and (written[1:16] > 0).all()
+
+
+def test_the_gpu_warm_up_runs_the_decode_step_at_every_row_count_on_the_dummy_slot(runner):
+    """What a GPU's warm-up adds (a decode step at each row count Triton specializes on, up to the
+    runner's token budget) runs on CPU too, and leaves every real slot's keys as they were."""
+    cache = runner.cache
+    dummy = cache.dummy_slot
+    real = torch.from_numpy(np.concatenate([cache.row_index(s, np.arange(cache.max_seq_len)) for s in range(dummy)]))
+    cache.k[0].flatten(0, 1)[real] = 1.0
+    before = cache.k[0].flatten(0, 1)[real].clone()
+    counts = warm_rows(runner.max_tokens)
+    assert counts[-1] == runner.max_tokens == 32 and len(counts) == 18  # 1..17, then 32
+    ran = []
+    forward = runner.forward_eager
+    runner.forward_eager = lambda meta, rows: ran.append(rows) or forward(meta, rows)
+    try:
+        runner.warm_up(4, every_row_count=True)
+    finally:
+        del runner.forward_eager
+    assert ran[0] == 4 and ran[1:1 + len(counts)] == counts  # the traced call first, then every count
+    assert torch.equal(cache.k[0].flatten(0, 1)[real], before)
+    assert cache.k[0].flatten(0, 1)[torch.from_numpy(cache.row_index(dummy, np.arange(1)))].abs().sum() > 0

@@ -238,21 +238,22 @@ class ModelRunner:
                         sample_rows=np.arange(rows), sample_slots=np.full(rows, dummy),
                         decode_tokens=np.zeros(rows, dtype=np.int64))
 
-    def warm_up(self, rows: int) -> None:
+    def warm_up(self, rows: int, every_row_count: bool | None = None) -> None:
         """Eager steps on inert rows, so that every kernel a served step can launch is compiled
         and loaded before capture or serving, not at a request's expense: a decode step of
         ``rows`` rows (the first call, which a compiled step traces at), a prefill chunk (the
         varlen attention, which capture never runs), and the LM head with greedy and drawn
         sampling at every row count the skinny products bucket (Triton specializes on it).
 
-        On a GPU the whole decode step runs at each of those row counts too: the body's products
-        are kernels of their own for each count, and what loading one takes (its code, a larger
-        local-memory pool for the device) stays for the process. Loaded here, before the capture
-        phase's baseline, it is not charged to the graphs (it stays when every graph is released)."""
+        On a GPU (``every_row_count`` None) the whole decode step runs at each of those row counts
+        too: the body's products are kernels of their own for each count, and what loading one
+        takes (its code, a larger local-memory pool for the device) stays for the process. Loaded
+        here, before the capture phase's baseline, it is not charged to the graphs (it stays when
+        every graph is released). A CPU has nothing to load; tests ask for it there by name."""
         dummy = self.cache.dummy_slot
         plan = self._inert_decode(rows)
         self.sample_and_send(self.forward_eager(self.prepare(plan, rows), rows), plan).tokens()
-        if self.device.type == "cuda":
+        if self.device.type == "cuda" if every_row_count is None else every_row_count:
             for m in warm_rows(self.max_tokens):
                 self.forward_eager(self.prepare(self._inert_decode(m), m), m)
         n = min(BLOCK_Q + 1, self.max_tokens, self.cache.max_seq_len)
