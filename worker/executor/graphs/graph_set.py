@@ -9,6 +9,7 @@ keys are one graph per piece between attention calls, replayed with eager attent
 from __future__ import annotations
 
 import gc
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -21,6 +22,8 @@ from graphkeeper.worker.executor.graphs.modes import FULL, Key
 from graphkeeper.worker.executor.runner import ModelRunner
 from graphkeeper.worker.model.attention import AttentionMetadata
 from graphkeeper.worker.plan import StepPlan
+
+log = logging.getLogger(__name__)
 
 
 class StaleGraphError(RuntimeError):
@@ -46,6 +49,10 @@ class Skipped:
     message: str
 
 
+#: What "nothing held" means for graph memory: cudaMemGetInfo moves in the driver's 2 MiB pages.
+NO_GRAPH_SLACK_BYTES = 2 << 20
+
+
 def device_used() -> int:
     free, total = torch.cuda.mem_get_info()
     return total - free
@@ -66,6 +73,7 @@ class GraphSet:
         self._piece_buffers: dict[str, Tensor] | None = None
         self.memory_bytes = 0  # device memory the capture phase added, measured when it ends
         self.baseline_used = device_used()  # device memory in use before any of this set's graphs
+        self.baseline_reserved = 0  # torch's reserved memory at the same point (what a leak report compares)
 
     # --- replay ---------------------------------------------------------------------------
 
@@ -127,6 +135,7 @@ class GraphSet:
         gc.collect()
         torch.cuda.empty_cache()
         self.memory_bytes = self.measure()
+        self.report_held_without_graphs()
 
     def renew_pool(self) -> None:
         """With no graph left, the pool was freed with its last graph: the next capture needs a
@@ -165,10 +174,26 @@ class GraphSet:
                         sample_rows=np.arange(1), sample_slots=np.full(1, dummy, dtype=np.int64), decode_tokens=one)
         runner.model.head(runner.forward_eager(runner.prepare(plan, 1), 1))
 
+    @staticmethod
+    def settled_used() -> int:
+        """Device memory in use once queued work finished and the allocator's unused cache went back."""
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        return device_used()
+
     def measure(self) -> int:
         """Graph memory now: device memory in use beyond the set's starting point, cache returned."""
-        torch.cuda.empty_cache()
-        return max(device_used() - self.baseline_used, 0)
+        return max(self.settled_used() - self.baseline_used, 0)
+
+    def report_held_without_graphs(self) -> None:
+        """With no graph left, what is still counted as graph memory should be nothing (below the
+        driver's 2 MiB page); more is said, with the part torch's allocator holds, not left silent."""
+        if self.captured or self.memory_bytes <= NO_GRAPH_SLACK_BYTES:
+            return
+        in_torch = torch.cuda.memory_reserved() - self.baseline_reserved
+        log.warning("%d B still counted as graph memory with no graph left: torch's allocator holds %+d B more "
+                    "than before the capture phase, %d B are outside it (driver, libraries)",
+                    self.memory_bytes, in_torch, self.memory_bytes - max(in_torch, 0))
 
     # --- recording ------------------------------------------------------------------------
 
