@@ -154,7 +154,7 @@ class Engine:
         loaded = self.slot.loaded
         if self._draining or self.failed is not None or not self.lifecycle.serving or loaded is None:
             raise NotServing(f"worker is {lifecycle_name(self.lifecycle.state)}")
-        if len(self._inbox) + len(self.scheduler.waiting) >= self.settings.max_queue:
+        if self._queued() >= self.settings.max_queue:
             raise QueueFull(f"queue is full ({self.settings.max_queue} requests waiting)")
         seq = sequence_for(req, stream, self.slot.eos_ids)
         need = blocks_for(len(seq.prompt) + seq.max_new_tokens, self.blocks.block_size)
@@ -166,6 +166,12 @@ class Engine:
         self._inbox.append(seq)
         self._wake.set()
         return seq
+
+    def _queued(self) -> int:
+        """Requests that will wait for a slot: those submitted and not running, less the slots free
+        now (one still in the inbox while a slot is free runs at the next step; it is not queued)."""
+        free = max(self.settings.max_num_seqs - len(self.scheduler.running), 0)
+        return max(len(self._inbox) + len(self.scheduler.waiting) - free, 0)
 
     def cancel(self, seq: Sequence) -> None:
         seq.cancelled.set()
