@@ -165,6 +165,21 @@ def test_stop_strings_end_the_text_before_the_match_and_free_the_slot(server, cl
     no_leak(server)
 
 
+def test_a_stop_string_is_counted_as_a_stop_not_a_cancellation(server, client):
+    """The API ends a sequence whose text matched a stop string early (its slot returns at once),
+    but the request finished normally: requests_total counts it under outcome="stop", as a stop
+    token id is, and never as a client's cancellation."""
+    whole = complete(client, "the graphs replay", 40).choices[0].text
+    stop = whole[12:15]
+    counts = {o: server.metric("graphkeeper_requests_total", outcome=o) for o in ("stop", "cancelled")}
+    complete(client, "the graphs replay", 40, stop=stop)
+    list(client.completions.create(model="tiny-chat", prompt="the graphs replay", max_tokens=40, **GREEDY, stop=stop,
+                                   stream=True, extra_body=NO_EOS))
+    no_leak(server)  # each response came after the engine's completion, which is counted before it is sent
+    after = {o: server.metric("graphkeeper_requests_total", outcome=o) for o in ("stop", "cancelled")}
+    assert after == {"stop": counts["stop"] + 2, "cancelled": counts["cancelled"]}
+
+
 @pytest.mark.parametrize(("kwargs", "status", "param"), [
     ({"temperature": -1}, 400, "temperature"),
     ({"max_tokens": 0}, 400, "max_tokens"),

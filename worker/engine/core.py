@@ -167,7 +167,10 @@ class Engine:
         self._wake.set()
         return seq
 
-    def cancel(self, seq: Sequence) -> None:
+    def cancel(self, seq: Sequence, reason: int = pb.FINISH_REASON_CANCELLED) -> None:
+        """Ends ``seq`` at the next step; ``reason`` is its finish (FINISH_REASON_STOP when the API
+        layer matched a stop string, so the request is counted as stopped, not cancelled)."""
+        seq.cancel_reason = reason
         seq.cancelled.set()
         self._wake.set()
 
@@ -380,7 +383,7 @@ class Engine:
             while self._inbox:
                 self.scheduler.add(self._inbox.popleft())
             for seq in self.scheduler.reap_cancelled():
-                self.publish([(seq.stream, [], self.outputs.completion(seq, pb.FINISH_REASON_CANCELLED))])
+                self.publish([(seq.stream, [], self.outputs.completion(seq, seq.cancel_reason))])
             if self.capture.active:
                 self._finish(inflight)
                 inflight = None

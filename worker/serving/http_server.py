@@ -249,8 +249,9 @@ class OpenAIServer:
                 return await run.stream_to(request)
             return await run.respond()
         except (asyncio.CancelledError, ConnectionError):
-            # The client went away (or the server is stopping): free the slot.
-            if not run.ended:
+            # The client went away (or the server is stopping): free the slot, unless a stop string
+            # already ended it (it then finishes as a stop).
+            if not run.ended and not run.matcher.stopped:
                 engine.cancel(seq)
             raise
         finally:
@@ -296,8 +297,8 @@ class _Run:
                 if not self.matcher.stopped:
                     self.generated += len(tokens)
                     text = self.matcher.feed(self.detok.add(tokens)) if self.detok else ""
-                    if self.matcher.stopped:
-                        self.engine.cancel(self.seq)
+                    if self.matcher.stopped:  # a normal finish: counted as a stop, not a cancellation
+                        self.engine.cancel(self.seq, pb.FINISH_REASON_STOP)
                 else:
                     tokens = []
             end = stream.end
