@@ -260,6 +260,7 @@ def test_a_full_queue_is_429_and_the_worker_serves_on(server, client):
             resp = http.post(server.http_url + "/v1/completions", json={**body, "stream": stream})
             return resp.status_code, resp.json() if resp.status_code != 200 or not stream else resp.text
 
+    queue_full = server.metric("graphkeeper_requests_total", outcome="queue_full")
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         results = list(pool.map(post, [False, True] * 4))
     refused = [r for status, r in results if status == 429]
@@ -268,6 +269,8 @@ def test_a_full_queue_is_429_and_the_worker_serves_on(server, client):
     # depends on arrival timing; at most 4 + 1 are ever admitted at once, so 8 at once see a 429.
     assert refused and served and len(refused) + len(served) == 8, results
     assert all(r["error"]["type"] == "rate_limit_error" and r["error"]["code"] == "queue_full" for r in refused)
+    # Each refusal counted once (the engine core counts it; the API process must not count it again).
+    assert server.metric("graphkeeper_requests_total", outcome="queue_full") == queue_full + len(refused)
     for r in served:  # each admitted request ran to the end: a whole body, or a stream to [DONE]
         if isinstance(r, dict):
             assert r["usage"]["completion_tokens"] == MAX_SEQ_LEN - 3

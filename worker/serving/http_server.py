@@ -309,9 +309,8 @@ class _Run:
                     if self.detok is not None:
                         text += self.matcher.feed(self.detok.flush())
                     text += self.matcher.flush()
-            elif isinstance(end, QueueFull):  # refused by an engine core in its own process
+            elif isinstance(end, QueueFull):  # refused by an engine core in its own process, which counted it
                 self.ended = True
-                self.engine.metrics.requests.labels("queue_full").inc()
                 raise _queue_full(end)
             elif isinstance(end, StepFailed):
                 self.ended = True
