@@ -249,6 +249,36 @@ def test_a_client_that_disconnects_mid_stream_frees_its_sequence(server, client)
     assert complete(client, "the graphs", 2).usage.completion_tokens == 2
 
 
+def test_a_request_cancelled_while_queued_leaves_the_queue(server, client):
+    """Four long streams hold the four slots; a fifth request waits in the queue (no header sent
+    yet) and its client goes away: it leaves the queue at once, streaming or not, and the four run on."""
+    long = {"model": "tiny-chat", "prompt": "the graphs", "max_tokens": MAX_SEQ_LEN - 16, "stream": True,
+            "ignore_eos": True}
+    cancelled = server.metric("graphkeeper_requests_total", outcome="cancelled")
+    with httpx.Client(timeout=30) as http:
+        holders = [http.stream("POST", server.http_url + "/v1/completions", json=long) for _ in range(4)]
+        try:
+            for holder in holders:
+                assert holder.__enter__().status_code == 200
+            wait_until(lambda: server.metric("graphkeeper_running_sequences") == 4, what="four slots taken")
+            for stream in (True, False):
+                with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                    queued = pool.submit(httpx.post, server.http_url + "/v1/completions",
+                                         json={**long, "stream": stream}, timeout=0.5)
+                    wait_until(lambda: server.metric("graphkeeper_queue_depth") == 1, what="the fifth request queued")
+                    with pytest.raises(httpx.ReadTimeout):  # nothing was sent: it was queued, not served
+                        queued.result()
+                wait_until(lambda: server.metric("graphkeeper_queue_depth") == 0, what="the queued request gone")
+                assert server.metric("graphkeeper_running_sequences") == 4
+        finally:
+            for holder in holders:
+                holder.__exit__(None, None, None)
+    wait_until(lambda: server.metric("graphkeeper_requests_total", outcome="cancelled") == cancelled + 6,
+               what="the two queued requests and the four holders cancelled")
+    no_leak(server)
+    assert complete(client, "the graphs", 2).usage.completion_tokens == 2
+
+
 def test_a_full_queue_is_429_and_the_worker_serves_on(server, client):
     """Eight long requests at once on four slots and a queue of one (--max-queue 1): those past the
     queue are 429, refused by the engine core in its own process before any header went out; the
