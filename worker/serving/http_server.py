@@ -73,6 +73,28 @@ def sse(value: Any) -> bytes:
     return b"data: " + dumps(value) + b"\n\n"
 
 
+#: A string's JSON as ``dumps`` writes it, without building a new encoder per call.
+_json_string = json.JSONEncoder(ensure_ascii=False).encode
+_TEXT_MARK = "\x00graphkeeper-text\x00"
+
+
+class TextEvents:
+    """A stream's plain text chunks as SSE bytes: the same bytes as ``sse(envelope(..., [choice(...)]))``
+    (the envelope is encoded once with a marker for the text and split around it), so a token costs
+    one string's JSON rather than two dicts and a whole document's (about 0.5 us instead of 6 at
+    64 streams' tens of thousands of events a second). None of the chunk's other fields vary while
+    the text flows: the first chat chunk (the role), usage per chunk and token ids take ``sse``."""
+
+    def __init__(self, rid: str, chat: bool, created: int, model: str) -> None:
+        event = sse(envelope(rid, chat, created, model, [choice(chat, _TEXT_MARK, None, delta=True)], chunk=True))
+        self.head, mark, self.tail = event.partition(_json_string(_TEXT_MARK).encode())
+        if not mark or _json_string(_TEXT_MARK).encode() in self.tail:
+            raise ValueError("the text marker must occur once in a chunk")  # only a model name holding it
+
+    def text(self, text: str) -> bytes:
+        return self.head + _json_string(text).encode() + self.tail
+
+
 def error_response(err: ApiError) -> web.Response:
     return web.Response(body=dumps(err.body()), status=err.status, content_type="application/json")
 
@@ -274,6 +296,10 @@ class _Run:
         self.detok = IncrementalDetokenizer(tokenizer, list(request.prompt_token_ids)) if tokenizer else None
         self.matcher = StopMatcher(parsed.stop)
         self.rid = new_id(parsed.chat)
+        #: Plain text chunks pre-encoded, when they carry no per-chunk usage or token ids.
+        self.events = TextEvents(self.rid, parsed.chat, parsed.created, model) if (
+            parsed.stream and self.detok is not None and not parsed.continuous_usage
+            and _TEXT_MARK not in model) else None
         self.generated = 0
         self.completion: pb.Completion | None = None
         self.ended = False
@@ -365,7 +391,9 @@ class _Run:
             while delta is not None:
                 text, tokens = delta
                 last = self.ended
-                if text or (tokens and self.detok is None) or (chat and self.first):
+                if self.events is not None and text and not (chat and self.first):
+                    await response.write(self.events.text(text))
+                elif text or (tokens and self.detok is None) or (chat and self.first):
                     chunk = envelope(self.rid, chat, parsed.created, self.model,
                                      [choice(chat, text, None, delta=True, role=self.first,
                                              token_ids=self._token_ids(tokens))], chunk=True)
