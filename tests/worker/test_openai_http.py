@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import signal
 from pathlib import Path
 
 import grpc
@@ -389,3 +390,23 @@ def test_the_in_process_engine_serves_http_alike(fresh_workers, chat_model):
     wait_until(lambda: worker.metric("graphkeeper_requests_total", outcome="cancelled") == 1,
                what="the disconnected stream cancelled")
     no_leak(worker)
+
+
+def test_sigterm_drains_an_http_stream_and_refuses_new_requests(fresh_workers, chat_model):
+    """While draining: /health is 503, a new request is 503 ``not_ready`` naming the state, and the
+    stream already running goes on to its last token and ``[DONE]``; then the worker exits 0."""
+    worker = fresh_workers("--max-num-seqs", "2", "--max-seq-len", "512", "--max-num-batched-tokens", "64",
+                           "--served-model-name", "tiny-chat", model=str(chat_model))
+    body = {"model": "tiny-chat", "prompt": "the graphs", "max_tokens": 480, "stream": True, "ignore_eos": True,
+            "stream_options": {"include_usage": True}}
+    with httpx.Client(timeout=60) as http, http.stream("POST", worker.http_url + "/v1/completions", json=body) as resp:
+        lines = resp.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))
+        worker.proc.send_signal(signal.SIGTERM)
+        wait_until(lambda: httpx.get(worker.http_url + "/health").status_code == 503, what="/health 503 while draining")
+        refused = httpx.post(worker.http_url + "/v1/completions", json={"prompt": "the", "max_tokens": 2}, timeout=30)
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "not_ready", refused.text
+        events = [line[6:] for line in lines if line.startswith("data: ")]
+    assert events[-1] == "[DONE]" and json.loads(events[-2])["usage"]["completion_tokens"] == 480
+    assert json.loads(events[-3])["choices"][0]["finish_reason"] == "length"
+    assert worker.proc.wait(timeout=60) == 0
