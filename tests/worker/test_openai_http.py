@@ -410,3 +410,23 @@ def test_sigterm_drains_an_http_stream_and_refuses_new_requests(fresh_workers, c
     assert events[-1] == "[DONE]" and json.loads(events[-2])["usage"]["completion_tokens"] == 480
     assert json.loads(events[-3])["choices"][0]["finish_reason"] == "length"
     assert worker.proc.wait(timeout=60) == 0
+
+
+def test_a_failing_step_is_a_500_error_object_and_the_worker_serves_on(fresh_workers, chat_model):
+    """A request whose step raises fails alone, before its first token: a 500 ``step_failed`` error
+    object (streaming or not, since a stream's headers wait for its first token), counted once as
+    an error; its slot returns and the next request is served."""
+    worker = fresh_workers("--max-num-seqs", "2", "--max-seq-len", str(MAX_SEQ_LEN), "--max-num-batched-tokens", "64",
+                           "--served-model-name", "tiny-chat", model=str(chat_model),
+                           env={"GRAPHKEEPER_INJECT_STEP_FAILURE": "399"})
+    errors = worker.metric("graphkeeper_requests_total", outcome="error")
+    for stream in (False, True):
+        resp = httpx.post(worker.http_url + "/v1/completions", timeout=60,
+                          json={"prompt": [5, 399, 6], "max_tokens": 4, "stream": stream})
+        assert resp.status_code == 500, resp.text
+        error = resp.json()["error"]
+        assert error["type"] == "server_error" and error["code"] == "step_failed" and "failed" in error["message"]
+    assert worker.metric("graphkeeper_requests_total", outcome="error") == errors + 2
+    no_leak(worker)
+    client = openai.OpenAI(base_url=worker.http_url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    assert complete(client, "the graphs", 2).usage.completion_tokens == 2
