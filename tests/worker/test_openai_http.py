@@ -332,6 +332,11 @@ def _post(server: Worker, content: bytes, path: str = "/v1/completions") -> http
     (b'[' * 100_000, 400, "JSON"),
     (b'{"prompt": "the", "max_tokens": 1' + b"0" * 50 + b"}", 400, "max_tokens"),
     (b'{"prompt": "the", "max_tokens": 2, "temperature": 1e999}', 400, "temperature"),
+    (b'{"prompt": "the", "max_tokens": 2, "temperature": NaN}', 400, "temperature"),
+    (b'{"prompt": "the", "max_tokens": 2, "temperature": Infinity}', 400, "temperature"),
+    (b'{"prompt": "the", "max_tokens": 2, "top_p": NaN}', 400, "top_p"),
+    (b'{"prompt": "the", "max_tokens": 2, "stop_token_ids": [100000]}', 400, "stop_token_ids"),
+    (b'{"prompt": "the", "max_tokens": 2, "seed": 1.5}', 400, "seed"),
 ])
 def test_bad_bodies_are_clear_4xx_and_the_worker_serves_on(server, client, content, status, words):
     resp = _post(server, content)
