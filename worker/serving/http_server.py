@@ -417,11 +417,11 @@ class _Run:
         final["graphkeeper"] = extension(self.completion)
         if parsed.continuous_usage:
             final["usage"] = self._usage()
-        await response.write(sse(final))
+        events = [sse(final)]
         if parsed.include_usage:
             tail = envelope(self.rid, chat, parsed.created, self.model, [], chunk=True)
             tail["usage"] = self._usage()
-            await response.write(sse(tail))
-        await response.write(DONE)
+            events.append(sse(tail))
+        await response.write(b"".join((*events, DONE)))  # one send for the request's last events
         await response.write_eof()
         return response
