@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import signal
 from pathlib import Path
 
 import grpc
@@ -165,6 +166,21 @@ def test_stop_strings_end_the_text_before_the_match_and_free_the_slot(server, cl
     no_leak(server)
 
 
+def test_a_stop_string_is_counted_as_a_stop_not_a_cancellation(server, client):
+    """The API ends a sequence whose text matched a stop string early (its slot returns at once),
+    but the request finished normally: requests_total counts it under outcome="stop", as a stop
+    token id is, and never as a client's cancellation."""
+    whole = complete(client, "the graphs replay", 40).choices[0].text
+    stop = whole[12:15]
+    counts = {o: server.metric("graphkeeper_requests_total", outcome=o) for o in ("stop", "cancelled")}
+    complete(client, "the graphs replay", 40, stop=stop)
+    list(client.completions.create(model="tiny-chat", prompt="the graphs replay", max_tokens=40, **GREEDY, stop=stop,
+                                   stream=True, extra_body=NO_EOS))
+    no_leak(server)  # each response came after the engine's completion, which is counted before it is sent
+    after = {o: server.metric("graphkeeper_requests_total", outcome=o) for o in ("stop", "cancelled")}
+    assert after == {"stop": counts["stop"] + 2, "cancelled": counts["cancelled"]}
+
+
 @pytest.mark.parametrize(("kwargs", "status", "param"), [
     ({"temperature": -1}, 400, "temperature"),
     ({"max_tokens": 0}, 400, "max_tokens"),
@@ -234,6 +250,36 @@ def test_a_client_that_disconnects_mid_stream_frees_its_sequence(server, client)
     assert complete(client, "the graphs", 2).usage.completion_tokens == 2
 
 
+def test_a_request_cancelled_while_queued_leaves_the_queue(server, client):
+    """Four long streams hold the four slots; a fifth request waits in the queue (no header sent
+    yet) and its client goes away: it leaves the queue at once, streaming or not, and the four run on."""
+    long = {"model": "tiny-chat", "prompt": "the graphs", "max_tokens": MAX_SEQ_LEN - 16, "stream": True,
+            "ignore_eos": True}
+    cancelled = server.metric("graphkeeper_requests_total", outcome="cancelled")
+    with httpx.Client(timeout=30) as http:
+        holders = [http.stream("POST", server.http_url + "/v1/completions", json=long) for _ in range(4)]
+        try:
+            for holder in holders:
+                assert holder.__enter__().status_code == 200
+            wait_until(lambda: server.metric("graphkeeper_running_sequences") == 4, what="four slots taken")
+            for stream in (True, False):
+                with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                    queued = pool.submit(httpx.post, server.http_url + "/v1/completions",
+                                         json={**long, "stream": stream}, timeout=0.5)
+                    wait_until(lambda: server.metric("graphkeeper_queue_depth") == 1, what="the fifth request queued")
+                    with pytest.raises(httpx.ReadTimeout):  # nothing was sent: it was queued, not served
+                        queued.result()
+                wait_until(lambda: server.metric("graphkeeper_queue_depth") == 0, what="the queued request gone")
+                assert server.metric("graphkeeper_running_sequences") == 4
+        finally:
+            for holder in holders:
+                holder.__exit__(None, None, None)
+    wait_until(lambda: server.metric("graphkeeper_requests_total", outcome="cancelled") == cancelled + 6,
+               what="the two queued requests and the four holders cancelled")
+    no_leak(server)
+    assert complete(client, "the graphs", 2).usage.completion_tokens == 2
+
+
 def test_a_full_queue_is_429_and_the_worker_serves_on(server, client):
     """Eight long requests at once on four slots and a queue of one (--max-queue 1): those past the
     queue are 429, refused by the engine core in its own process before any header went out; the
@@ -245,6 +291,7 @@ def test_a_full_queue_is_429_and_the_worker_serves_on(server, client):
             resp = http.post(server.http_url + "/v1/completions", json={**body, "stream": stream})
             return resp.status_code, resp.json() if resp.status_code != 200 or not stream else resp.text
 
+    queue_full = server.metric("graphkeeper_requests_total", outcome="queue_full")
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         results = list(pool.map(post, [False, True] * 4))
     refused = [r for status, r in results if status == 429]
@@ -252,6 +299,8 @@ def test_a_full_queue_is_429_and_the_worker_serves_on(server, client):
     # None ends before all eight arrived: the four slots and the one queue place take five.
     assert (len(served), len(refused)) == (5, 3), results
     assert all(r["error"]["type"] == "rate_limit_error" and r["error"]["code"] == "queue_full" for r in refused)
+    # Each refusal counted once (the engine core counts it; the API process must not count it again).
+    assert server.metric("graphkeeper_requests_total", outcome="queue_full") == queue_full + len(refused)
     for r in served:  # each admitted request ran to the end: a whole body, or a stream to [DONE]
         if isinstance(r, dict):
             assert r["usage"]["completion_tokens"] == MAX_SEQ_LEN - 3
@@ -282,6 +331,11 @@ def _post(server: Worker, content: bytes, path: str = "/v1/completions") -> http
     (b'[' * 100_000, 400, "JSON"),
     (b'{"prompt": "the", "max_tokens": 1' + b"0" * 50 + b"}", 400, "max_tokens"),
     (b'{"prompt": "the", "max_tokens": 2, "temperature": 1e999}', 400, "temperature"),
+    (b'{"prompt": "the", "max_tokens": 2, "temperature": NaN}', 400, "temperature"),
+    (b'{"prompt": "the", "max_tokens": 2, "temperature": Infinity}', 400, "temperature"),
+    (b'{"prompt": "the", "max_tokens": 2, "top_p": NaN}', 400, "top_p"),
+    (b'{"prompt": "the", "max_tokens": 2, "stop_token_ids": [100000]}', 400, "stop_token_ids"),
+    (b'{"prompt": "the", "max_tokens": 2, "seed": 1.5}', 400, "seed"),
 ])
 def test_bad_bodies_are_clear_4xx_and_the_worker_serves_on(server, client, content, status, words):
     resp = _post(server, content)
@@ -340,3 +394,43 @@ def test_the_in_process_engine_serves_http_alike(fresh_workers, chat_model):
     wait_until(lambda: worker.metric("graphkeeper_requests_total", outcome="cancelled") == 1,
                what="the disconnected stream cancelled")
     no_leak(worker)
+
+
+def test_sigterm_drains_an_http_stream_and_refuses_new_requests(fresh_workers, chat_model):
+    """While draining: /health is 503, a new request is 503 ``not_ready`` naming the state, and the
+    stream already running goes on to its last token and ``[DONE]``; then the worker exits 0."""
+    worker = fresh_workers("--max-num-seqs", "2", "--max-seq-len", "512", "--max-num-batched-tokens", "64",
+                           "--served-model-name", "tiny-chat", model=str(chat_model))
+    body = {"model": "tiny-chat", "prompt": "the graphs", "max_tokens": 480, "stream": True, "ignore_eos": True,
+            "stream_options": {"include_usage": True}}
+    with httpx.Client(timeout=60) as http, http.stream("POST", worker.http_url + "/v1/completions", json=body) as resp:
+        lines = resp.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))
+        worker.proc.send_signal(signal.SIGTERM)
+        wait_until(lambda: httpx.get(worker.http_url + "/health").status_code == 503, what="/health 503 while draining")
+        refused = httpx.post(worker.http_url + "/v1/completions", json={"prompt": "the", "max_tokens": 2}, timeout=30)
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "not_ready", refused.text
+        events = [line[6:] for line in lines if line.startswith("data: ")]
+    assert events[-1] == "[DONE]" and json.loads(events[-2])["usage"]["completion_tokens"] == 480
+    assert json.loads(events[-3])["choices"][0]["finish_reason"] == "length"
+    assert worker.proc.wait(timeout=60) == 0
+
+
+def test_a_failing_step_is_a_500_error_object_and_the_worker_serves_on(fresh_workers, chat_model):
+    """A request whose step raises fails alone, before its first token: a 500 ``step_failed`` error
+    object (streaming or not, since a stream's headers wait for its first token), counted once as
+    an error; its slot returns and the next request is served."""
+    worker = fresh_workers("--max-num-seqs", "2", "--max-seq-len", str(MAX_SEQ_LEN), "--max-num-batched-tokens", "64",
+                           "--served-model-name", "tiny-chat", model=str(chat_model),
+                           env={"GRAPHKEEPER_INJECT_STEP_FAILURE": "399"})
+    errors = worker.metric("graphkeeper_requests_total", outcome="error")
+    for stream in (False, True):
+        resp = httpx.post(worker.http_url + "/v1/completions", timeout=60,
+                          json={"prompt": [5, 399, 6], "max_tokens": 4, "stream": stream})
+        assert resp.status_code == 500, resp.text
+        error = resp.json()["error"]
+        assert error["type"] == "server_error" and error["code"] == "step_failed" and "failed" in error["message"]
+    assert worker.metric("graphkeeper_requests_total", outcome="error") == errors + 2
+    no_leak(worker)
+    client = openai.OpenAI(base_url=worker.http_url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    assert complete(client, "the graphs", 2).usage.completion_tokens == 2

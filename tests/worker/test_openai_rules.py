@@ -9,7 +9,17 @@ from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, Gauge, generate_latest
 
 from graphkeeper.proto import worker_pb2 as pb
-from graphkeeper.worker.serving.openai_api import ApiError, StopMatcher, finish_reason, parse_chat, parse_completion
+from graphkeeper.worker.serving.http_server import TextEvents, sse
+from graphkeeper.worker.serving.openai_api import (
+    ApiError,
+    StopMatcher,
+    choice,
+    envelope,
+    finish_reason,
+    parse_chat,
+    parse_completion,
+    usage,
+)
 from graphkeeper.worker.serving.vllm_metrics import WithVllmNames, vllm_aliases
 
 
@@ -135,6 +145,17 @@ def test_stop_strings_match_the_whole_text_however_it_is_split(text, cuts, stop)
     out = "".join(m.feed(p) for p in pieces) + m.flush()
     cut = text.find(stop)
     assert out == (text[:cut] if cut >= 0 else text) and m.stopped == (cut >= 0)
+
+
+@given(st.text(), st.booleans(), st.sampled_from(["tiny-chat", "org/Model \"q\" é", "a\\b"]), st.booleans(),
+       st.integers(0, 2**31), st.integers(0, 2**31))
+def test_a_pre_encoded_text_chunk_is_the_chunk_byte_for_byte(text, chat, model, with_usage, prompt, generated):
+    """The streaming fast path writes exactly what the chunk's dict would encode to."""
+    events = TextEvents("cmpl-0a1b", chat, 1764763200, model, with_usage)
+    chunk = envelope("cmpl-0a1b", chat, 1764763200, model, [choice(chat, text, None, delta=True)], chunk=True)
+    if with_usage:
+        chunk["usage"] = usage(prompt, generated)
+    assert events.text(text, prompt, generated) == sse(chunk)
 
 
 def test_finish_reasons():

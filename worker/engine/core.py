@@ -173,7 +173,10 @@ class Engine:
         free = max(self.settings.max_num_seqs - len(self.scheduler.running), 0)
         return max(len(self._inbox) + len(self.scheduler.waiting) - free, 0)
 
-    def cancel(self, seq: Sequence) -> None:
+    def cancel(self, seq: Sequence, reason: int = pb.FINISH_REASON_CANCELLED) -> None:
+        """Ends ``seq`` at the next step; ``reason`` is its finish (FINISH_REASON_STOP when the API
+        layer matched a stop string, so the request is counted as stopped, not cancelled)."""
+        seq.cancel_reason = reason
         seq.cancelled.set()
         self._wake.set()
 
@@ -386,7 +389,7 @@ class Engine:
             while self._inbox:
                 self.scheduler.add(self._inbox.popleft())
             for seq in self.scheduler.reap_cancelled():
-                self.publish([(seq.stream, [], self.outputs.completion(seq, pb.FINISH_REASON_CANCELLED))])
+                self.publish([(seq.stream, [], self.outputs.completion(seq, seq.cancel_reason))])
             if self.capture.active:
                 self._finish(inflight)
                 inflight = None

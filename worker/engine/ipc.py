@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
+from graphkeeper.proto import worker_pb2 as pb
 from graphkeeper.proto.policy import FieldError
 
 # --- API process -> engine core ------------------------------------------------------------------
@@ -37,6 +38,7 @@ class Submit:
 @dataclass(frozen=True)
 class Cancel:
     sid: int
+    reason: int = pb.FINISH_REASON_CANCELLED
 
 
 @dataclass(frozen=True)

@@ -161,7 +161,7 @@ class EngineHost:
         elif isinstance(message, Cancel):
             seq = self.sequences.get(message.sid)
             if seq is not None:
-                self.engine.cancel(seq)
+                self.engine.cancel(seq, message.reason)
         elif isinstance(message, Call):
             if message.method in SLOW_CALLS:
                 threading.Thread(target=self._answer, args=(message,), name=message.method, daemon=True).start()

@@ -44,6 +44,9 @@ class Sequence:
     samples_scheduled: int = 0  # tokens sampled or being sampled by a launched step
     finished: bool = False
     cancelled: threading.Event = field(default_factory=threading.Event)
+    #: How a cancelled sequence finishes: CANCELLED (the client went away) or STOP (the API layer
+    #: matched a stop string in its text and ended it early, a normal finish).
+    cancel_reason: int = pb.FINISH_REASON_CANCELLED
     graph_steps: Counter = field(default_factory=Counter)  # (mode, size) -> steps
     eager_steps: Counter = field(default_factory=Counter)  # reason -> steps
     arrived: float = field(default_factory=time.perf_counter)

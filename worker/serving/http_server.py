@@ -73,6 +73,36 @@ def sse(value: Any) -> bytes:
     return b"data: " + dumps(value) + b"\n\n"
 
 
+#: A string's JSON as ``dumps`` writes it, without building a new encoder per call.
+_json_string = json.JSONEncoder(ensure_ascii=False).encode
+_TEXT_MARK = "\x00graphkeeper-text\x00"
+_USAGE_MARK = "\x00graphkeeper-usage\x00"
+
+
+class TextEvents:
+    """A stream's plain text chunks as SSE bytes: the same bytes as ``sse(envelope(..., [choice(...)]))``
+    (with ``"usage"`` after the choices when ``with_usage``, vLLM's continuous_usage_stats, which
+    GuideLLM asks for). The chunk is encoded once with markers for the text and the usage and split
+    around them, so a token costs one string's JSON and three integers rather than three dicts and
+    a whole document's JSON (about 0.3 us instead of 6-9 at 64 streams' tens of thousands of events
+    a second). The first chat chunk (the role) and token ids take ``sse``."""
+
+    def __init__(self, rid: str, chat: bool, created: int, model: str, with_usage: bool = False) -> None:
+        chunk = envelope(rid, chat, created, model, [choice(chat, _TEXT_MARK, None, delta=True)], chunk=True)
+        if with_usage:
+            chunk["usage"] = _USAGE_MARK
+        self.head, _, rest = sse(chunk).partition(_json_string(_TEXT_MARK).encode())
+        self.mid, _, self.tail = rest.partition(_json_string(_USAGE_MARK).encode())
+        self.with_usage = with_usage
+
+    def text(self, text: str, prompt_tokens: int = 0, completion_tokens: int = 0) -> bytes:
+        if not self.with_usage:
+            return self.head + _json_string(text).encode() + self.mid
+        return b"".join((self.head, _json_string(text).encode(), self.mid,
+                         b'{"prompt_tokens":%d,"completion_tokens":%d,"total_tokens":%d}'
+                         % (prompt_tokens, completion_tokens, prompt_tokens + completion_tokens), self.tail))
+
+
 def error_response(err: ApiError) -> web.Response:
     return web.Response(body=dumps(err.body()), status=err.status, content_type="application/json")
 
@@ -249,8 +279,9 @@ class OpenAIServer:
                 return await run.stream_to(request)
             return await run.respond()
         except (asyncio.CancelledError, ConnectionError):
-            # The client went away (or the server is stopping): free the slot.
-            if not run.ended:
+            # The client went away (or the server is stopping): free the slot, unless a stop string
+            # already ended it (it then finishes as a stop).
+            if not run.ended and not run.matcher.stopped:
                 engine.cancel(seq)
             raise
         finally:
@@ -273,6 +304,9 @@ class _Run:
         self.detok = IncrementalDetokenizer(tokenizer, list(request.prompt_token_ids)) if tokenizer else None
         self.matcher = StopMatcher(parsed.stop)
         self.rid = new_id(parsed.chat)
+        #: Plain text chunks pre-encoded, when they carry no per-chunk usage or token ids.
+        self.events = TextEvents(self.rid, parsed.chat, parsed.created, model, parsed.continuous_usage) if (
+            parsed.stream and self.detok is not None and _TEXT_MARK not in model and _USAGE_MARK not in model) else None
         self.generated = 0
         self.completion: pb.Completion | None = None
         self.ended = False
@@ -296,8 +330,8 @@ class _Run:
                 if not self.matcher.stopped:
                     self.generated += len(tokens)
                     text = self.matcher.feed(self.detok.add(tokens)) if self.detok else ""
-                    if self.matcher.stopped:
-                        self.engine.cancel(self.seq)
+                    if self.matcher.stopped:  # a normal finish: counted as a stop, not a cancellation
+                        self.engine.cancel(self.seq, pb.FINISH_REASON_STOP)
                 else:
                     tokens = []
             end = stream.end
@@ -308,9 +342,8 @@ class _Run:
                     if self.detok is not None:
                         text += self.matcher.feed(self.detok.flush())
                     text += self.matcher.flush()
-            elif isinstance(end, QueueFull):  # refused by an engine core in its own process
+            elif isinstance(end, QueueFull):  # refused by an engine core in its own process, which counted it
                 self.ended = True
-                self.engine.metrics.requests.labels("queue_full").inc()
                 raise _queue_full(end)
             elif isinstance(end, StepFailed):
                 self.ended = True
@@ -365,7 +398,9 @@ class _Run:
             while delta is not None:
                 text, tokens = delta
                 last = self.ended
-                if text or (tokens and self.detok is None) or (chat and self.first):
+                if self.events is not None and text and not (chat and self.first):
+                    await response.write(self.events.text(text, self.prompt_tokens, self.generated))
+                elif text or (tokens and self.detok is None) or (chat and self.first):
                     chunk = envelope(self.rid, chat, parsed.created, self.model,
                                      [choice(chat, text, None, delta=True, role=self.first,
                                              token_ids=self._token_ids(tokens))], chunk=True)
@@ -389,11 +424,11 @@ class _Run:
         final["graphkeeper"] = extension(self.completion)
         if parsed.continuous_usage:
             final["usage"] = self._usage()
-        await response.write(sse(final))
+        events = [sse(final)]
         if parsed.include_usage:
             tail = envelope(self.rid, chat, parsed.created, self.model, [], chunk=True)
             tail["usage"] = self._usage()
-            await response.write(sse(tail))
-        await response.write(DONE)
+            events.append(sse(tail))
+        await response.write(b"".join((*events, DONE)))  # one send for the request's last events
         await response.write_eof()
         return response
