@@ -148,3 +148,23 @@ def test_a_failed_sequence_takes_its_own_blocks_out_of_the_prefix_cache():
     assert b.cached_prompt_tokens == 12 and b.registered == 4
     sched.finish(b, failed=True)  # its step raised: its own block may be half written
     assert blocks.peek(block_hashes(b.prompt, 4, "")) == a.blocks[:3]  # a's blocks are still cached
+
+
+def test_eviction_takes_a_freed_prefix_from_its_tail_so_its_head_stays_reusable():
+    """A lookup stops at the first missing block: evicting a chain's first block would make every
+    block after it unreachable. A sequence's blocks are freed tail first, so the least recently
+    used is its last block and what is evicted shortens the cached prefix by one block only."""
+    blocks = BlockManager(4, 4)
+    sched = Scheduler(4, 64, 0, blocks)
+    prompt = list(range(100, 113))  # 3 full blocks and one token
+    a = seq(prompt, 1, "a")
+    sched.add(a)
+    sched.schedule()
+    held = list(a.blocks)
+    sched.finish(a)
+    assert blocks.cached == 3 and blocks.used == 0
+    hashes = block_hashes(prompt, 4, "")
+    assert blocks.peek(hashes) == held[:3]
+    blocks.allocate(2)  # the one free block and one cached block
+    assert blocks.peek(hashes) == held[:2], "the prefix's head was evicted before its tail"
+

@@ -109,8 +109,12 @@ class BlockManager:
         return out
 
     def free(self, blocks: Seq[int]) -> None:
-        """Drops one holder's reference to each block; a cached block nobody holds stays cached."""
-        for block in blocks:
+        """Drops one holder's reference to each block; a cached block nobody holds stays cached.
+
+        ``blocks`` is a block table, in order; it is freed tail first, so that its last block is
+        the least recently used: a lookup stops at the first missing block, and evicting a
+        chain's first block would make every cached block after it unreachable."""
+        for block in reversed(blocks):
             self.refs[block] -= 1
             if self.refs[block] == 0:
                 if block in self._hash_of:
