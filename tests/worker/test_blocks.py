@@ -168,3 +168,29 @@ def test_eviction_takes_a_freed_prefix_from_its_tail_so_its_head_stays_reusable(
     blocks.allocate(2)  # the one free block and one cached block
     assert blocks.peek(hashes) == held[:2], "the prefix's head was evicted before its tail"
 
+
+def test_a_recomputed_sequence_counts_its_prompt_once_in_the_prefix_cache_and_its_summary():
+    """After a preemption the sequence's own blocks are found in the prefix cache again: saved
+    work, but not a second request's prompt. ``cached_prompt_tokens`` stays within the prompt and
+    the worker's prefix queries and hits count each request's prompt once."""
+    blocks = BlockManager(6, 4)
+    sched = Scheduler(4, 64, 0, blocks)
+    a, b = seq(list(range(100, 108)), 12, "a"), seq(list(range(200, 208)), 12, "b")
+    sched.add(a)
+    sched.add(b)
+    step = sched.schedule()  # 2 blocks each, 2 left
+    tokens = {a: iter(range(300, 400)), b: iter(range(400, 500))}
+    while b.preemptions == 0:
+        for s in step.samplers:
+            if not s.finished:
+                s.output.append(next(tokens[s]))
+        step = sched.schedule()
+    for s in step.samplers:
+        s.output.append(next(tokens[s]))
+    queries = blocks.query_tokens
+    sched.finish(a)
+    resumed = sched.schedule()  # b is recomputed: its prompt's and its own outputs' blocks are cached
+    assert b.slot is not None and b.recompute is not None
+    assert resumed.plan.prefill[0].start >= 8  # the recompute did reuse its blocks
+    assert b.cached_prompt_tokens == 0  # its prompt was computed, at its first admission
+    assert blocks.query_tokens == queries == 16 and blocks.hit_tokens <= blocks.query_tokens

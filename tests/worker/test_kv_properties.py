@@ -200,6 +200,8 @@ def test_random_traffic_reads_only_its_own_tokens_and_returns_every_block(events
     assert not sched.running and not sched.waiting
     for seq in live:
         assert seq.finished and seq.blocks == [] and seq.slot is None
+        assert seq.cached_prompt_tokens <= len(seq.prompt) - 1  # the last prompt token is always computed
+    assert blocks.query_tokens <= sum(len(s.prompt) for s in live)  # each prompt counted once at most
     assert blocks.used == 0 and all(r == 0 for r in blocks.refs)
     assert blocks.available == num_blocks and sorted(sched.free_slots) == list(range(max_num_seqs))
     if not prefix:

@@ -141,8 +141,9 @@ class BlockManager:
 
     def acquire(self, blocks: Seq[int], query_tokens: int) -> None:
         """Holds the cached ``blocks`` (from ``peek``) once more, for a prompt of ``query_tokens``
-        tokens; counts the query and the hit in tokens."""
-        if self.prefix_caching:
+        tokens; counts the query and the hit in tokens (0: a preempted sequence's recompute, whose
+        prompt was counted when it was first admitted)."""
+        if self.prefix_caching and query_tokens:
             self.query_tokens += query_tokens
             self.hit_tokens += len(blocks) * self.block_size
         for block in blocks:

@@ -255,12 +255,16 @@ class Scheduler:
             if fresh > blocks.available - blocks.idle(cached):
                 break
             self.waiting.popleft()
-            blocks.acquire(cached, len(tokens))
+            # A recompute after a preemption reuses its own blocks: saved work, but neither a
+            # prompt looked up again nor prompt tokens served from the cache.
+            first = not seq.preemptions
+            blocks.acquire(cached, len(tokens) if first else 0)
             seq.recompute = tokens if seq.output else None
             seq.blocks = cached + blocks.allocate(fresh)
             seq.registered, seq.cached_blocks = len(cached), len(cached)
             seq.computed = len(cached) * bs
-            seq.cached_prompt_tokens += seq.computed
+            if first:
+                seq.cached_prompt_tokens = seq.computed
             seq.slot = self.free_slots.pop()
             for i, block in enumerate(seq.blocks):
                 self._table_updates[(seq.slot, i)] = block
