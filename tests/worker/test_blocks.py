@@ -194,3 +194,28 @@ def test_a_recomputed_sequence_counts_its_prompt_once_in_the_prefix_cache_and_it
     assert resumed.plan.prefill[0].start >= 8  # the recompute did reuse its blocks
     assert b.cached_prompt_tokens == 0  # its prompt was computed, at its first admission
     assert blocks.query_tokens == queries == 16 and blocks.hit_tokens <= blocks.query_tokens
+
+
+def test_a_sequence_preempted_while_a_reload_drains_finishes_on_the_weights_it_started_with():
+    """While the engine drains for a model change no new request is admitted, but a running
+    sequence preempted for blocks is one that started: it is recomputed and finishes before the
+    reload (``drained`` is False while it waits), not resumed on the new weights."""
+    blocks = BlockManager(5, 4, prefix_caching=False)
+    sched = Scheduler(4, 64, 0, blocks)
+    a, b, late = seq(list(range(8)), 8, "a"), seq(list(range(30, 38)), 8, "b"), seq([5, 6], 2, "late")
+    sched.add(a)
+    sched.add(b)
+    sched.schedule()
+    a.output.append(100)
+    b.output.append(200)
+    sched.admitting = False  # a reload is pending
+    sched.add(late)
+    sched.schedule()  # a takes the last block, b is preempted
+    assert list(sched.waiting) == [b, late] and b.preemptions == 1
+    assert not sched.drained  # the reload must wait for b
+    sched.finish(a)
+    step = sched.schedule()
+    assert step is not None and step.sequences == [b] and list(sched.waiting) == [late]
+    assert not sched.drained
+    sched.finish(b)
+    assert sched.drained and sched.schedule() is None  # late waits for the new weights

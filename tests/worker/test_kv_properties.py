@@ -44,6 +44,7 @@ class Device:
     cache: dict[tuple[int, int], tuple[str, int]] = field(default_factory=dict)  # (block, offset) -> key
     tables: dict[tuple[int, int], int] = field(default_factory=dict)  # (slot, index) -> block
     last_token: dict[int, int] = field(default_factory=dict)  # slot -> token sampled last
+    started_on: dict[Sequence, str] = field(default_factory=dict)  # the revision each sequence began on
 
     def run(self, step: ScheduledStep, streams: dict[Sequence, list[int]], garbage: bool = False) -> list[int]:
         """Runs a step; returns its sampled tokens. ``garbage``: the step failed part way and its rows
@@ -69,6 +70,8 @@ class Device:
             return []
         for seq, slot, pos, token in rows:
             stream = streams[seq]
+            began = self.started_on.setdefault(seq, self.revision)
+            assert began == self.revision, f"{seq.request_id} began on {began}, runs on {self.revision}"
             assert token == stream[pos], f"{seq.request_id} fed {token} at {pos}, its token is {stream[pos]}"
             for q in range(pos + 1):  # attention reads every position up to its own
                 block = self.tables[(slot, q // bs)]
@@ -188,7 +191,7 @@ def test_random_traffic_reads_only_its_own_tokens_and_returns_every_block(events
             reload_pending = True
         if reload_pending:
             sched.admitting = False
-            if inflight is None and not sched.running:
+            if inflight is None and sched.drained:
                 device.revision = f"r{x}"
                 blocks.reset_prefix_cache(device.revision)
                 sched.admitting, reload_pending = True, False

@@ -375,7 +375,7 @@ class Engine:
                 self._commands.get_nowait()()
             if self.control.reload is not None:
                 self.scheduler.admitting = False  # running sequences finish on the weights they started with
-                if inflight is None and not self.scheduler.running:
+                if inflight is None and self.scheduler.drained:
                     self._reload(self.control.reload)
             while self._inbox:
                 self.scheduler.add(self._inbox.popleft())

@@ -109,11 +109,19 @@ class Scheduler:
         self.prefilling: list[Sequence] = []
         self.decode = DecodeBatch()
         self.free_slots = list(range(max_num_seqs - 1, -1, -1))
-        self.admitting = True  # False while the engine drains for a model change
+        #: False while the engine drains for a model change: no new sequence starts, but one
+        #: preempted for blocks (it started on the weights serving now) is still recomputed.
+        self.admitting = True
         self.sampled_running = 0  # running sequences that sample (not greedy)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
+
+    @property
+    def drained(self) -> bool:
+        """No sequence that started runs or waits to be recomputed (what a reload waits for).
+        Preempted sequences wait at the head of the queue, ahead of every new one."""
+        return not self.running and not (self.waiting and self.waiting[0].preemptions)
 
     def reap_cancelled(self) -> list[Sequence]:
         """Removes cancelled sequences, freeing their slots; returns them."""
@@ -241,8 +249,10 @@ class Scheduler:
         """Admits waiting sequences in order while a slot and blocks for the whole prompt remain
         (the cached blocks of its longest cached prefix are reused, not counted)."""
         bs, blocks = self.block_size, self.blocks
-        while self.admitting and self.waiting and self.free_slots and len(self.running) < self.max_num_seqs:
+        while self.waiting and self.free_slots and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if not self.admitting and not seq.preemptions:
+                break  # draining for a model change: only sequences that started are recomputed
             if seq.samples_scheduled > len(seq.output):
                 break  # preempted with a token still on its way: it resumes once that token is in
             tokens = seq.prompt + seq.output if seq.output else seq.prompt
