@@ -219,3 +219,20 @@ def test_a_sequence_preempted_while_a_reload_drains_finishes_on_the_weights_it_s
     assert not sched.drained
     sched.finish(b)
     assert sched.drained and sched.schedule() is None  # late waits for the new weights
+
+
+def test_a_request_that_waited_through_a_reload_hashes_its_prompt_under_the_new_revision():
+    """Hashes are computed once per waiting request; one computed before a model reload must not
+    register the new model's keys under the old revision (the same prompt sent after the reload
+    would never find them)."""
+    blocks = BlockManager(4, 4, revision="r1")
+    sched = Scheduler(4, 64, 0, blocks)
+    hog, w = seq(list(range(100, 113)), 1, "hog"), seq(list(range(8)) + [9], 2, "w")
+    sched.add(hog)
+    sched.add(w)
+    sched.schedule()  # hog takes every block; w's hashes are computed and it waits
+    assert list(sched.waiting) == [w] and w.block_hashes == block_hashes(w.prompt, 4, "r1")
+    sched.finish(hog)
+    blocks.reset_prefix_cache("r2")  # the reload (nothing runs)
+    sched.schedule()  # w computes its prompt on r2
+    assert blocks.peek(block_hashes(w.prompt, 4, "r2")) == w.blocks[:2]

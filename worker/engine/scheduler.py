@@ -256,8 +256,10 @@ class Scheduler:
             if seq.samples_scheduled > len(seq.output):
                 break  # preempted with a token still on its way: it resumes once that token is in
             tokens = seq.prompt + seq.output if seq.output else seq.prompt
-            if blocks.prefix_caching and len(seq.block_hashes) != len(tokens) // bs:
-                seq.block_hashes = block_hashes(tokens, bs, blocks.revision)  # once, not at every try
+            if blocks.prefix_caching and (len(seq.block_hashes) != len(tokens) // bs
+                                          or seq.hashed_revision != blocks.revision):
+                # Once, not at every try; again after a reload (a new revision computes other keys).
+                seq.block_hashes, seq.hashed_revision = block_hashes(tokens, bs, blocks.revision), blocks.revision
             hashes = seq.block_hashes
             # At most the blocks before the last token: that one is always computed, for its logits.
             cached = blocks.peek(hashes[:(len(tokens) - 1) // bs])
