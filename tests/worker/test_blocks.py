@@ -236,3 +236,20 @@ def test_a_request_that_waited_through_a_reload_hashes_its_prompt_under_the_new_
     blocks.reset_prefix_cache("r2")  # the reload (nothing runs)
     sched.schedule()  # w computes its prompt on r2
     assert blocks.peek(block_hashes(w.prompt, 4, "r2")) == w.blocks[:2]
+
+
+def test_a_step_that_raised_at_launch_hands_its_block_table_changes_to_the_next_plan():
+    """z is admitted in the step of x's chunk but gets no rows (x's chunk takes the token
+    budget). The step raises before the runner applied its block tables and x, alone in it, fails
+    without a re-run: z's table must come with the next plan, or z would write into the blocks its
+    slot held before."""
+    sched = Scheduler(4, 8, 0, BlockManager(8, 4, prefix_caching=False))
+    x, z = seq(list(range(10, 22)), 2, "x"), seq([5, 6, 7], 2, "z")
+    sched.add(x)
+    sched.add(z)
+    step = sched.schedule()
+    assert step.sequences == [x] and z in sched.running and table(step.plan)[(z.slot, 0)] == z.blocks[0]
+    sched.launch_failed(step)
+    sched.finish(x, failed=True)
+    again = sched.schedule()
+    assert again.sequences == [z] and table(again.plan)[(z.slot, 0)] == z.blocks[0]

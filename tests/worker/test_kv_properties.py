@@ -3,11 +3,12 @@
 A small simulated device runs every step the scheduler plans, as the engine does: block-table
 changes first, then each row writes its key (here: the revision and the token it carries) at its
 position in its slot's block, then each row reads every position before it. Tokens come back one
-step late (the engine schedules ahead), sequences stop early, are cancelled, fail in a step (whose
-rows then wrote garbage) and are preempted when blocks run out; the model revision changes. The
-properties: every read sees exactly its own sequence's tokens under the current revision (so no
-cached block is reused while written, no prefix hit is stale, no block is shared by mistake),
-reference counts always equal the holders, and every block comes back when the requests end.
+step late (the engine schedules ahead), sequences stop early, are cancelled, fail in a step (that
+raised before it ran, or whose rows wrote garbage) and are preempted when blocks run out; the
+model revision changes. The properties: every read sees exactly its own sequence's tokens under
+the current revision (so no cached block is reused while written, no prefix hit is stale, no
+block is shared by mistake), a sequence runs on the revision it began on, reference counts
+always equal the holders, and every block comes back when the requests end.
 """
 
 from __future__ import annotations
@@ -139,18 +140,21 @@ def test_random_traffic_reads_only_its_own_tokens_and_returns_every_block(events
             if tok == EOS or len(seq.output) >= seq.max_new_tokens:
                 sched.finish(seq)
 
-    def one_step(fail: bool = False) -> None:
+    def one_step(fail: str = "") -> None:
+        """``fail``: "" runs the step; "late" raises with its rows half written; "early" raises
+        before the runner ran (nothing written, no block-table change applied)."""
         nonlocal inflight
         for seq in sched.reap_cancelled():
             assert seq.finished
         step = sched.schedule()
         tokens: list[int] = []
-        if step is not None and fail:
-            device.run(step, streams, garbage=True)  # the launch raised with its rows half written
-        elif step is not None:
+        if step is not None and fail == "late":
+            device.run(step, streams, garbage=True)
+        elif step is not None and not fail:
             tokens = device.run(step, streams)
         deliver(inflight, inflight_tokens[0])  # the previous step's tokens, after the next launch
         if step is not None and fail:  # isolated: one culprit fails, the others run again
+            sched.launch_failed(step)
             culprit = step.sequences[-1]
             rest = {s for s in step.sequences if s is not culprit}
             if rest:
@@ -184,7 +188,7 @@ def test_random_traffic_reads_only_its_own_tokens_and_returns_every_block(events
         elif kind == "step":
             one_step()
         elif kind == "fail":
-            one_step(fail=True)
+            one_step(fail="early" if x % 2 else "late")
         elif kind == "cancel" and live:
             live[x % len(live)].cancelled.set()
         elif kind == "reload":

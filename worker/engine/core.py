@@ -482,6 +482,7 @@ class Engine:
         """
         if device_broken(err):
             raise err
+        self.scheduler.launch_failed(step)
         log.error("step of %d tokens (%d sequences) failed: %s: %s; isolating it", step.plan.num_tokens,
                   len(step.sequences), type(err).__name__, err)
         suspects, culprits = [list(step.sequences)], []

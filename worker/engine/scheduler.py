@@ -305,6 +305,17 @@ class Scheduler:
             self.blocks.register(seq.blocks[i], seq.block_hashes[i])
         seq.registered = max(seq.registered, full)
 
+    def launch_failed(self, step: ScheduledStep) -> None:
+        """``step`` raised at launch, perhaps before its block-table changes were applied: they are
+        carried by the next plan again (a sequence admitted in that step without rows of its own,
+        or a re-run that never comes, would otherwise keep the slot's previous blocks and write
+        into blocks other sequences hold). A newer change to the same cell wins; re-applying one
+        is harmless."""
+        u = step.plan.block_updates
+        if u is not None:
+            for s, i, b in u.T:
+                self._table_updates.setdefault((int(s), int(i)), int(b))
+
     def _take_table_updates(self) -> np.ndarray | None:
         """The block-table changes since the last plan, ``[3, k]`` (slot, index, block)."""
         if not self._table_updates:
