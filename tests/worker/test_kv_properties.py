@@ -109,7 +109,7 @@ def check_counts(sched: Scheduler) -> None:
 
 
 events = st.lists(st.tuples(
-    st.sampled_from(["arrive", "arrive", "arrive", "step", "step", "step", "step", "cancel", "fail", "reload"]),
+    st.sampled_from(["arrive"] * 3 + ["step"] * 4 + ["cancel", "fail", "reload", "reload"]),
     st.integers(0, 10**6)), min_size=8, max_size=80)
 
 
