@@ -148,3 +148,108 @@ def test_a_failed_sequence_takes_its_own_blocks_out_of_the_prefix_cache():
     assert b.cached_prompt_tokens == 12 and b.registered == 4
     sched.finish(b, failed=True)  # its step raised: its own block may be half written
     assert blocks.peek(block_hashes(b.prompt, 4, "")) == a.blocks[:3]  # a's blocks are still cached
+
+
+def test_eviction_takes_a_freed_prefix_from_its_tail_so_its_head_stays_reusable():
+    """A lookup stops at the first missing block: evicting a chain's first block would make every
+    block after it unreachable. A sequence's blocks are freed tail first, so the least recently
+    used is its last block and what is evicted shortens the cached prefix by one block only."""
+    blocks = BlockManager(4, 4)
+    sched = Scheduler(4, 64, 0, blocks)
+    prompt = list(range(100, 113))  # 3 full blocks and one token
+    a = seq(prompt, 1, "a")
+    sched.add(a)
+    sched.schedule()
+    held = list(a.blocks)
+    sched.finish(a)
+    assert blocks.cached == 3 and blocks.used == 0
+    hashes = block_hashes(prompt, 4, "")
+    assert blocks.peek(hashes) == held[:3]
+    blocks.allocate(2)  # the one free block and one cached block
+    assert blocks.peek(hashes) == held[:2], "the prefix's head was evicted before its tail"
+
+
+def test_a_recomputed_sequence_counts_its_prompt_once_in_the_prefix_cache_and_its_summary():
+    """After a preemption the sequence's own blocks are found in the prefix cache again: saved
+    work, but not a second request's prompt. ``cached_prompt_tokens`` stays within the prompt and
+    the worker's prefix queries and hits count each request's prompt once."""
+    blocks = BlockManager(6, 4)
+    sched = Scheduler(4, 64, 0, blocks)
+    a, b = seq(list(range(100, 108)), 12, "a"), seq(list(range(200, 208)), 12, "b")
+    sched.add(a)
+    sched.add(b)
+    step = sched.schedule()  # 2 blocks each, 2 left
+    tokens = {a: iter(range(300, 400)), b: iter(range(400, 500))}
+    while b.preemptions == 0:
+        for s in step.samplers:
+            if not s.finished:
+                s.output.append(next(tokens[s]))
+        step = sched.schedule()
+    for s in step.samplers:
+        s.output.append(next(tokens[s]))
+    queries = blocks.query_tokens
+    sched.finish(a)
+    resumed = sched.schedule()  # b is recomputed: its prompt's and its own outputs' blocks are cached
+    assert b.slot is not None and b.recompute is not None
+    assert resumed.plan.prefill[0].start >= 8  # the recompute did reuse its blocks
+    assert b.cached_prompt_tokens == 0  # its prompt was computed, at its first admission
+    assert blocks.query_tokens == queries == 16 and blocks.hit_tokens <= blocks.query_tokens
+
+
+def test_a_sequence_preempted_while_a_reload_drains_finishes_on_the_weights_it_started_with():
+    """While the engine drains for a model change no new request is admitted, but a running
+    sequence preempted for blocks is one that started: it is recomputed and finishes before the
+    reload (``drained`` is False while it waits), not resumed on the new weights."""
+    blocks = BlockManager(5, 4, prefix_caching=False)
+    sched = Scheduler(4, 64, 0, blocks)
+    a, b, late = seq(list(range(8)), 8, "a"), seq(list(range(30, 38)), 8, "b"), seq([5, 6], 2, "late")
+    sched.add(a)
+    sched.add(b)
+    sched.schedule()
+    a.output.append(100)
+    b.output.append(200)
+    sched.admitting = False  # a reload is pending
+    sched.add(late)
+    sched.schedule()  # a takes the last block, b is preempted
+    assert list(sched.waiting) == [b, late] and b.preemptions == 1
+    assert not sched.drained  # the reload must wait for b
+    sched.finish(a)
+    step = sched.schedule()
+    assert step is not None and step.sequences == [b] and list(sched.waiting) == [late]
+    assert not sched.drained
+    sched.finish(b)
+    assert sched.drained and sched.schedule() is None  # late waits for the new weights
+
+
+def test_a_request_that_waited_through_a_reload_hashes_its_prompt_under_the_new_revision():
+    """Hashes are computed once per waiting request; one computed before a model reload must not
+    register the new model's keys under the old revision (the same prompt sent after the reload
+    would never find them)."""
+    blocks = BlockManager(4, 4, revision="r1")
+    sched = Scheduler(4, 64, 0, blocks)
+    hog, w = seq(list(range(100, 113)), 1, "hog"), seq(list(range(8)) + [9], 2, "w")
+    sched.add(hog)
+    sched.add(w)
+    sched.schedule()  # hog takes every block; w's hashes are computed and it waits
+    assert list(sched.waiting) == [w] and w.block_hashes == block_hashes(w.prompt, 4, "r1")
+    sched.finish(hog)
+    blocks.reset_prefix_cache("r2")  # the reload (nothing runs)
+    sched.schedule()  # w computes its prompt on r2
+    assert blocks.peek(block_hashes(w.prompt, 4, "r2")) == w.blocks[:2]
+
+
+def test_a_step_that_raised_at_launch_hands_its_block_table_changes_to_the_next_plan():
+    """z is admitted in the step of x's chunk but gets no rows (x's chunk takes the token
+    budget). The step raises before the runner applied its block tables and x, alone in it, fails
+    without a re-run: z's table must come with the next plan, or z would write into the blocks its
+    slot held before."""
+    sched = Scheduler(4, 8, 0, BlockManager(8, 4, prefix_caching=False))
+    x, z = seq(list(range(10, 22)), 2, "x"), seq([5, 6, 7], 2, "z")
+    sched.add(x)
+    sched.add(z)
+    step = sched.schedule()
+    assert step.sequences == [x] and z in sched.running and table(step.plan)[(z.slot, 0)] == z.blocks[0]
+    sched.launch_failed(step)
+    sched.finish(x, failed=True)
+    again = sched.schedule()
+    assert again.sequences == [z] and table(again.plan)[(z.slot, 0)] == z.blocks[0]

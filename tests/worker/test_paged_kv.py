@@ -98,3 +98,23 @@ def test_a_block_size_that_is_not_a_power_of_two_is_refused_at_boot(tmp_path):
     out = subprocess.run([str(GRAPHKEEPER), "worker", "--model", "random:tiny", "--kv-block-size", "24"],
                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert out.returncode != 0 and "--kv-block-size must be a power of two" in out.stderr and "24" in out.stderr
+
+
+def test_preemption_with_prefix_caching_changes_no_token_and_every_block_returns(module_workers, model):
+    """A tight cache with prefix caching on: prompts sharing a prefix preempt one another, a
+    recompute finds its own blocks (and the shared ones) in the cache, and the tokens are still
+    transformers' own. Each prompt is one lookup, no request reports more cached prompt tokens
+    than it could, and once every request ends no block is held."""
+    worker = module_workers("--max-num-seqs", "4", "--max-seq-len", "128", "--max-num-batched-tokens", "64",
+                            "--kv-cache-memory", TINY_CACHE, model=model["path"])
+    prompts = [*SHARED, *PROMPTS[3:]]
+    results = generate_concurrently(worker, requests(prompts, "tight-prefix"))
+    for prompt, (tokens, completion) in zip(prompts, results, strict=True):
+        assert tokens == model["refs"][tuple(prompt)], f"prompt of {len(prompt)} tokens"
+        assert 0 <= completion.execution.cached_prompt_tokens <= len(prompt) - 1
+    assert sum(c.execution.preemptions for _, c in results) > 0, "9 blocks for these 4 sequences must preempt"
+    kv = worker.status().kv_cache
+    assert kv.prefix_caching and kv.blocks_used == 0 and kv.blocks_cached > 0
+    assert kv.prefix_query_tokens == sum(map(len, prompts))
+    assert kv.prefix_hit_tokens == sum(c.execution.cached_prompt_tokens for _, c in results)
+    assert worker.metric("graphkeeper_kv_cache_used_blocks") == 0

@@ -109,8 +109,12 @@ class BlockManager:
         return out
 
     def free(self, blocks: Seq[int]) -> None:
-        """Drops one holder's reference to each block; a cached block nobody holds stays cached."""
-        for block in blocks:
+        """Drops one holder's reference to each block; a cached block nobody holds stays cached.
+
+        ``blocks`` is a block table, in order; it is freed tail first, so that its last block is
+        the least recently used: a lookup stops at the first missing block, and evicting a
+        chain's first block would make every cached block after it unreachable."""
+        for block in reversed(blocks):
             self.refs[block] -= 1
             if self.refs[block] == 0:
                 if block in self._hash_of:
@@ -137,8 +141,9 @@ class BlockManager:
 
     def acquire(self, blocks: Seq[int], query_tokens: int) -> None:
         """Holds the cached ``blocks`` (from ``peek``) once more, for a prompt of ``query_tokens``
-        tokens; counts the query and the hit in tokens."""
-        if self.prefix_caching:
+        tokens; counts the query and the hit in tokens (0: a preempted sequence's recompute, whose
+        prompt was counted when it was first admitted)."""
+        if self.prefix_caching and query_tokens:
             self.query_tokens += query_tokens
             self.hit_tokens += len(blocks) * self.block_size
         for block in blocks:

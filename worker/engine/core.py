@@ -384,7 +384,7 @@ class Engine:
                 self._commands.get_nowait()()
             if self.control.reload is not None:
                 self.scheduler.admitting = False  # running sequences finish on the weights they started with
-                if inflight is None and not self.scheduler.running:
+                if inflight is None and self.scheduler.drained:
                     self._reload(self.control.reload)
             while self._inbox:
                 self.scheduler.add(self._inbox.popleft())
@@ -491,6 +491,7 @@ class Engine:
         """
         if device_broken(err):
             raise err
+        self.scheduler.launch_failed(step)
         log.error("step of %d tokens (%d sequences) failed: %s: %s; isolating it", step.plan.num_tokens,
                   len(step.sequences), type(err).__name__, err)
         suspects, culprits = [list(step.sequences)], []

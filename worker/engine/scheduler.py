@@ -109,11 +109,19 @@ class Scheduler:
         self.prefilling: list[Sequence] = []
         self.decode = DecodeBatch()
         self.free_slots = list(range(max_num_seqs - 1, -1, -1))
-        self.admitting = True  # False while the engine drains for a model change
+        #: False while the engine drains for a model change: no new sequence starts, but one
+        #: preempted for blocks (it started on the weights serving now) is still recomputed.
+        self.admitting = True
         self.sampled_running = 0  # running sequences that sample (not greedy)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
+
+    @property
+    def drained(self) -> bool:
+        """No sequence that started runs or waits to be recomputed (what a reload waits for).
+        Preempted sequences wait at the head of the queue, ahead of every new one."""
+        return not self.running and not (self.waiting and self.waiting[0].preemptions)
 
     def reap_cancelled(self) -> list[Sequence]:
         """Removes cancelled sequences, freeing their slots; returns them."""
@@ -241,13 +249,17 @@ class Scheduler:
         """Admits waiting sequences in order while a slot and blocks for the whole prompt remain
         (the cached blocks of its longest cached prefix are reused, not counted)."""
         bs, blocks = self.block_size, self.blocks
-        while self.admitting and self.waiting and self.free_slots and len(self.running) < self.max_num_seqs:
+        while self.waiting and self.free_slots and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if not self.admitting and not seq.preemptions:
+                break  # draining for a model change: only sequences that started are recomputed
             if seq.samples_scheduled > len(seq.output):
                 break  # preempted with a token still on its way: it resumes once that token is in
             tokens = seq.prompt + seq.output if seq.output else seq.prompt
-            if blocks.prefix_caching and len(seq.block_hashes) != len(tokens) // bs:
-                seq.block_hashes = block_hashes(tokens, bs, blocks.revision)  # once, not at every try
+            if blocks.prefix_caching and (len(seq.block_hashes) != len(tokens) // bs
+                                          or seq.hashed_revision != blocks.revision):
+                # Once, not at every try; again after a reload (a new revision computes other keys).
+                seq.block_hashes, seq.hashed_revision = block_hashes(tokens, bs, blocks.revision), blocks.revision
             hashes = seq.block_hashes
             # At most the blocks before the last token: that one is always computed, for its logits.
             cached = blocks.peek(hashes[:(len(tokens) - 1) // bs])
@@ -255,12 +267,16 @@ class Scheduler:
             if fresh > blocks.available - blocks.idle(cached):
                 break
             self.waiting.popleft()
-            blocks.acquire(cached, len(tokens))
+            # A recompute after a preemption reuses its own blocks: saved work, but neither a
+            # prompt looked up again nor prompt tokens served from the cache.
+            first = not seq.preemptions
+            blocks.acquire(cached, len(tokens) if first else 0)
             seq.recompute = tokens if seq.output else None
             seq.blocks = cached + blocks.allocate(fresh)
             seq.registered, seq.cached_blocks = len(cached), len(cached)
             seq.computed = len(cached) * bs
-            seq.cached_prompt_tokens += seq.computed
+            if first:
+                seq.cached_prompt_tokens = seq.computed
             seq.slot = self.free_slots.pop()
             for i, block in enumerate(seq.blocks):
                 self._table_updates[(seq.slot, i)] = block
@@ -288,6 +304,17 @@ class Scheduler:
         for i in range(seq.registered, full):
             self.blocks.register(seq.blocks[i], seq.block_hashes[i])
         seq.registered = max(seq.registered, full)
+
+    def launch_failed(self, step: ScheduledStep) -> None:
+        """``step`` raised at launch, perhaps before its block-table changes were applied: they are
+        carried by the next plan again (a sequence admitted in that step without rows of its own,
+        or a re-run that never comes, would otherwise keep the slot's previous blocks and write
+        into blocks other sequences hold). A newer change to the same cell wins; re-applying one
+        is harmless."""
+        u = step.plan.block_updates
+        if u is not None:
+            for s, i, b in u.T:
+                self._table_updates.setdefault((int(s), int(i)), int(b))
 
     def _take_table_updates(self) -> np.ndarray | None:
         """The block-table changes since the last plan, ``[3, k]`` (slot, index, block)."""

@@ -33,6 +33,7 @@ class Sequence:
     #: full blocks of what it prefills, registered in the prefix cache as they are computed.
     blocks: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)
+    hashed_revision: str | None = None  # the model revision ``block_hashes`` were chained over
     registered: int = 0  # leading blocks registered in the prefix cache
     cached_blocks: int = 0  # leading blocks found in the prefix cache at admission (written by others)
     #: What the next prefill computes: the prompt, or after a preemption the prompt and the tokens
