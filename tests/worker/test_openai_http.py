@@ -27,6 +27,9 @@ CORPUS = ["the graphs replay every decode step", "café crème brûlée naïve f
 TEMPLATE = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
             "{% if add_generation_prompt %}<assistant>{% endif %}")
 MAX_SEQ_LEN = 256
+#: The context of ``long_server``: requests that hold a slot for many seconds even on a fast CPU, for
+#: the tests that need slots taken while other requests arrive.
+LONG_SEQ_LEN = 4096
 GREEDY = {"temperature": 0}
 NO_EOS = {"ignore_eos": True}
 
@@ -35,7 +38,7 @@ NO_EOS = {"ignore_eos": True}
 def chat_model(tmp_path_factory) -> Path:
     """random:tiny with a trained BPE tokenizer whose ids fit its vocabulary and a chat template."""
     root = tmp_path_factory.mktemp("chat-model")
-    save_hf_directory(load_model("random:tiny", device="cpu", max_positions=512).model, root)
+    save_hf_directory(load_model("random:tiny", device="cpu", max_positions=LONG_SEQ_LEN).model, root)
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -51,6 +54,14 @@ def server(module_workers, chat_model) -> Worker:
     return module_workers("--max-num-seqs", "4", "--max-seq-len", str(MAX_SEQ_LEN), "--max-num-batched-tokens", "64",
                           "--max-queue", "1", "--vllm-metric-names", "--served-model-name", "tiny-chat",
                           model=str(chat_model))
+
+
+@pytest.fixture(scope="module")
+def long_server(module_workers, chat_model) -> Worker:
+    """Four slots and a queue of one, with a context long enough that a request asking for most of
+    it is still running when the requests that test admission arrive."""
+    return module_workers("--max-num-seqs", "4", "--max-seq-len", str(LONG_SEQ_LEN), "--max-num-batched-tokens",
+                          "64", "--max-queue", "1", "--served-model-name", "tiny-chat", model=str(chat_model))
 
 
 @pytest.fixture(scope="module")
@@ -250,10 +261,11 @@ def test_a_client_that_disconnects_mid_stream_frees_its_sequence(server, client)
     assert complete(client, "the graphs", 2).usage.completion_tokens == 2
 
 
-def test_a_request_cancelled_while_queued_leaves_the_queue(server, client):
+def test_a_request_cancelled_while_queued_leaves_the_queue(long_server):
     """Four long streams hold the four slots; a fifth request waits in the queue (no header sent
     yet) and its client goes away: it leaves the queue at once, streaming or not, and the four run on."""
-    long = {"model": "tiny-chat", "prompt": "the graphs", "max_tokens": MAX_SEQ_LEN - 16, "stream": True,
+    server = long_server
+    long = {"model": "tiny-chat", "prompt": "the graphs", "max_tokens": LONG_SEQ_LEN - 16, "stream": True,
             "ignore_eos": True}
     cancelled = server.metric("graphkeeper_requests_total", outcome="cancelled")
     with httpx.Client(timeout=30) as http:
@@ -277,14 +289,16 @@ def test_a_request_cancelled_while_queued_leaves_the_queue(server, client):
     wait_until(lambda: server.metric("graphkeeper_requests_total", outcome="cancelled") == cancelled + 6,
                what="the two queued requests and the four holders cancelled")
     no_leak(server)
-    assert complete(client, "the graphs", 2).usage.completion_tokens == 2
+    assert httpx.post(server.http_url + "/v1/completions", json={**long, "stream": False, "max_tokens": 2},
+                      timeout=60).json()["usage"]["completion_tokens"] == 2
 
 
-def test_a_full_queue_is_429_and_the_worker_serves_on(server, client):
+def test_a_full_queue_is_429_and_the_worker_serves_on(long_server):
     """Eight long requests at once on four slots and a queue of one (--max-queue 1): those past the
     queue are 429, refused by the engine core in its own process before any header went out; the
     others complete whole."""
-    body = {"model": "tiny-chat", "prompt": [1, 2, 3], "max_tokens": MAX_SEQ_LEN - 3, "ignore_eos": True}
+    server, tokens = long_server, 1024  # none can end before all eight arrived
+    body = {"model": "tiny-chat", "prompt": [1, 2, 3], "max_tokens": tokens, "ignore_eos": True}
 
     def post(stream: bool) -> tuple[int, dict | str]:
         with httpx.Client(timeout=120) as http:
@@ -296,18 +310,19 @@ def test_a_full_queue_is_429_and_the_worker_serves_on(server, client):
         results = list(pool.map(post, [False, True] * 4))
     refused = [r for status, r in results if status == 429]
     served = [r for status, r in results if status == 200]
-    # None ends before all eight arrived: the four slots and the one queue place take five.
+    # The four slots and the one queue place take five.
     assert (len(served), len(refused)) == (5, 3), results
     assert all(r["error"]["type"] == "rate_limit_error" and r["error"]["code"] == "queue_full" for r in refused)
     # Each refusal counted once (the engine core counts it; the API process must not count it again).
     assert server.metric("graphkeeper_requests_total", outcome="queue_full") == queue_full + len(refused)
     for r in served:  # each admitted request ran to the end: a whole body, or a stream to [DONE]
         if isinstance(r, dict):
-            assert r["usage"]["completion_tokens"] == MAX_SEQ_LEN - 3
+            assert r["usage"]["completion_tokens"] == tokens
         else:
             assert r.rstrip().endswith("data: [DONE]") and '"finish_reason":"length"' in r
     no_leak(server)
-    assert complete(client, "the graphs", 2).usage.completion_tokens == 2
+    assert httpx.post(server.http_url + "/v1/completions", json={**body, "max_tokens": 2},
+                      timeout=60).json()["usage"]["completion_tokens"] == 2
 
 
 def _post(server: Worker, content: bytes, path: str = "/v1/completions") -> httpx.Response:
