@@ -278,9 +278,10 @@ class OpenAIServer:
             if parsed.stream:
                 return await run.stream_to(request)
             return await run.respond()
-        except (asyncio.CancelledError, ConnectionError):
-            # The client went away (or the server is stopping): free the slot, unless a stop string
-            # already ended it (it then finishes as a stop).
+        except BaseException:
+            # Whatever ends the handler before the sequence ended (the client went away, the server
+            # is stopping, an error of this process) frees its slot, unless a stop string already
+            # ended it (it then finishes as a stop).
             if not run.ended and not run.matcher.stopped:
                 engine.cancel(seq)
             raise

@@ -397,7 +397,7 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 def extension(completion: pb.Completion | None) -> dict[str, Any]:
     """The ``graphkeeper`` field: how the engine's steps ran this request (the gRPC Completion's
     execution summary, in proto3 JSON), its time to first token and total time."""
-    if completion is None:  # stopped by a stop string: the engine's summary is not awaited
+    if completion is None:  # no summary arrived (every end the engine reports carries one)
         return {"execution": None}
     return {"execution": MessageToDict(completion.execution, preserving_proto_field_name=True),
             "time_to_first_token_seconds": completion.time_to_first_token_seconds,
