@@ -79,8 +79,9 @@ class BlockManager:
 
     @property
     def used(self) -> int:
-        """Blocks some sequence holds."""
-        return self.num_blocks - self.available
+        """Blocks some sequence holds (never below 0: another thread's read may fall between
+        the two lists' updates while the prefix cache is reset)."""
+        return max(self.num_blocks - self.available, 0)
 
     def status(self) -> tuple[int, int, int, int, int]:
         """(total, used, cached, prefix query tokens, prefix hit tokens), for status and metrics."""
