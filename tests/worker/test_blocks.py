@@ -253,3 +253,53 @@ def test_a_step_that_raised_at_launch_hands_its_block_table_changes_to_the_next_
     sched.finish(x, failed=True)
     again = sched.schedule()
     assert again.sequences == [z] and table(again.plan)[(z.slot, 0)] == z.blocks[0]
+
+
+def run_to_end(sched: Scheduler, s: Sequence, tokens: list[int]) -> None:
+    """Runs ``s`` alone as the engine does: each step's token reaches the host (and the scheduler,
+    through ``received``) after the next step was launched."""
+    sched.add(s)
+    inflight = None
+    stream = iter(tokens)
+    while not s.finished:
+        step = sched.schedule()
+        if inflight is not None:
+            for q in inflight.samplers:
+                if not q.finished:
+                    q.output.append(next(stream))
+                    sched.received(q)
+                    if len(q.output) >= q.max_new_tokens:
+                        sched.finish(q)
+        inflight = step
+
+
+def test_blocks_filled_by_decode_are_cached_for_a_prompt_that_extends_prompt_and_output():
+    """A chat's next turn (the previous prompt, the model's answer and more) reuses every full
+    block of the previous request, the ones its decode steps filled included, not only its
+    prompt's. The chain of a decode-filled block equals a prompt block's over the same tokens."""
+    blocks = BlockManager(16, 16, revision="r1")
+    sched = Scheduler(4, 64, 0, blocks)
+    first = seq(list(range(100, 120)), 30, "first")  # 20 prompt tokens, 30 generated: 50, 3 full blocks
+    run_to_end(sched, first, list(range(500, 530)))
+    assert first.output == list(range(500, 530)) and blocks.used == 0
+    assert first.block_hashes == block_hashes(first.prompt + first.output, 16, "r1")
+    assert blocks.cached == 3  # the 4th block (2 tokens) is partial: never registered
+    turn = seq(first.prompt + first.output + [7, 8, 9, 10, 11], 2, "turn")
+    sched.add(turn)
+    step = sched.schedule()
+    assert turn.cached_prompt_tokens == 48
+    assert step.plan.prefill[0].start == 48 and step.plan.prompt_tokens == turn.prompt[48:]
+
+
+def test_a_block_whose_last_token_was_never_fed_back_is_not_cached():
+    """The last generated token's keys are never written (no step feeds it back): a block it
+    completes is not registered; a sequence cancelled mid-block registers only full blocks."""
+    blocks = BlockManager(8, 4, revision="r")
+    sched = Scheduler(2, 64, 0, blocks)
+    a = seq([10, 11], 6, "a")  # 8 tokens: block 1 ends with the last generated token
+    run_to_end(sched, a, [20, 21, 22, 23, 24, 25])
+    assert blocks.cached == 1  # block 0 only
+    b = seq([10, 11, 20, 21, 22, 23, 24, 25, 9], 1, "b")
+    sched.add(b)
+    sched.schedule()
+    assert b.cached_prompt_tokens == 4

@@ -3,7 +3,8 @@
 A small simulated device runs every step the scheduler plans, as the engine does: block-table
 changes first, then each row writes its key (here: the revision and the token it carries) at its
 position in its slot's block, then each row reads every position before it. Tokens come back one
-step late (the engine schedules ahead), sequences stop early, are cancelled, fail in a step (that
+step late (the engine schedules ahead); some prompts extend an earlier request's prompt and output
+(a chat's next turn, which reuses blocks filled by decode), sequences stop early, are cancelled, fail in a step (that
 raised before it ran, or whose rows wrote garbage) and are preempted when blocks run out; the
 model revision changes. The properties: every read sees exactly its own sequence's tokens under
 the current revision (so no cached block is reused while written, no prefix hit is stale, no
@@ -137,6 +138,7 @@ def test_random_traffic_reads_only_its_own_tokens_and_returns_every_block(events
             if seq.finished:
                 continue
             seq.output.append(tok)
+            sched.received(seq)  # as the engine's output processor does: decode-filled blocks are cached
             if tok == EOS or len(seq.output) >= seq.max_new_tokens:
                 sched.finish(seq)
 
@@ -175,6 +177,11 @@ def test_random_traffic_reads_only_its_own_tokens_and_returns_every_block(events
                 prompt_len = 1 + y % 18
                 tail = [2 + (y >> 5) % 50] * 20
                 prompt = (shared + tail)[:prompt_len] if y % 3 else [2 + (y >> 8) % 90] * prompt_len
+                done = [s for s in live if s.output]
+                if done and y % 4 == 0:  # a chat's next turn: an earlier prompt + its output (+ a new turn)
+                    prior = done[(y >> 16) % len(done)]
+                    prompt = prior.prompt + prior.output + [3 + (y >> 20) % 7] * ((y >> 24) % 6)
+                    prompt_len = len(prompt)
                 max_new = 1 + (y >> 12) % 16
                 if -(-(prompt_len + max_new) // bs) > num_blocks:
                     continue  # the engine refuses it at submit (CannotFit)

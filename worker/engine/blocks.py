@@ -5,12 +5,15 @@ resulting block tables to the runner as plain data.
 - **Reference counts.** A block is held by every running sequence whose table lists it; a prefix
   block shared by many requests has one count per holder. A block whose count falls to zero is
   free again.
-- **Prefix caching.** A *full* block of a prompt is identified by a hash chained over its token ids,
-  its parent block's hash and the model revision, so equal hashes mean equal keys and values. A
-  block whose prompt tokens were computed is registered under its hash; a later request looks up
-  its prompt's block hashes in order and reuses the blocks of its longest cached prefix. A cached
-  block that no sequence holds stays cached, in least-recently-used order, until an allocation
-  needs its memory (then it is evicted: forgotten and reused). A new model revision drops them all.
+- **Prefix caching.** A *full* block of a sequence (prompt or generated tokens) is identified by
+  a hash chained over its token ids, its parent block's hash and the model revision, so equal
+  hashes mean equal keys and values. A block whose tokens are final and whose keys and values were
+  computed (by a prefill, or by decode steps once its last generated token was fed back) is
+  registered under its hash; a later request looks up its prompt's block hashes in order and
+  reuses the blocks of its longest cached prefix, so a chat's next turn (prompt + answer + a new
+  user turn) reuses the answer's blocks too. A cached block that no sequence holds stays cached,
+  in least-recently-used order, until an allocation needs its memory (then it is evicted:
+  forgotten and reused). A new model revision drops them all.
 """
 
 from __future__ import annotations
@@ -31,13 +34,19 @@ def block_hashes(tokens: Seq[int], block_size: int, revision: str) -> list[bytes
     token ids, block ``i - 1``'s hash and the model revision."""
     out: list[bytes] = []
     parent = revision.encode()
-    array = np.asarray(tokens, dtype=np.int64)
     for i in range(len(tokens) // block_size):
-        h = hashlib.blake2b(parent, digest_size=16)
-        h.update(array[i * block_size:(i + 1) * block_size].tobytes())
-        parent = h.digest()
+        parent = chain_hash(parent, tokens[i * block_size:(i + 1) * block_size])
         out.append(parent)
     return out
+
+
+def chain_hash(parent: bytes, tokens: Seq[int]) -> bytes:
+    """One block's hash: its token ids chained after ``parent`` (the previous block's hash, or the
+    model revision for the first block). Used for prompt blocks and, one at a time, for blocks
+    filled by decode, so both chains are equal for equal tokens."""
+    h = hashlib.blake2b(parent, digest_size=16)
+    h.update(np.asarray(tokens, dtype=np.int64).tobytes())
+    return h.digest()
 
 
 def blocks_for(tokens: int, block_size: int) -> int:

@@ -46,6 +46,7 @@ class OutputProcessor:
 
     def _append(self, seq: Sequence, token: int) -> pb.Completion | None:
         seq.output.append(token)
+        self.scheduler.received(seq)
         reason = seq.stop_reason()
         if reason == pb.FINISH_REASON_UNSPECIFIED:
             return None

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from graphkeeper.worker.engine.blocks import BlockManager, block_hashes, blocks_for
+from graphkeeper.worker.engine.blocks import BlockManager, block_hashes, blocks_for, chain_hash
 from graphkeeper.worker.engine.sequence import Sequence
 from graphkeeper.worker.plan import PrefillChunk, SamplingBatch, StepPlan
 
@@ -113,6 +113,9 @@ class Scheduler:
         #: preempted for blocks (it started on the weights serving now) is still recomputed.
         self.admitting = True
         self.sampled_running = 0  # running sequences that sample (not greedy)
+        #: Decoding sequences whose received tokens filled a block not yet registered (its last
+        #: token's keys are written by the step that feeds it back); checked after each launch.
+        self._decoded: list[Sequence] = []
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -144,6 +147,8 @@ class Scheduler:
             self._release_slot(seq)
             if failed:
                 self.blocks.forget(seq.blocks[seq.cached_blocks:])
+            else:
+                self._register(seq)  # full blocks whose last token was fed back by a launched step
             self.blocks.free(seq.blocks)
             seq.blocks = []
         elif seq in self.waiting:
@@ -157,6 +162,7 @@ class Scheduler:
         after those steps on the same stream, as with a freed slot.
         """
         self._release_slot(seq)
+        self._register(seq)  # what launched steps wrote stays cached: the recompute may reuse it
         self.blocks.free(seq.blocks)
         seq.blocks, seq.registered, seq.cached_blocks, seq.computed = [], 0, 0, 0
         seq.preemptions += 1
@@ -230,6 +236,8 @@ class Scheduler:
             self.prefilling.remove(seq)
             if seq.wants_samples:
                 batch.join(seq)
+        if self._decoded:
+            self._register_decoded()
         return ScheduledStep(plan, sequences, samplers)
 
     def _sampling(self, samplers: list[Sequence], sample_index: np.ndarray) -> SamplingBatch | None:
@@ -298,9 +306,56 @@ class Scheduler:
             batch.held[i] += 1
             self._table_updates[(seq.slot, len(seq.blocks) - 1)] = seq.blocks[-1]
 
-    def _register(self, seq: Sequence) -> None:
-        """Registers the full blocks a launched prefill has now computed in the prefix cache."""
-        full = min(seq.computed // self.block_size, len(seq.block_hashes))
+    def received(self, seq: Sequence) -> None:
+        """The host received a token of ``seq`` (appended to its output). When it completes a
+        block, that block's hash is chained onto ``seq.block_hashes`` (one block hashed, never
+        the whole sequence) and the block waits to be registered once a launched step has fed
+        its last token back, i.e. written its keys and values (``_register_decoded``).
+
+        Hashes cover only received tokens, so a token still on its way, or one discarded after a
+        stop, is never hashed; a partial block never is. Hashes chained over another revision
+        (a reload came between) are left for admission to recompute and nothing is registered."""
+        blocks, bs = self.blocks, self.block_size
+        if not blocks.prefix_caching or seq.hashed_revision != blocks.revision:
+            return
+        hashes = seq.block_hashes
+        total = len(seq.prompt) + len(seq.output)
+        if (len(hashes) + 1) * bs > total:
+            return
+        while (len(hashes) + 1) * bs <= total:
+            i = len(hashes)
+            parent = hashes[-1] if hashes else blocks.revision.encode()
+            hashes.append(chain_hash(parent, _tokens(seq, i * bs, (i + 1) * bs)))
+        if seq.slot is not None and not seq.finished:
+            self._decoded.append(seq)
+
+    def _register_decoded(self) -> None:
+        """Registers the decode-filled blocks of ``_decoded`` whose last token a launched step
+        fed back; a sequence that left the decode batch (finished, preempted, sampled out)
+        registered what it could when it left, or registers it then (``finish``)."""
+        batch = self.decode
+        row = {s: i for i, s in enumerate(batch.seqs)}
+        waiting = []
+        for seq in self._decoded:
+            i = row.get(seq)
+            if i is None:
+                if seq.slot is not None and not seq.finished and seq not in self.prefilling:
+                    self._register(seq)  # sampled out: its counters were written back on leaving
+                continue
+            self._register(seq, int(batch.positions[i]))
+            if seq.registered < len(seq.block_hashes):
+                waiting.append(seq)
+        self._decoded = waiting
+
+    def _register(self, seq: Sequence, computed: int | None = None) -> None:
+        """Registers the full blocks whose tokens are known (hashed) and whose keys and values a
+        launched step has written (``computed`` tokens; default ``seq.computed``, which a decoding
+        sequence updates only when it leaves the decode batch) in the prefix cache."""
+        if seq.hashed_revision != self.blocks.revision:
+            return  # chained over weights no longer served: admission hashes again
+        if computed is None:
+            computed = seq.computed
+        full = min(computed // self.block_size, len(seq.block_hashes), len(seq.blocks))
         for i in range(seq.registered, full):
             self.blocks.register(seq.blocks[i], seq.block_hashes[i])
         seq.registered = max(seq.registered, full)
@@ -323,6 +378,16 @@ class Scheduler:
         cells = np.array([(s, i, b) for (s, i), b in self._table_updates.items()], dtype=np.int64).T
         self._table_updates.clear()
         return cells
+
+
+def _tokens(seq: Sequence, start: int, end: int) -> list[int]:
+    """``(seq.prompt + seq.output)[start:end]`` without copying the whole sequence."""
+    p = len(seq.prompt)
+    if end <= p:
+        return seq.prompt[start:end]
+    if start >= p:
+        return seq.output[start - p:end - p]
+    return seq.prompt[start:] + seq.output[:end - p]
 
 
 def sub_step(step: ScheduledStep, keep: set[Sequence]) -> ScheduledStep:
