@@ -31,7 +31,7 @@ def model(tmp_path_factory):
     path = tmp_path_factory.mktemp("hf-tiny-paged")
     hf = tiny_hf_model(path)
     refs = {tuple(p): hf_greedy(hf, p, MAX_NEW) for p in [*PROMPTS, *SHARED]}
-    return {"path": str(path), "refs": refs}
+    return {"path": str(path), "refs": refs, "hf": hf}
 
 
 def requests(prompts, tag):
@@ -77,6 +77,20 @@ def test_a_prefix_served_from_the_cache_gives_the_same_tokens(module_workers, mo
     assert worker.metric("graphkeeper_prefix_cache_hits_tokens_total") == hits
     assert worker.metric("graphkeeper_prefix_cache_queries_tokens_total") == kv.prefix_query_tokens
     assert worker.metric("graphkeeper_kv_cache_cached_blocks") == kv.blocks_cached
+
+
+def test_a_chat_turn_reuses_the_blocks_the_previous_answer_filled_and_gives_the_same_tokens(module_workers, model):
+    """The next turn of a chat sends the previous prompt, the model's answer and a new user turn:
+    the blocks filled by decoding the answer are served from the cache too (33 prompt tokens and
+    24 generated fill 3 blocks of 16, not only the prompt's 2), and the tokens are transformers'."""
+    worker = module_workers(model=model["path"])
+    prompt = PROMPTS[3]
+    answer, completion = generate(worker, make_request(prompt, MAX_NEW, request_id="turn-1", ignore_eos=True))
+    assert answer == model["refs"][tuple(prompt)] and completion.execution.cached_prompt_tokens == 0
+    turn = prompt + answer + [5, 6, 7]  # 60 tokens
+    tokens, completion = generate(worker, make_request(turn, MAX_NEW, request_id="turn-2", ignore_eos=True))
+    assert completion.execution.cached_prompt_tokens == 48  # the prompt's 2 blocks and the answer's
+    assert tokens == hf_greedy(model["hf"], turn, MAX_NEW)
 
 
 def test_without_prefix_caching_nothing_is_reused_and_the_tokens_are_the_same(module_workers, model):
