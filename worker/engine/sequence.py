@@ -30,7 +30,8 @@ class Sequence:
     output: list[int] = field(default_factory=list)  # tokens the host has received
     slot: int | None = None
     #: The KV blocks the sequence holds, in order (its block table), and the chained hashes of the
-    #: full blocks of what it prefills, registered in the prefix cache as they are computed.
+    #: full blocks of what it prefills and then of each block its received tokens fill (one hashed
+    #: per completed block), registered in the prefix cache as their keys are written.
     blocks: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)
     hashed_revision: str | None = None  # the model revision ``block_hashes`` were chained over
