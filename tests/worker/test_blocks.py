@@ -303,3 +303,37 @@ def test_a_block_whose_last_token_was_never_fed_back_is_not_cached():
     sched.add(b)
     sched.schedule()
     assert b.cached_prompt_tokens == 4
+
+
+def test_a_preempted_decoding_sequence_keeps_one_right_chain_and_its_next_turn_hits():
+    """A tight cache preempts a decoding sequence: its recompute and its later decode extend one
+    chain, equal to the chain of its prompt and output computed at once; each hash is cached
+    under one block, and its next turn finds its decode-filled blocks."""
+    blocks = BlockManager(7, 4, revision="r")
+    sched = Scheduler(4, 64, 0, blocks)
+    a, b = seq(list(range(100, 106)), 14, "a"), seq(list(range(200, 206)), 14, "b")
+    sched.add(a)
+    sched.add(b)
+    streams = {a: iter(range(300, 400)), b: iter(range(400, 500))}
+    inflight = None
+    while not (a.finished and b.finished):
+        step = sched.schedule()
+        if inflight is not None:
+            for q in inflight.samplers:
+                if not q.finished:
+                    q.output.append(next(streams[q]))
+                    sched.received(q)
+                    if len(q.output) >= q.max_new_tokens:
+                        sched.finish(q)
+        inflight = step
+    assert a.preemptions + b.preemptions > 0, "7 blocks of 4 for two sequences of 20 tokens must preempt"
+    for s in (a, b):
+        assert s.block_hashes == block_hashes(s.prompt + s.output, 4, "r")
+    assert len(set(blocks._block_of.values())) == len(blocks._block_of) == len(blocks._hash_of)
+    # The preempted one finished last: its blocks are cached, every full one but the block ending
+    # with its last token (never fed back, so never written).
+    s = a if a.preemptions else b
+    turn = seq(s.prompt + s.output + [9], 1, "turn")
+    sched.add(turn)
+    sched.schedule()
+    assert turn.cached_prompt_tokens == 16
