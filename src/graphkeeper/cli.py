@@ -14,6 +14,10 @@ from typing import NoReturn
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
+class CommandError(Exception):
+    """What a command prints as ``error: ...`` before it exits with status 2 (``main`` does both)."""
+
+
 def _one_line_errors(parser: argparse.ArgumentParser) -> None:
     """A bad flag is one line on stderr and exit 2, not argparse's usage block.
 
@@ -187,7 +191,11 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["sweep"]:  # every flag after it is the sweep's (argparse would claim --help and the like)
         return _run_sweep(argv[1:])
     args = build_parser().parse_args(argv)
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except CommandError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

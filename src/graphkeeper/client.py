@@ -14,6 +14,7 @@ from typing import Any
 import grpc
 from google.protobuf import json_format
 
+from graphkeeper.cli import CommandError
 from graphkeeper.proto import worker_pb2 as pb
 from graphkeeper.proto import worker_pb2_grpc as pb_grpc
 from graphkeeper.proto.policy import lifecycle_name, mode_name, reason_name
@@ -118,10 +119,6 @@ def kv_cache_line(kv: pb.KVCacheStatus) -> str:
             f"{kv.blocks_cached} cached; {prefix}; {kv.preemptions} preemptions; {kv.bytes} B ({sized})")
 
 
-class CommandError(Exception):
-    """What a command prints as ``error: ...`` before it exits with status 2."""
-
-
 def fetch_status(args: argparse.Namespace, with_model: bool) -> tuple[pb.GetModelInfoResponse | None, pb.GraphStatus]:
     """The worker's graph status (and its model info, when asked) over the control port with the
     control token, for ``status`` and ``graphs``; CommandError says what went wrong."""
@@ -143,11 +140,7 @@ def fetch_status(args: argparse.Namespace, with_model: bool) -> tuple[pb.GetMode
 
 
 def status_cmd(args: argparse.Namespace) -> int:
-    try:
-        info, status = fetch_status(args, with_model=True)
-    except CommandError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    info, status = fetch_status(args, with_model=True)
     if args.json:
         doc = {"model": json_format.MessageToDict(info, preserving_proto_field_name=True),
                "graphs": json_format.MessageToDict(status, preserving_proto_field_name=True)}
@@ -263,11 +256,7 @@ def graphs_table(status: pb.GraphStatus) -> list[str]:
 
 def graphs_cmd(args: argparse.Namespace) -> int:
     """``graphkeeper graphs``: what each captured graph costs and buys, from GetGraphStatus."""
-    try:
-        _, status = fetch_status(args, with_model=False)
-    except CommandError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    _, status = fetch_status(args, with_model=False)
     if args.json:
         traffic = json_format.MessageToDict(status.traffic, preserving_proto_field_name=True)
         print(json.dumps({"graphs": graph_rows(status), "traffic": traffic}, indent=2))

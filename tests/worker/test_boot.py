@@ -188,6 +188,20 @@ def test_bad_flag_is_one_line_and_a_nonzero_exit(tmp_path, case):
     assert needle in lines[0]
 
 
+@pytest.mark.parametrize("command", ["status", "graphs"])
+@pytest.mark.parametrize(("flags", "needle"), [
+    (["--token-file", "/nonexistent/token"], "error: --token-file: "),
+    (["--timeout", "2"], "error: UNAVAILABLE: "),  # nothing listens on the port
+], ids=["token-file", "unreachable"])
+def test_client_commands_fail_with_one_line_and_exit_2(command, flags, needle):
+    proc = subprocess.run([GRAPHKEEPER, command, "--target", f"127.0.0.1:{free_port()}", *flags],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr + proc.stdout
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith(needle), proc.stderr
+
+
 def test_missing_policy_file_still_starts(tmp_path):
     """The ConfigMap may appear later: a missing file warns, and the worker still comes up READY,
     serving the default policy (the exit here is the drain)."""

@@ -230,7 +230,7 @@ class ModelRunner:
             done.record()
         return Launched(host, done, ns)
 
-    def _inert_decode(self, rows: int) -> StepPlan:
+    def inert_decode(self, rows: int) -> StepPlan:
         """A decode step of ``rows`` rows on the KV cache's dummy slot (where padding rows write)."""
         dummy = self.cache.dummy_slot
         return StepPlan(prompt_tokens=[], positions=np.zeros(rows, dtype=np.int64),
@@ -251,11 +251,13 @@ class ModelRunner:
         here, before the capture phase's baseline, it is not charged to the graphs (it stays when
         every graph is released). A CPU has nothing to load; tests ask for it there by name."""
         dummy = self.cache.dummy_slot
-        plan = self._inert_decode(rows)
+        plan = self.inert_decode(rows)
         self.sample_and_send(self.forward_eager(self.prepare(plan, rows), rows), plan).tokens()
-        if self.device.type == "cuda" if every_row_count is None else every_row_count:
+        if every_row_count is None:
+            every_row_count = self.device.type == "cuda"
+        if every_row_count:
             for m in warm_rows(self.max_tokens):
-                self.forward_eager(self.prepare(self._inert_decode(m), m), m)
+                self.forward_eager(self.prepare(self.inert_decode(m), m), m)
         n = min(BLOCK_Q + 1, self.max_tokens, self.cache.max_seq_len)
         chunk = StepPlan(prompt_tokens=[0] * n, positions=np.arange(n, dtype=np.int64),
                          slots=np.full(n, dummy, dtype=np.int64), num_decode=0,

@@ -16,7 +16,7 @@ from __future__ import annotations
 import gc
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -54,6 +54,7 @@ class CaptureJob:
     total_seconds: float = 0.0
     last_cost: int = 0
     stopped_by_budget: bool = False
+    primed: set[int] = field(default_factory=set)  # sizes whose eager step ran (``_prime``)
 
     def __post_init__(self) -> None:
         gc.collect()
@@ -152,7 +153,10 @@ class CaptureJob:
         for a new shape, Triton's or a library's, a larger local-memory pool) belongs to the
         process: eager steps of that size need it as well, and it stays when every graph is
         released. The set's baseline moves by it, so the key is charged only with what its
-        recording adds."""
+        recording adds. Once per size: a second mode's key of that size loads nothing new."""
+        if size in self.primed:
+            return
+        self.primed.add(size)
         runner = self.graphs.runner
         before = self.graphs.settled_used()
         hidden = runner.forward_eager(runner.prepare(probe, size), size)

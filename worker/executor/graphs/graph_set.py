@@ -13,7 +13,6 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 from torch import Tensor
 
@@ -21,7 +20,6 @@ from graphkeeper.proto.policy import mode_name
 from graphkeeper.worker.executor.graphs.modes import FULL, Key
 from graphkeeper.worker.executor.runner import ModelRunner
 from graphkeeper.worker.model.attention import AttentionMetadata
-from graphkeeper.worker.plan import StepPlan
 
 log = logging.getLogger(__name__)
 
@@ -133,8 +131,7 @@ class GraphSet:
         if not self.captured:
             self.free_unused()
         gc.collect()
-        torch.cuda.empty_cache()
-        self.memory_bytes = self.measure()
+        self.memory_bytes = self.measure()  # the allocator's cache goes back first
         self.report_held_without_graphs()
 
     def renew_pool(self) -> None:
@@ -168,11 +165,7 @@ class GraphSet:
     def _eager_row(self) -> None:
         """One eager decode row on the KV cache's dummy slot (where padding rows write), LM head included."""
         runner = self.runner
-        dummy = runner.cache.dummy_slot
-        one = np.zeros(1, dtype=np.int64)
-        plan = StepPlan(prompt_tokens=[], positions=one, slots=np.full(1, dummy, dtype=np.int64), num_decode=1,
-                        sample_rows=np.arange(1), sample_slots=np.full(1, dummy, dtype=np.int64), decode_tokens=one)
-        runner.model.head(runner.forward_eager(runner.prepare(plan, 1), 1))
+        runner.model.head(runner.forward_eager(runner.prepare(runner.inert_decode(1), 1), 1))
 
     @staticmethod
     def settled_used() -> int:
