@@ -141,9 +141,9 @@ def main() -> None:
 
         worker_main.SWITCH_INTERVAL_SECONDS = args.switch_interval
     if args.flush_gap:
-        from graphkeeper.worker.serving import grpc_server as server
+        from graphkeeper.worker.serving import streams
 
-        server.FLUSH_GAP_PER_STREAM, server.MAX_FLUSH_GAP = args.flush_gap, 200 * args.flush_gap
+        streams.FLUSH_GAP_PER_STREAM, streams.MAX_FLUSH_GAP = args.flush_gap, 200 * args.flush_gap
     from graphkeeper.cli import main as graphkeeper_main
 
     sys.argv = ["graphkeeper", *worker_args]

@@ -1,6 +1,7 @@
 """Contracts that must not drift: the generated proto code, the enum names the code uses, the metric
 label values derived from the enums, the exported metric names, the worker's import direction
-(``serving -> engine -> executor -> model -> kernels``), where Triton kernels live, and lint."""
+(``serving -> engine -> executor -> model -> kernels``), serving's front hall (the front ends share
+``serving.streams`` and see the engine only as ``EngineFace``), where Triton kernels live, and lint."""
 
 from __future__ import annotations
 
@@ -242,6 +243,81 @@ def test_the_import_check_catches_upward_imports():
     assert not import_violations({f"{WORKER}.engine.core": "from graphkeeper.worker.executor.runner import X\n"
                                                           "from graphkeeper.worker.plan import StepPlan"})
     assert not import_violations({f"{WORKER}.main": "from graphkeeper.worker.serving import grpc_server"})
+
+
+# --- serving's front hall and the engine's face ----------------------------------------------
+
+#: The servers ``main`` builds; each is imported by ``main`` alone, never by another serving module.
+FRONT_ENDS = ("grpc_server", "http_server", "vllm_metrics", "metrics_server")
+#: What the front ends share (admission, the stream hub, the public model name), and who streams through it.
+SHARED = f"{WORKER}.serving.streams"
+STREAMING = ("grpc_server", "http_server")
+#: The engines behind ``EngineFace``: ``main`` picks one; serving is written against the face.
+CONCRETE_ENGINES = frozenset({"Engine", "EngineClient"})
+
+
+def _modules(source: str) -> set[str]:
+    """Every module ``source`` imports, a name imported from a package counted as its module too."""
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            found |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+    return found
+
+
+def _names(source: str) -> set[str]:
+    """Every name ``source`` imports or uses (annotations included), as a bare name or an attribute."""
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom | ast.Import):
+            found |= {a.name.split(".")[-1] for a in node.names}  # under any alias
+        elif isinstance(node, ast.Name):
+            found.add(node.id)
+        elif isinstance(node, ast.Attribute):
+            found.add(node.attr)
+    return found
+
+
+def front_hall_violations(files: dict[str, str]) -> list[str]:
+    """Where serving breaks its front hall, for ``{module name: source}`` (pure): a serving module
+    that imports a front end (the front ends share ``streams`` instead of importing each other), a
+    streaming front end that does not go through ``streams``, or serving code that names a
+    concrete engine instead of ``EngineFace``."""
+    problems = []
+    for module, source in files.items():
+        if not module.startswith(f"{WORKER}.serving."):
+            continue
+        imported = _modules(source)
+        for front in FRONT_ENDS:
+            if f"{WORKER}.serving.{front}" in imported:
+                problems.append(f"{module} imports the front end {front}: share {SHARED} instead")
+        if module.removeprefix(f"{WORKER}.serving.") in STREAMING and SHARED not in imported:
+            problems.append(f"{module} does not import {SHARED}")
+        for name in sorted(_names(source) & CONCRETE_ENGINES):
+            problems.append(f"{module} names {name}: serving sees an engine only as EngineFace")
+    return problems
+
+
+def test_serving_has_a_front_hall_and_sees_only_the_engine_face():
+    files = _worker_files()
+    assert SHARED in files and all(f"{WORKER}.serving.{f}" in files for f in FRONT_ENDS)
+    assert not front_hall_violations(files)
+
+
+def test_the_front_hall_check_catches_each_breach():
+    http, grpc_server, probes = (f"{WORKER}.serving.{m}" for m in ("http_server", "grpc_server", "metrics_server"))
+    shared = "from graphkeeper.worker.serving.streams import StreamHub\n"
+    assert not front_hall_violations({http: shared, grpc_server: shared})
+    assert front_hall_violations({http: shared + "from graphkeeper.worker.serving.grpc_server import admitted"})
+    assert front_hall_violations({probes: "from graphkeeper.worker.serving import vllm_metrics"})
+    assert front_hall_violations({grpc_server: "import asyncio"})  # streams without the shared hub
+    assert front_hall_violations({http: shared + "from graphkeeper.worker.engine import Engine"})
+    assert front_hall_violations({http: shared + "import graphkeeper.worker.engine as e\ndef f(x: e.EngineClient): 0"})
+    assert front_hall_violations({f"{WORKER}.serving.streams": "def f(engine: Engine) -> None: ..."})
+    assert not front_hall_violations({f"{WORKER}.main": "from graphkeeper.worker.engine import Engine, EngineClient\n"
+                                                        "from graphkeeper.worker.serving import grpc_server"})
 
 
 def _imports_torch(source: str) -> bool:

@@ -29,9 +29,10 @@ from graphkeeper.worker.engine.sizing import SizingError, check_utilization, par
 from graphkeeper.worker.model.kv_cache import check_block_size
 from graphkeeper.worker.model.loader import ModelSourceError, check_source
 from graphkeeper.worker.model.step import resolve as resolve_optimization
-from graphkeeper.worker.serving.grpc_server import StreamHub, build_servers, track_health
+from graphkeeper.worker.serving.grpc_server import build_servers, track_health
 from graphkeeper.worker.serving.http_server import OpenAIServer
 from graphkeeper.worker.serving.metrics_server import serve_http
+from graphkeeper.worker.serving.streams import StreamHub
 from graphkeeper.worker.serving.vllm_metrics import exported_registry
 from graphkeeper.worker.settings import DTYPES, EngineSettings
 

@@ -11,7 +11,7 @@ import numpy as np
 from graphkeeper.worker.engine.scheduler import Scheduler, sub_step
 from graphkeeper.worker.engine.sequence import Sequence
 from graphkeeper.worker.plan import SamplingSpec
-from graphkeeper.worker.serving.grpc_server import MAX_FLUSH_GAP, StreamHub, TokenStream
+from graphkeeper.worker.serving.streams import MAX_FLUSH_GAP, StreamHub, TokenStream
 
 
 def seq(prompt_len: int, max_new: int, name: str = "s", temperature: float = 0.0) -> Sequence:

@@ -1,15 +1,28 @@
 """The engine: one thread that owns the device and runs schedule -> run -> postprocess.
 
-This is the engine's face. The API layer (``serving/``) sees only what it exports: the engine,
-its settings, the limits requests are checked against, what the engine refuses or fails with,
-and the detokenizer that turns its tokens into text. ``Engine`` runs in the process that builds
-it (tests, benchmarks); ``EngineClient`` has the same surface and runs an ``Engine`` in a process
-of its own (``engine.process``), which is how ``graphkeeper worker`` serves.
+This is the engine's face. The API layer (``serving/``) sees only what it exports: the
+``EngineFace`` protocol it is written against, its settings, the limits requests are checked
+against, what the engine refuses or fails with and how each is answered (``classify``), and the
+detokenizer that turns its tokens into text. Two classes satisfy ``EngineFace``: ``Engine`` runs
+in the process that builds it (tests, benchmarks); ``EngineClient`` runs an ``Engine`` in a
+process of its own (``engine.process``), which is how ``graphkeeper worker`` serves. Serving
+names neither; ``worker.main`` picks one.
 """
 
 from graphkeeper.worker.engine.client import EngineClient
 from graphkeeper.worker.engine.core import Engine
-from graphkeeper.worker.engine.errors import CannotFit, NotServing, QueueFull, StalePolicy, StepFailed
+from graphkeeper.worker.engine.errors import (
+    UNKNOWN_ERROR,
+    CannotFit,
+    ErrorStatus,
+    NotServing,
+    QueueFull,
+    StalePolicy,
+    StepFailed,
+    classify,
+    error_message,
+)
+from graphkeeper.worker.engine.face import EngineFace, LifecycleView
 from graphkeeper.worker.engine.lifecycle import SERVING_STATES
 from graphkeeper.worker.engine.model_roots import ReloadRefused
 from graphkeeper.worker.engine.sequence import Limits
@@ -17,6 +30,7 @@ from graphkeeper.worker.model.tokenizer import ChatError, IncrementalDetokenizer
 from graphkeeper.worker.settings import EngineSettings
 
 __all__ = [
-    "SERVING_STATES", "CannotFit", "ChatError", "Engine", "EngineClient", "EngineSettings", "IncrementalDetokenizer",
-    "Limits", "NotServing", "QueueFull", "ReloadRefused", "StalePolicy", "StepFailed",
+    "SERVING_STATES", "CannotFit", "ChatError", "Engine", "EngineClient", "EngineFace", "EngineSettings",
+    "ErrorStatus", "IncrementalDetokenizer", "LifecycleView", "Limits", "NotServing", "QueueFull", "ReloadRefused",
+    "StalePolicy", "StepFailed", "UNKNOWN_ERROR", "classify", "error_message",
 ]

@@ -1,26 +1,36 @@
-"""What the engine refuses or fails with; the API layer maps each to a status code."""
+"""What the engine refuses or fails with, and how every front end answers each: one table.
+
+``classify`` gives the one ``ErrorStatus`` row for an error: the gRPC status code, the HTTP status
+and error body, and the ``graphkeeper_requests_total`` outcome it counts as. The gRPC server, the
+OpenAI HTTP server and the engine-core process (which counts the refusals it makes for the API
+process) all read this table, so a refusal is answered and counted the same way on every path.
+The engine room imports no gRPC: the code is the name of a ``grpc.StatusCode`` member, which
+the gRPC server looks up.
+"""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 
 class QueueFull(RuntimeError):
-    """More requests wait than ``max_queue`` allows (RESOURCE_EXHAUSTED)."""
+    """More requests wait than ``max_queue`` allows."""
 
 
 class NotServing(RuntimeError):
-    """The worker is not READY or RECAPTURING, or it is shutting down (UNAVAILABLE)."""
+    """The worker is not READY or RECAPTURING, or it is shutting down."""
 
 
 class ReloadBusy(NotServing):
-    """A model reload is already pending or running: retry once it ends (UNAVAILABLE, retryable,
-    not the caller's bad input)."""
+    """A model reload is already pending or running: retry once it ends (retryable, not the
+    caller's bad input)."""
 
 
 class CannotFit(ValueError):
     """A request whose prompt and max_new_tokens need more KV blocks than the whole cache has:
-    it could never run, so it is refused at admission (INVALID_ARGUMENT)."""
+    it could never run, so it is refused at admission, as the caller's bad input."""
 
 
 class StalePolicy(RuntimeError):
@@ -28,11 +38,52 @@ class StalePolicy(RuntimeError):
 
 
 class StepFailed(RuntimeError):
-    """A step raised; the requests in it fail with this, the engine keeps serving (INTERNAL)."""
+    """A step raised; the requests in it fail with this, the engine keeps serving."""
 
 
 class InjectedFailure(RuntimeError):
     """Raised only by the fault injection that tests ask for."""
+
+
+@dataclass(frozen=True)
+class ErrorStatus:
+    """How the front ends answer one kind of engine error, and what it counts as."""
+
+    #: A ``grpc.StatusCode`` member's name.
+    grpc_code: str
+    http_status: int
+    #: The label of ``graphkeeper_requests_total{outcome}`` a request refused with it counts under.
+    outcome: str
+    #: The OpenAI error object's ``type`` and ``code``.
+    http_type: str
+    http_code: str | None = None
+
+
+#: Engine errors, most specific class first; the first row the error is an instance of answers it.
+ERROR_STATUSES: tuple[tuple[type[Exception], ErrorStatus], ...] = (
+    (QueueFull, ErrorStatus("RESOURCE_EXHAUSTED", 429, "queue_full", "rate_limit_error", "queue_full")),
+    (CannotFit, ErrorStatus("INVALID_ARGUMENT", 400, "oversize", "invalid_request_error")),
+    (NotServing, ErrorStatus("UNAVAILABLE", 503, "unavailable", "service_unavailable_error", "not_ready")),
+    (StepFailed, ErrorStatus("INTERNAL", 500, "error", "server_error", "step_failed")),
+)
+#: Anything else (a bug, or an error that lost its class crossing the channel): the server's fault.
+UNKNOWN_ERROR = ErrorStatus("INTERNAL", 500, "error", "server_error")
+
+
+def classify(err: BaseException) -> ErrorStatus:
+    """The answer to ``err``: its row of ``ERROR_STATUSES``, else ``UNKNOWN_ERROR``."""
+    for cls, status in ERROR_STATUSES:
+        if isinstance(err, cls):
+            return status
+    return UNKNOWN_ERROR
+
+
+def error_message(err: BaseException) -> str:
+    """What the client reads: an engine error's own text; an unknown one's class name as well,
+    since its text alone may not say what went wrong."""
+    if classify(err) is UNKNOWN_ERROR:
+        return f"{type(err).__name__}: {err}"
+    return str(err)
 
 
 def device_broken(err: BaseException) -> bool:

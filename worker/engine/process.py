@@ -27,6 +27,7 @@ from typing import Any
 
 from graphkeeper.proto import worker_pb2 as pb
 from graphkeeper.worker.engine.core import Engine
+from graphkeeper.worker.engine.errors import classify
 from graphkeeper.worker.engine.ipc import (
     Call,
     Cancel,
@@ -169,14 +170,13 @@ class EngineHost:
                 self._answer(message)
 
     def _submit(self, message: Submit) -> None:
-        """A refusal (full queue, not serving) ends the stream with its error, counted here as the
-        API layer counts a refusal it sees at once."""
+        """A refusal (full queue, a request the cache cannot fit, not serving) ends the stream with
+        its error, counted here by the errors table as the API layer counts a refusal it sees at once."""
         req = pb.GenerateRequest.FromString(message.request)
         try:
             seq = self.engine.submit(req, message.sid)
-        except Exception as err:  # noqa: BLE001 - QueueFull or NotServing, reported on the stream
-            outcome = {"QueueFull": "queue_full", "CannotFit": "oversize"}.get(type(err).__name__, "unavailable")
-            self.engine.metrics.requests.labels(outcome).inc()
+        except Exception as err:  # noqa: BLE001 - QueueFull, CannotFit or NotServing, reported on the stream
+            self.engine.metrics.requests.labels(classify(err).outcome).inc()
             self.outbox.put(Outputs([(message.sid, [], ErrorBox.of(err))]))
             return
         if not seq.finished:  # a sequence that already ended was dropped by publish; keep none

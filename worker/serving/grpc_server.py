@@ -1,15 +1,14 @@
 """The worker's gRPC API layer: InferenceWorker and health on the inference port, GraphControl on
 its own authenticated port, both on one asyncio event loop.
 
-The engine thread never talks to a client. At the end of each step it hands the step's tokens to
-``StreamHub.publish`` once; the hub crosses to the event loop in one call and fans the tokens
-out to the streams in one pass. Each stream coroutine writes whatever has accumulated since its
-last write, so a client slower than the engine gets several tokens per message instead of a
-queue of one message per token, and the engine never waits for a client.
+A Generate call is admitted and streamed through what the front ends share (``streams``: one
+admission, the stream hub that carries the engine's tokens to the event loop, one pacing).
 
 Handlers map every refusal to a status code with a message: INVALID_ARGUMENT for bad input
-(naming the field), RESOURCE_EXHAUSTED for a full queue, FAILED_PRECONDITION for a stale policy
-generation, UNAVAILABLE while not serving, UNAUTHENTICATED for a control call without the token.
+(naming the field), FAILED_PRECONDITION for a stale policy generation, UNAUTHENTICATED for a
+control call without the token; an engine error (a full queue, a request the cache cannot fit,
+not serving, a failed step, anything else) gets the code of its row in the engine's errors table
+(``engine.classify``), as on the HTTP port.
 """
 
 from __future__ import annotations
@@ -17,12 +16,8 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
-import os
-import threading
 from collections.abc import Awaitable, Callable
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from pathlib import PurePosixPath
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -35,24 +30,21 @@ from graphkeeper.proto import worker_pb2_grpc as pb_grpc
 from graphkeeper.proto.policy import PolicyError
 from graphkeeper.worker.engine import (
     SERVING_STATES,
-    CannotFit,
-    ChatError,
-    Engine,
+    EngineFace,
     IncrementalDetokenizer,
     NotServing,
-    QueueFull,
     ReloadRefused,
     StalePolicy,
-    StepFailed,
+    classify,
+    error_message,
 )
 from graphkeeper.worker.serving.admission import (
     AdmissionError,
     Oversize,
     max_request_bytes,
     validate_reload_request,
-    validate_request,
-    validate_tokenized,
 )
+from graphkeeper.worker.serving.streams import StreamHub, TokenStream, admitted, count_refusal, public_model_info
 from graphkeeper.worker.serving.wire import tolerant
 
 log = logging.getLogger(__name__)
@@ -65,89 +57,10 @@ RELOAD_TIMEOUT_SECONDS = 600.0
 #: the control port serves the operator and ``graphkeeper status`` only.
 INFERENCE_MAX_CONNECTIONS = 1024
 CONTROL_MAX_CONNECTIONS = 64
-#: Prompts longer than this are tokenized off the event loop.
-INLINE_TOKENIZE_CHARS = 4096
-#: Pacing under load: a stream writes at most once per (this many seconds x open streams), at most
-#: MAX_FLUSH_GAP, so the API layer's share of the interpreter stays bounded while the engine runs at
-#: the GPU's pace; tokens that arrive in between go out together in the next message. Each write
-#: costs the event loop tens of microseconds under the interpreter lock the engine thread needs: on
-#: the H200 with 64 decoding streams, 0.1 ms per stream held the engine to 0.72 of its FULL-graph
-#: step and 0.2 ms let it reach 0.89 (bench/results/README.md).
-FLUSH_GAP_PER_STREAM = 0.0002
-MAX_FLUSH_GAP = 0.016
-#: Niceness of the threads that tokenize long prompts, which also run under SCHED_IDLE: the lowest
-#: priority, so that a flood of expensive requests gets only CPU time that the engine core, the
-#: event loop and the streams leave over (niceness alone still cost the streams 0.8 of their pace on
-#: two busy CPUs, SCHED_IDLE 0.97); on a machine with spare cores it changes nothing
-#: (bench/attack_bench.py).
-TOKENIZE_NICENESS = 19
-
-
-def _background_priority() -> None:
-    """Lowers the calling thread's CPU priority (Linux: niceness and the scheduling policy are per
-    thread, and lowering them needs no privilege)."""
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), TOKENIZE_NICENESS)
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # 0: this thread, on Linux
-    except (OSError, AttributeError):  # not Linux: the thread keeps the process's priority
-        log.debug("cannot lower the tokenizer threads' priority here")
-
-
-TOKENIZE_POOL = ThreadPoolExecutor(max_workers=4, thread_name_prefix="tokenize", initializer=_background_priority)
-
-
-@dataclass(eq=False)
-class TokenStream:
-    """One Generate call's mailbox on the event loop: the hub appends, the handler drains."""
-
-    tokens: list[int] = field(default_factory=list)
-    end: pb.Completion | BaseException | None = None
-    wake: asyncio.Event = field(default_factory=asyncio.Event)
-
-
-class StreamHub:
-    """Carries each step's outputs from the engine thread to the streams, in one loop callback.
-
-    Steps published while the loop has not yet run the last callback join it, so the engine
-    wakes the loop (a write to its self-pipe) at most once per loop pass rather than once per step.
-    """
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
-        self.open_streams = 0
-        self._pending: list[list[tuple[Any, list[int], Any]]] = []
-        self._lock = threading.Lock()
-
-    def flush_gap(self) -> float:
-        """Seconds a stream waits after a write before its next one (0 with a single stream)."""
-        return 0.0 if self.open_streams <= 1 else min(MAX_FLUSH_GAP, FLUSH_GAP_PER_STREAM * self.open_streams)
-
-    def publish(self, updates: list[tuple[Any, list[int], Any]]) -> None:
-        """Engine thread: ``(stream, new tokens, end)`` for each stream; ``end`` is a Completion, an
-        exception that fails the stream, or None while it continues."""
-        if not updates:
-            return
-        with self._lock:
-            self._pending.append(updates)
-            wake = len(self._pending) == 1
-        if wake:
-            self.loop.call_soon_threadsafe(self._fan_out)
-
-    def _fan_out(self) -> None:
-        """Event loop: every step published since the last pass, in the order the engine made them."""
-        with self._lock:
-            steps, self._pending = self._pending, []
-        for updates in steps:
-            for stream, tokens, end in updates:
-                if tokens:
-                    stream.tokens.extend(tokens)
-                if end is not None:
-                    stream.end = end
-                stream.wake.set()
 
 
 class InferenceServicer(pb_grpc.InferenceWorkerServicer):
-    def __init__(self, engine: Engine, hub: StreamHub | None = None) -> None:
+    def __init__(self, engine: EngineFace, hub: StreamHub | None = None) -> None:
         self.engine = engine
         self.hub = hub
 
@@ -161,15 +74,9 @@ class InferenceServicer(pb_grpc.InferenceWorkerServicer):
         except AdmissionError as err:
             engine.metrics.requests.labels("oversize" if isinstance(err, Oversize) else "invalid").inc()
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
-        except QueueFull as err:
-            engine.metrics.requests.labels("queue_full").inc()
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(err))
-        except CannotFit as err:
-            engine.metrics.requests.labels("oversize").inc()
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
-        except NotServing as err:
-            engine.metrics.requests.labels("unavailable").inc()
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(err))
+        except Exception as err:  # noqa: BLE001 - refused by the engine (or a bug): answered by the table
+            count_refusal(engine, err)
+            await _abort_for(context, err)
         detok = IncrementalDetokenizer(engine.tokenizer, list(request.prompt_token_ids)) if text else None
         hub = self.hub
         if hub is not None:
@@ -188,14 +95,8 @@ class InferenceServicer(pb_grpc.InferenceWorkerServicer):
                         await context.write(pb.GenerateResponse(tokens=pb.TokenChunk(text=rest)))
                     await context.write(pb.GenerateResponse(completion=end))
                     return
-                if isinstance(end, StepFailed):
-                    await context.abort(grpc.StatusCode.INTERNAL, str(end))
-                if isinstance(end, QueueFull):  # refused by an engine core in its own process
-                    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(end))
-                if isinstance(end, CannotFit):
-                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(end))
-                if isinstance(end, NotServing):
-                    await context.abort(grpc.StatusCode.UNAVAILABLE, str(end))
+                if isinstance(end, BaseException):  # a failed step, or refused by an engine core in its own process
+                    await _abort_for(context, end)
                 if hub is not None and (gap := hub.flush_gap()):
                     await asyncio.sleep(gap)
         except asyncio.CancelledError:
@@ -213,59 +114,13 @@ class InferenceServicer(pb_grpc.InferenceWorkerServicer):
         return public_model_info(info)
 
 
-async def admitted(engine: Engine, request: pb.GenerateRequest, fill_context: bool = False) -> pb.GenerateRequest:
-    """The request checked against the served model, a text prompt tokenized (off the event
-    loop when long) and checked again as token ids; raises AdmissionError or NotServing. Both
-    front ends (gRPC here, OpenAI HTTP in ``http_server``) admit through this one function.
-
-    Every size check runs before anything is copied or tokenized: a prompt that cannot fit
-    the context costs its length checks, not its tokenization (``validate_text_length``).
-    ``fill_context``: the client set no output length, so ``max_new_tokens`` (sent as 1) becomes
-    whatever the context leaves after the prompt, as OpenAI-compatible servers do.
-    """
-    limits = engine.limits()
-    if limits is None:
-        raise NotServing("model not loaded yet")
-    validate_request(request, limits)  # sizes and rules before any tokenizing
-    if not request.prompt_text and not request.messages:
-        if fill_context:
-            request.stopping.max_new_tokens = max(1, limits.max_seq_len - len(request.prompt_token_ids))
-        return request
-    tokenizer = engine.tokenizer
-    if request.messages:
-        chat = [(m.role, m.content) for m in request.messages]
-        encode, size = (lambda: tokenizer.encode_chat(chat)), sum(len(m.content) for m in request.messages)
-    else:
-        encode, size = (lambda: tokenizer.encode_ids(request.prompt_text)), len(request.prompt_text)
-    try:
-        ids = await asyncio.get_running_loop().run_in_executor(TOKENIZE_POOL, encode) \
-            if size > INLINE_TOKENIZE_CHARS else encode()
-    except ChatError as err:
-        raise AdmissionError(err.field, str(err).removeprefix(f"{err.field}: ")) from None
-    tokenized = pb.GenerateRequest()
-    tokenized.CopyFrom(request)
-    if fill_context:
-        tokenized.stopping.max_new_tokens = max(1, limits.max_seq_len - len(ids))
-    validate_tokenized(ids, tokenized.stopping.max_new_tokens, limits,
-                       "messages" if request.messages else "prompt_text")
-    tokenized.ClearField("prompt_text")
-    tokenized.ClearField("messages")
-    tokenized.prompt_token_ids.extend(ids)
-    return tokenized
-
-
-def public_model_info(info: pb.GetModelInfoResponse) -> pb.GetModelInfoResponse:
-    """What the unauthenticated inference port tells anyone about the model: the source's last
-    path component (its name), never the full path, which shows the node's directory layout."""
-    public = pb.GetModelInfoResponse()
-    public.CopyFrom(info)
-    if not info.source.startswith("random:"):
-        public.source = PurePosixPath(info.source).name
-    return public
+async def _abort_for(context: grpc.aio.ServicerContext, err: BaseException) -> None:
+    """Ends the call with the status code the engine's errors table gives ``err``."""
+    await context.abort(grpc.StatusCode[classify(err).grpc_code], error_message(err))
 
 
 class GraphControlServicer(pb_grpc.GraphControlServicer):
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: EngineFace) -> None:
         self.engine = engine
 
     async def ApplyGraphPolicy(self, request: pb.ApplyGraphPolicyRequest, context: grpc.aio.ServicerContext):  # noqa: N802
@@ -337,7 +192,7 @@ class Servers:
     health: health.aio.HealthServicer
 
 
-def build_servers(engine: Engine, host: str, port: int, control_host: str, control_port: int,
+def build_servers(engine: EngineFace, host: str, port: int, control_host: str, control_port: int,
                   token: str, hub: StreamHub | None = None) -> Servers:
     """Both servers with their services registered, bound and unstarted.
 
@@ -365,7 +220,7 @@ def _capped(connections: int) -> tuple[tuple[str, int], ...]:
     return (*SERVER_OPTIONS, ("grpc.max_allowed_incoming_connections", connections))
 
 
-def _undecodable_counter(engine: Engine) -> Callable[[str], None]:
+def _undecodable_counter(engine: EngineFace) -> Callable[[str], None]:
     """Counts Generate requests whose bytes did not decode (``requests_total{outcome="undecodable"}``)."""
     def count(method: str) -> None:
         if method.endswith("/Generate"):
@@ -384,7 +239,7 @@ def _bind(server: grpc.aio.Server, host: str, port: int) -> int:
     return bound
 
 
-def track_health(engine: Engine, servicer: health.aio.HealthServicer, loop: asyncio.AbstractEventLoop) -> None:
+def track_health(engine: EngineFace, servicer: health.aio.HealthServicer, loop: asyncio.AbstractEventLoop) -> None:
     """Inference is SERVING only while ready; the control plane answers from the start."""
     serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
 

@@ -2,16 +2,19 @@
 
 ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``, ``GET /health``
 (200 only while the worker serves) and ``GET /metrics``. A request is read by the pure rules of
-``openai_api``, admitted by the same function as a gRPC Generate (``grpc_server.admitted``),
-submitted to the same engine facade (the in-process ``Engine`` or the ``EngineClient`` of the
-engine-core process) and fed by the same ``StreamHub``: each stream writes what accumulated since
-its last write: one SSE event per token while the client keeps up, several tokens per event when
-it does not or when many streams are open (paced like the gRPC streams, ``StreamHub.flush_gap``).
+``openai_api``, admitted by the same function as a gRPC Generate (``streams.admitted``),
+submitted to the same engine face (``EngineFace``: the in-process ``Engine`` or the
+``EngineClient`` of the engine-core process) and fed by the same ``StreamHub``: each stream writes
+what accumulated since its last write: one SSE event per token while the client keeps up, several
+tokens per event when it does not or when many streams are open (paced like the gRPC streams,
+``StreamHub.flush_gap``).
 
 A client that goes away cancels its sequence (the handler is cancelled on disconnect, and a write
 to a closed connection fails), so its slot returns at once. Every refusal is an OpenAI error
 object with its status: 400 naming the field, 404 for another model, 413 for a body over the
-cap, 429 for a full queue, 501 for what is not supported, 503 while not serving.
+cap, 501 for what is not supported; an engine error (429 for a full queue, 400 for a request the
+cache cannot fit, 503 while not serving, 500 for a failed step or anything else) gets the status
+of its row in the engine's errors table (``engine.classify``), as on the gRPC port.
 """
 
 from __future__ import annotations
@@ -27,9 +30,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from graphkeeper.proto import worker_pb2 as pb
 from graphkeeper.proto.policy import clipped_repr
-from graphkeeper.worker.engine import Engine, IncrementalDetokenizer, NotServing, QueueFull, StepFailed
+from graphkeeper.worker.engine import EngineFace, IncrementalDetokenizer, classify, error_message
 from graphkeeper.worker.serving.admission import MAX_PROMPT_TEXT_BYTES, AdmissionError, Oversize
-from graphkeeper.worker.serving.grpc_server import StreamHub, TokenStream, admitted, public_model_info
 from graphkeeper.worker.serving.openai_api import (
     EXECUTION_HEADER,
     TENANT_HEADER,
@@ -46,6 +48,7 @@ from graphkeeper.worker.serving.openai_api import (
     parse_completion,
     usage,
 )
+from graphkeeper.worker.serving.streams import StreamHub, TokenStream, admitted, count_refusal, public_model_info
 
 log = logging.getLogger(__name__)
 
@@ -125,7 +128,7 @@ def openai_param(field: str, parsed: Parsed, tenant_param: str) -> str:
 class OpenAIServer:
     """The HTTP API for one engine; ``start`` binds it on the running loop."""
 
-    def __init__(self, engine: Engine, hub: StreamHub, served_model_name: str = "",
+    def __init__(self, engine: EngineFace, hub: StreamHub, served_model_name: str = "",
                  metrics: Any = None) -> None:
         self.engine = engine
         self.hub = hub
@@ -254,24 +257,17 @@ class OpenAIServer:
             raise ApiError(404, f"the model {clipped_repr(parsed.model)} does not exist: this server serves {model!r}",
                            "model", "not_found_error", "model_not_found")
         engine = self.engine
+        stream = TokenStream()
         try:
             admitted_request = await admitted(engine, parsed.request, parsed.fill_context)
+            seq = engine.submit(admitted_request, stream)
         except AdmissionError as err:
             self._count("oversize" if isinstance(err, Oversize) else "invalid")
             param = openai_param(err.field, parsed, TENANT_HEADER if tenant_header is not None else "user")
             raise ApiError(400, f"{param}: {err.message}", param) from None
-        except NotServing as err:
-            self._count("unavailable")
-            raise ApiError(503, str(err), type_="service_unavailable_error", code="not_ready") from None
-        stream = TokenStream()
-        try:
-            seq = engine.submit(admitted_request, stream)
-        except QueueFull as err:
-            self._count("queue_full")
-            raise _queue_full(err) from None
-        except NotServing as err:
-            self._count("unavailable")
-            raise ApiError(503, str(err), type_="service_unavailable_error", code="not_ready") from None
+        except Exception as err:  # noqa: BLE001 - refused by the engine (or a bug): answered by the table
+            count_refusal(engine, err)
+            raise engine_error(err) from None
         run = _Run(engine, seq, stream, parsed, admitted_request, model, self.hub)
         self.hub.open_streams += 1
         try:
@@ -289,14 +285,16 @@ class OpenAIServer:
             self.hub.open_streams -= 1
 
 
-def _queue_full(err: BaseException) -> ApiError:
-    return ApiError(429, str(err), type_="rate_limit_error", code="queue_full")
+def engine_error(err: BaseException) -> ApiError:
+    """The OpenAI error object for an engine error: its row of the engine's errors table."""
+    status = classify(err)
+    return ApiError(status.http_status, error_message(err), type_=status.http_type, code=status.http_code)
 
 
 class _Run:
     """One admitted request's tokens, turned into text, stop-string matched and answered."""
 
-    def __init__(self, engine: Engine, seq: Any, stream: TokenStream, parsed: Parsed, request: pb.GenerateRequest,
+    def __init__(self, engine: EngineFace, seq: Any, stream: TokenStream, parsed: Parsed, request: pb.GenerateRequest,
                  model: str, hub: StreamHub) -> None:
         self.engine, self.seq, self.stream, self.parsed, self.hub = engine, seq, stream, parsed, hub
         self.model = model
@@ -343,18 +341,9 @@ class _Run:
                     if self.detok is not None:
                         text += self.matcher.feed(self.detok.flush())
                     text += self.matcher.flush()
-            elif isinstance(end, QueueFull):  # refused by an engine core in its own process, which counted it
+            elif isinstance(end, BaseException):  # a failed step, or a refusal the engine core counted
                 self.ended = True
-                raise _queue_full(end)
-            elif isinstance(end, StepFailed):
-                self.ended = True
-                raise ApiError(500, str(end), type_="server_error", code="step_failed")
-            elif isinstance(end, NotServing):
-                self.ended = True
-                raise ApiError(503, str(end), type_="service_unavailable_error", code="not_ready")
-            elif isinstance(end, BaseException):
-                self.ended = True
-                raise ApiError(500, f"{type(end).__name__}: {end}", type_="server_error")
+                raise engine_error(end)
             if text or tokens or self.ended:
                 return text, tokens
 

@@ -24,7 +24,7 @@ from urllib.parse import urlsplit
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from graphkeeper.proto.policy import lifecycle_name
-from graphkeeper.worker.engine import Engine
+from graphkeeper.worker.engine import EngineFace
 
 MAX_CONNECTIONS = 256
 TIMEOUT_SECONDS = 5.0
@@ -70,7 +70,7 @@ def render_response(status: int, body: bytes, content_type: str, head_only: bool
     return header if head_only else header + body
 
 
-def engine_endpoints(engine: Engine, registry: Any = None) -> dict[str, Callable[[], tuple[int, bytes, str]]]:
+def engine_endpoints(engine: EngineFace, registry: Any = None) -> dict[str, Callable[[], tuple[int, bytes, str]]]:
     """The answer of each path for this engine: (status, body, content type). ``registry``: what
     ``/metrics`` exports (anything with ``collect()``), the engine's own registry by default."""
 
@@ -185,7 +185,7 @@ def _end_tasks(loop: asyncio.AbstractEventLoop) -> None:
     loop.close()
 
 
-def serve_http(engine: Engine, host: str, port: int, *, max_connections: int = MAX_CONNECTIONS,
+def serve_http(engine: EngineFace, host: str, port: int, *, max_connections: int = MAX_CONNECTIONS,
                timeout: float = TIMEOUT_SECONDS, registry: Any = None) -> MetricsServer:
     """Starts the metrics and probe server in a daemon thread and returns it (OSError if unbound)."""
     server = MetricsServer(engine_endpoints(engine, registry), host, port, max_connections=max_connections,

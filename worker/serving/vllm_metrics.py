@@ -24,8 +24,8 @@ from typing import Any
 
 from prometheus_client.core import GaugeMetricFamily, Metric
 
-from graphkeeper.worker.engine import Engine
-from graphkeeper.worker.serving.grpc_server import public_model_info
+from graphkeeper.worker.engine import EngineFace
+from graphkeeper.worker.serving.streams import public_model_info
 
 #: graphkeeper gauge -> the vLLM gauges that repeat its value.
 ALIASES: dict[str, tuple[str, ...]] = {
@@ -88,7 +88,7 @@ class WithVllmNames:
         return families + vllm_aliases(families, self.model_name())
 
 
-def served_model_name(engine: Engine, served_name: str = "") -> str:
+def served_model_name(engine: EngineFace, served_name: str = "") -> str:
     """What clients call the model: --served-model-name, else the model's public name ('' before it loads)."""
     if served_name:
         return served_name
@@ -96,7 +96,7 @@ def served_model_name(engine: Engine, served_name: str = "") -> str:
     return public_model_info(info).source if info is not None else ""
 
 
-def exported_registry(engine: Engine, served_name: str = "", vllm_names: bool = False) -> Any:
+def exported_registry(engine: EngineFace, served_name: str = "", vllm_names: bool = False) -> Any:
     """What ``/metrics`` exports: the engine's registry, with the vLLM aliases when asked for."""
     if not vllm_names:
         return engine.metrics.registry
