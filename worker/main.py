@@ -25,7 +25,7 @@ import torch
 from graphkeeper.proto import worker_pb2 as pb
 from graphkeeper.proto.policy import MODE_BY_NAME, PolicyError, lifecycle_name, policy_from_json, validate_policy
 from graphkeeper.worker.engine import Engine, EngineClient
-from graphkeeper.worker.engine.sizing import SizingError, check_utilization, parse_bytes
+from graphkeeper.worker.engine.sizing import SizingError, parse_bytes, utilization_error
 from graphkeeper.worker.model.kv_cache import check_block_size
 from graphkeeper.worker.model.loader import ModelSourceError, check_source
 from graphkeeper.worker.model.step import resolve as resolve_optimization
@@ -76,21 +76,6 @@ def block_size_error(block_size: int) -> str | None:
         check_block_size(block_size)
     except ValueError as err:
         return str(err)
-    return None
-
-
-def utilization_error(utilization: float | None, device: str, kv_cache_memory: str) -> str | None:
-    """``--gpu-memory-utilization``: a fraction in (0, 1], on a CUDA device, instead of --kv-cache-memory."""
-    if utilization is None:
-        return None
-    try:
-        check_utilization(utilization)
-    except ValueError as err:
-        return str(err)
-    if not device.startswith("cuda"):
-        return "--gpu-memory-utilization sizes the KV cache from device memory: it needs --device cuda"
-    if kv_cache_memory:
-        return "--gpu-memory-utilization and --kv-cache-memory both size the KV cache: give one"
     return None
 
 

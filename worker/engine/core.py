@@ -6,18 +6,20 @@ stops and frees sequences, and publishes the step's outputs in one call. The loo
 N+1 before it waits for step N's tokens, so the host prepares the next step while the device
 runs the current one, and the one host synchronisation per step overlaps device work.
 
-Other threads never write the loop's state: a submit or a cancel is an inbox entry or a flag, a
+Other threads never write the loop's state: a submit is a ``Mailbox`` entry, a cancel a flag, a
 policy or a reload is offered to ``Control`` (the GraphControl state, under its one lock) and
-taken by the engine at the top of its loop.
+taken by the engine between steps (``_between_steps``).
+
+Beside this module, each in its own: the mailbox, step isolation (``isolation``), a model reload
+(``reload``), track B's KV sizing (``kv_sizing``); the capture plan, capture phases and idle
+release are the capture controller's (``executor/graphs/controller.py``).
 """
 
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
@@ -25,42 +27,28 @@ from typing import Any
 import torch
 
 from graphkeeper.proto import worker_pb2 as pb
-from graphkeeper.proto.policy import PolicyError, effective_requested_mode, lifecycle_name, resolve_capture_sizes
+from graphkeeper.proto.policy import lifecycle_name
 from graphkeeper.worker.engine.blocks import BlockManager, blocks_for
 from graphkeeper.worker.engine.control import Control, Reload, starting_policy
-from graphkeeper.worker.engine.errors import (
-    CannotFit,
-    NotServing,
-    QueueFull,
-    ReloadBusy,
-    StepFailed,
-    device_broken,
-    injected_failure,
-)
+from graphkeeper.worker.engine.errors import CannotFit, NotServing, QueueFull, ReloadBusy, injected_failure
+from graphkeeper.worker.engine.isolation import fail_step, isolate
+from graphkeeper.worker.engine.kv_sizing import UtilizationSizing
 from graphkeeper.worker.engine.ledger import Ledger
 from graphkeeper.worker.engine.lifecycle import Lifecycle
-from graphkeeper.worker.engine.model_roots import ReloadRefused, check_model_root
+from graphkeeper.worker.engine.mailbox import Mailbox
+from graphkeeper.worker.engine.model_roots import check_model_root
 from graphkeeper.worker.engine.model_slot import ModelSlot
 from graphkeeper.worker.engine.outputs import InFlight, OutputProcessor, direct_publish
 from graphkeeper.worker.engine.recorder import StepRecorder
-from graphkeeper.worker.engine.scheduler import ScheduledStep, Scheduler, sub_step
+from graphkeeper.worker.engine.reload import reload_model
+from graphkeeper.worker.engine.scheduler import ScheduledStep, Scheduler
 from graphkeeper.worker.engine.sequence import Limits, Sequence, sequence_for
-from graphkeeper.worker.engine.sizing import (
-    UtilizationPlan,
-    aligned,
-    check_utilization,
-    estimate_graph_bytes,
-    plan_kv_by_utilization,
-    settle,
-)
+from graphkeeper.worker.engine.sizing import settle, utilization_error
 from graphkeeper.worker.engine.startup import Laps, step_phases
 from graphkeeper.worker.engine.status import graph_status, kv_cache_status, model_info
 from graphkeeper.worker.executor.graphs.controller import CaptureController
 from graphkeeper.worker.executor.graphs.dispatcher import BatchDescriptor, Dispatcher
-from graphkeeper.worker.executor.graphs.economics import idle_keys
-from graphkeeper.worker.executor.graphs.modes import capture_plan, downgrade_mode
 from graphkeeper.worker.metrics import WorkerMetrics
-from graphkeeper.worker.model.attention import SlotAttention
 from graphkeeper.worker.model.kv_cache import check_block_size
 from graphkeeper.worker.model.loader import ModelSourceError, check_source
 from graphkeeper.worker.model.step import forbid_recompiles
@@ -71,8 +59,6 @@ log = logging.getLogger(__name__)
 S = pb.LifecycleState
 L = pb.LedgerStage
 STEADY_AFTER_STEPS = 16
-#: Seconds between two looks for idle graphs (a look is a dict scan; releasing is rare).
-IDLE_CHECK_SECONDS = 1.0
 
 
 class Engine:
@@ -81,13 +67,9 @@ class Engine:
         here, from the model's config and the memory there is, before anything is allocated."""
         self.device = torch.device(settings.device)
         check_block_size(settings.kv_block_size)
-        if settings.gpu_memory_utilization:
-            check_utilization(settings.gpu_memory_utilization)
-            if self.device.type != "cuda":
-                raise ValueError("--gpu-memory-utilization sizes the KV cache from device memory: it needs a CUDA "
-                                 "device (use --kv-cache-memory elsewhere)")
-            if settings.kv_cache_memory:
-                raise ValueError("--gpu-memory-utilization and --kv-cache-memory both size the KV cache: give one")
+        if error := utilization_error(settings.gpu_memory_utilization or None, self.device.type,
+                                      settings.kv_cache_memory):
+            raise ValueError(error)
         settings, self.sizes = settle(settings, self.device)
         log.info("sizes: %s", self.sizes.explanation)
         self.settings = settings
@@ -97,13 +79,9 @@ class Engine:
         self.ledger = Ledger()
         #: Whether this worker records graphs at all (a recapture starts only where they exist).
         self.captures_graphs = self.device.type == "cuda"
-        kv_blocks = self.sizes.kv_blocks
-        if settings.gpu_memory_utilization:  # provisional: one whole context, until the graphs are measured
-            kv_blocks = blocks_for(aligned(settings.max_seq_len), settings.kv_block_size)
-        #: Track B's plan and what was free once the final graphs were captured (0 under track A).
-        self.kv_plan: UtilizationPlan | None = None
-        self.kv_free_after_capture = 0
-        self.graph_room = 0  # track B: device memory graphs may take beside the cache
+        #: Track B: the KV cache sized after measured graph memory (does nothing under track A).
+        self.kv_sizing = UtilizationSizing(settings.gpu_memory_utilization)
+        kv_blocks = self.kv_sizing.provisional_blocks(settings, self.sizes.kv_blocks)
         self.slot = ModelSlot(settings, self.device, self.ledger, self.metrics, kv_blocks=kv_blocks)
         self.blocks = BlockManager(kv_blocks, settings.kv_block_size, prefix_caching=settings.prefix_caching)
         self.control = Control(starting_policy(settings.policy), self.lifecycle,
@@ -121,13 +99,10 @@ class Engine:
         self.publish: Callable[[list[tuple[Any, list[int], Any]]], None] = direct_publish
         self.failed: BaseException | None = None
         self.steps_since_ready = 0
-        self._inbox: deque[Sequence] = deque()
-        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
-        self._wake = threading.Event()
+        self.mailbox = Mailbox()
         self._stop = threading.Event()
         self._draining = False
         self._last_finish = 0.0
-        self._idle_checked = 0.0
         self.ready = threading.Event()
         self.thread = threading.Thread(target=self._main, name="engine", daemon=True)
 
@@ -154,7 +129,7 @@ class Engine:
         loaded = self.slot.loaded
         if self._draining or self.failed is not None or not self.lifecycle.serving or loaded is None:
             raise NotServing(f"worker is {lifecycle_name(self.lifecycle.state)}")
-        if self._queued() >= self.settings.max_queue:
+        if self.scheduler.queued(len(self.mailbox)) >= self.settings.max_queue:
             raise QueueFull(f"queue is full ({self.settings.max_queue} requests waiting)")
         seq = sequence_for(req, stream, self.slot.eos_ids)
         need = blocks_for(len(seq.prompt) + seq.max_new_tokens, self.blocks.block_size)
@@ -163,33 +138,25 @@ class Engine:
                             f"{need} KV blocks of {self.blocks.block_size} tokens; the cache has "
                             f"{self.blocks.num_blocks} in all")
         self.metrics.prompt_tokens.inc(len(seq.prompt))
-        self._inbox.append(seq)
-        self._wake.set()
+        self.mailbox.submit(seq)
         return seq
-
-    def _queued(self) -> int:
-        """Requests that will wait for a slot: those submitted and not running, less the slots free
-        now (one still in the inbox while a slot is free runs at the next step; it is not queued)."""
-        free = max(self.settings.max_num_seqs - len(self.scheduler.running), 0)
-        return max(len(self._inbox) + len(self.scheduler.waiting) - free, 0)
 
     def cancel(self, seq: Sequence, reason: int = pb.FINISH_REASON_CANCELLED) -> None:
         """Ends ``seq`` at the next step; ``reason`` is its finish (FINISH_REASON_STOP when the API
         layer matched a stop string, so the request is counted as stopped, not cancelled)."""
         seq.cancel_reason = reason
         seq.cancelled.set()
-        self._wake.set()
+        self.mailbox.wake()
 
     def apply_policy(self, policy: pb.GraphPolicy) -> pb.ApplyGraphPolicyResponse:
         """Idempotent by (uid, generation); raises PolicyError or StalePolicy.
 
         The policy becomes pending here and adopted on the engine thread.
         """
-        self._check_graphs_fit(policy)
+        self.kv_sizing.check_graphs_fit(self.capture, policy, self.recorder.traffic)
         unchanged, recapture = self.control.offer(policy)
         if not unchanged:
-            self._commands.put(lambda: self._adopt_policy(policy))
-            self._wake.set()
+            self.mailbox.post(lambda: self._adopt_policy(policy))
         return pb.ApplyGraphPolicyResponse(applied_generation=policy.generation, unchanged=unchanged,
                                            recapture_started=recapture and self.captures_graphs)
 
@@ -214,7 +181,7 @@ class Engine:
             return future
         if not self.control.request_reload(Reload(resolved, revision, future)):
             raise ReloadBusy("a model reload is already in progress: retry when it has finished")
-        self._wake.set()
+        self.mailbox.wake()
         return future
 
     def alive(self) -> bool:
@@ -226,10 +193,10 @@ class Engine:
         self._draining = True
         self.control.move(S.LIFECYCLE_STATE_DRAINING)
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and (self.scheduler.running or self.scheduler.waiting or self._inbox):
+        while time.monotonic() < deadline and (self.scheduler.running or self.scheduler.waiting or self.mailbox):
             time.sleep(0.05)
         self._stop.set()
-        self._wake.set()
+        self.mailbox.wake()
         self.thread.join(timeout=10)
 
     def model_info(self) -> pb.GetModelInfoResponse | None:
@@ -243,88 +210,17 @@ class Engine:
         return graph_status(
             snap, capture=self.capture, recorder=self.recorder, ledger=self.ledger,
             model_revision=loaded.revision if loaded else "", running=len(self.scheduler.running),
-            queued=len(self.scheduler.waiting) + len(self._inbox), compile=self.slot.compile_status(),
+            queued=len(self.scheduler.waiting) + len(self.mailbox), compile=self.slot.compile_status(),
             kv_cache=self.kv_status())
 
     def kv_status(self) -> pb.KVCacheStatus:
         """The KV cache's blocks, prefix cache and preemptions (counts read without a lock: each is
         one integer the engine thread writes)."""
-        runner, plan = self.slot.runner, self.kv_plan
-        status = kv_cache_status(
+        runner = self.slot.runner
+        return self.kv_sizing.report(kv_cache_status(
             self.blocks.block_size, self.blocks.status(), prefix_caching=self.blocks.prefix_caching,
             preemptions=self.scheduler.preemptions,
-            nbytes=runner.cache.nbytes() if runner else self.sizes.kv_cache_bytes,
-            sizing="utilization" if self.settings.gpu_memory_utilization else "explicit")
-        if plan is not None:
-            status.planned_bytes, status.free_after_capture_bytes = plan.kv_bytes, self.kv_free_after_capture
-        return status
-
-    def _export_kv(self) -> None:
-        b = self.blocks
-        self.metrics.set_kv(b.block_size, *b.status(), self.scheduler.preemptions)
-
-    # --- track B: the KV cache sized after measured graph memory ----------------------------
-
-    def _check_graphs_fit(self, policy: pb.GraphPolicy) -> None:
-        """Under track B the cache took what the graphs left: a policy whose graphs would need
-        more than the graphs hold now plus what is still free is refused (PolicyError), not
-        captured into an out-of-memory."""
-        graphs = self.capture.graph_set
-        if self.kv_plan is None or graphs is None or not graphs.captured:
-            return
-        mode, _ = downgrade_mode(effective_requested_mode(policy), int(SlotAttention.graph_support), True)
-        if mode == pb.GRAPH_MODE_NONE:
-            return
-        ladder = resolve_capture_sizes(policy.capture_sizes, self.settings.max_num_seqs,
-                                       self.settings.max_num_batched_tokens)
-        keys = capture_plan(mode, ladder, self.settings.max_num_seqs)
-        measured = {k: max(0, e.device_bytes) for k, e in graphs.captured.items()}
-        need = estimate_graph_bytes(keys, measured)
-        if need > self.graph_room:
-            raise PolicyError("capture_sizes", f"its graphs would take about {need} B of device memory; beside the KV "
-                              f"cache sized by --gpu-memory-utilization there is room for {self.graph_room} B "
-                              "(fewer or smaller sizes, or restart the worker to size the cache for them)")
-
-    def _size_kv_by_utilization(self, utilization: float) -> None:
-        """Measures what the step and the graphs take beside the provisional KV cache, gives the
-        cache what is left of ``utilization`` x device memory, and captures the graphs again
-        against it (a new KV allocation invalidates every graph: they are released first).
-
-        The activation peak is measured on an eager step of the whole token budget, the largest
-        a fallback step can be: serving must keep that much free outside the graphs' pools.
-        """
-        device, runner = self.device, self.slot.runner
-        torch.cuda.synchronize(device)
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
-        base = torch.cuda.memory_allocated(device)
-        with torch.compiler.set_stance("default"):
-            runner.warm_up(self.settings.max_num_batched_tokens)
-        peak = torch.cuda.max_memory_allocated(device) - base
-        torch.cuda.empty_cache()
-        free, total = torch.cuda.mem_get_info(device)
-        cache = runner.cache
-        plan = plan_kv_by_utilization(
-            total_bytes=total, utilization=utilization, used_bytes=total - free,
-            provisional_kv_bytes=cache.num_blocks * cache.block_bytes, activation_peak_bytes=peak,
-            block_bytes=cache.block_bytes, min_blocks=cache.max_blocks_per_seq)
-        log.info("--gpu-memory-utilization: %s", plan.explanation)
-        self.capture.release()
-        runner = cache = None
-        self.slot.resize_kv(plan.kv_blocks)
-        self.blocks.resize(plan.kv_blocks)
-        self.capture.begin(self.control.policy, self.slot.runner)
-        self.capture.run_all()
-        torch.cuda.empty_cache()
-        free, total = torch.cuda.mem_get_info(device)
-        # What the cache could have taken, knowing the final capture: the prediction's truth.
-        self.kv_free_after_capture = plan.kv_bytes + int(total * utilization) - (total - free) - peak
-        graphs = self.capture.graph_set
-        self.graph_room = (graphs.memory_bytes if graphs else 0) + max(0, self.kv_free_after_capture - plan.kv_bytes)
-        self.kv_plan = plan
-        log.info("KV cache planned %d B; %d B was free for it after the final capture (%.2f%% apart)",
-                 plan.kv_bytes, self.kv_free_after_capture,
-                 100 * abs(plan.kv_bytes - self.kv_free_after_capture) / max(1, self.kv_free_after_capture))
+            nbytes=runner.cache.nbytes() if runner else self.sizes.kv_cache_bytes, sizing=self.kv_sizing.label))
 
     # --- the engine thread ----------------------------------------------------------------
 
@@ -339,8 +235,7 @@ class Engine:
             self.control.move(S.LIFECYCLE_STATE_DRAINING)  # health NOT_SERVING at once
             self.ready.set()
         finally:  # every request still held ends (shutdown past the drain deadline, or a dead engine)
-            leftover = [*self.scheduler.running, *self.scheduler.waiting, *self._inbox]
-            self._inbox.clear()
+            leftover = [*self.scheduler.running, *self.scheduler.waiting, *self.mailbox.take()]
             failed = self.failed
             why = "the worker is shutting down" if failed is None else f"engine stopped: {type(failed).__name__}"
             self.publish(self.outputs.end(leftover, NotServing(why)))
@@ -364,12 +259,11 @@ class Engine:
         laps.lap(f"step ({step_phases(self.slot.compile_report)})")
         self.capture.begin(self.control.policy, self.slot.runner)
         self.capture.run_all()
-        if s.gpu_memory_utilization:
-            self._size_kv_by_utilization(s.gpu_memory_utilization)
+        self.kv_sizing.size(self.slot, self.blocks, self.capture, self.control.policy, s.max_num_batched_tokens)
         if self.slot.compile_report.enabled:
             forbid_recompiles()
         self._captured()
-        self._export_kv()
+        self._export_gauges()
         self.control.move(S.LIFECYCLE_STATE_CAPTURED)
         self.control.move(S.LIFECYCLE_STATE_READY)
         laps.lap("capture")
@@ -378,63 +272,59 @@ class Engine:
         self.ready.set()
 
     def _loop(self) -> None:
+        """schedule -> launch -> finish: step N+1 is launched before step N's tokens are read."""
         inflight: InFlight | None = None
         while not self._stop.is_set():
-            while not self._commands.empty():
-                self._commands.get_nowait()()
-            if self.control.reload is not None:
-                self.scheduler.admitting = False  # running sequences finish on the weights they started with
-                if inflight is None and self.scheduler.drained:
-                    self._reload(self.control.reload)
-            while self._inbox:
-                self.scheduler.add(self._inbox.popleft())
-            for seq in self.scheduler.reap_cancelled():
-                self.publish([(seq.stream, [], self.outputs.completion(seq, seq.cancel_reason))])
-            if self.capture.active:
-                self._finish(inflight)
-                inflight = None
-                if self.capture.step():
-                    self._captured()
-            elif self._idle_graphs():
-                self._finish(inflight)  # no step still replaying the graphs being released
-                inflight = None
-                self.capture.release_idle(self._idle_graphs())
+            inflight = self._between_steps(inflight)
             step = self.scheduler.schedule()
             launched, failure = self._launch(step) if step is not None else (None, None)
             self._finish(inflight)
             inflight = launched
-            if failure is not None:
-                self._isolate(step, failure)  # after the previous step's tokens: streams stay in order
-            self.metrics.queue_depth.set(len(self.scheduler.waiting) + len(self._inbox))
-            self.metrics.running_sequences.set(len(self.scheduler.running))
-            self._export_kv()
+            if failure is not None:  # after the previous step's tokens: streams stay in order
+                culprits = isolate(step, failure, self.scheduler, lambda part: self._read(self._start(part)))
+                self.publish(fail_step(self.outputs, culprits, failure))
+            self._export_gauges()
             if inflight is None and step is None:
-                self._wake.wait(0.05 if not self.capture.active else 0)
-                self._wake.clear()
+                self.mailbox.sleep(0.05 if not self.capture.active else 0)
         self._finish(inflight)
 
-    def _idle_graphs(self) -> set[tuple[int, int]]:
-        """Captured graphs no step replayed for the policy's idle-release time (looked for at most
-        once every ``IDLE_CHECK_SECONDS``; the look that finds some is repeated by the caller)."""
-        seconds = self.capture.idle_release_seconds
-        graphs = self.capture.graph_set
-        if not seconds or graphs is None or not graphs.captured:
-            return set()
-        now = time.monotonic()
-        if now - self._idle_checked < IDLE_CHECK_SECONDS:
-            return set()
-        found = idle_keys({k: t for k, t in self.recorder.last_used().items() if k in graphs.captured},
-                          now, seconds)
-        if not found:
-            self._idle_checked = now
-        return found
+    def _between_steps(self, inflight: InFlight | None) -> InFlight | None:
+        """What the engine thread does between two steps, in this order: commands (policies to
+        adopt), a pending reload (admission paused; it runs once nothing runs), new requests,
+        cancels, then one key of a capture phase or the release of idle graphs, either of which
+        first finishes the step in flight. Returns the step still in flight."""
+        self.mailbox.run_commands()
+        if self.control.reload is not None:
+            self.scheduler.admitting = False  # running sequences finish on the weights they started with
+            if inflight is None and self.scheduler.drained:
+                reload_model(self, self.control.reload)
+        for seq in self.mailbox.take():
+            self.scheduler.add(seq)
+        for seq in self.scheduler.reap_cancelled():
+            self.publish([(seq.stream, [], self.outputs.completion(seq, seq.cancel_reason))])
+        if self.capture.active:
+            self._finish(inflight)
+            inflight = None
+            if self.capture.step():
+                self._captured()
+        elif self.capture.idle_graphs(self.recorder.last_used):
+            self._finish(inflight)  # no step still replaying the graphs being released
+            inflight = None
+            self.capture.release_idle(self.capture.idle_graphs(self.recorder.last_used))
+        return inflight
+
+    def _export_gauges(self) -> None:
+        b = self.blocks
+        self.metrics.queue_depth.set(len(self.scheduler.waiting) + len(self.mailbox))
+        self.metrics.running_sequences.set(len(self.scheduler.running))
+        self.metrics.set_kv(b.block_size, *b.status(), self.scheduler.preemptions)
 
     # --- one step: run, then postprocess ---------------------------------------------------
 
     def _launch(self, step: ScheduledStep) -> tuple[InFlight | None, Exception | None]:
         """Dispatches and launches a step; its tokens are read by ``_finish`` after the next launch.
 
-        A step that raises is returned as its failure, for ``_isolate`` once the step before it
+        A step that raises is returned as its failure, for ``isolate`` once the step before it
         has been postprocessed.
         """
         try:
@@ -462,7 +352,7 @@ class Engine:
         try:
             self._read(inflight)
         except Exception as err:  # noqa: BLE001 - the step after it is already launched: no re-run
-            self._fail_step(inflight.step.sequences, err)
+            self.publish(fail_step(self.outputs, inflight.step.sequences, err))
 
     def _read(self, inflight: InFlight) -> None:
         """Waits for a launched step's tokens, records the step and publishes them; raises what
@@ -480,47 +370,6 @@ class Engine:
             self.ledger.record(L.LEDGER_STAGE_STEADY, self.device)
             self.ledger.export(self.metrics)
 
-    def _isolate(self, step: ScheduledStep, err: Exception) -> None:
-        """A step raised at launch: re-runs its sequences in halves, bisecting down to the ones
-        that fail on their own, so a poison request fails alone and its batch-mates go on.
-
-        Each sub-step is the failed step's own rows for its sequences (``sub_step``), run and read
-        at once; a sequence in no failing half is unaffected. At most ``2 x sequences`` sub-steps
-        run; whatever is still suspect after that fails with the step. A broken device stops the
-        engine as before.
-        """
-        if device_broken(err):
-            raise err
-        self.scheduler.launch_failed(step)
-        log.error("step of %d tokens (%d sequences) failed: %s: %s; isolating it", step.plan.num_tokens,
-                  len(step.sequences), type(err).__name__, err)
-        suspects, culprits = [list(step.sequences)], []
-        budget = 2 * len(step.sequences)
-        while suspects:
-            group = suspects.pop()
-            if len(group) == 1 or budget <= 0:
-                culprits += group
-                continue
-            half = len(group) // 2
-            for part in (group[:half], group[half:]):
-                budget -= 1
-                try:
-                    self._read(self._start(sub_step(step, set(part))))
-                except Exception as sub_err:  # noqa: BLE001 - this half holds a culprit
-                    if device_broken(sub_err):
-                        raise sub_err from err
-                    suspects.append(part)
-        self._fail_step(culprits, err)
-
-    def _fail_step(self, sequences: list[Sequence], err: Exception) -> None:
-        """A step that raised fails these requests; a broken device stops the engine."""
-        if device_broken(err):
-            raise err
-        if sequences:
-            log.error("failing %d request(s) of a step that raised %s: %s", len(sequences), type(err).__name__, err)
-        failure = StepFailed(f"the step running this request failed: {type(err).__name__}")
-        self.publish(self.outputs.end(sequences, failure, outcome="error"))
-
     # --- policies, graphs and model revisions ----------------------------------------------
 
     def _adopt_policy(self, policy: pb.GraphPolicy) -> None:
@@ -530,17 +379,18 @@ class Engine:
         self.recorder.listed_tenants = frozenset(t.tenant for t in policy.tenants)
         traffic = self.recorder.traffic.tokens()  # what the old policy served: a max_graphs limit keeps its keys
         self.recorder.traffic.reset(policy.policy_uid, policy.generation)
-        self.capture.idle_release_seconds = policy.idle_release_seconds
+        self.capture.adopt(policy)
         self.metrics.policy_generation.set(policy.generation)
         log.info("policy %s generation %d adopted (recapture: %s)", (policy.policy_name or policy.policy_uid)[:64],
                  policy.generation, recapture)
         if recapture:
             self.metrics.recaptures.labels("policy").inc()
             self.capture.release()
-            self._begin_capture(traffic)
+            self.begin_capture(traffic)
 
-    def _begin_capture(self, traffic: dict[tuple[int, bool], int] | None = None) -> None:
-        """Plans the adopted policy's graphs; they are captured one per loop pass from here."""
+    def begin_capture(self, traffic: dict[tuple[int, bool], int] | None = None) -> None:
+        """Plans the adopted policy's graphs; they are captured one per loop pass from here
+        (engine thread only: after a policy is adopted, or a new model installed)."""
         self.capture.begin(self.control.policy, self.slot.runner, traffic)
         if not self.capture.active:
             self._captured()
@@ -554,42 +404,3 @@ class Engine:
         self.metrics.policy_generation.set(self.control.policy.generation)
         if self.control.captured(self.capture.last_failure):
             log.info("READY: %s", self.capture.summary())
-
-    def _reload(self, reload: Reload) -> None:
-        """Loads the new weights beside the old ones; only a complete load replaces anything.
-
-        The resolved source is judged again here, just before loading: a directory whose
-        entries were relinked outside the roots since the request is refused.
-        """
-        try:
-            again = check_model_root(reload.source, self.settings.model, self.settings.model_roots)
-            if again != reload.source:
-                raise ReloadRefused("source", "changed since it was checked (a link was replaced)")
-            fresh = self.slot.load(reload.source, reload.revision)
-        except Exception as err:  # noqa: BLE001 - the old model keeps serving, graphs and all
-            message = f"model reload failed: {str(err)[:256]}"
-            self.control.reload_failed(message)
-            log.error(message)
-            self.scheduler.admitting = True
-            reload.future.set_exception(err)
-            return
-
-        def install() -> bool:
-            self.capture.release()  # before the new weights serve: stale graphs can never replay
-            self.capture.hold_eager()
-            return self.slot.install(fresh)
-
-        kept = self.control.swap_model(self.captures_graphs, install)
-        # One coherent ledger of the new model: the old one's stages go, and the weights and KV
-        # cache are measured again now that the old weights and graphs are freed.
-        self.ledger.restart(self.device, self.slot.runner.cache.nbytes())
-        if not kept:
-            self.slot.prepare_step()
-        self.ledger.record(L.LEDGER_STAGE_WARMUP, self.device)
-        self.steps_since_ready = 0  # STEADY is measured again, on the new model
-        self.recorder.set_attention(self.slot.runner.attention.name)
-        self.blocks.reset_prefix_cache(self.slot.loaded.revision)  # nothing runs now: every block is free
-        self.metrics.recaptures.labels("model_revision").inc()
-        self._begin_capture()
-        self.scheduler.admitting = True
-        reload.future.set_result(self.slot.loaded.revision)

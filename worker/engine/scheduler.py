@@ -120,6 +120,13 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
+    def queued(self, arriving: int = 0) -> int:
+        """Requests that will wait for a slot: ``arriving`` ones not added yet and the waiting ones,
+        less the slots free now (one arriving while a slot is free runs at the next step; it is
+        not queued)."""
+        free = max(self.max_num_seqs - len(self.running), 0)
+        return max(arriving + len(self.waiting) - free, 0)
+
     @property
     def drained(self) -> bool:
         """No sequence that started runs or waits to be recomputed (what a reload waits for).

@@ -230,6 +230,22 @@ def check_utilization(value: float) -> float:
     return float(value)
 
 
+def utilization_error(utilization: float | None, device: str, kv_cache_memory: object) -> str | None:
+    """``--gpu-memory-utilization`` (None: not given): a fraction in (0, 1], on a CUDA device,
+    instead of ``--kv-cache-memory``. The one rule the CLI's boot checks and ``Engine`` both apply."""
+    if utilization is None:
+        return None
+    try:
+        check_utilization(utilization)
+    except ValueError as err:
+        return str(err)
+    if not device.startswith("cuda"):
+        return "--gpu-memory-utilization sizes the KV cache from device memory: it needs --device cuda"
+    if kv_cache_memory:
+        return "--gpu-memory-utilization and --kv-cache-memory both size the KV cache: give one"
+    return None
+
+
 def plan_kv_by_utilization(*, total_bytes: int, utilization: float, used_bytes: int, provisional_kv_bytes: int,
                            activation_peak_bytes: int, block_bytes: int, min_blocks: int) -> UtilizationPlan:
     """The KV cache's blocks under ``--gpu-memory-utilization`` (pure).

@@ -1,15 +1,19 @@
 """The capture controller: which graphs a policy asks for, recording them (all at once at startup,
 one key between steps during a recapture), swapping the finished set into the dispatcher, and
-releasing graphs before anything can move their addresses.
+releasing graphs before anything can move their addresses, or once no step has replayed them for
+the policy's idle-release time.
 
-It owns the graph set, the ladder, the requested and effective modes, and the capture metrics;
-the engine decides when to capture and moves the lifecycle.
+It owns the graph set, the ladder, the requested and effective modes, the idle-release time and
+the capture metrics; the engine decides when to capture and moves the lifecycle. What a policy
+asks for is ``plan_capture``, a pure function: the engine's memory check (track B) and ``begin``
+both take it from ``CaptureController.plan``, so the two cannot disagree.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
 import torch
 
@@ -17,14 +21,44 @@ from graphkeeper.proto import worker_pb2 as pb
 from graphkeeper.proto.policy import effective_requested_mode, mode_name, reason_name, resolve_capture_sizes
 from graphkeeper.worker.executor.graphs.capture import CaptureJob
 from graphkeeper.worker.executor.graphs.dispatcher import Dispatcher, GraphState
-from graphkeeper.worker.executor.graphs.economics import limit_plan
+from graphkeeper.worker.executor.graphs.economics import IdleRelease, limit_plan
 from graphkeeper.worker.executor.graphs.graph_set import GraphSet, Skipped
-from graphkeeper.worker.executor.graphs.modes import capture_plan, downgrade_mode
+from graphkeeper.worker.executor.graphs.modes import Key, capture_plan, downgrade_mode
 from graphkeeper.worker.executor.runner import ModelRunner
 from graphkeeper.worker.metrics import WorkerMetrics
 from graphkeeper.worker.model.attention import SlotAttention
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class CapturePlan:
+    """What one policy asks this worker to capture."""
+
+    requested_mode: int
+    effective_mode: int
+    #: Why the effective mode differs from the requested one ("" when it does not).
+    downgrade_reason: str
+    ladder: list[int]
+    #: The keys to capture, largest size first within each runtime mode (at most ``max_graphs``).
+    keys: list[Key]
+    #: The keys a ``max_graphs`` limit leaves out (skipped with SIZE_OVER_MAX_GRAPHS).
+    left_out: list[Key]
+
+
+def plan_capture(policy: pb.GraphPolicy, traffic: Mapping[tuple[int, bool], int] | None, *, cuda: bool,
+                 graph_support: int, max_num_seqs: int, max_num_batched_tokens: int) -> CapturePlan:
+    """The modes, ladder and keys ``policy`` asks for on this backend (pure).
+
+    ``traffic`` (steps per (real tokens, uniform decode), observed under the previous policy)
+    chooses which keys a ``max_graphs`` limit keeps; without it, the smallest sizes. Without CUDA,
+    or with an effective mode of NONE, nothing is captured.
+    """
+    requested = effective_requested_mode(policy)
+    effective, why = downgrade_mode(requested, graph_support, cuda)
+    ladder = resolve_capture_sizes(policy.capture_sizes, max_num_seqs, max_num_batched_tokens)
+    keys, left_out = limit_plan(capture_plan(effective, ladder, max_num_seqs), policy.max_graphs, ladder, traffic)
+    return CapturePlan(requested, effective, why, ladder, keys, left_out)
 
 
 class CaptureController:
@@ -43,47 +77,59 @@ class CaptureController:
         self.ladder: list[int] = []
         self.total_seconds = 0.0
         self.last_failure = ""
-        #: The adopted policy's idle-release time (0: graphs are never released while idle).
-        self.idle_release_seconds = 0
+        self.idle = IdleRelease()
 
     @property
     def active(self) -> bool:
         return self.job is not None
 
+    @property
+    def idle_release_seconds(self) -> int:
+        """The adopted policy's idle-release time (0: graphs are never released while idle)."""
+        return self.idle.seconds
+
+    def plan(self, policy: pb.GraphPolicy, traffic: Mapping[tuple[int, bool], int] | None = None, *,
+             cuda: bool = True) -> CapturePlan:
+        """What ``policy`` asks this worker to capture (``plan_capture`` with this worker's limits)."""
+        return plan_capture(policy, traffic, cuda=cuda, graph_support=int(SlotAttention.graph_support),
+                            max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens)
+
+    def adopt(self, policy: pb.GraphPolicy) -> None:
+        """The engine adopted ``policy``: what changes without a capture (the idle-release time)."""
+        self.idle.seconds = policy.idle_release_seconds
+
     def begin(self, policy: pb.GraphPolicy, runner: ModelRunner,
               traffic: Mapping[tuple[int, bool], int] | None = None) -> None:
         """Resolves modes and sizes for ``policy`` and plans the capture, largest size first.
 
-        ``traffic`` (steps per (real tokens, uniform decode), observed under the previous policy)
-        chooses which keys a ``max_graphs`` limit keeps; without it, the smallest sizes.
+        ``traffic`` chooses which keys a ``max_graphs`` limit keeps (``plan_capture``).
         """
         cuda = runner.device.type == "cuda"
-        self.idle_release_seconds = policy.idle_release_seconds
-        self.requested_mode = effective_requested_mode(policy)
-        self.effective_mode, self.downgrade_reason = downgrade_mode(
-            self.requested_mode, int(SlotAttention.graph_support), cuda)
+        plan = self.plan(policy, traffic, cuda=cuda)
+        self.adopt(policy)
+        self.requested_mode, self.effective_mode = plan.requested_mode, plan.effective_mode
+        self.downgrade_reason = plan.downgrade_reason
         self.metrics.set_modes(self.requested_mode, self.effective_mode)
         self.metrics.graph_memory_budget.set(policy.memory_budget_bytes)
-        self.ladder = resolve_capture_sizes(policy.capture_sizes, self.max_num_seqs, self.max_num_batched_tokens)
+        self.ladder = plan.ladder
         self.last_failure = ""
         if not cuda or self.effective_mode == pb.GRAPH_MODE_NONE:
             self.job = None
             self.dispatcher.update(GraphState(effective_mode=self.effective_mode, ladder=tuple(self.ladder),
                                               backend_unsupported=not cuda))
             return
-        plan, left_out = limit_plan(capture_plan(self.effective_mode, self.ladder, self.max_num_seqs),
-                                    policy.max_graphs, self.ladder, traffic)
         self.graph_set = GraphSet(runner)
-        for mode, size in left_out:
+        for mode, size in plan.left_out:
             self.graph_set.skipped[(mode, size)] = Skipped(
                 pb.FALLBACK_REASON_SIZE_OVER_MAX_GRAPHS,
                 f"the policy keeps at most {policy.max_graphs} graphs; this one served the fewest observed steps")
         tolerance = 1e-4 if runner.loaded.dtype == torch.float32 else 2e-2
-        self.job = CaptureJob(self.graph_set, plan, policy.memory_budget_bytes, self.inject_failures, tolerance)
+        self.job = CaptureJob(self.graph_set, plan.keys, policy.memory_budget_bytes, self.inject_failures, tolerance)
         self.dispatcher.update(GraphState(effective_mode=self.effective_mode, ladder=tuple(self.ladder),
                                           recapturing=True))
-        log.info("capturing %d graphs (%s, sizes %s..%s, budget %s B)", len(plan), mode_name(self.effective_mode),
-                 self.ladder[0], self.ladder[-1], policy.memory_budget_bytes or "unlimited")
+        log.info("capturing %d graphs (%s, sizes %s..%s, budget %s B)", len(plan.keys),
+                 mode_name(self.effective_mode), self.ladder[0], self.ladder[-1],
+                 policy.memory_budget_bytes or "unlimited")
 
     def step(self) -> bool:
         """Captures the next key; True once the whole set is in and swapped into the dispatcher.
@@ -124,6 +170,13 @@ class CaptureController:
             captured=frozenset(graphs.captured), skipped={k: v.reason for k, v in graphs.skipped.items()},
             released=frozenset(graphs.released),
         ))
+
+    def idle_graphs(self, last_used: Callable[[], Mapping[Key, float]], now: float | None = None) -> set[Key]:
+        """Captured graphs no step replayed for the policy's idle-release time (looked for at most
+        once every ``IDLE_CHECK_SECONDS``; the look that finds some is repeated by the caller once
+        no step that may replay them is in flight). ``last_used`` is the step recorder's."""
+        graphs = self.graph_set
+        return set() if graphs is None else self.idle.due(graphs.captured, last_used, now)
 
     def release_idle(self, keys: set[tuple[int, int]]) -> None:
         """Releases these graphs (idle past the policy's time): their memory is given back, the

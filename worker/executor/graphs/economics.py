@@ -7,17 +7,22 @@ memory budget's bound, as pure decisions (no device), so each is testable anywhe
   latency-bound steps a graph helps most). The plan's own order (largest first, which sizes the
   shared pool) is kept; the keys left out are skipped with SIZE_OVER_MAX_GRAPHS. The padding
   ladder is not changed: a step whose padded size was left out runs eager with that reason.
-- ``idle_keys``: the graphs no step replayed for ``idle_seconds``.
+- ``idle_keys``: the graphs no step replayed for ``idle_seconds``; ``IdleRelease`` holds the
+  adopted policy's idle-release time and how often to look (the capture controller owns one).
 - ``over_budget_drops``: which graphs to give back, most recently captured first (the smallest
   of the largest-first plan), until what stays is within the budget.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Mapping
+import time
+from collections.abc import Callable, Collection, Iterable, Mapping
 
 from graphkeeper.proto.policy import padding_table
 from graphkeeper.worker.executor.graphs.modes import FULL, PIECEWISE, Key
+
+#: Seconds between two looks for idle graphs (a look is a dict scan; releasing is rare).
+IDLE_CHECK_SECONDS = 1.0
 
 
 def key_for_step(num_tokens: int, uniform_decode: bool, keys: Collection[Key], table: list[int]) -> Key | None:
@@ -64,6 +69,35 @@ def idle_keys(last_used: Mapping[Key, float], now: float, idle_seconds: float) -
     if idle_seconds <= 0:
         return set()
     return {key for key, last in last_used.items() if now - last >= idle_seconds}
+
+
+class IdleRelease:
+    """The adopted policy's idle-release time, and when the graphs were last looked at.
+
+    A look that finds nothing is not repeated for ``check_seconds``; one that finds graphs is not
+    remembered, so the caller can finish the step in flight and look again at once (a graph that
+    step replayed is no longer idle).
+    """
+
+    def __init__(self, check_seconds: float = IDLE_CHECK_SECONDS) -> None:
+        self.check_seconds = check_seconds
+        #: The adopted policy's idle-release time (0: graphs are never released while idle).
+        self.seconds = 0
+        self._checked = 0.0
+
+    def due(self, captured: Collection[Key], last_used: Callable[[], Mapping[Key, float]],
+            now: float | None = None) -> set[Key]:
+        """The keys of ``captured`` idle at ``now`` (time.monotonic()); ``last_used`` is read only
+        when a look is due."""
+        if not self.seconds or not captured:
+            return set()
+        now = time.monotonic() if now is None else now
+        if now - self._checked < self.check_seconds:
+            return set()
+        found = idle_keys({k: t for k, t in last_used().items() if k in captured}, now, self.seconds)
+        if not found:
+            self._checked = now
+        return found
 
 
 def over_budget_drops(captured_order: list[tuple[Key, int]], held: int, budget: int) -> list[Key]:
