@@ -1,8 +1,9 @@
-"""The wire enums as Python reads them: which graphs a ``GraphMode`` records.
+"""The wire enums as Python reads them: their label names, and which graphs a ``GraphMode`` records.
 
 ``FULL`` records a whole uniform-decode step; ``PIECEWISE`` records the pieces between attention
 calls, so it serves mixed and prefill steps too. The worker's capture plan and dispatcher and the
 operator's size selection (``traffic_sizes``) all ask these, so a new mode is taught here once.
+The names are the forms metrics, logs, status and the CLI print (the proto's prefix stripped).
 """
 
 from __future__ import annotations
@@ -26,3 +27,21 @@ def mode_has_piecewise(mode: int) -> bool:
 def mode_has_graphs(mode: int) -> bool:
     """Whether ``mode`` records any graph at all (every mode but NONE and UNSPECIFIED)."""
     return mode_has_full(mode) or mode_has_piecewise(mode)
+
+
+# --- names ------------------------------------------------------------------------------------
+
+
+def mode_name(mode: int) -> str:
+    """``GRAPH_MODE_FULL_AND_PIECEWISE`` -> ``full_and_piecewise`` (the metric label form)."""
+    return pb.GraphMode.Name(mode).removeprefix("GRAPH_MODE_").lower()
+
+
+def reason_name(reason: int) -> str:
+    """``FALLBACK_REASON_TENANT_DISABLED`` -> ``tenant_disabled`` (the metric label form)."""
+    return pb.FallbackReason.Name(reason).removeprefix("FALLBACK_REASON_").lower()
+
+
+def lifecycle_name(state: int) -> str:
+    """``LIFECYCLE_STATE_READY`` -> ``READY`` (logs, status and health; ``.lower()`` for labels)."""
+    return pb.LifecycleState.Name(state).removeprefix("LIFECYCLE_STATE_")

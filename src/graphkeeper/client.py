@@ -17,7 +17,7 @@ from google.protobuf import json_format
 from graphkeeper.cli import CommandError
 from graphkeeper.proto import worker_pb2 as pb
 from graphkeeper.proto import worker_pb2_grpc as pb_grpc
-from graphkeeper.proto.policy import lifecycle_name, mode_name, reason_name
+from graphkeeper.proto.enums import lifecycle_name, mode_name, reason_name
 
 DEFAULT_CONTROL_PORT = 50052
 

@@ -25,7 +25,8 @@ from typing import Any
 import torch
 
 from graphkeeper.proto import worker_pb2 as pb
-from graphkeeper.proto.policy import PolicyError, effective_requested_mode, lifecycle_name, resolve_capture_sizes
+from graphkeeper.proto.enums import lifecycle_name
+from graphkeeper.proto.policy import PolicyError, effective_requested_mode, resolve_capture_sizes
 from graphkeeper.worker.engine.blocks import BlockManager, blocks_for
 from graphkeeper.worker.engine.control import Control, Reload, starting_policy
 from graphkeeper.worker.engine.errors import (

@@ -26,7 +26,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from graphkeeper.proto import worker_pb2 as pb
-from graphkeeper.proto.policy import clipped_repr
+from graphkeeper.proto.field_checks import clipped_repr
 from graphkeeper.worker.engine import Engine, IncrementalDetokenizer, NotServing, QueueFull, StepFailed
 from graphkeeper.worker.serving.admission import MAX_PROMPT_TEXT_BYTES, AdmissionError, Oversize
 from graphkeeper.worker.serving.grpc_server import StreamHub, TokenStream, admitted, public_model_info
