@@ -11,7 +11,12 @@ import os
 import sys
 from typing import NoReturn
 
+from graphkeeper.proto import ports  # plain constants: no dependency is imported
+
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+#: Where the client commands find a worker unless told: one on this machine, on the default ports.
+DEFAULT_TARGET = f"127.0.0.1:{ports.GRPC_PORT}"
+CONTROL_TARGET_HELP = f"its GraphControl address (default: same host, :{ports.CONTROL_PORT})"
 
 
 class CommandError(Exception):
@@ -40,16 +45,17 @@ def _worker(sub: argparse._SubParsersAction) -> None:
                    "(default: %(default)s)")
     p.add_argument("--model-revision", default="", help="revision to report (default: content hash)")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=50051, help="inference gRPC port (InferenceWorker, health)")
+    p.add_argument("--port", type=int, default=ports.GRPC_PORT, help="inference gRPC port (InferenceWorker, health)")
     p.add_argument("--control-host", default="", help="GraphControl address (default: --host)")
-    p.add_argument("--control-port", type=int, default=50052, help="GraphControl gRPC port, never the inference one")
+    p.add_argument("--control-port", type=int, default=ports.CONTROL_PORT,
+                   help="GraphControl gRPC port, never the inference one")
     p.add_argument("--control-token-file", default="",
                    help="bearer token every GraphControl call must carry; without it control binds loopback only")
     p.add_argument("--model-root", action="append", default=[],
                    help="where LoadModelRevision may load from (repeatable; none: no path may be loaded)")
-    p.add_argument("--metrics-port", type=int, default=9400, help="0 disables /metrics")
+    p.add_argument("--metrics-port", type=int, default=ports.METRICS_PORT, help="0 disables /metrics")
     p.add_argument("--http-host", default="", help="OpenAI-compatible HTTP address (default: --host)")
-    p.add_argument("--http-port", type=int, default=8000,
+    p.add_argument("--http-port", type=int, default=ports.HTTP_PORT,
                    help="OpenAI-compatible HTTP port (/v1/completions, /v1/chat/completions, /health); 0 disables it")
     p.add_argument("--served-model-name", default="",
                    help="the model's name in the HTTP API (default: the model file or directory's name)")
@@ -97,7 +103,7 @@ def _worker(sub: argparse._SubParsersAction) -> None:
 
 def _generate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="stream tokens from a worker")
-    p.add_argument("--target", default="127.0.0.1:50051")
+    p.add_argument("--target", default=DEFAULT_TARGET)
     p.add_argument("--prompt-ids", default="", help="comma-separated token ids")
     p.add_argument("--prompt", default="", help="text prompt (the model must carry a tokenizer)")
     p.add_argument("--chat", default="", help="a user message, rendered by the model's chat template")
@@ -116,8 +122,8 @@ def _generate(sub: argparse._SubParsersAction) -> None:
 
 def _status(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("status", help="print a worker's model info and graph status")
-    p.add_argument("--target", default="127.0.0.1:50051", help="the worker's inference address")
-    p.add_argument("--control-target", default="", help="its GraphControl address (default: same host, :50052)")
+    p.add_argument("--target", default=DEFAULT_TARGET, help="the worker's inference address")
+    p.add_argument("--control-target", default="", help=CONTROL_TARGET_HELP)
     p.add_argument("--token-file", default="", help="GraphControl bearer token (or $GRAPHKEEPER_CONTROL_TOKEN_FILE)")
     p.add_argument("--json", action="store_true")
     p.add_argument("--timeout", type=float, default=10.0)
@@ -126,8 +132,8 @@ def _status(sub: argparse._SubParsersAction) -> None:
 
 def _graphs(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("graphs", help="print what each captured graph costs and buys, and the worker's traffic")
-    p.add_argument("--target", default="127.0.0.1:50051", help="the worker's inference address (its host is used)")
-    p.add_argument("--control-target", default="", help="its GraphControl address (default: same host, :50052)")
+    p.add_argument("--target", default=DEFAULT_TARGET, help="the worker's inference address (its host is used)")
+    p.add_argument("--control-target", default="", help=CONTROL_TARGET_HELP)
     p.add_argument("--token-file", default="", help="GraphControl bearer token (or $GRAPHKEEPER_CONTROL_TOKEN_FILE)")
     p.add_argument("--json", action="store_true", help="one row per graph and the total, and the whole histogram")
     p.add_argument("--timeout", type=float, default=10.0)
@@ -137,7 +143,8 @@ def _graphs(sub: argparse._SubParsersAction) -> None:
 def _operator(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("operator", help="run the GraphPolicy operator (a wrapper over kopf run)")
     p.add_argument("--namespace", action="append", default=[], help="watch only these (default: all)")
-    p.add_argument("--metrics-port", type=int, default=9500, help="operator metrics and /healthz")
+    p.add_argument("--metrics-port", type=int, default=ports.OPERATOR_METRICS_PORT,
+                   help="operator metrics and /healthz")
     p.add_argument("--status-interval", type=float, default=5.0,
                    help="seconds between a policy's reconcile runs (no worker is read unless it needs it)")
     p.add_argument("--resync-interval", type=float, default=60.0,
