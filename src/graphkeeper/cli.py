@@ -11,16 +11,13 @@ import os
 import sys
 from typing import NoReturn
 
+from graphkeeper.command_error import CommandError
 from graphkeeper.proto import ports  # plain constants: no dependency is imported
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 #: Where the client commands find a worker unless told: one on this machine, on the default ports.
 DEFAULT_TARGET = f"127.0.0.1:{ports.GRPC_PORT}"
 CONTROL_TARGET_HELP = f"its GraphControl address (default: same host, :{ports.CONTROL_PORT})"
-
-
-class CommandError(Exception):
-    """What a command prints as ``error: ...`` before it exits with status 2 (``main`` does both)."""
 
 
 def _one_line_errors(parser: argparse.ArgumentParser) -> None:
@@ -98,7 +95,7 @@ def _worker(sub: argparse._SubParsersAction) -> None:
                         "the API layer (default); --no-engine-process runs both in one process")
     p.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS)
     _one_line_errors(p)
-    p.set_defaults(func=lambda a: __import__("graphkeeper.worker.main", fromlist=["run"]).run(a))
+    p.set_defaults(func=_run_worker)
 
 
 def _generate(sub: argparse._SubParsersAction) -> None:
@@ -117,7 +114,7 @@ def _generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--stop-ids", default="", help="comma-separated stop token ids")
     p.add_argument("--json", action="store_true", help="print one JSON object at the end")
     p.add_argument("--timeout", type=float, default=300.0)
-    p.set_defaults(func=lambda a: __import__("graphkeeper.client", fromlist=["generate_cmd"]).generate_cmd(a))
+    p.set_defaults(func=_run_generate)
 
 
 def _status(sub: argparse._SubParsersAction) -> None:
@@ -127,7 +124,7 @@ def _status(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--token-file", default="", help="GraphControl bearer token (or $GRAPHKEEPER_CONTROL_TOKEN_FILE)")
     p.add_argument("--json", action="store_true")
     p.add_argument("--timeout", type=float, default=10.0)
-    p.set_defaults(func=lambda a: __import__("graphkeeper.client", fromlist=["status_cmd"]).status_cmd(a))
+    p.set_defaults(func=_run_status)
 
 
 def _graphs(sub: argparse._SubParsersAction) -> None:
@@ -137,7 +134,7 @@ def _graphs(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--token-file", default="", help="GraphControl bearer token (or $GRAPHKEEPER_CONTROL_TOKEN_FILE)")
     p.add_argument("--json", action="store_true", help="one row per graph and the total, and the whole histogram")
     p.add_argument("--timeout", type=float, default=10.0)
-    p.set_defaults(func=lambda a: __import__("graphkeeper.client", fromlist=["graphs_cmd"]).graphs_cmd(a))
+    p.set_defaults(func=_run_graphs)
 
 
 def _operator(sub: argparse._SubParsersAction) -> None:
@@ -155,7 +152,40 @@ def _operator(sub: argparse._SubParsersAction) -> None:
                    help="bearer token sent on every GraphControl call "
                         "(default: $GRAPHKEEPER_CONTROL_TOKEN_FILE)")
     p.add_argument("--log-level", default="INFO")
-    p.set_defaults(func=lambda a: __import__("graphkeeper.operator.main", fromlist=["run"]).run(a))
+    p.set_defaults(func=_run_operator)
+
+
+# Each command imports its room only when it runs (torch, grpc and kopf load for the command that needs them).
+
+
+def _run_worker(args: argparse.Namespace) -> int:
+    from graphkeeper.worker.main import run
+
+    return run(args)
+
+
+def _run_generate(args: argparse.Namespace) -> int:
+    from graphkeeper.client import generate_cmd
+
+    return generate_cmd(args)
+
+
+def _run_status(args: argparse.Namespace) -> int:
+    from graphkeeper.client import status_cmd
+
+    return status_cmd(args)
+
+
+def _run_graphs(args: argparse.Namespace) -> int:
+    from graphkeeper.client import graphs_cmd
+
+    return graphs_cmd(args)
+
+
+def _run_operator(args: argparse.Namespace) -> int:
+    from graphkeeper.operator.main import run
+
+    return run(args)
 
 
 def _sweep(sub: argparse._SubParsersAction) -> None:

@@ -14,7 +14,7 @@ from typing import Any
 import grpc
 from google.protobuf import json_format
 
-from graphkeeper.cli import CommandError
+from graphkeeper.command_error import CommandError
 from graphkeeper.proto import ports
 from graphkeeper.proto import worker_pb2 as pb
 from graphkeeper.proto import worker_pb2_grpc as pb_grpc
