@@ -28,7 +28,8 @@ import numpy as np
 import torch
 
 from graphkeeper.proto import worker_pb2 as pb
-from graphkeeper.proto.policy import default_ladder, mode_name, reason_name
+from graphkeeper.proto.enums import mode_name, reason_name
+from graphkeeper.proto.policy import default_ladder
 from graphkeeper.worker.engine import Engine, EngineSettings
 from graphkeeper.worker.executor.graphs.capture import CaptureJob
 from graphkeeper.worker.executor.graphs.graph_set import CapturedGraph, GraphSet

@@ -26,7 +26,6 @@ GRPC_PORT_ANNOTATION = f"{GROUP}/grpc-port"
 GRPC_PORT_NAME = "grpc"
 #: The container port on which a worker serves GraphControl (never the inference port).
 CONTROL_PORT_NAME = "control"
-DEFAULT_GRPC_PORT = 50051
 
 #: The ConfigMap key worker pods read at boot (``--policy-file``).
 POLICY_FILE_KEY = "policy.json"

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from graphkeeper.operator import naming
+from graphkeeper.proto import ports
 
 
 @dataclass(frozen=True)
@@ -24,7 +25,7 @@ class WorkerPod:
     uid: str
     labels: Mapping[str, str] = field(default_factory=dict, compare=False, hash=False)
     address: str = ""
-    port: int = naming.DEFAULT_GRPC_PORT
+    port: int = ports.GRPC_PORT
     phase: str = ""
     ready: bool = False
     restarts: int = 0
@@ -63,7 +64,7 @@ class WorkerPod:
 
 def grpc_port(pod: Mapping[str, Any]) -> int:
     """The container port named ``grpc``, else the ``graphkeeper.io/grpc-port`` annotation,
-    else 50051."""
+    else the worker's default (``proto/ports.py``)."""
     for container in (pod.get("spec") or {}).get("containers") or []:
         for port in container.get("ports") or []:
             if port.get("name") == naming.GRPC_PORT_NAME and port.get("containerPort"):
@@ -72,7 +73,7 @@ def grpc_port(pod: Mapping[str, Any]) -> int:
     value = str(annotations.get(naming.GRPC_PORT_ANNOTATION, "")).strip()
     if value.isdigit() and 0 < int(value) < 65536:
         return int(value)
-    return naming.DEFAULT_GRPC_PORT
+    return ports.GRPC_PORT
 
 
 def control_port(pod: Mapping[str, Any]) -> int:

@@ -23,7 +23,8 @@ from graphkeeper.operator.status import WorkerObservation, WorkerState
 from graphkeeper.operator.traffic import spec_generation
 from graphkeeper.operator.workerclient import ErrorKind, WorkerError
 from graphkeeper.proto import worker_pb2 as pb
-from graphkeeper.proto.policy import MODE_BY_NAME, lifecycle_name
+from graphkeeper.proto.enums import lifecycle_name
+from graphkeeper.proto.policy import MODE_BY_NAME
 
 #: A LoadModelRevision for the same pod and revision is not retried sooner than this.
 MODEL_LOAD_RETRY_SECONDS = 60.0

@@ -17,6 +17,7 @@ from typing import Any
 from google.protobuf import json_format
 
 from graphkeeper.proto import worker_pb2 as pb
+from graphkeeper.proto.field_checks import FieldError, check_string, clipped_repr
 
 #: The largest capture size any policy may ask for.
 MAX_CAPTURE_SIZE_LIMIT = 8192
@@ -32,8 +33,6 @@ MAX_IDLE_RELEASE_SECONDS = 30 * 24 * 3600
 MAX_POLICY_UID_BYTES = 128
 #: ``namespace/name``: a namespace label (63) + ``/`` + an object name (253).
 MAX_POLICY_NAME_BYTES = 63 + 1 + 253
-#: How much of a refused value an error message repeats (the rest is elided).
-ECHO_CHARS = 64
 
 TENANT_RE = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 
@@ -67,15 +66,6 @@ _QUANTITY_FACTORS = {
 MAX_BINARY_FRACTION_DIGITS = 10
 #: A budget is an int64 on the wire.
 MAX_QUANTITY_BYTES = 2**63 - 1
-
-
-class FieldError(ValueError):
-    """Input refused because of one field; ``field`` names it and leads the message."""
-
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(f"{field}: {message}")
-        self.field = field
-        self.message = message
 
 
 class PolicyError(FieldError):
@@ -180,32 +170,6 @@ def padding_table(capture_sizes: list[int]) -> list[int]:
 
 
 # --- validation -------------------------------------------------------------------------------
-
-
-def clipped_repr(value: str, limit: int = ECHO_CHARS) -> str:
-    """``repr`` of at most ``limit`` characters of ``value``, with an ellipsis when cut.
-
-    Error messages travel back to the caller, into logs and into the operator's status: a
-    refused megabyte-long string must not be echoed whole, and ``repr`` keeps control
-    characters from forging log lines.
-    """
-    if len(value) <= limit:
-        return repr(value)
-    return repr(value[:limit]) + f"... ({len(value)} characters)"
-
-
-def utf8_len(value: str) -> int:
-    """The length of ``value`` on the wire (proto strings are UTF-8)."""
-    return len(value.encode("utf-8", "surrogatepass"))
-
-
-def check_string(field: str, value: str, max_bytes: int, error: type[ValueError]) -> None:
-    """Raises ``error(field, message)`` when ``value`` exceeds ``max_bytes`` or holds control characters."""
-    size = utf8_len(value)
-    if size > max_bytes:
-        raise error(field, f"at most {max_bytes} bytes, got {size}: {clipped_repr(value)}")
-    if any(ch < " " or ch == "\x7f" for ch in value):
-        raise error(field, f"must not contain control characters: {clipped_repr(value)}")
 
 
 def validate_policy(
@@ -453,18 +417,3 @@ def policy_from_json(text: str) -> pb.GraphPolicy:
         raise PolicyError("policy_file", f"not a GraphPolicy JSON document: {err}") from None
     validate_policy(policy)
     return policy
-
-
-def mode_name(mode: int) -> str:
-    """``GRAPH_MODE_FULL_AND_PIECEWISE`` -> ``full_and_piecewise`` (the metric label form)."""
-    return pb.GraphMode.Name(mode).removeprefix("GRAPH_MODE_").lower()
-
-
-def reason_name(reason: int) -> str:
-    """``FALLBACK_REASON_TENANT_DISABLED`` -> ``tenant_disabled`` (the metric label form)."""
-    return pb.FallbackReason.Name(reason).removeprefix("FALLBACK_REASON_").lower()
-
-
-def lifecycle_name(state: int) -> str:
-    """``LIFECYCLE_STATE_READY`` -> ``READY`` (logs, status and health; ``.lower()`` for labels)."""
-    return pb.LifecycleState.Name(state).removeprefix("LIFECYCLE_STATE_")

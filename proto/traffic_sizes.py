@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from graphkeeper.proto import worker_pb2 as pb
+from graphkeeper.proto.enums import mode_has_full, mode_has_graphs, mode_has_piecewise
 
 #: Default step-time model (token units), used for a kind of step no worker measured.
 DEFAULT_FIXED_TOKENS = 64.0
@@ -50,9 +51,6 @@ DEFAULT_GRAPH_CAPTURE_SECONDS = 0.04
 MAX_CANDIDATES = 128
 #: The memory budget is divided into this many units for the exact search.
 BUDGET_UNITS = 512
-
-_HAS_FULL = {pb.GRAPH_MODE_FULL, pb.GRAPH_MODE_FULL_DECODE_ONLY, pb.GRAPH_MODE_FULL_AND_PIECEWISE}
-_HAS_PIECEWISE = {pb.GRAPH_MODE_PIECEWISE, pb.GRAPH_MODE_FULL_AND_PIECEWISE}
 
 
 # --- the traffic -------------------------------------------------------------------------------
@@ -157,9 +155,9 @@ def runtime_modes(mode: int) -> list[int]:
     """The runtime modes a policy mode records for every size (FULL graphs are recorded for the
     sizes decode steps pad to; counted for every size, so estimates never fall short)."""
     out = []
-    if mode in _HAS_FULL:
+    if mode_has_full(mode):
         out.append(pb.GRAPH_MODE_FULL)
-    if mode in _HAS_PIECEWISE:
+    if mode_has_piecewise(mode):
         out.append(pb.GRAPH_MODE_PIECEWISE)
     return out
 
@@ -195,7 +193,7 @@ class CostModel:
         return "seconds" if self.measured.timed else "token-equivalents"
 
     def _runtime(self, decode: bool) -> int:
-        return pb.GRAPH_MODE_FULL if decode and self.mode in _HAS_FULL else pb.GRAPH_MODE_PIECEWISE
+        return pb.GRAPH_MODE_FULL if decode and mode_has_full(self.mode) else pb.GRAPH_MODE_PIECEWISE
 
     def replay(self, size: int, decode: bool) -> float:
         """Time of one step replayed at ``size``."""
@@ -273,8 +271,8 @@ class SizeChoice:
 
 
 def _eligible(traffic: Traffic, mode: int) -> tuple[dict[int, int], dict[int, int]]:
-    decode = dict(traffic.decode) if mode in _HAS_FULL | _HAS_PIECEWISE else {}
-    mixed = dict(traffic.mixed) if mode in _HAS_PIECEWISE else {}
+    decode = dict(traffic.decode) if mode_has_graphs(mode) else {}
+    mixed = dict(traffic.mixed) if mode_has_piecewise(mode) else {}
     return decode, mixed
 
 
@@ -328,9 +326,9 @@ def evaluate_sizes(traffic: Traffic, sizes: Iterable[int], mode: int, model: Cos
 def _ineligible_cost(traffic: Traffic, mode: int, model: CostModel) -> float:
     """Steps no size set changes: mixed steps the mode does not serve (and every step under NONE)."""
     cost = 0.0
-    if mode not in _HAS_PIECEWISE:
+    if not mode_has_piecewise(mode):
         cost += sum(n * model.eager(t, False) for t, n in traffic.mixed.items())
-    if mode not in _HAS_FULL | _HAS_PIECEWISE:
+    if not mode_has_graphs(mode):
         cost += sum(n * model.eager(t, True) for t, n in traffic.decode.items())
     return cost
 
@@ -371,7 +369,7 @@ def choose_sizes(
     model = model or CostModel(mode)
     decode, mixed = _eligible(traffic, mode)
     counts = sorted(t for t in set(decode) | set(mixed) if t <= max_capture_size)
-    if mode not in _HAS_FULL | _HAS_PIECEWISE:
+    if not mode_has_graphs(mode):
         return evaluate_sizes(traffic, (), mode, model, note="mode None captures no graph")
     if not counts:
         return evaluate_sizes(traffic, (), mode, model, note="no eligible step at or below the maximum "

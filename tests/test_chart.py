@@ -17,6 +17,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from graphkeeper.proto import ports
+
 ROOT = Path(__file__).resolve().parents[1]
 CHART = ROOT / "charts" / "graphkeeper"
 TOKEN_DIR = "/var/run/graphkeeper/control"
@@ -86,6 +88,16 @@ def test_workers_serve_control_on_its_own_port_and_probe_inference(helm):
     assert "--model-root=/models" in container["args"]
     assert container["readinessProbe"]["grpc"] == {
         "port": 50051, "service": "graphkeeper.worker.v1.InferenceWorker"}
+
+
+def test_the_charts_default_ports_are_the_codes_defaults():
+    """YAML cannot import proto/ports.py: the chart keeps its own copy, held here to the code's."""
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    workers, service = values["workers"], values["workers"]["service"]["ports"]
+    assert (workers["grpcPort"], workers["controlPort"], workers["metricsPort"], workers["httpPort"]) == (
+        ports.GRPC_PORT, ports.CONTROL_PORT, ports.METRICS_PORT, ports.HTTP_PORT)
+    assert (service["grpc"], service["http"]) == (ports.GRPC_PORT, ports.HTTP_PORT)
+    assert values["operator"]["metricsPort"] == ports.OPERATOR_METRICS_PORT
 
 
 def test_workers_serve_openai_http_and_vllm_metric_names_by_choice(helm):

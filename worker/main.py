@@ -23,7 +23,8 @@ from pathlib import Path
 import torch
 
 from graphkeeper.proto import worker_pb2 as pb
-from graphkeeper.proto.policy import MODE_BY_NAME, PolicyError, lifecycle_name, policy_from_json, validate_policy
+from graphkeeper.proto.enums import lifecycle_name
+from graphkeeper.proto.policy import MODE_BY_NAME, PolicyError, policy_from_json, validate_policy
 from graphkeeper.worker.engine import Engine, EngineClient
 from graphkeeper.worker.engine.sizing import SizingError, parse_bytes, utilization_error
 from graphkeeper.worker.model.kv_cache import check_block_size

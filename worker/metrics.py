@@ -14,7 +14,7 @@ import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, disable_created_metrics
 
 from graphkeeper.proto import worker_pb2 as pb
-from graphkeeper.proto.policy import lifecycle_name, mode_name, reason_name
+from graphkeeper.proto.enums import lifecycle_name, mode_name, reason_name
 
 #: Label values of graphkeeper_requests_total{outcome}.
 OUTCOMES = ("length", "stop", "eos", "cancelled", "invalid", "oversize", "undecodable", "queue_full", "unavailable",

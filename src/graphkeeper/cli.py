@@ -11,11 +11,13 @@ import os
 import sys
 from typing import NoReturn
 
+from graphkeeper.command_error import CommandError
+from graphkeeper.proto import ports  # plain constants: no dependency is imported
+
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
-
-
-class CommandError(Exception):
-    """What a command prints as ``error: ...`` before it exits with status 2 (``main`` does both)."""
+#: Where the client commands find a worker unless told: one on this machine, on the default ports.
+DEFAULT_TARGET = f"127.0.0.1:{ports.GRPC_PORT}"
+CONTROL_TARGET_HELP = f"its GraphControl address (default: same host, :{ports.CONTROL_PORT})"
 
 
 def _one_line_errors(parser: argparse.ArgumentParser) -> None:
@@ -40,16 +42,17 @@ def _worker(sub: argparse._SubParsersAction) -> None:
                    "(default: %(default)s)")
     p.add_argument("--model-revision", default="", help="revision to report (default: content hash)")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=50051, help="inference gRPC port (InferenceWorker, health)")
+    p.add_argument("--port", type=int, default=ports.GRPC_PORT, help="inference gRPC port (InferenceWorker, health)")
     p.add_argument("--control-host", default="", help="GraphControl address (default: --host)")
-    p.add_argument("--control-port", type=int, default=50052, help="GraphControl gRPC port, never the inference one")
+    p.add_argument("--control-port", type=int, default=ports.CONTROL_PORT,
+                   help="GraphControl gRPC port, never the inference one")
     p.add_argument("--control-token-file", default="",
                    help="bearer token every GraphControl call must carry; without it control binds loopback only")
     p.add_argument("--model-root", action="append", default=[],
                    help="where LoadModelRevision may load from (repeatable; none: no path may be loaded)")
-    p.add_argument("--metrics-port", type=int, default=9400, help="0 disables /metrics")
+    p.add_argument("--metrics-port", type=int, default=ports.METRICS_PORT, help="0 disables /metrics")
     p.add_argument("--http-host", default="", help="OpenAI-compatible HTTP address (default: --host)")
-    p.add_argument("--http-port", type=int, default=8000,
+    p.add_argument("--http-port", type=int, default=ports.HTTP_PORT,
                    help="OpenAI-compatible HTTP port (/v1/completions, /v1/chat/completions, /health); 0 disables it")
     p.add_argument("--served-model-name", default="",
                    help="the model's name in the HTTP API (default: the model file or directory's name)")
@@ -92,12 +95,12 @@ def _worker(sub: argparse._SubParsersAction) -> None:
                         "the API layer (default); --no-engine-process runs both in one process")
     p.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS)
     _one_line_errors(p)
-    p.set_defaults(func=lambda a: __import__("graphkeeper.worker.main", fromlist=["run"]).run(a))
+    p.set_defaults(func=_run_worker)
 
 
 def _generate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="stream tokens from a worker")
-    p.add_argument("--target", default="127.0.0.1:50051")
+    p.add_argument("--target", default=DEFAULT_TARGET)
     p.add_argument("--prompt-ids", default="", help="comma-separated token ids")
     p.add_argument("--prompt", default="", help="text prompt (the model must carry a tokenizer)")
     p.add_argument("--chat", default="", help="a user message, rendered by the model's chat template")
@@ -111,33 +114,34 @@ def _generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--stop-ids", default="", help="comma-separated stop token ids")
     p.add_argument("--json", action="store_true", help="print one JSON object at the end")
     p.add_argument("--timeout", type=float, default=300.0)
-    p.set_defaults(func=lambda a: __import__("graphkeeper.client", fromlist=["generate_cmd"]).generate_cmd(a))
+    p.set_defaults(func=_run_generate)
 
 
 def _status(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("status", help="print a worker's model info and graph status")
-    p.add_argument("--target", default="127.0.0.1:50051", help="the worker's inference address")
-    p.add_argument("--control-target", default="", help="its GraphControl address (default: same host, :50052)")
+    p.add_argument("--target", default=DEFAULT_TARGET, help="the worker's inference address")
+    p.add_argument("--control-target", default="", help=CONTROL_TARGET_HELP)
     p.add_argument("--token-file", default="", help="GraphControl bearer token (or $GRAPHKEEPER_CONTROL_TOKEN_FILE)")
     p.add_argument("--json", action="store_true")
     p.add_argument("--timeout", type=float, default=10.0)
-    p.set_defaults(func=lambda a: __import__("graphkeeper.client", fromlist=["status_cmd"]).status_cmd(a))
+    p.set_defaults(func=_run_status)
 
 
 def _graphs(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("graphs", help="print what each captured graph costs and buys, and the worker's traffic")
-    p.add_argument("--target", default="127.0.0.1:50051", help="the worker's inference address (its host is used)")
-    p.add_argument("--control-target", default="", help="its GraphControl address (default: same host, :50052)")
+    p.add_argument("--target", default=DEFAULT_TARGET, help="the worker's inference address (its host is used)")
+    p.add_argument("--control-target", default="", help=CONTROL_TARGET_HELP)
     p.add_argument("--token-file", default="", help="GraphControl bearer token (or $GRAPHKEEPER_CONTROL_TOKEN_FILE)")
     p.add_argument("--json", action="store_true", help="one row per graph and the total, and the whole histogram")
     p.add_argument("--timeout", type=float, default=10.0)
-    p.set_defaults(func=lambda a: __import__("graphkeeper.client", fromlist=["graphs_cmd"]).graphs_cmd(a))
+    p.set_defaults(func=_run_graphs)
 
 
 def _operator(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("operator", help="run the GraphPolicy operator (a wrapper over kopf run)")
     p.add_argument("--namespace", action="append", default=[], help="watch only these (default: all)")
-    p.add_argument("--metrics-port", type=int, default=9500, help="operator metrics and /healthz")
+    p.add_argument("--metrics-port", type=int, default=ports.OPERATOR_METRICS_PORT,
+                   help="operator metrics and /healthz")
     p.add_argument("--status-interval", type=float, default=5.0,
                    help="seconds between a policy's reconcile runs (no worker is read unless it needs it)")
     p.add_argument("--resync-interval", type=float, default=60.0,
@@ -148,7 +152,40 @@ def _operator(sub: argparse._SubParsersAction) -> None:
                    help="bearer token sent on every GraphControl call "
                         "(default: $GRAPHKEEPER_CONTROL_TOKEN_FILE)")
     p.add_argument("--log-level", default="INFO")
-    p.set_defaults(func=lambda a: __import__("graphkeeper.operator.main", fromlist=["run"]).run(a))
+    p.set_defaults(func=_run_operator)
+
+
+# Each command imports its room only when it runs (torch, grpc and kopf load for the command that needs them).
+
+
+def _run_worker(args: argparse.Namespace) -> int:
+    from graphkeeper.worker.main import run
+
+    return run(args)
+
+
+def _run_generate(args: argparse.Namespace) -> int:
+    from graphkeeper.client import generate_cmd
+
+    return generate_cmd(args)
+
+
+def _run_status(args: argparse.Namespace) -> int:
+    from graphkeeper.client import status_cmd
+
+    return status_cmd(args)
+
+
+def _run_graphs(args: argparse.Namespace) -> int:
+    from graphkeeper.client import graphs_cmd
+
+    return graphs_cmd(args)
+
+
+def _run_operator(args: argparse.Namespace) -> int:
+    from graphkeeper.operator.main import run
+
+    return run(args)
 
 
 def _sweep(sub: argparse._SubParsersAction) -> None:

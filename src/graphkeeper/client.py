@@ -14,12 +14,11 @@ from typing import Any
 import grpc
 from google.protobuf import json_format
 
-from graphkeeper.cli import CommandError
+from graphkeeper.command_error import CommandError
+from graphkeeper.proto import ports
 from graphkeeper.proto import worker_pb2 as pb
 from graphkeeper.proto import worker_pb2_grpc as pb_grpc
-from graphkeeper.proto.policy import lifecycle_name, mode_name, reason_name
-
-DEFAULT_CONTROL_PORT = 50052
+from graphkeeper.proto.enums import lifecycle_name, mode_name, reason_name
 
 
 def _ids(text: str) -> list[int]:
@@ -99,7 +98,7 @@ def control_target(target: str, control: str) -> str:
     if control:
         return control
     host = target.rsplit(":", 1)[0] if ":" in target else target
-    return f"{host}:{DEFAULT_CONTROL_PORT}"
+    return f"{host}:{ports.CONTROL_PORT}"
 
 
 def read_token(path: str) -> str:

@@ -22,7 +22,8 @@ import grpc
 from graphkeeper.proto import SERVER_OPTIONS
 from graphkeeper.proto import worker_pb2 as pb
 from graphkeeper.proto import worker_pb2_grpc as pb_grpc
-from graphkeeper.proto.policy import PolicyError, lifecycle_name, recapture_key, validate_policy
+from graphkeeper.proto.enums import lifecycle_name
+from graphkeeper.proto.policy import PolicyError, recapture_key, validate_policy
 
 
 @dataclass

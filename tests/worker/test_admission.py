@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from graphkeeper.proto import worker_pb2 as pb
-from graphkeeper.proto.policy import PolicyError, clipped_repr, validate_policy
+from graphkeeper.proto.field_checks import clipped_repr
+from graphkeeper.proto.policy import PolicyError, validate_policy
 from graphkeeper.worker.serving.admission import (
     MAX_PROMPT_TEXT_BYTES,
     MAX_STOP_IDS,

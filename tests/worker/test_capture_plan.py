@@ -7,10 +7,11 @@ from __future__ import annotations
 import pytest
 
 from graphkeeper.proto import worker_pb2 as pb
+from graphkeeper.proto.enums import mode_has_full, mode_has_graphs, mode_has_piecewise
 from graphkeeper.proto.policy import default_ladder
 from graphkeeper.worker.executor.graphs.controller import CaptureController
 from graphkeeper.worker.executor.graphs.dispatcher import FULL, PIECEWISE, BatchDescriptor, Dispatcher, GraphState
-from graphkeeper.worker.executor.graphs.modes import capture_plan, mode_has_full, mode_has_piecewise
+from graphkeeper.worker.executor.graphs.modes import capture_plan
 from graphkeeper.worker.metrics import WorkerMetrics
 
 M = pb.GraphMode
@@ -51,6 +52,11 @@ def test_the_default_ladder_plans_each_key_once():
 ])
 def test_which_runtime_modes_a_policy_mode_records(mode, full, piecewise):
     assert (mode_has_full(mode), mode_has_piecewise(mode)) == (full, piecewise)
+    assert mode_has_graphs(mode) == (full or piecewise)
+
+
+def test_every_graph_mode_but_none_records_graphs():
+    assert {m for m in M.values() if not mode_has_graphs(m)} == {M.GRAPH_MODE_UNSPECIFIED, M.GRAPH_MODE_NONE}
 
 
 # --- the controller on a CPU --------------------------------------------------------------------

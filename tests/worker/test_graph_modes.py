@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from graphkeeper.proto import worker_pb2 as pb
-from graphkeeper.proto.policy import default_ladder, mode_name
+from graphkeeper.proto.enums import mode_name
+from graphkeeper.proto.policy import default_ladder
 from graphkeeper.worker.executor.graphs.modes import downgrade_mode, full_sizes
 
 ALL_MODES = [m for m in pb.GraphMode.values() if m != pb.GRAPH_MODE_UNSPECIFIED]

@@ -7,15 +7,14 @@ from __future__ import annotations
 import pytest
 
 from graphkeeper.proto import worker_pb2 as pb
+from graphkeeper.proto.enums import mode_name, reason_name
 from graphkeeper.proto.policy import (
     PolicyError,
     disabled_tenants,
-    mode_name,
     parse_quantity,
     policy_from_json,
     policy_from_spec,
     policy_to_json,
-    reason_name,
     tenant_allows_graphs,
     validate_policy,
 )

@@ -35,7 +35,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 from graphkeeper.proto import worker_pb2 as pb
-from graphkeeper.proto.policy import lifecycle_name
+from graphkeeper.proto.enums import lifecycle_name
 from graphkeeper.worker.engine import process
 from graphkeeper.worker.engine.errors import NotServing
 from graphkeeper.worker.engine.ipc import Call, Cancel, Channel, ErrorBox, Model, Outputs, Reply, Sized, State, Submit

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from graphkeeper.proto import worker_pb2 as pb
-from graphkeeper.proto.policy import lifecycle_name
+from graphkeeper.proto.enums import lifecycle_name
 from graphkeeper.worker.engine.blocks import BlockManager, blocks_for
 from graphkeeper.worker.engine.control import Control, Reload, starting_policy
 from graphkeeper.worker.engine.errors import CannotFit, NotServing, QueueFull, ReloadBusy, injected_failure

@@ -22,7 +22,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from graphkeeper.proto import worker_pb2 as pb
-from graphkeeper.proto.policy import FieldError
+from graphkeeper.proto.field_checks import FieldError
 
 # --- API process -> engine core ------------------------------------------------------------------
 

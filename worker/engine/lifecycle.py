@@ -11,7 +11,7 @@ import threading
 from collections.abc import Callable
 
 from graphkeeper.proto import worker_pb2 as pb
-from graphkeeper.proto.policy import lifecycle_name
+from graphkeeper.proto.enums import lifecycle_name
 
 S = pb.LifecycleState
 ALLOWED: dict[int, frozenset[int]] = {

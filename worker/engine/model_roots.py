@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from graphkeeper.proto.policy import FieldError, clipped_repr
+from graphkeeper.proto.field_checks import FieldError, clipped_repr
 
 #: Entries of a model directory looked at; a directory with more is refused (a checkpoint has tens).
 MAX_ENTRIES = 4096

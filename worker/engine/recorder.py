@@ -10,7 +10,7 @@ from collections import Counter
 from contextlib import suppress
 from dataclasses import dataclass
 
-from graphkeeper.proto.policy import mode_name, reason_name
+from graphkeeper.proto.enums import mode_name, reason_name
 from graphkeeper.worker.engine.traffic import TrafficHistogram
 from graphkeeper.worker.executor.graphs.dispatcher import BatchDescriptor, Decision
 from graphkeeper.worker.metrics import STEP_KINDS, TENANT_EXECUTIONS, WorkerMetrics, attention_backend_label

@@ -22,7 +22,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from graphkeeper.proto.policy import FieldError, parse_quantity
+from graphkeeper.proto.field_checks import FieldError
+from graphkeeper.proto.policy import parse_quantity
 
 #: KV rows are allocated in multiples of this (as the attention kernels read them).
 KV_ROW_ALIGN = 16

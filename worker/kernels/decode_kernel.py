@@ -45,6 +45,22 @@ if triton is not None:
         return m_new, l_i, acc * alpha[:, None] + pv
 
     @triton.jit
+    def load_kv_tile(table, k_base, v_base, start, end, dims, stride_kb, stride_kl,
+                     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+        """Keys ``start .. start + BLOCK_N`` of one slot and one key/value head, read in place from
+        the paged cache through the slot's row of the block table (``table``); keys at or past
+        ``end`` read as zeros. Returns the key positions, which of them exist, and the key and
+        value tiles. Shared by the decode and the varlen kernels (Triton inlines it).
+        """
+        keys = start + tl.arange(0, BLOCK_N)
+        key_ok = keys < end
+        kv_block = tl.load(table + keys // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
+        offsets = (kv_block * stride_kb + (keys % BLOCK_SIZE) * stride_kl)[:, None] + dims[None, :]
+        k = tl.load(k_base + offsets, mask=key_ok[:, None], other=0.0)
+        v = tl.load(v_base + offsets, mask=key_ok[:, None], other=0.0)
+        return keys, key_ok, k, v
+
+    @triton.jit
     def _decode_kernel(
         q_ptr, k_ptr, v_ptr, out_ptr, part_ptr, stats_ptr, slots_ptr, lengths_ptr, table_ptr, scale,
         stride_qb, stride_qh, stride_kb, stride_kh, stride_kl, stride_ob, stride_oh, stride_t,
@@ -72,12 +88,8 @@ if triton is not None:
         l_i = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
         for start in range(first, end, BLOCK_N):
-            keys = start + tl.arange(0, BLOCK_N)
-            key_ok = keys < end
-            kv_block = tl.load(table + keys // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
-            offsets = (kv_block * stride_kb + (keys % BLOCK_SIZE) * stride_kl)[:, None] + dims[None, :]
-            k = tl.load(k_base + offsets, mask=key_ok[:, None], other=0.0)
-            v = tl.load(v_base + offsets, mask=key_ok[:, None], other=0.0)
+            _, key_ok, k, v = load_kv_tile(table, k_base, v_base, start, end, dims, stride_kb, stride_kl,
+                                           BLOCK_SIZE, BLOCK_N)
             m_i, l_i, acc = online_softmax_step(q, k, v, key_ok[None, :], scale, m_i, l_i, acc, IEEE)
         if SPLITS == 1:
             acc = acc / l_i[:, None]

@@ -24,7 +24,7 @@ BLOCK_Q = 16
 
 
 if triton is not None:
-    from graphkeeper.worker.kernels.decode_kernel import online_softmax_step
+    from graphkeeper.worker.kernels.decode_kernel import load_kv_tile, online_softmax_step
 
     @triton.jit
     def _varlen_kernel(
@@ -59,12 +59,8 @@ if triton is not None:
         acc = tl.zeros([BLOCK_Q * GROUP_PAD, HEAD_DIM], tl.float32)
         end = first_pos + n_rows  # keys the block's last token sees
         for start in range(0, end, BLOCK_N):
-            keys = start + tl.arange(0, BLOCK_N)
-            key_ok = keys < end
-            kv_block = tl.load(table + keys // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
-            offsets = (kv_block * stride_kb + (keys % BLOCK_SIZE) * stride_kl)[:, None] + dims[None, :]
-            k = tl.load(k_base + offsets, mask=key_ok[:, None], other=0.0)
-            v = tl.load(v_base + offsets, mask=key_ok[:, None], other=0.0)
+            keys, _, k, v = load_kv_tile(table, k_base, v_base, start, end, dims, stride_kb, stride_kl,
+                                         BLOCK_SIZE, BLOCK_N)
             visible = keys[None, :] <= pos[:, None]
             m_i, l_i, acc = online_softmax_step(q, k, v, visible, scale, m_i, l_i, acc, IEEE)
         acc = acc / l_i[:, None]

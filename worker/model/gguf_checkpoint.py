@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from graphkeeper.proto.policy import clipped_repr
+from graphkeeper.proto.field_checks import clipped_repr
 from graphkeeper.worker.model.config import ModelConfig
 
 #: Tensor types this loader dequantizes (the ones small Llama GGUFs use); others are refused.

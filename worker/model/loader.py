@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from graphkeeper.proto.policy import clipped_repr
+from graphkeeper.proto.field_checks import clipped_repr
 from graphkeeper.worker.model import gguf_checkpoint as gguf_ckpt
 from graphkeeper.worker.model.catalog import BuiltinModelError, resolve_builtin
 from graphkeeper.worker.model.config import PRESETS, ModelConfig

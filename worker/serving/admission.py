@@ -11,7 +11,8 @@ from __future__ import annotations
 import math
 
 from graphkeeper.proto import worker_pb2 as pb
-from graphkeeper.proto.policy import FieldError, check_string, clipped_repr, utf8_len, valid_tenant
+from graphkeeper.proto.field_checks import FieldError, check_string, clipped_repr, utf8_len
+from graphkeeper.proto.policy import valid_tenant
 from graphkeeper.worker.engine import Limits
 
 MAX_TEMPERATURE = 100.0

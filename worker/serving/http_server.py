@@ -29,7 +29,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from graphkeeper.proto import worker_pb2 as pb
-from graphkeeper.proto.policy import clipped_repr
+from graphkeeper.proto.field_checks import clipped_repr
 from graphkeeper.worker.engine import EngineFace, IncrementalDetokenizer, classify, error_message
 from graphkeeper.worker.serving.admission import MAX_PROMPT_TEXT_BYTES, AdmissionError, Oversize
 from graphkeeper.worker.serving.openai_api import (

@@ -23,7 +23,7 @@ from urllib.parse import urlsplit
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from graphkeeper.proto.policy import lifecycle_name
+from graphkeeper.proto.enums import lifecycle_name
 from graphkeeper.worker.engine import EngineFace
 
 MAX_CONNECTIONS = 256

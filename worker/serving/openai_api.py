@@ -26,7 +26,7 @@ from typing import Any
 from google.protobuf.json_format import MessageToDict
 
 from graphkeeper.proto import worker_pb2 as pb
-from graphkeeper.proto.policy import clipped_repr
+from graphkeeper.proto.field_checks import clipped_repr
 
 TENANT_HEADER = "X-Graphkeeper-Tenant"
 #: The non-streaming response's header with the compact JSON of the execution summary.

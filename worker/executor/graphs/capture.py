@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from graphkeeper.proto import worker_pb2 as pb
-from graphkeeper.proto.policy import mode_name
+from graphkeeper.proto.enums import mode_name
 from graphkeeper.worker.executor.graphs.economics import over_budget_drops
 from graphkeeper.worker.executor.graphs.graph_set import CapturedGraph, GraphSet, Skipped, device_used
 from graphkeeper.worker.executor.graphs.modes import Key

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 import torch
 
 from graphkeeper.proto import worker_pb2 as pb
-from graphkeeper.proto.policy import effective_requested_mode, mode_name, reason_name, resolve_capture_sizes
+from graphkeeper.proto.enums import mode_name, reason_name
+from graphkeeper.proto.policy import effective_requested_mode, resolve_capture_sizes
 from graphkeeper.worker.executor.graphs.capture import CaptureJob
 from graphkeeper.worker.executor.graphs.dispatcher import Dispatcher, GraphState
 from graphkeeper.worker.executor.graphs.economics import IdleRelease, limit_plan

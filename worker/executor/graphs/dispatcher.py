@@ -13,8 +13,9 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from graphkeeper.proto import worker_pb2 as pb
+from graphkeeper.proto.enums import mode_has_full, mode_has_piecewise
 from graphkeeper.proto.policy import padding_table
-from graphkeeper.worker.executor.graphs.modes import FULL, NONE, PIECEWISE, mode_has_full, mode_has_piecewise
+from graphkeeper.worker.executor.graphs.modes import FULL, NONE, PIECEWISE
 
 
 class BatchDescriptor(NamedTuple):

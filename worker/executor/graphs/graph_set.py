@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from graphkeeper.proto.policy import mode_name
+from graphkeeper.proto.enums import mode_name
 from graphkeeper.worker.executor.graphs.modes import FULL, Key
 from graphkeeper.worker.executor.runner import ModelRunner
 from graphkeeper.worker.model.attention import AttentionMetadata

@@ -1,28 +1,19 @@
-"""Graph modes as data: which runtime modes a policy's mode records, what this backend can record
-instead, and the capture plan (which (mode, size) keys, in which order) that the capture
-controller and the benchmarks share.
+"""Graph modes as data: what this backend can record instead of the mode asked for, and the capture
+plan (which (mode, size) keys, in which order) that the capture controller and the benchmarks share.
 
 ``FULL`` records a whole uniform-decode step; ``PIECEWISE`` records the pieces between attention
-calls (attention runs eagerly between them), so it serves mixed and prefill steps too.
+calls (attention runs eagerly between them), so it serves mixed and prefill steps too. Which of
+them a policy's mode records is ``graphkeeper.proto.enums`` (the operator asks it too).
 """
 
 from __future__ import annotations
 
 from graphkeeper.proto import worker_pb2 as pb
+from graphkeeper.proto.enums import mode_has_full, mode_has_piecewise
 from graphkeeper.proto.policy import padding_table
 
 NONE, PIECEWISE, FULL = pb.GRAPH_MODE_NONE, pb.GRAPH_MODE_PIECEWISE, pb.GRAPH_MODE_FULL
-_HAS_FULL = {pb.GRAPH_MODE_FULL, pb.GRAPH_MODE_FULL_DECODE_ONLY, pb.GRAPH_MODE_FULL_AND_PIECEWISE}
-_HAS_PIECEWISE = {pb.GRAPH_MODE_PIECEWISE, pb.GRAPH_MODE_FULL_AND_PIECEWISE}
 Key = tuple[int, int]  # (runtime mode, padded size)
-
-
-def mode_has_full(mode: int) -> bool:
-    return mode in _HAS_FULL
-
-
-def mode_has_piecewise(mode: int) -> bool:
-    return mode in _HAS_PIECEWISE
 
 
 def full_sizes(ladder: list[int], max_num_seqs: int) -> list[int]:
