@@ -68,8 +68,9 @@ def reading(engine: Engine, label: str) -> dict:
         "torch_reserved_mib": torch.cuda.memory_reserved() / MIB,
         "device_used_mib": device_used() / MIB,
         "capture_seconds_status": status.total_capture_seconds,
-        "ledger_mib": {pb.LedgerStage.Name(e.stage).removeprefix("LEDGER_STAGE_").lower(): e.device_used_bytes / MIB
-                       for e in status.ledger},
+        # Per stage: device used and torch reserved (before the capture stage, all of it the regular pool's).
+        "ledger_mib": {pb.LedgerStage.Name(e.stage).removeprefix("LEDGER_STAGE_").lower():
+                       [e.device_used_bytes / MIB, e.torch_reserved_bytes / MIB] for e in status.ledger},
     }
     print(json.dumps(row))
     return row
