@@ -5,8 +5,10 @@ one variable per cell, nothing carried over. Per cell it records, from the worke
 GraphStatus: the requested and effective mode (and any downgrade), the sizes captured and
 skipped, capture time, graph memory, the KV cache's tokens; then it drives the same load through
 gRPC (``load_bench``'s client processes) and records decode tokens/s, inter-token latency p50 and
-p99, and the dispatcher's coverage and padding from the worker's /metrics. Coverage and padding
-are also computed for the cell's sizes on the traffic profile (``traffic_sizes.evaluate_sizes``).
+p99, and the dispatcher's coverage and padding from the worker's /metrics ("served"). Coverage and
+padding are also predicted for the cell's sizes on the traffic profile (``traffic_sizes.evaluate_sizes``).
+Coverage has one meaning in both columns: the share of all steps that replayed a graph, given the
+mode (a mixed step that FullDecodeOnly runs eager lowers both).
 
 Ladders: ``default`` (the Default ladder), ``traffic`` (sizes chosen from the traffic profile by
 ``traffic_sizes.choose_sizes`` within ``--traffic-max-graphs``), and fixed lists (``fixed:8,16,32``).
@@ -184,7 +186,8 @@ def expected_on_profile(row: dict, profile: pb.StepHistogram | None) -> None:
     mode = MODE_BY_NAME[row["mode"]]
     sizes = row.get("captured_sizes") or row["sizes"]  # on CPU nothing captures: judge the asked-for sizes
     choice = evaluate_sizes(merge_histograms([profile]), sizes, mode)
-    row["profile"] = {"coverage": choice.coverage, "padding_waste": choice.padding_waste,
+    row["profile"] = {"coverage": choice.coverage, "eligible_coverage": choice.eligible_coverage,
+                      "padding_waste": choice.padding_waste,
                       "padded_tokens": choice.padded_tokens, "graphs": choice.graphs,
                       "judged_sizes": "captured" if row.get("captured_sizes") else "requested (none captured)"}
 
@@ -194,9 +197,9 @@ def markdown(results: dict) -> str:
              f"{results['date']}, commit `{results['commit'][:12]}`, scenario `{results['scenario']}` "
              f"({results['seconds']:.0f} s a cell), token budget {results['budget']}, "
              f"max {results['max_num_seqs']} sequences; profile: {results['profile_source']}.", "",
-             "| mode | ladder | budget | sizes | graphs | capture s | graph MiB | KV tokens | coverage (profile) "
-             "| padding (profile) | coverage (served) | tok/s | ITL p50 ms | ITL p99 ms | note |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| mode | ladder | budget | sizes | graphs | capture s | graph MiB | KV tokens | coverage predicted "
+             "| coverage served | padding predicted | padding served | tok/s | ITL p50 ms | ITL p99 ms | note |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results["cells"]:
         prof = r.get("profile") or {}
         disp = r.get("dispatch") or {}
@@ -205,7 +208,8 @@ def markdown(results: dict) -> str:
             f"| {r['mode']} | {r['ladder']} | {r['budget']} | {len(r['sizes'])} | {r.get('graphs_captured', '–')} "
             f"| {r.get('capture_seconds', 0):.2f} | {r.get('graph_memory_bytes', 0) / 2**20:.1f} "
             f"| {r.get('kv_tokens') if r.get('kv_tokens') is not None else '–'} | {pct(prof.get('coverage'))} "
-            f"| {pct(prof.get('padding_waste'))} | {pct(disp.get('coverage'))} | {r.get('tokens_per_s', 0):.0f} "
+            f"| {pct(disp.get('coverage'))} | {pct(prof.get('padding_waste'))} | {pct(disp.get('padding_waste'))} "
+            f"| {r.get('tokens_per_s', 0):.0f} "
             f"| {(r.get('itl_ms') or {}).get('p50', 0):.2f} | {(r.get('itl_ms') or {}).get('p99', 0):.2f} "
             f"| {r.get('note') or r.get('error') or r.get('how', '')} |")
     return "\n".join(lines) + "\n"

@@ -268,7 +268,15 @@ class SizeChoice:
 
     @property
     def coverage(self) -> float:
-        """Eligible steps a graph serves / eligible steps (0 when nothing was eligible)."""
+        """Steps a graph replays / all steps, given the mode: the prediction of what workers count
+        as served (replays / (replays + eager steps)). One meaning everywhere: a mixed step that
+        FULL_DECODE_ONLY cannot replay lowers it, as it lowers the served figure (0 with no step)."""
+        return self.covered_steps / self.steps if self.steps else 0.0
+
+    @property
+    def eligible_coverage(self) -> float:
+        """Steps a graph replays / the steps this mode could replay (0 when none could): how well
+        the sizes fit the mode's share of the traffic, not what the traffic gets."""
         return self.covered_steps / self.eligible_steps if self.eligible_steps else 0.0
 
 

@@ -80,8 +80,9 @@ def test_a_long_tail_is_covered_by_few_graphs_and_beats_the_default_ladder_in_gr
 def test_full_decode_only_ignores_mixed_steps():
     traffic = Traffic(decode={1: 10, 4: 10}, mixed={100: 1000})
     choice = choose_sizes(traffic, mode=FDO, max_capture_size=512)
-    assert choice.sizes == (1, 4) and choice.eligible_steps == 20 and choice.coverage == 1.0
-    assert choice.steps == 1020
+    assert choice.sizes == (1, 4) and choice.eligible_steps == 20 and choice.eligible_coverage == 1.0
+    # Coverage has one meaning: the share of all steps replayed (what the workers will count).
+    assert choice.steps == 1020 and choice.coverage == 20 / 1020
 
 
 def test_mode_none_chooses_nothing():

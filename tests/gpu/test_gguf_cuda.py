@@ -15,7 +15,6 @@ from graphkeeper.worker.model.catalog import DEFAULT_BUILTIN, BuiltinModelError,
 from graphkeeper.worker.model.tokenizer import load_tokenizer
 
 
-
 def _model_missing() -> str:
     """Why the default model cannot be loaded here ('' when it can): the GPU machine's image lacks the
     model's package (94 MB, more than a call may carry), and an error there would read as a failure."""
