@@ -93,11 +93,12 @@ def wait_for(predicate, timeout: float = 120.0, what: str = "") -> None:
     raise RuntimeError(f"timed out waiting for {what}")
 
 
-def start(args: argparse.Namespace, p: pb.GraphPolicy) -> tuple[Engine, float]:
+def start(args: argparse.Namespace, p: pb.GraphPolicy, utilization: float = 0.0) -> tuple[Engine, float]:
     settings = EngineSettings(model=f"random:{args.preset}", device="cuda", dtype=args.dtype,
                               max_num_seqs=args.max_num_seqs, max_seq_len=args.max_seq_len,
-                              max_num_batched_tokens=args.budget, kv_cache_memory=args.kv_cache_memory,
-                              optimization_level=args.optimization_level, policy=p)
+                              max_num_batched_tokens=args.budget,
+                              kv_cache_memory=0 if utilization else args.kv_cache_memory,
+                              gpu_memory_utilization=utilization, optimization_level=args.optimization_level, policy=p)
     t0 = time.perf_counter()
     engine = Engine(settings)
     engine.start()
@@ -115,6 +116,7 @@ def main() -> int:
     parser.add_argument("--budget", type=int, default=512)
     parser.add_argument("--kv-cache-memory", type=int, default=4 * 2**30)
     parser.add_argument("--optimization-level", type=int, default=1)
+    parser.add_argument("--utilization", type=float, default=0.5, help="track B's --gpu-memory-utilization")
     parser.add_argument("--out", default="")
     args = parser.parse_args()
     results: dict = {"date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), "command": " ".join(sys.argv),
@@ -141,6 +143,16 @@ def main() -> int:
     results["nothing_start_to_ready_seconds"] = seconds
     rows.append(reading(engine, "budget fits nothing"))
     engine.drain_and_stop(10)
+    del engine
+
+    # Track B: the KV cache sized after the measured graphs; its plan against what was then free.
+    engine, seconds = start(args, policy(), utilization=args.utilization)
+    kv = engine.status().kv_cache
+    results["track_b"] = {"utilization": args.utilization, "planned_bytes": kv.planned_bytes,
+                          "free_after_capture_bytes": kv.free_after_capture_bytes, "kv_bytes": kv.bytes,
+                          "predicted_over_actual": kv.planned_bytes / max(1, kv.free_after_capture_bytes),
+                          "reading": reading(engine, "track B")}
+    engine.drain_and_stop(10)
 
     fresh, reload = rows[0], rows[1]
     results["summary"] = {
@@ -148,6 +160,7 @@ def main() -> int:
         "reload_over_fresh_pool": reload["graph_pool_mib"] / max(fresh["graph_pool_mib"], 1e-9),
         "idle_release_held_mib": rows[2]["status_graph_memory_mib"],
         "nothing_held_mib": rows[3]["status_graph_memory_mib"],
+        "track_b_predicted_over_actual": results["track_b"]["predicted_over_actual"],
     }
     print(json.dumps(results["summary"]))
     if args.out:
