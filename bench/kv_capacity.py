@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import datetime as dt
 import json
 import math
 import sys
@@ -53,9 +54,7 @@ def read_running(url: str) -> float:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--preset", default="llama-8b")
-    parser.add_argument("--device", default="cuda")
-    parser.add_argument("--dtype", default="bfloat16")
+    load_bench.add_worker_arguments(parser, preset="llama-8b")
     parser.add_argument("--context", type=int, default=8192)
     parser.add_argument("--kv-cache-memory", default="16Gi")
     parser.add_argument("--max-num-seqs", type=int, default=256)
@@ -65,11 +64,8 @@ def main() -> int:
     parser.add_argument("--new", type=int, default=200)
     parser.add_argument("--seconds", type=float, default=20.0)
     parser.add_argument("--client-procs", type=int, default=8)
-    parser.add_argument("--worker-args", default="")
     parser.add_argument("--out", default="")
     args = parser.parse_args()
-    # What load_bench.start_worker reads from its own arguments.
-    args.legacy, args.worker_pythonpath, args.switch_interval, args.flush_gap = False, "", 0.0, 0.0
     config = PRESETS[args.preset]
     memory = parse_quantity(args.kv_cache_memory, field="--kv-cache-memory")
     per_token = kv_bytes_per_token(config.n_layers, config.n_kv_heads, config.head_dim, DTYPE_BYTES[args.dtype])
@@ -98,6 +94,7 @@ def main() -> int:
         proc.terminate()
         proc.wait(60)
     result = {
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), "gpu": load_bench._gpu_name(args.device),
         "preset": args.preset, "dtype": args.dtype, "context": args.context, "kv_cache_memory": memory,
         "kv_bytes_per_token": per_token, "static_capacity_sequences": static,
         "paged_peak_running_sequences": peak[0], "ratio": peak[0] / static if static else float("inf"),

@@ -94,6 +94,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def add_worker_arguments(parser: argparse.ArgumentParser, *, preset: str) -> None:
+    """The flags ``start_worker`` reads, for this benchmark and every one that reuses its worker
+    (kv_capacity.py): one list, so a flag added here cannot be missing there."""
+    parser.add_argument("--preset", default=preset)
+    parser.add_argument("--model", default="", help="the worker's --model (default: random:<preset>); prompts "
+                        "are drawn from the preset's vocabulary")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--worker-pythonpath", default="", help="run an older checkout's worker")
+    parser.add_argument("--worker-args", default="",
+                        help="extra worker flags, e.g. --no-engine-process (the engine core on a thread of the API "
+                             "process, as before the split)")
+    parser.add_argument("--legacy", action="store_true", help="the worker predates --control-port")
+    parser.add_argument("--switch-interval", type=float, default=0.0,
+                        help="run the workers with this interpreter switch interval, seconds (0: their own)")
+    parser.add_argument("--flush-gap", type=float, default=0.0,
+                        help="run the workers with this stream pacing per open stream, seconds (0: their own)")
+
+
 def start_worker(args: argparse.Namespace, flags: WorkerFlags, log_path: Path,
                  sample_out: Path | None = None) -> tuple[subprocess.Popen, str, str]:
     """A worker process for one scenario (under ``thread_sampler`` when ``sample_out`` is given)."""
@@ -276,27 +295,14 @@ def full_step_times(args: argparse.Namespace, batches: list[int], context: int) 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--preset", default="llama-1b")
-    parser.add_argument("--model", default="", help="the worker's --model (default: random:<preset>); prompts "
-                        "are drawn from the preset's vocabulary")
-    parser.add_argument("--device", default="cuda")
-    parser.add_argument("--dtype", default="bfloat16")
+    add_worker_arguments(parser, preset="llama-1b")
     parser.add_argument("--scenarios", default="one,decode,mixed,mixed256")
     parser.add_argument("--seconds", type=float, default=20.0)
     parser.add_argument("--budget", type=int, default=0, help="token budget (0: the worker's default)")
     parser.add_argument("--budgets", default="", help="comma list: sweep the mixed scenario over these budgets")
     parser.add_argument("--client-procs", type=int, default=8)
-    parser.add_argument("--worker-pythonpath", default="", help="run an older checkout's worker")
-    parser.add_argument("--worker-args", default="",
-                        help="extra worker flags, e.g. --no-engine-process (the engine core on a thread of the API "
-                             "process, as before the split)")
-    parser.add_argument("--legacy", action="store_true", help="the worker predates --control-port")
     parser.add_argument("--sample-threads", action="store_true",
                         help="run each worker under bench/thread_sampler.py and keep its summary")
-    parser.add_argument("--switch-interval", type=float, default=0.0,
-                        help="run the workers with this interpreter switch interval, seconds (0: their own)")
-    parser.add_argument("--flush-gap", type=float, default=0.0,
-                        help="run the workers with this stream pacing per open stream, seconds (0: their own)")
     parser.add_argument("--no-step-times", action="store_true", help="skip timing the FULL-graph step afterwards")
     parser.add_argument("--logs", default="", help="directory for the workers' logs (default: a new temp dir)")
     parser.add_argument("--label", default="")

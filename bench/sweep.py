@@ -5,8 +5,10 @@ one variable per cell, nothing carried over. Per cell it records, from the worke
 GraphStatus: the requested and effective mode (and any downgrade), the sizes captured and
 skipped, capture time, graph memory, the KV cache's tokens; then it drives the same load through
 gRPC (``load_bench``'s client processes) and records decode tokens/s, inter-token latency p50 and
-p99, and the dispatcher's coverage and padding from the worker's /metrics. Coverage and padding
-are also computed for the cell's sizes on the traffic profile (``traffic_sizes.evaluate_sizes``).
+p99, and the dispatcher's coverage and padding from the worker's /metrics ("served"). Coverage and
+padding are also predicted for the cell's sizes on the traffic profile (``traffic_sizes.evaluate_sizes``).
+Coverage has one meaning in both columns: the share of all steps that replayed a graph, given the
+mode (a mixed step that FullDecodeOnly runs eager lowers both).
 
 Ladders: ``default`` (the Default ladder), ``traffic`` (sizes chosen from the traffic profile by
 ``traffic_sizes.choose_sizes`` within ``--traffic-max-graphs``), and fixed lists (``fixed:8,16,32``).
@@ -78,7 +80,7 @@ def load_profile(path: str) -> pb.StepHistogram | None:
 
 
 def ladder_sizes(ladder: str, mode: int, max_size: int, profile: pb.StepHistogram | None, max_graphs: int,
-                 measured: list[pb.CapturedSize]) -> tuple[list[int], str]:
+                 measured: list[pb.CapturedSize], max_num_seqs: int) -> tuple[list[int], str]:
     """The sizes a cell captures, and how they were chosen."""
     if ladder == "default":
         return default_ladder(max_size), "the Default ladder"
@@ -87,8 +89,10 @@ def ladder_sizes(ladder: str, mode: int, max_size: int, profile: pb.StepHistogra
     if profile is None or not profile.shapes:
         return [], "no traffic profile: pass --traffic-profile or run a default cell first"
     choice = choose_sizes(merge_histograms([profile]), mode=mode, max_capture_size=max_size, max_graphs=max_graphs,
-                          model=CostModel(mode, measurements_from(measured)))
-    return list(choice.sizes), f"chosen from traffic ({choice.note or f'coverage {choice.coverage:.1%}'})"
+                          model=CostModel(mode, measurements_from(measured)), full_limit=max_num_seqs)
+    return list(choice.sizes), (f"chosen from traffic ({choice.note or f'coverage {choice.coverage:.1%}'}; "
+                                f"expected {choice.throughput_vs_default:.3f}x the Default ladder's throughput "
+                                f"with {choice.graphs} of its {choice.default_graphs} graphs)")
 
 
 def start_worker(args: argparse.Namespace, policy_file: Path, log: Path) -> tuple[subprocess.Popen, str, str, str]:
@@ -177,14 +181,20 @@ def run_cell(args: argparse.Namespace, cell: dict, sizes: list[int], logs: Path,
     return row
 
 
-def expected_on_profile(row: dict, profile: pb.StepHistogram | None) -> None:
-    """Coverage and padding of the sizes the cell captured, on the traffic profile."""
+def expected_on_profile(row: dict, profile: pb.StepHistogram | None, measured: list[pb.CapturedSize],
+                        max_num_seqs: int, max_size: int) -> None:
+    """Coverage, padding and expected throughput against the Default ladder of the sizes the cell
+    captured, on the traffic profile, with the step times the workers measured."""
     if profile is None or not profile.shapes:
         return
     mode = MODE_BY_NAME[row["mode"]]
     sizes = row.get("captured_sizes") or row["sizes"]  # on CPU nothing captures: judge the asked-for sizes
-    choice = evaluate_sizes(merge_histograms([profile]), sizes, mode)
-    row["profile"] = {"coverage": choice.coverage, "padding_waste": choice.padding_waste,
+    traffic, model = merge_histograms([profile]), CostModel(mode, measurements_from(measured))
+    choice = evaluate_sizes(traffic, sizes, mode, model, full_limit=max_num_seqs)
+    default = evaluate_sizes(traffic, default_ladder(max_size), mode, model, full_limit=max_num_seqs)
+    row["profile"] = {"coverage": choice.coverage, "eligible_coverage": choice.eligible_coverage,
+                      "expected_throughput_vs_default": default.cost / choice.cost if choice.cost else 0.0,
+                      "padding_waste": choice.padding_waste,
                       "padded_tokens": choice.padded_tokens, "graphs": choice.graphs,
                       "judged_sizes": "captured" if row.get("captured_sizes") else "requested (none captured)"}
 
@@ -194,9 +204,10 @@ def markdown(results: dict) -> str:
              f"{results['date']}, commit `{results['commit'][:12]}`, scenario `{results['scenario']}` "
              f"({results['seconds']:.0f} s a cell), token budget {results['budget']}, "
              f"max {results['max_num_seqs']} sequences; profile: {results['profile_source']}.", "",
-             "| mode | ladder | budget | sizes | graphs | capture s | graph MiB | KV tokens | coverage (profile) "
-             "| padding (profile) | coverage (served) | tok/s | ITL p50 ms | ITL p99 ms | note |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| mode | ladder | budget | sizes | graphs | capture s | graph MiB | KV tokens | coverage predicted "
+             "| coverage served | padding predicted | padding served | expected x Default | tok/s | ITL p50 ms "
+             "| ITL p99 ms | note |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results["cells"]:
         prof = r.get("profile") or {}
         disp = r.get("dispatch") or {}
@@ -205,7 +216,8 @@ def markdown(results: dict) -> str:
             f"| {r['mode']} | {r['ladder']} | {r['budget']} | {len(r['sizes'])} | {r.get('graphs_captured', '–')} "
             f"| {r.get('capture_seconds', 0):.2f} | {r.get('graph_memory_bytes', 0) / 2**20:.1f} "
             f"| {r.get('kv_tokens') if r.get('kv_tokens') is not None else '–'} | {pct(prof.get('coverage'))} "
-            f"| {pct(prof.get('padding_waste'))} | {pct(disp.get('coverage'))} | {r.get('tokens_per_s', 0):.0f} "
+            f"| {pct(disp.get('coverage'))} | {pct(prof.get('padding_waste'))} | {pct(disp.get('padding_waste'))} "
+            f"| {prof.get('expected_throughput_vs_default', 0):.3f} | {r.get('tokens_per_s', 0):.0f} "
             f"| {(r.get('itl_ms') or {}).get('p50', 0):.2f} | {(r.get('itl_ms') or {}).get('p99', 0):.2f} "
             f"| {r.get('note') or r.get('error') or r.get('how', '')} |")
     return "\n".join(lines) + "\n"
@@ -251,7 +263,8 @@ def main(argv: list[str] | None = None) -> int:
                    key=lambda c: c[1] == "traffic")
     for mode_name, ladder, (budget_text, budget_bytes) in order:
         mode = MODE_BY_NAME[mode_name]
-        sizes, how = ladder_sizes(ladder, mode, max_size, profile, args.traffic_max_graphs, measured)
+        sizes, how = ladder_sizes(ladder, mode, max_size, profile, args.traffic_max_graphs, measured,
+                                  args.max_num_seqs)
         cell = {"mode": mode_name, "ladder": ladder, "budget": budget_text, "budget_bytes": budget_bytes, "how": how}
         if mode != pb.GRAPH_MODE_NONE and not sizes:
             results["cells"].append(dict(cell, sizes=[], error=how))
@@ -272,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{', ' + row['note'] if row.get('note') else ''}{', ' + row['error'] if row.get('error') else ''}",
               flush=True)
     for row in results["cells"]:
-        expected_on_profile(row, profile)
+        expected_on_profile(row, profile, measured, args.max_num_seqs, max_size)
     if profile is not None:
         from google.protobuf import json_format
 

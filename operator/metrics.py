@@ -62,8 +62,8 @@ STATUS_WRITES = Counter(
 #: and the set in effect are expected to buy on the merged histogram, and what the recommended set costs.
 EXPECTED_COVERAGE = Gauge(
     "graphkeeper_operator_expected_coverage_ratio",
-    "Expected share of eligible steps served by a graph on the merged traffic, for the recommended "
-    "sizes and the sizes in effect (sizes: recommended, current).",
+    "Expected share of all steps a graph replays (served coverage, predicted) on the merged traffic, "
+    "for the recommended sizes and the sizes in effect (sizes: recommended, current).",
     ["namespace", "policy", "sizes"],
 )
 RECOMMENDED_GRAPHS = Gauge(

@@ -33,12 +33,13 @@ from __future__ import annotations
 import math
 from bisect import bisect_left
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from graphkeeper.proto import worker_pb2 as pb
 from graphkeeper.proto.enums import mode_has_full, mode_has_graphs, mode_has_piecewise
+from graphkeeper.proto.policy import default_ladder
 
 #: Default step-time model (token units), used for a kind of step no worker measured.
 DEFAULT_FIXED_TOKENS = 64.0
@@ -162,6 +163,28 @@ def runtime_modes(mode: int) -> list[int]:
     return out
 
 
+def graph_keys(sizes: Sequence[int], mode: int, full_limit: int) -> list[tuple[int, int]]:
+    """The (runtime mode, size) graphs a worker records for ``sizes``, as its capture plan does:
+    PIECEWISE for every size, FULL only for the sizes uniform decode steps of up to ``full_limit``
+    rows pad to (a size whose predecessor in the set is below the limit). A size above every
+    decode step's padded size costs one graph under FULL_AND_PIECEWISE, not two."""
+    keys = []
+    prev = 0
+    for size in sorted(set(sizes)):
+        if mode_has_full(mode) and prev < full_limit:
+            keys.append((pb.GRAPH_MODE_FULL, size))
+        if mode_has_piecewise(mode):
+            keys.append((pb.GRAPH_MODE_PIECEWISE, size))
+        prev = size
+    return keys
+
+
+def decode_rows_limit(traffic: Traffic, full_limit: int = 0) -> int:
+    """The most rows a uniform decode step has: the workers' ``max_num_seqs`` when known, else the
+    largest decode step observed (at least 1: the smallest size always serves decode steps)."""
+    return full_limit or max(traffic.decode, default=1)
+
+
 @dataclass(frozen=True)
 class CostModel:
     """Per-size memory and capture time, and per-step replay and eager time, for one mode."""
@@ -169,24 +192,25 @@ class CostModel:
     mode: int
     measured: Measurements = field(default_factory=Measurements)
 
-    def _per_graph(self, table: Mapping[int, Mapping[int, float]], size: int, default: float) -> float:
-        total = 0.0
-        for rt in runtime_modes(self.mode):
-            value = _interpolate(table.get(rt, {}), size)
-            if value is None:  # this runtime mode unmeasured: the other's figure, else the default
-                others = [v for m, t in table.items() for v in [_interpolate(t, size)] if v is not None]
-                value = max(others) if others else default
-            total += value
-        return total
+    @staticmethod
+    def _one(table: Mapping[int, Mapping[int, float]], runtime: int, size: int, default: float) -> float:
+        value = _interpolate(table.get(runtime, {}), size)
+        if value is None:  # this runtime mode unmeasured: the other's figure, else the default
+            others = [v for t in table.values() for v in [_interpolate(t, size)] if v is not None]
+            value = max(others) if others else default
+        return value
+
+    def key_bytes(self, runtime: int, size: int) -> int:
+        """Graph memory of one (runtime mode, size) graph."""
+        return math.ceil(self._one(self.measured.graph_bytes, runtime, size, DEFAULT_GRAPH_BYTES))
+
+    def key_capture_seconds(self, runtime: int, size: int) -> float:
+        return self._one(self.measured.capture_seconds, runtime, size, DEFAULT_GRAPH_CAPTURE_SECONDS)
 
     def graph_bytes(self, size: int) -> int:
-        return math.ceil(self._per_graph(self.measured.graph_bytes, size, DEFAULT_GRAPH_BYTES))
-
-    def capture_seconds(self, size: int) -> float:
-        return self._per_graph(self.measured.capture_seconds, size, DEFAULT_GRAPH_CAPTURE_SECONDS)
-
-    def graphs_per_size(self) -> int:
-        return len(runtime_modes(self.mode))
+        """Graph memory of a size in every runtime mode the policy mode records (an upper bound:
+        a worker records FULL only for the sizes decode steps pad to, see ``graph_keys``)."""
+        return sum(self.key_bytes(rt, size) for rt in runtime_modes(self.mode))
 
     @property
     def units(self) -> str:
@@ -263,10 +287,27 @@ class SizeChoice:
     #: Token counts were rounded up to multiples of this before the search (1: exact).
     grid: int = 1
     note: str = ""
+    #: Expected step time of the Default ladder on the same traffic and model (0: not judged).
+    default_cost: float = 0.0
+    default_graphs: int = 0
+
+    @property
+    def throughput_vs_default(self) -> float:
+        """Expected steps per second with these sizes over those with the Default ladder (1.0: as
+        fast; 0 when not judged): what applying them is expected to cost or buy in throughput."""
+        return self.default_cost / self.cost if self.default_cost and self.cost else 0.0
 
     @property
     def coverage(self) -> float:
-        """Eligible steps a graph serves / eligible steps (0 when nothing was eligible)."""
+        """Steps a graph replays / all steps, given the mode: the prediction of what workers count
+        as served (replays / (replays + eager steps)). One meaning everywhere: a mixed step that
+        FULL_DECODE_ONLY cannot replay lowers it, as it lowers the served figure (0 with no step)."""
+        return self.covered_steps / self.steps if self.steps else 0.0
+
+    @property
+    def eligible_coverage(self) -> float:
+        """Steps a graph replays / the steps this mode could replay (0 when none could): how well
+        the sizes fit the mode's share of the traffic, not what the traffic gets."""
         return self.covered_steps / self.eligible_steps if self.eligible_steps else 0.0
 
 
@@ -277,10 +318,12 @@ def _eligible(traffic: Traffic, mode: int) -> tuple[dict[int, int], dict[int, in
 
 
 def evaluate_sizes(traffic: Traffic, sizes: Iterable[int], mode: int, model: CostModel | None = None,
-                   *, max_capture_size: int = 0, note: str = "", grid: int = 1) -> SizeChoice:
+                   *, max_capture_size: int = 0, note: str = "", grid: int = 1, full_limit: int = 0) -> SizeChoice:
     """What a given size set (a ladder, a hand-picked list, a chosen set) is expected to buy on
     ``traffic``: coverage, padding, cost, memory, capture time, and which steps each size serves.
-    Sizes above ``max_capture_size`` (when given) are dropped, as a worker would never capture them."""
+    Sizes above ``max_capture_size`` (when given) are dropped, as a worker would never capture them.
+    ``full_limit`` is the most rows a decode step has (``decode_rows_limit``): it says which sizes
+    get a FULL graph, so graphs and memory count what a worker records."""
     model = model or CostModel(mode)
     chosen = sorted({s for s in sizes if s > 0 and (not max_capture_size or s <= max_capture_size)})
     decode, mixed = _eligible(traffic, mode)
@@ -307,11 +350,14 @@ def evaluate_sizes(traffic: Traffic, sizes: Iterable[int], mode: int, model: Cos
             real += n * t
     reasons = []
     low = 1
+    keys = graph_keys(chosen, mode, decode_rows_limit(traffic, full_limit))
     for s in chosen:
         d, m, p = per[s]
+        mine = [rt for rt, size in keys if size == s]
         reasons.append(SizeReason(size=s, low=low, steps=d + m, decode_steps=d, mixed_steps=m,
                                   share=(d + m) / eligible if eligible else 0.0, padded_tokens=p,
-                                  memory_bytes=model.graph_bytes(s), capture_seconds=model.capture_seconds(s)))
+                                  memory_bytes=sum(model.key_bytes(rt, s) for rt in mine),
+                                  capture_seconds=sum(model.key_capture_seconds(rt, s) for rt in mine)))
         low = s + 1
     return SizeChoice(
         sizes=tuple(chosen), reasons=tuple(reasons), steps=traffic.steps, eligible_steps=eligible,
@@ -320,7 +366,7 @@ def evaluate_sizes(traffic: Traffic, sizes: Iterable[int], mode: int, model: Cos
         cost=cost + ineligible, eager_cost=eager_cost + ineligible, cost_units=model.units,
         memory_bytes=sum(r.memory_bytes for r in reasons),
         capture_seconds=sum(r.capture_seconds for r in reasons),
-        graphs=len(chosen) * model.graphs_per_size(), grid=grid, note=note)
+        graphs=len(keys), grid=grid, note=note)
 
 
 def _ineligible_cost(traffic: Traffic, mode: int, model: CostModel) -> float:
@@ -355,35 +401,77 @@ def choose_sizes(
     max_graphs: int = 0,
     memory_budget_bytes: int = 0,
     model: CostModel | None = None,
+    full_limit: int = 0,
 ) -> SizeChoice:
     """The capture sizes that minimise expected step time over ``traffic`` (see the module doc).
 
-    ``max_graphs`` counts graphs as a worker captures them (one per runtime mode the policy mode
-    records, so two per size under FULL_AND_PIECEWISE); ``memory_budget_bytes`` bounds the
-    estimated graph memory; 0 means no limit for either. Sizes never exceed ``max_capture_size``.
+    ``max_graphs`` counts graphs as a worker records them (``graph_keys``: a size that no decode
+    step pads to is one graph under FULL_AND_PIECEWISE, a size decode steps use is two);
+    ``memory_budget_bytes`` bounds the estimated graph memory; 0 means no limit for either. Sizes
+    never exceed ``max_capture_size``. ``full_limit``: the most rows of a decode step (the workers'
+    ``max_num_seqs``; 0: the largest observed). The result carries the Default ladder's expected
+    step time on the same traffic (``throughput_vs_default``).
     """
     if max_capture_size < 1:
         raise ValueError(f"max_capture_size must be at least 1, got {max_capture_size}")
     if max_graphs < 0 or memory_budget_bytes < 0:
         raise ValueError("max_graphs and memory_budget_bytes must not be negative")
     model = model or CostModel(mode)
+    limit = decode_rows_limit(traffic, full_limit)
+    default = evaluate_sizes(traffic, default_ladder(max_capture_size), mode, model, full_limit=limit)
+    choice = _choose(traffic, mode, max_capture_size, max_graphs, memory_budget_bytes, model, limit)
+    return replace(choice, default_cost=default.cost, default_graphs=default.graphs)
+
+
+def _choose(traffic: Traffic, mode: int, max_capture_size: int, max_graphs: int, memory_budget_bytes: int,
+            model: CostModel, limit: int) -> SizeChoice:
+    def judged(sizes: Iterable[int], note: str = "", grid: int = 1) -> SizeChoice:
+        return evaluate_sizes(traffic, sizes, mode, model, grid=grid, note=note, full_limit=limit)
+
     decode, mixed = _eligible(traffic, mode)
     counts = sorted(t for t in set(decode) | set(mixed) if t <= max_capture_size)
     if not mode_has_graphs(mode):
-        return evaluate_sizes(traffic, (), mode, model, note="mode None captures no graph")
+        return judged((), "mode None captures no graph")
     if not counts:
-        return evaluate_sizes(traffic, (), mode, model, note="no eligible step at or below the maximum "
-                              f"capture size {max_capture_size} was observed")
+        return judged((), f"no eligible step at or below the maximum capture size {max_capture_size} was observed")
     grid = _grid_for(counts, MAX_CANDIDATES)
-    cands = sorted({min(-(-t // grid) * grid, max_capture_size) for t in counts}) if grid > 1 else counts
-    per_size = model.graphs_per_size()
-    max_sizes = len(cands) if not max_graphs else min(len(cands), max_graphs // per_size)
-    note = f"token counts rounded up to multiples of {grid} ({len(counts)} distinct)" if grid > 1 else ""
-    if max_sizes == 0:
-        return evaluate_sizes(traffic, (), mode, model, grid=grid, note=(
-            f"maxGraphs {max_graphs} fits no size (each size is {per_size} graphs in this mode)"))
+    cands = counts
+    note = ""
+    if grid > 1:
+        # Coarsened: the Default ladder's sizes are candidates too, so the search never misses a
+        # set as good as the ladder because the grid is coarser than the ladder's steps.
+        cands = sorted({min(-(-t // grid) * grid, max_capture_size) for t in counts}
+                       | set(default_ladder(max_capture_size)))
+        note = f"token counts rounded up to multiples of {grid} ({len(counts)} distinct)"
+    first_graphs = len(graph_keys(cands[:1], mode, limit))
+    if max_graphs and max_graphs < first_graphs:
+        return judged((), f"maxGraphs {max_graphs} fits no size (the smallest is {first_graphs} graphs in this "
+                      "mode)", grid)
+    found = _search(cands, decode, mixed, mode, model, limit, max_graphs, memory_budget_bytes, max_capture_size)
+    if found is None:
+        smallest = min(model.key_bytes(rt, s) for s in cands for rt in runtime_modes(mode))
+        return judged((), f"memory budget {memory_budget_bytes} bytes fits no graph (the smallest candidate needs "
+                      f"an estimated {smallest} bytes)", grid)
+    if not found:
+        note = (note + "; " if note else "") + "no size set beats running every step eager"
+    return judged(found, note, grid)
 
-    # Weights per candidate bucket: steps of each kind whose token count rounds onto it.
+
+#: Cells of the search's table (graphs x candidates x memory units) above which memory is counted
+#: in coarser units, so that a search with both limits stays a fraction of a second.
+MAX_SEARCH_CELLS = 1 << 21
+
+
+def _search(cands: list[int], decode: Mapping[int, int], mixed: Mapping[int, int], mode: int, model: CostModel,
+            limit: int, max_graphs: int, budget: int, max_capture_size: int) -> list[int] | None:
+    """The optimal size set among ``cands`` (a list, possibly empty: nothing beats eager), or None
+    when the memory budget fits no graph.
+
+    Dynamic programming over the candidates in increasing order: ``best[g, j, u]`` is the least cost
+    of serving every bucket up to ``cands[j]`` with ``cands[j]`` the largest size, ``g`` graphs and
+    ``u`` memory units. A size adds its PIECEWISE graph and, when the previous size is below the
+    decode-row limit (decode steps pad to it), its FULL graph: ``graph_keys``, counted exactly.
+    """
     m = len(cands)
     wd, wm, eager = np.zeros(m), np.zeros(m), np.zeros(m)
     for table, is_decode, w in ((decode, True, wd), (mixed, False, wm)):
@@ -398,61 +486,62 @@ def choose_sizes(
     cum_d, cum_m = np.concatenate([[0], np.cumsum(wd)]), np.concatenate([[0], np.cumsum(wm)])
     eager_above = np.concatenate([np.cumsum(eager[::-1])[::-1], [0.0]])  # eager cost of buckets >= j
 
-    if memory_budget_bytes:
-        sizes_bytes = [model.graph_bytes(s) for s in cands]
-        exact = math.gcd(memory_budget_bytes, *sizes_bytes)  # exact units when they are few enough
-        unit = exact if memory_budget_bytes // exact <= BUDGET_UNITS else -(-memory_budget_bytes // BUDGET_UNITS)
-        capacity = memory_budget_bytes // unit
-        mem = np.array([-(-b // unit) for b in sizes_bytes], dtype=np.int64)
+    has_full, has_pw = mode_has_full(mode), mode_has_piecewise(mode)
+    g_pw, g_full = int(has_pw), int(has_full)
+    bytes_pw = [model.key_bytes(pb.GRAPH_MODE_PIECEWISE, s) if has_pw else 0 for s in cands]
+    bytes_full = [model.key_bytes(pb.GRAPH_MODE_FULL, s) if has_full else 0 for s in cands]
+    layers = max_graphs + 1 if max_graphs else 1
+    if budget:
+        units = max(1, min(BUDGET_UNITS, MAX_SEARCH_CELLS // (layers * m)))
+        exact = math.gcd(budget, *bytes_pw, *bytes_full)  # exact units when they are few enough
+        unit = exact if budget // exact <= units else -(-budget // units)
+        capacity = budget // unit
+        mem_pw = np.array([-(-b // unit) for b in bytes_pw], dtype=np.int64)
+        mem_full = np.array([-(-b // unit) for b in bytes_full], dtype=np.int64)
     else:
-        capacity, mem = 0, np.zeros(m, dtype=np.int64)
-    fits = mem <= capacity
-    if not fits.any():
-        smallest = min(model.graph_bytes(s) for s in cands)
-        return evaluate_sizes(traffic, (), mode, model, grid=grid, note=(
-            f"memory budget {memory_budget_bytes} bytes fits no graph (the smallest candidate needs "
-            f"an estimated {smallest} bytes)"))
-
-    # best[k][j, u]: least cost of serving buckets 0..j with k+1 sizes, the largest being cands[j],
-    # using exactly u budget units; parent[k][j, u] is the previous size's index (-1: none). When
-    # the graph count does not bind (at most as many sizes as candidates), one layer holds every
-    # count: m relaxations instead of m per count.
-    single = max_sizes >= m
-    layers = 1 if single else max_sizes
+        capacity, mem_pw, mem_full = 0, np.zeros(m, dtype=np.int64), np.zeros(m, dtype=np.int64)
+    if not ((mem_pw + mem_full) <= capacity).any():
+        return None
     width = capacity + 1
+    below = np.array([c < limit for c in cands])  # a size after one of these gets a FULL graph
+
+    def step(j: int, after_below: bool) -> tuple[int, int]:
+        """(graphs, memory units) that size ``j`` adds after a size below the limit, or not."""
+        full = has_full and after_below
+        graphs = (g_pw + g_full * full) if max_graphs else 0
+        return graphs, int(mem_pw[j] + mem_full[j] * full)
+
     best = np.full((layers, m, width), math.inf)
     parent = np.full((layers, m, width), -1, dtype=np.int64)
-    idx = np.arange(m)
-    for j in range(m):
-        if fits[j]:
-            best[0, j, mem[j]] = rd[j] * cum_d[j + 1] + rm[j] * cum_m[j + 1]
-
-    def relax(src: int, dst: int, j: int) -> None:
-        # Bucket (i, j]: steps of buckets i+1..j replay at cands[j], after a best set ending at i.
-        w = width - mem[j]
-        bucket = rd[j] * (cum_d[j + 1] - cum_d[1:j + 1]) + rm[j] * (cum_m[j + 1] - cum_m[1:j + 1])
-        cand = best[src, :j, :w] + bucket[:, None]
-        arg = np.argmin(cand, axis=0)
-        val = cand[arg, np.arange(w)]
-        cur = best[dst, j, mem[j]:]
-        better = val < cur
-        parent[dst, j, mem[j]:] = np.where(better, idx[:j][arg], parent[dst, j, mem[j]:])
-        best[dst, j, mem[j]:] = np.where(better, val, cur)
-
-    for k in range(0 if single else 1, layers):
-        for j in range(1 if single else k, m):
-            if fits[j]:
-                relax(k if single else k - 1, k, j)
+    for j in range(m):  # the smallest size: every decode step from 1 row pads to it
+        g, u = step(j, True)
+        if g < layers and u < width:
+            best[g, j, u] = rd[j] * cum_d[j + 1] + rm[j] * cum_m[j + 1]
+    for j in range(1, m):
+        for group in (np.flatnonzero(below[:j]), np.flatnonzero(~below[:j])):
+            if not len(group):
+                continue
+            g, u = step(j, bool(below[group[0]]))
+            if g >= layers or u >= width:
+                continue
+            # Buckets group[i]+1..j replay at cands[j], after a best set whose largest is cands[group[i]].
+            bucket = rd[j] * (cum_d[j + 1] - cum_d[group + 1]) + rm[j] * (cum_m[j + 1] - cum_m[group + 1])
+            cand = best[:layers - g, group, :width - u] + bucket[None, :, None]
+            arg = np.argmin(cand, axis=1)
+            val = np.take_along_axis(cand, arg[:, None, :], axis=1)[:, 0, :]
+            cur = best[g:, j, u:]
+            better = val < cur
+            best[g:, j, u:] = np.where(better, val, cur)
+            parent[g:, j, u:] = np.where(better, group[arg], parent[g:, j, u:])
     total = best + eager_above[1:][None, :, None]  # buckets above the largest size run eager
-    k, j, u = np.unravel_index(int(np.argmin(total)), total.shape)
+    g, j, u = np.unravel_index(int(np.argmin(total)), total.shape)  # ties: the fewest graphs
+    if not total[g, j, u] <= eager_above[0]:
+        return []
     chosen = []
-    if total[k, j, u] <= eager_above[0]:
-        while True:
-            chosen.append(cands[j])
-            prev = int(parent[k, j, u])
-            if prev < 0:
-                break
-            u, j, k = u - mem[j], prev, (k if single else k - 1)
-    else:
-        note = (note + "; " if note else "") + "no size set beats running every step eager"
-    return evaluate_sizes(traffic, chosen, mode, model, grid=grid, note=note)
+    while True:
+        chosen.append(cands[j])
+        i = int(parent[g, j, u])
+        if i < 0:
+            return chosen
+        dg, du = step(j, bool(below[i]))
+        g, j, u = g - dg, i, u - du

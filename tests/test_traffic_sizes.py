@@ -18,6 +18,7 @@ from graphkeeper.proto.traffic_sizes import (
     Traffic,
     choose_sizes,
     evaluate_sizes,
+    graph_keys,
     measurements_from,
     merge_histograms,
 )
@@ -80,8 +81,9 @@ def test_a_long_tail_is_covered_by_few_graphs_and_beats_the_default_ladder_in_gr
 def test_full_decode_only_ignores_mixed_steps():
     traffic = Traffic(decode={1: 10, 4: 10}, mixed={100: 1000})
     choice = choose_sizes(traffic, mode=FDO, max_capture_size=512)
-    assert choice.sizes == (1, 4) and choice.eligible_steps == 20 and choice.coverage == 1.0
-    assert choice.steps == 1020
+    assert choice.sizes == (1, 4) and choice.eligible_steps == 20 and choice.eligible_coverage == 1.0
+    # Coverage has one meaning: the share of all steps replayed (what the workers will count).
+    assert choice.steps == 1020 and choice.coverage == 20 / 1020
 
 
 def test_mode_none_chooses_nothing():
@@ -125,12 +127,11 @@ def _brute_force(traffic: Traffic, mode: int, max_graphs: int, budget: int) -> f
     counts = sorted(set(traffic.decode) | set(traffic.mixed))
     best = evaluate_sizes(traffic, (), mode, model).cost
     for k in range(1, len(counts) + 1):
-        if max_graphs and k * model.graphs_per_size() > max_graphs:
-            break
         for subset in itertools.combinations(counts, k):
-            if budget and sum(model.graph_bytes(s) for s in subset) > budget:
+            judged = evaluate_sizes(traffic, subset, mode, model)  # graphs counted as a worker records them
+            if (max_graphs and judged.graphs > max_graphs) or (budget and judged.memory_bytes > budget):
                 continue
-            best = min(best, evaluate_sizes(traffic, subset, mode, model).cost)
+            best = min(best, judged.cost)
     return best
 
 
@@ -185,3 +186,76 @@ def test_coverage_never_falls_with_more_graphs(traffic, mode):
     coverage = [choose_sizes(traffic, mode=mode, max_capture_size=512, max_graphs=n).coverage
                 for n in [*range(1, 9), 0]]
     assert all(b >= a - 1e-12 for a, b in itertools.pairwise(coverage))
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.integers(1, 512), min_size=1, max_size=12, unique=True), st.integers(1, 600),
+       st.sampled_from([PW, FDO, FAP]))
+def test_graphs_are_counted_as_the_worker_records_them(sizes, max_num_seqs, mode):
+    """``graph_keys`` and the worker's capture plan agree key for key: a size no decode step pads
+    to is one graph under FULL_AND_PIECEWISE, so maxGraphs buys what the worker will capture."""
+    from graphkeeper.worker.executor.graphs.modes import capture_plan
+
+    ladder = sorted(sizes)
+    assert sorted(graph_keys(ladder, mode, max_num_seqs)) == sorted(capture_plan(mode, ladder, max_num_seqs))
+
+
+def _h200_like(mode: int) -> CostModel:
+    """Step times shaped as a 1B decoder's on a large GPU: a FULL decode step nearly flat in rows
+    (weights read once), PIECEWISE steps linear above 128 tokens (compute-bound), eager steps bound
+    by the host's launches (3 ms) below that."""
+    ladder = default_ladder(512)
+
+    def pieces(s: int) -> float:
+        return 1.2e-3 + max(0, s - 128) * 3e-6 + s * 0.2e-6
+
+    def full(s: int) -> float:
+        return 0.8e-3 + s * 1e-6
+
+    return CostModel(mode, Measurements(
+        replay_seconds={pb.GRAPH_MODE_FULL: {s: full(s) for s in ladder},
+                        pb.GRAPH_MODE_PIECEWISE: {s: pieces(s) for s in ladder}},
+        eager_seconds={pb.GRAPH_MODE_FULL: {s: max(3e-3, full(s)) for s in ladder},
+                       pb.GRAPH_MODE_PIECEWISE: {s: max(3.2e-3, pieces(s)) for s in ladder}}))
+
+
+FAMILIES = {
+    # Zipf-like decode batches and a thin tail of long mixed steps.
+    "long tail": Traffic(decode={t: max(1, 20_000 // t) for t in range(1, 65)},
+                         mixed={t: 3 for t in range(70, 513, 7)}),
+    # One batch size nearly always (a saturated decode fleet), a little of everything else.
+    "one dominant": Traffic(decode={**{t: 2 for t in range(1, 65)}, 64: 50_000}, mixed={t: 1 for t in range(66, 513)}),
+    # Prompts arriving all the time: mixed steps of every size up to the token budget.
+    "prefill-heavy": Traffic(decode={t: 20 for t in range(1, 65)}, mixed={t: 40 + t % 17 for t in range(2, 513)}),
+    # Long generations: decode steps of every batch size, few prefills.
+    "decode-heavy": Traffic(decode={t: 500 + 30 * t for t in range(1, 65)}, mixed={t: 2 for t in range(66, 513, 3)}),
+}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("measured", [False, True], ids=["token model", "h200-like"])
+def test_half_the_default_ladder_s_graphs_keep_its_expected_throughput(family, measured):
+    """The stated tolerance: with at most half the Default ladder's graphs, sizes chosen from
+    traffic are expected within 2% of the ladder's throughput (and report the figure)."""
+    traffic = FAMILIES[family]
+    model = _h200_like(FAP) if measured else CostModel(FAP)
+    ladder = evaluate_sizes(traffic, default_ladder(512), FAP, model, full_limit=64)
+    choice = choose_sizes(traffic, mode=FAP, max_capture_size=512, max_graphs=ladder.graphs // 2, model=model,
+                          full_limit=64)
+    assert choice.graphs <= ladder.graphs // 2
+    assert choice.default_cost == pytest.approx(ladder.cost) and choice.default_graphs == ladder.graphs == 62
+    assert choice.throughput_vs_default >= 0.98, (choice.sizes, choice.throughput_vs_default)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.dictionaries(st.integers(1, 64), st.integers(1, 1000), max_size=20),
+       st.dictionaries(st.integers(2, 512), st.integers(1, 1000), min_size=1, max_size=300),
+       st.sampled_from([PW, FAP]))
+def test_with_room_for_the_default_ladder_the_choice_is_never_slower_than_it(decode, mixed, mode):
+    """Without a limit that the ladder breaks, the search has the ladder's sizes among its
+    candidates (also when it coarsens a histogram of many token counts): never an expected step
+    time above the ladder's."""
+    traffic = Traffic(decode=decode, mixed=mixed)
+    choice = choose_sizes(traffic, mode=mode, max_capture_size=512, model=_h200_like(mode))
+    assert choice.cost <= choice.default_cost * (1 + 1e-9)
+    assert choice.throughput_vs_default >= 1 - 1e-9

@@ -115,6 +115,12 @@ def test_idle_graphs_are_released_with_their_memory_and_reason():
         wait_for(lambda: all(c.released for c in engine.status().captured), timeout=30, what="every graph released")
         status = engine.status()
         assert status.graph_memory_bytes <= HELD_AT_MOST, status.graph_memory_bytes
+        # Graph memory is the pool's: the device must have it back too, not only the figure.
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info()
+        left = total - free - engine.capture.graph_set.baseline_used
+        assert left <= HELD_AT_MOST, f"{left / MIB:.1f} MiB more in use than before the first graph"
         assert engine.metrics.idle_releases._value.get() == len(status.captured)
         assert engine.metrics.graph_memory._value.get() == status.graph_memory_bytes
         completion = generate(engine, [5, 6, 7], 4)

@@ -16,6 +16,8 @@ from __future__ import annotations
 import gc
 import logging
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -37,10 +39,11 @@ log = logging.getLogger(__name__)
 class CaptureJob:
     """Captures ``plan`` into ``graphs`` one key at a time, then hands the set to the dispatcher.
 
-    Graph memory is what the device holds beyond the phase's starting point once the regular
-    allocator's cache is returned: the graphs' pool, their executables, the piece buffers and the
-    capture stream's library workspaces. It is measured after every key, so the budget is enforced
-    on the measured figure and each key is charged with what it added.
+    Graph memory is what the allocator holds for the set: its pool's segments and the piece
+    buffers (``GraphSet.measure``). It is measured after every key, so the budget is enforced on
+    the measured figure and each key is charged with what it added. What sits outside the
+    allocator (graph executables, the capture stream's library workspaces) is not graph memory
+    here; once no graph is left, any of it still held is reported (``report_held_without_graphs``).
     """
 
     graphs: GraphSet
@@ -49,18 +52,33 @@ class CaptureJob:
     inject_failures: frozenset[int] = frozenset()
     tolerance: float = 1e-3
     position: int = 0
-    started_used: int = 0
     held: int = 0  # graph memory after the last key, measured
-    total_seconds: float = 0.0
+    #: Seconds the stage spent, by part (CAPTURE_PARTS): a user waits for all of them, not only
+    #: for the recording, which is the smallest part.
+    parts: dict[str, float] = field(default_factory=lambda: dict.fromkeys(CAPTURE_PARTS, 0.0))
     last_cost: int = 0
     stopped_by_budget: bool = False
     primed: set[int] = field(default_factory=set)  # sizes whose eager step ran (``_prime``)
 
     def __post_init__(self) -> None:
-        gc.collect()
-        torch.cuda.empty_cache()
-        self.started_used = self.graphs.baseline_used = device_used()
-        self.graphs.baseline_reserved = torch.cuda.memory_reserved()
+        with self._timed("setup"):
+            gc.collect()
+            torch.cuda.empty_cache()
+            self.graphs.baseline_used = device_used()
+            self.graphs.baseline_reserved = torch.cuda.memory_reserved()
+
+    @property
+    def total_seconds(self) -> float:
+        """The whole capture stage: every part, the recording being only one of them."""
+        return sum(self.parts.values())
+
+    @contextmanager
+    def _timed(self, part: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.parts[part] += time.perf_counter() - start
 
     @property
     def done(self) -> bool:
@@ -73,6 +91,10 @@ class CaptureJob:
     def finish(self) -> None:
         """Ends the phase within the budget: graphs given back, last captured first, while what is
         held exceeds it; with none left, everything held for graphs is given back too."""
+        with self._timed("finish"):
+            self._finish()
+
+    def _finish(self) -> None:
         gc.collect()
         held = self.measure()
         while self.budget_bytes and held > self.budget_bytes and self.graphs.captured:
@@ -114,38 +136,42 @@ class CaptureJob:
     def _capture(self, mode: int, size: int) -> None:
         runner = self.graphs.runner
         probe = probe_plan(runner, size)
+        began = sum(self.parts.values())
         try:
-            self._prime(probe, size)  # not part of the capture's time or memory
+            with self._timed("prime"):
+                self._prime(probe, size)  # not charged to the key's memory (see _prime)
             reserved_before = torch.cuda.memory_reserved()
-            start = time.perf_counter()
-            runner.prepare(probe, size)
-            self.graphs.warm_up(mode, size)
-            if size in self.inject_failures:
-                raise RuntimeError(f"injected capture failure for size {size}")
-            graphs = self.graphs.record(mode, size)
+            with self._timed("warm_up"):
+                runner.prepare(probe, size)
+                self.graphs.warm_up(mode, size)
+            with self._timed("record"):
+                if size in self.inject_failures:
+                    raise RuntimeError(f"injected capture failure for size {size}")
+                graphs = self.graphs.record(mode, size)
         except Exception as err:  # noqa: BLE001 - one size's failure must never stop the worker
             torch.cuda.synchronize()
             self._skip(mode, size, pb.FALLBACK_REASON_SIZE_CAPTURE_FAILED, f"capture failed: {err}")
             return
-        seconds = time.perf_counter() - start
-        held = self.measure()
-        entry = CapturedGraph(mode, size, graphs, seconds, held - self.held,
+        with self._timed("measure"):
+            held = self.measure()
+        entry = CapturedGraph(mode, size, graphs, 0.0, held - self.held,
                               torch.cuda.memory_reserved() - reserved_before)
         self.graphs.captured[(mode, size)] = entry
-        problem = validate(self.graphs, mode, size, probe, self.tolerance)
-        if not problem:
-            entry.replay_seconds, entry.eager_seconds = time_step(self.graphs, mode, size, probe)
+        with self._timed("validate"):
+            problem = validate(self.graphs, mode, size, probe, self.tolerance)
+            if not problem:
+                entry.replay_seconds, entry.eager_seconds = time_step(self.graphs, mode, size, probe)
+        entry.seconds = sum(self.parts.values()) - began  # everything this key took
         if problem:
             self._drop(mode, size, pb.FALLBACK_REASON_SIZE_CAPTURE_FAILED, f"validation failed: {problem}")
             return
         if self.budget_bytes and held > self.budget_bytes:
             self._over_budget(mode, size)
             return
-        self.total_seconds += seconds
         self.held = held
         self.last_cost = max(entry.device_bytes, 0)
         log.info("captured %s size %d in %.3f s, %d bytes device, %d bytes reserved",
-                 mode_name(mode), size, seconds, entry.device_bytes, entry.reserved_bytes)
+                 mode_name(mode), size, entry.seconds, entry.device_bytes, entry.reserved_bytes)
 
     def _prime(self, probe: StepPlan, size: int) -> None:
         """One eager step of ``size`` rows, and validation's LM head, on the serving stream before
@@ -191,6 +217,11 @@ def probe_plan(runner: ModelRunner, size: int) -> StepPlan:
     where = np.array([runner.cache.probe_slot_position(r) for r in range(size)], dtype=np.int64).reshape(-1, 2)
     return StepPlan(prompt_tokens=[], positions=where[:, 1], slots=where[:, 0], num_decode=size,
                     sample_rows=np.arange(size), sample_slots=where[:, 0], decode_tokens=tokens.astype(np.int64))
+
+
+#: The parts of the capture stage, in the order a key goes through them ("setup" and "finish" once a
+#: phase): what status and the capture metrics report, beside their sum, the whole stage.
+CAPTURE_PARTS = ("setup", "prime", "warm_up", "record", "validate", "measure", "finish")
 
 
 #: Rows of the probe whose logits are compared (hidden states are compared for every row).

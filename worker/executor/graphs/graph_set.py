@@ -18,6 +18,7 @@ from torch import Tensor
 
 from graphkeeper.proto.enums import mode_name
 from graphkeeper.worker.executor.graphs.modes import FULL, Key
+from graphkeeper.worker.executor.graphs.pool_memory import pool_bytes
 from graphkeeper.worker.executor.runner import ModelRunner
 from graphkeeper.worker.model.attention import AttentionMetadata
 
@@ -69,8 +70,10 @@ class GraphSet:
         self.pool = torch.cuda.graph_pool_handle()
         self.stream = torch.cuda.Stream(device=runner.device)
         self._piece_buffers: dict[str, Tensor] | None = None
-        self.memory_bytes = 0  # device memory the capture phase added, measured when it ends
-        self.baseline_used = device_used()  # device memory in use before any of this set's graphs
+        self.memory_bytes = 0  # graph memory (``measure``) when the phase ended or graphs were released
+        #: Device memory in use before any of this set's graphs: what is still held beyond it once
+        #: no graph is left is reported (``report_held_without_graphs``), never counted as graphs.
+        self.baseline_used = device_used()
         self.baseline_reserved = 0  # torch's reserved memory at the same point (what a leak report compares)
 
     # --- replay ---------------------------------------------------------------------------
@@ -175,18 +178,31 @@ class GraphSet:
         return device_used()
 
     def measure(self) -> int:
-        """Graph memory now: device memory in use beyond the set's starting point, cache returned."""
-        return max(self.settled_used() - self.baseline_used, 0)
+        """Graph memory now, as the allocator holds it: this set's pool's segments and the piece
+        buffers, once queued work finished and freeable pool segments went back. No other memory
+        on the device moves it (a second model during a reload, the old one's freed memory), as it
+        moved the difference of two device-wide readings this used to be."""
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        return pool_bytes(self.pool) + self.buffer_bytes()
+
+    def buffer_bytes(self) -> int:
+        """The piece buffers' bytes (allocated by the first PIECEWISE key, shared by every size)."""
+        return sum(t.numel() * t.element_size() for t in (self._piece_buffers or {}).values())
 
     def report_held_without_graphs(self) -> None:
-        """With no graph left, what is still counted as graph memory should be nothing (below the
-        driver's 2 MiB page); more is said, with the part torch's allocator holds, not left silent."""
-        if self.captured or self.memory_bytes <= NO_GRAPH_SLACK_BYTES:
+        """With no graph left, the device should hold what it held before the set's first graph
+        (within the driver's 2 MiB page); more is said, with the part torch's allocator holds, not
+        left silent (graph memory reads 0 then: the pool is gone, the rest is not the graphs')."""
+        if self.captured:
+            return
+        left = self.settled_used() - self.baseline_used
+        if left <= NO_GRAPH_SLACK_BYTES:
             return
         in_torch = torch.cuda.memory_reserved() - self.baseline_reserved
-        log.warning("%d B still counted as graph memory with no graph left: torch's allocator holds %+d B more "
-                    "than before the capture phase, %d B are outside it (driver, libraries)",
-                    self.memory_bytes, in_torch, self.memory_bytes - max(in_torch, 0))
+        log.warning("%d B more device memory in use than before the first graph, with no graph left: torch's "
+                    "allocator holds %+d B more, %d B are outside it (driver, libraries)",
+                    left, in_torch, left - max(in_torch, 0))
 
     # --- recording ------------------------------------------------------------------------
 
