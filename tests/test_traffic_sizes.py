@@ -179,13 +179,14 @@ def test_unmeasured_runtime_mode_borrows_the_measured_one():
 
 @settings(max_examples=200, deadline=None)
 @given(traffics, st.sampled_from([PW, FDO, FAP]))
-def test_coverage_never_falls_with_more_graphs(traffic, mode):
+def test_without_a_limit_every_eligible_step_replays(traffic, mode):
     """Under the default step-time model (an eager step costs more than replaying it exactly) a
-    larger graph allowance leaves no more steps eager. A property checked here, not a theorem for
-    every measured model: the objective is expected step time, and coverage follows from it."""
-    coverage = [choose_sizes(traffic, mode=mode, max_capture_size=512, max_graphs=n).coverage
-                for n in [*range(1, 9), 0]]
-    assert all(b >= a - 1e-12 for a, b in itertools.pairwise(coverage))
+    search with no limit leaves no step eager that the mode could replay. Coverage is not what the
+    search minimises: under a graph limit it may trade a rare mixed step for less decode padding
+    (two graphs of a decode size against one of a mixed size), so it need not grow with the limit;
+    the expected step time does (``test_more_graphs_never_cost_more``)."""
+    choice = choose_sizes(traffic, mode=mode, max_capture_size=512)
+    assert choice.covered_steps == choice.eligible_steps
 
 
 @settings(max_examples=100, deadline=None)
