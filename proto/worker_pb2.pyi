@@ -389,7 +389,7 @@ class LedgerEntry(_message.Message):
     def __init__(self, stage: _Optional[_Union[LedgerStage, str]] = ..., device_used_bytes: _Optional[int] = ..., torch_allocated_bytes: _Optional[int] = ..., torch_reserved_bytes: _Optional[int] = ..., residual_bytes: _Optional[int] = ...) -> None: ...
 
 class GraphStatus(_message.Message):
-    __slots__ = ("state", "requested_mode", "effective_mode", "mode_downgrade_reason", "policy_uid", "policy_generation", "model_revision", "captured", "skipped", "fallbacks", "graph_steps", "eager_steps", "graph_memory_bytes", "total_capture_seconds", "ledger", "running_sequences", "queued_requests", "last_error", "pending_policy_uid", "pending_policy_generation", "pending_model_revision", "compile", "traffic", "kv_cache")
+    __slots__ = ("state", "requested_mode", "effective_mode", "mode_downgrade_reason", "policy_uid", "policy_generation", "model_revision", "captured", "skipped", "fallbacks", "graph_steps", "eager_steps", "graph_memory_bytes", "total_capture_seconds", "ledger", "running_sequences", "queued_requests", "last_error", "pending_policy_uid", "pending_policy_generation", "pending_model_revision", "compile", "traffic", "kv_cache", "capture_parts")
     STATE_FIELD_NUMBER: _ClassVar[int]
     REQUESTED_MODE_FIELD_NUMBER: _ClassVar[int]
     EFFECTIVE_MODE_FIELD_NUMBER: _ClassVar[int]
@@ -414,6 +414,7 @@ class GraphStatus(_message.Message):
     COMPILE_FIELD_NUMBER: _ClassVar[int]
     TRAFFIC_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_FIELD_NUMBER: _ClassVar[int]
+    CAPTURE_PARTS_FIELD_NUMBER: _ClassVar[int]
     state: LifecycleState
     requested_mode: GraphMode
     effective_mode: GraphMode
@@ -438,7 +439,16 @@ class GraphStatus(_message.Message):
     compile: CompileStatus
     traffic: StepHistogram
     kv_cache: KVCacheStatus
-    def __init__(self, state: _Optional[_Union[LifecycleState, str]] = ..., requested_mode: _Optional[_Union[GraphMode, str]] = ..., effective_mode: _Optional[_Union[GraphMode, str]] = ..., mode_downgrade_reason: _Optional[str] = ..., policy_uid: _Optional[str] = ..., policy_generation: _Optional[int] = ..., model_revision: _Optional[str] = ..., captured: _Optional[_Iterable[_Union[CapturedSize, _Mapping]]] = ..., skipped: _Optional[_Iterable[_Union[SkippedSize, _Mapping]]] = ..., fallbacks: _Optional[_Iterable[_Union[FallbackCount, _Mapping]]] = ..., graph_steps: _Optional[int] = ..., eager_steps: _Optional[int] = ..., graph_memory_bytes: _Optional[int] = ..., total_capture_seconds: _Optional[float] = ..., ledger: _Optional[_Iterable[_Union[LedgerEntry, _Mapping]]] = ..., running_sequences: _Optional[int] = ..., queued_requests: _Optional[int] = ..., last_error: _Optional[str] = ..., pending_policy_uid: _Optional[str] = ..., pending_policy_generation: _Optional[int] = ..., pending_model_revision: _Optional[str] = ..., compile: _Optional[_Union[CompileStatus, _Mapping]] = ..., traffic: _Optional[_Union[StepHistogram, _Mapping]] = ..., kv_cache: _Optional[_Union[KVCacheStatus, _Mapping]] = ...) -> None: ...
+    capture_parts: _containers.RepeatedCompositeFieldContainer[CapturePart]
+    def __init__(self, state: _Optional[_Union[LifecycleState, str]] = ..., requested_mode: _Optional[_Union[GraphMode, str]] = ..., effective_mode: _Optional[_Union[GraphMode, str]] = ..., mode_downgrade_reason: _Optional[str] = ..., policy_uid: _Optional[str] = ..., policy_generation: _Optional[int] = ..., model_revision: _Optional[str] = ..., captured: _Optional[_Iterable[_Union[CapturedSize, _Mapping]]] = ..., skipped: _Optional[_Iterable[_Union[SkippedSize, _Mapping]]] = ..., fallbacks: _Optional[_Iterable[_Union[FallbackCount, _Mapping]]] = ..., graph_steps: _Optional[int] = ..., eager_steps: _Optional[int] = ..., graph_memory_bytes: _Optional[int] = ..., total_capture_seconds: _Optional[float] = ..., ledger: _Optional[_Iterable[_Union[LedgerEntry, _Mapping]]] = ..., running_sequences: _Optional[int] = ..., queued_requests: _Optional[int] = ..., last_error: _Optional[str] = ..., pending_policy_uid: _Optional[str] = ..., pending_policy_generation: _Optional[int] = ..., pending_model_revision: _Optional[str] = ..., compile: _Optional[_Union[CompileStatus, _Mapping]] = ..., traffic: _Optional[_Union[StepHistogram, _Mapping]] = ..., kv_cache: _Optional[_Union[KVCacheStatus, _Mapping]] = ..., capture_parts: _Optional[_Iterable[_Union[CapturePart, _Mapping]]] = ...) -> None: ...
+
+class CapturePart(_message.Message):
+    __slots__ = ("part", "seconds")
+    PART_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    part: str
+    seconds: float
+    def __init__(self, part: _Optional[str] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class StepShape(_message.Message):
     __slots__ = ("num_tokens", "num_seqs", "uniform_decode", "steps")

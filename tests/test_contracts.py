@@ -34,6 +34,8 @@ ABSENT_UNTIL_EVENT = {
     "graphkeeper_graph_eager_step_seconds",
     "graphkeeper_graph_padding_tokens_total",
     "graphkeeper_graph_released",
+    # By part of a capture phase: a CPU runs none.
+    "graphkeeper_graph_capture_part_seconds",
 }
 
 

@@ -95,9 +95,13 @@ class WorkerMetrics:
         self.capture_duration = Gauge("graphkeeper_graph_capture_duration_seconds",
                                       "Capture time of each captured graph.", ["mode", "size"], registry=r)
         self.capture_phase = Gauge("graphkeeper_graph_capture_phase_seconds",
-                                   "Total capture time of the last capture phase.", registry=r)
+                                   "The whole last capture phase (every part, the recording being one).", registry=r)
+        self.capture_part = Gauge("graphkeeper_graph_capture_part_seconds",
+                                  "Seconds the last capture phase spent in each part (setup, prime, warm_up, record, "
+                                  "validate, measure, finish); they add up to the phase.", ["part"], registry=r)
         self.graph_memory = Gauge("graphkeeper_graph_memory_bytes",
-                                  "Device memory the captured graphs hold (measured).", registry=r)
+                                  "Graph memory: the graph pool's segments and the piece buffers, as the allocator "
+                                  "holds them (measured).", registry=r)
         self.graph_memory_budget = Gauge("graphkeeper_graph_memory_budget_bytes",
                                          "The policy's graph memory budget; 0 is unlimited.", registry=r)
         self.captured = Gauge("graphkeeper_graph_captured", "1 for each captured (mode, size).",
@@ -273,6 +277,7 @@ METRIC_NAMES = frozenset({
     "graphkeeper_real_tokens_total",
     "graphkeeper_graph_capture_duration_seconds",
     "graphkeeper_graph_capture_phase_seconds",
+    "graphkeeper_graph_capture_part_seconds",
     "graphkeeper_graph_memory_bytes",
     "graphkeeper_graph_memory_budget_bytes",
     "graphkeeper_graph_captured",

@@ -68,6 +68,7 @@ def graph_status(snap: Snapshot, *, capture: CaptureController, recorder: StepRe
         eager_steps=sum(eager.values()),
         graph_memory_bytes=graphs.memory_bytes if graphs else 0,
         total_capture_seconds=c.total_seconds,
+        capture_parts=[pb.CapturePart(part=part, seconds=seconds) for part, seconds in c.parts.items()],
         ledger=ledger.to_proto(),
         running_sequences=running,
         queued_requests=queued,

@@ -77,6 +77,8 @@ class CaptureController:
         self.downgrade_reason = ""
         self.ladder: list[int] = []
         self.total_seconds = 0.0
+        #: The last capture phase's seconds by part (CAPTURE_PARTS); they add up to total_seconds.
+        self.parts: dict[str, float] = {}
         self.last_failure = ""
         self.idle = IdleRelease()
 
@@ -159,6 +161,7 @@ class CaptureController:
             return
         job.finish()
         self.total_seconds = job.total_seconds
+        self.parts = dict(job.parts)
         self._publish_state()
         failures = [v.message for v in graphs.skipped.values() if v.reason == pb.FALLBACK_REASON_SIZE_CAPTURE_FAILED]
         self.last_failure = failures[-1] if failures else ""
@@ -236,4 +239,6 @@ class CaptureController:
         for (mode, size), skipped in graphs.skipped.items():
             m.skipped.labels(mode_name(mode), str(size), reason_name(skipped.reason)).set(1)
         m.capture_phase.set(self.total_seconds)
+        for part, seconds in self.parts.items():
+            m.capture_part.labels(part).set(seconds)
         m.graph_memory.set(graphs.memory_bytes)
