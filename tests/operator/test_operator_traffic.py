@@ -8,7 +8,7 @@ import time
 import pytest
 from test_operator_reconciler import LABELS, Fleet, max_concurrently_busy  # tests/operator
 
-from graphkeeper.operator.reconciler import desired_policy
+from graphkeeper.operator.desired import desired_policy
 from graphkeeper.operator.selection import PolicyRef
 from graphkeeper.operator.traffic import (
     GENERATION_STRIDE,
