@@ -87,10 +87,12 @@ def register(registry: kopf.OperatorRegistry | None = None) -> kopf.OperatorRegi
     kopf.index(*POLICIES, id="graph_policies", registry=registry)(policy_handlers.index_policy)
     kopf.on.event(*POLICIES, id="policy_event", registry=registry)(
         policy_handlers.on_policy_event)
-    render = policy_handlers.render_policy
-    kopf.on.resume(*POLICIES, id="render", registry=registry)(render)
-    kopf.on.create(*POLICIES, id="render", registry=registry)(render)
-    kopf.on.update(*POLICIES, id="render", field="spec", registry=registry)(render)
+    # The id is kopf's key for its progress annotations on existing objects: kept from when this
+    # handler rendered the ConfigMap (the reconcile run does now).
+    changed = policy_handlers.on_policy_change
+    kopf.on.resume(*POLICIES, id="render", registry=registry)(changed)
+    kopf.on.create(*POLICIES, id="render", registry=registry)(changed)
+    kopf.on.update(*POLICIES, id="render", field="spec", registry=registry)(changed)
     return registry
 
 

@@ -10,7 +10,8 @@ previous one reports READY with the new generation or revision. Changes that rec
 whose capture or reload failed or timed out pauses the rollout: nothing more is handed out
 until it recovers or the spec changes.
 
-Nothing here does I/O; the reconciler builds ``RolloutWorker`` values from what it observed.
+Nothing here does I/O; the reconciler builds ``RolloutWorker`` values from what it observed, and
+keeps the recapture keys of the generations it built in ``RecaptureKeys``.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from graphkeeper.proto import worker_pb2 as pb
 from graphkeeper.proto.policy import RecaptureKey, recapture_key
 
 DEFAULT_MAX_UNAVAILABLE = "25%"
+#: Recapture keys remembered per policy (generations a worker may still hold).
+MAX_RECAPTURE_KEYS = 64
 #: Seconds a worker may take to report READY with a change before the rollout pauses.
 DEFAULT_PROGRESS_DEADLINE_SECONDS = 600
 
@@ -82,6 +85,31 @@ def push_recaptures(held: RecaptureKey | None, policy: pb.GraphPolicy) -> bool:
     and goes to every worker at once, like a tenant toggle.
     """
     return held is None or held != recapture_key(policy)
+
+
+class RecaptureKeys:
+    """The recapture key of each generation this operator built, so that moving a worker from the
+    generation it reports holding to the next can tell whether it recaptures (``push_recaptures``).
+    A worker holding a generation built by another operator (before a restart) counts as
+    recapturing: the safe answer."""
+
+    def __init__(self) -> None:
+        #: (policy uid, generation) -> its recapture key.
+        self._keys: dict[tuple[str, int], RecaptureKey | None] = {}
+
+    def remember(self, policy: pb.GraphPolicy, policies: int) -> None:
+        """Keeps ``policy``'s key; forgets the older half once ``policies`` loops hold too many."""
+        self._keys[(policy.policy_uid, policy.generation)] = recapture_key(policy)
+        if len(self._keys) > MAX_RECAPTURE_KEYS * max(1, policies):
+            for key in list(self._keys)[: len(self._keys) // 2]:
+                del self._keys[key]
+
+    def recaptures(self, status: pb.GraphStatus | None, policy: pb.GraphPolicy) -> bool:
+        """Whether moving a worker from what ``status`` says it holds to ``policy`` recaptures graphs."""
+        held = None
+        if status is not None and status.policy_uid:
+            held = self._keys.get((status.policy_uid, status.policy_generation))
+        return push_recaptures(held, policy)
 
 
 @dataclass(frozen=True)

@@ -206,6 +206,22 @@ def selected_workers(policy: PolicyRef, pods: Iterable[WorkerPod]) -> list[Worke
     return sorted((p for p in pods if policy.selects(p)), key=lambda p: p.name)
 
 
+def pods_by_target(pods: Mapping[str, Iterable[WorkerPod]]) -> dict[str, list[WorkerPod]]:
+    """Every live pod with an address, by GraphControl address (``pods``: the index, by namespace)."""
+    out: dict[str, list[WorkerPod]] = {}
+    for namespace in pods.values():
+        for p in namespace:
+            if p.address and not p.deleting:
+                out.setdefault(p.control_target, []).append(p)
+    return out
+
+
+def live_targets(pods: Mapping[str, Iterable[WorkerPod]]) -> set[str]:
+    """The addresses some running pod answers at (both ports)."""
+    return {t for namespace in pods.values() for p in namespace if p.running
+            for t in (p.control_target, p.target)}
+
+
 def claims(
     pod: WorkerPod,
     policies: Iterable[PolicyRef],

@@ -20,16 +20,14 @@ from dataclasses import dataclass, field, replace
 from graphkeeper.operator.rollout import RolloutWorker
 from graphkeeper.operator.selection import WorkerPod
 from graphkeeper.operator.status import WorkerObservation, WorkerState
-from graphkeeper.operator.traffic import spec_generation
+from graphkeeper.operator.traffic import MODE_NAMES, spec_generation
 from graphkeeper.operator.workerclient import ErrorKind, WorkerError
 from graphkeeper.proto import worker_pb2 as pb
 from graphkeeper.proto.enums import lifecycle_name
-from graphkeeper.proto.policy import MODE_BY_NAME
 
 #: A LoadModelRevision for the same pod and revision is not retried sooner than this.
 MODEL_LOAD_RETRY_SECONDS = 60.0
 
-_MODE_NAME = {v: k for k, v in MODE_BY_NAME.items()}
 _BUSY = (pb.LIFECYCLE_STATE_LOADING, pb.LIFECYCLE_STATE_RECAPTURING)
 
 PUSH, RELOAD = "push", "reload"
@@ -146,7 +144,7 @@ def observe(pod: WorkerPod, status: pb.GraphStatus, policy: pb.GraphPolicy,
         policy_generation=(spec_generation(status.policy_generation)
                            if status.policy_uid == policy.policy_uid else 0),
         model_revision=status.model_revision,
-        effective_mode=_MODE_NAME.get(status.effective_mode, ""),
+        effective_mode=MODE_NAMES.get(status.effective_mode, ""),
         captured_sizes=tuple(sorted({c.size for c in status.captured})),
         graph_memory_bytes=status.graph_memory_bytes,
         fallback_rate=(status.eager_steps / steps) if steps else None,

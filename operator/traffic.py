@@ -17,11 +17,15 @@ No flapping (``decide_apply``): a new set is applied only ``minIntervalSeconds``
 one, and only when it lowers the expected step time by ``minImprovementPercent``, unless the sizes
 in effect break the policy's own limits (the first apply from a 62-graph default ladder under
 ``maxGraphs: 8`` costs more step time and saves the memory: that is what was asked for).
+
+``recommend`` is one look at the traffic, from the histograms to the set applied; the reconciler
+only gathers the owned workers' statuses, asks ``recommend_due`` whether to look, and carries out
+what the look decided (status, Event, metrics).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -30,12 +34,21 @@ from graphkeeper.proto import worker_pb2 as pb
 from graphkeeper.proto.policy import (
     DEFAULT_MAX_CAPTURE_CEILING,
     MAX_GRAPHS_LIMIT,
+    MODE_BY_NAME,
     PolicyError,
     default_ladder,
     interactivity_ladder,
     parse_quantity,
 )
-from graphkeeper.proto.traffic_sizes import SizeChoice, Traffic
+from graphkeeper.proto.traffic_sizes import (
+    CostModel,
+    SizeChoice,
+    Traffic,
+    choose_sizes,
+    evaluate_sizes,
+    measurements_from,
+    merge_histograms,
+)
 
 FIELD = "spec.captureSizes.fromTraffic"
 RECOMMEND, APPLY = "Recommend", "Apply"
@@ -45,6 +58,8 @@ DEFAULT_MIN_STEPS = 1000
 #: Applied sets per spec generation the wire generation can tell apart (about a million).
 GENERATION_STRIDE = 2**20
 MAX_REASONS = 64
+#: The CRD's name of each wire graph mode: an applied set remembers the spec's mode by this name.
+MODE_NAMES: dict[int, str] = {v: k for k, v in MODE_BY_NAME.items()}
 
 
 @dataclass(frozen=True)
@@ -126,6 +141,12 @@ def applied_status(applied: Applied) -> dict[str, Any] | None:
         return None
     return {"sizes": list(applied.sizes), "sequence": applied.sequence, "mode": applied.mode,
             "appliedTime": _stamp(applied.applied_at)}
+
+
+def mode_of(spec_wire: pb.GraphPolicy) -> str:
+    """The spec's graph mode by its CRD name, read from the parsed policy: the default for a spec
+    that names none is ``policy_from_spec``'s alone."""
+    return MODE_NAMES[spec_wire.mode]
 
 
 def wire_generation(generation: int, applied: Applied) -> int:
@@ -217,7 +238,85 @@ def decide_apply(settings: FromTraffic, applied: Applied, now: float, current: S
     return True, f"applied: expected step time {gain:.1%} lower"
 
 
+# --- one look at the traffic ----------------------------------------------------------------------
+
+
+def traffic_key(generation: int, traffic: Traffic, applied: Applied) -> tuple:
+    """What a look at the traffic depends on: the spec's generation, the merged histogram's size,
+    and the applied set."""
+    return (generation, traffic.steps, traffic.workers, traffic.since, applied)
+
+
+def recommend_due(key: tuple, last: tuple | None, since_last: float, min_gap: float) -> bool:
+    """Whether to look at the traffic again (pure): at once when the spec or the applied set
+    changed (``key``'s first and last items), at most every ``min_gap`` seconds while only the
+    traffic does (each look is a status write), never while nothing did."""
+    if key == last:
+        return False
+    same_spec = last is not None and (key[0], key[-1]) == (last[0], last[-1])
+    return not (same_spec and since_last < min_gap)
+
+
+@dataclass(frozen=True)
+class Recommendation:
+    """What one look at the traffic decided (``recommend``)."""
+
+    #: ``status.recommendation``.
+    status: dict[str, Any]
+    #: The set in effect afterwards: the one given, or the new set when this look applied it.
+    applied: Applied
+    #: The recommended and the current set; None while fewer than ``minSteps`` steps were seen.
+    new: SizeChoice | None = None
+    current: SizeChoice | None = None
+    #: The CaptureSizesApplied Event's message when this look applied the new set, else "".
+    applied_message: str = ""
+
+
+def recommend(settings: FromTraffic, spec_wire: pb.GraphPolicy, applied: Applied,
+              statuses: Sequence[pb.GraphStatus], traffic: Traffic, previous: Mapping[str, Any] | None,
+              now: float) -> Recommendation:
+    """Sizes for ``traffic`` (the owned workers' merged histograms) within the policy's limits,
+    and in Apply mode the new set applied when ``decide_apply`` allows (pure).
+
+    ``spec_wire``: the policy as the spec says it (its mode, its maxCaptureSize); ``applied``: the
+    set applied last; ``statuses``: the owned workers' statuses, whose measured replay and eager
+    times price the steps; ``previous``: the last recommendation, kept while too few steps were
+    seen; ``now``: Unix seconds.
+    """
+    if traffic.steps < settings.min_steps:
+        return Recommendation(waiting_status(previous, traffic, settings), applied)
+    mode, mode_name = spec_wire.mode, mode_of(spec_wire)
+    model = CostModel(mode, measurements_from(c for s in statuses for c in s.captured))
+    new = choose_sizes(traffic, mode=mode, max_capture_size=max_capture_size(spec_wire),
+                       max_graphs=settings.max_graphs, memory_budget_bytes=settings.memory_budget_bytes,
+                       model=model)
+    in_effect_now = effective_policy(spec_wire, settings, applied, mode_name)
+    current = evaluate_sizes(traffic, sizes_in_effect(in_effect_now), mode, model)
+    apply, why = decide_apply(settings, applied, now, current, new)
+    message = ""
+    if apply:
+        applied = Applied(new.sizes, applied.sequence + 1, now, mode_name)
+        message = (f"sizes {list(new.sizes)} from {traffic.steps} steps of {traffic.workers} worker(s), "
+                   f"expected coverage {new.coverage:.1%}: {why}")
+    return Recommendation(recommendation_status(new, current, traffic, now, why), applied, new, current, message)
+
+
 # --- the status ----------------------------------------------------------------------------------
+
+
+def sizes_status(settings: FromTraffic | None, spec_mode: str, applied: Applied,
+                 recommendation: Mapping[str, Any] | None) -> dict[str, Any]:
+    """``status.recommendation`` (while the spec asks for sizes from traffic) and
+    ``status.effectiveCaptureSizes`` (once a set was applied), to add to the policy's status."""
+    out: dict[str, Any] = {}
+    if recommendation and settings is not None:
+        out["recommendation"] = recommendation
+    effective = applied_status(applied)
+    if effective is not None:
+        effective["inEffect"] = in_effect(settings, applied, spec_mode)
+        out["effectiveCaptureSizes"] = effective
+    return out
+
 
 
 def _stamp(unix: float) -> str:
@@ -264,3 +363,8 @@ def waiting_status(previous: Mapping[str, Any] | None, traffic: Traffic, setting
 
 def histograms(statuses: Iterable[pb.GraphStatus]) -> list[pb.StepHistogram]:
     return [s.traffic for s in statuses if s.HasField("traffic")]
+
+
+def merged_traffic(statuses: Iterable[pb.GraphStatus]) -> Traffic:
+    """The workers' step histograms added up (those that report one)."""
+    return merge_histograms(histograms(statuses))

@@ -15,7 +15,8 @@ from typing import Any
 
 from fakes.fake_worker import FakeWorkerServer, FakeWorkerState  # tests/fakes, not shipped
 
-from graphkeeper.operator.reconciler import Reconciler, desired_policy, mark_waiting
+from graphkeeper.operator.desired import desired_policy
+from graphkeeper.operator.reconciler import Reconciler, mark_waiting
 from graphkeeper.operator.selection import PolicyRef, WorkerPod
 from graphkeeper.operator.status import WorkerObservation, WorkerState
 from graphkeeper.operator.workerclient import GraphControlClient

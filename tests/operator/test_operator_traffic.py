@@ -8,7 +8,7 @@ import time
 import pytest
 from test_operator_reconciler import LABELS, Fleet, max_concurrently_busy  # tests/operator
 
-from graphkeeper.operator.reconciler import desired_policy
+from graphkeeper.operator.desired import desired_policy
 from graphkeeper.operator.selection import PolicyRef
 from graphkeeper.operator.traffic import (
     GENERATION_STRIDE,
@@ -19,6 +19,9 @@ from graphkeeper.operator.traffic import (
     decide_apply,
     effective_policy,
     from_traffic_settings,
+    recommend,
+    recommend_due,
+    traffic_key,
 )
 from graphkeeper.proto import worker_pb2 as pb
 from graphkeeper.proto.policy import PolicyError, policy_from_json, policy_from_spec, recapture_key
@@ -129,6 +132,58 @@ def test_decide_apply_no_flapping():
     empty = evaluate_sizes(traffic, [], pb.GRAPH_MODE_PIECEWISE, note="memory budget 1 bytes fits no graph")
     assert decide_apply(apply, Applied(), 0, ladder, empty) == (
         False, "nothing to apply: memory budget 1 bytes fits no graph")
+
+
+# --- one look at the traffic (pure) -----------------------------------------------------------------
+
+
+def _look(from_traffic: dict, applied: Applied | None = None, now: float = 10_000.0):
+    """One look at ``_choices``' traffic (1010 steps) for a Piecewise policy with a ladder to 64."""
+    spec = spec_with(from_traffic)
+    wire = policy_from_spec(spec, uid="u", name="n", generation=1)
+    previous = {"sizes": [2], "message": "earlier"}
+    return recommend(from_traffic_settings(spec), wire, applied or Applied(), [], _choices()[0], previous, now)
+
+
+def test_recommend_waits_for_min_steps_and_keeps_the_last_recommendation():
+    look = _look({"mode": "Apply", "maxGraphs": 3, "minSteps": 5000})
+    assert look.new is None and look.applied == Applied() and not look.applied_message
+    assert look.status["sizes"] == [2] and look.status["steps"] == 1010
+    assert look.status["message"] == "waiting for traffic: 1010 of minSteps 5000 steps observed"
+
+
+def test_recommend_mode_recommends_the_cheapest_sizes_and_applies_nothing():
+    look = _look({"mode": "Recommend", "maxGraphs": 3, "minSteps": 100})
+    assert list(look.new.sizes) == [1, 8, 40] and look.status["sizes"] == [1, 8, 40]
+    assert look.applied == Applied() and not look.applied_message
+    assert look.status["message"].startswith("mode Recommend")
+
+
+def test_apply_mode_applies_a_new_set_for_the_spec_mode_with_the_next_sequence():
+    apply = {"mode": "Apply", "maxGraphs": 3, "minSteps": 100}
+    look = _look(apply)  # the spec's ladder to 64 is 11 graphs, over maxGraphs
+    assert look.applied == Applied((1, 8, 40), 1, 10_000.0, "Piecewise")
+    assert look.applied_message.startswith("sizes [1, 8, 40] from 1010 steps of 0 worker(s)")
+    assert "over maxGraphs 3" in look.applied_message
+    # Within minIntervalSeconds of the last set: recommended, not applied.
+    recent = Applied((1, 2, 4, 8), 1, 9_900.0, "Piecewise")
+    held = _look(apply, applied=recent)
+    assert held.applied == recent and list(held.new.sizes) == [1, 8, 40] and not held.applied_message
+    assert "minIntervalSeconds" in held.status["message"]
+    # After it, a set that is barely better stays (minImprovementPercent).
+    kept = _look(apply, applied=Applied((1, 8, 48), 1, 0.0, "Piecewise"))
+    assert kept.applied.sequence == 1 and "minImprovementPercent is 5%" in kept.status["message"]
+
+
+def test_a_look_at_the_traffic_is_due_when_the_spec_or_the_set_changed_and_at_most_every_gap_for_traffic():
+    traffic, _, _ = _choices()
+    key = traffic_key(1, traffic, Applied())
+    assert recommend_due(key, None, float("inf"), 30.0)
+    assert not recommend_due(key, key, 3600.0, 30.0), "nothing changed"
+    more = traffic_key(1, Traffic(decode={1: 600}), Applied())
+    assert not recommend_due(more, key, 10.0, 30.0) and recommend_due(more, key, 30.0, 30.0)
+    assert recommend_due(traffic_key(2, traffic, Applied()), key, 0.0, 30.0), "a spec edit"
+    assert recommend_due(traffic_key(1, traffic, Applied((8,), 1)), key, 0.0, 30.0), "a set applied"
 
 
 # --- the reconciler against stand-ins with traffic ------------------------------------------------

@@ -1,0 +1,79 @@
+"""The Events a reconcile run posts about its policy, decided from what the run saw (pure).
+
+Events are for what a person wants to see: one per kind per run, never one per worker, and a
+failure, a paused rollout or an invalid spec once when it starts (``Told`` remembers what the
+runs before said), not on every run while it lasts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from graphkeeper.operator.rollout import RolloutPlan
+from graphkeeper.operator.status import FAILURE_REASONS, WorkerObservation, WorkerState
+from graphkeeper.operator.sync import PUSH, RELOAD
+
+#: Workers a message names before it says how many more there are.
+NAMED = 5
+#: Failing workers a Warning details.
+DETAILED = 3
+
+
+@dataclass(frozen=True)
+class Event:
+    kind: str  # Normal or Warning
+    reason: str
+    message: str
+
+
+@dataclass(frozen=True)
+class Told:
+    """What the Events of the runs before said: each worker's state, the paused rollout, the
+    invalid spec."""
+
+    worker_states: Mapping[str, WorkerState] = field(default_factory=dict)
+    paused: tuple[str, ...] = ()
+    invalid: str | None = None
+
+
+def run_events(told: Told, *, generation: int, observations: Sequence[WorkerObservation],
+               fired: Mapping[str, Sequence[str]], invalid: str | None,
+               plan: RolloutPlan | None) -> tuple[list[Event], Told]:
+    """The Events of one run, and what has been told after it.
+
+    ``fired``: the pushes and reloads the run started, by kind; ``plan``: the run's rollout plan
+    (None when nothing was planned, as for an invalid spec).
+    """
+    events: list[Event] = []
+    if fired[PUSH]:
+        events.append(Event("Normal", "PolicyPushed", f"pushed generation {generation} to {names(fired[PUSH])}"))
+    if fired[RELOAD]:
+        events.append(Event("Normal", "ModelRevisionLoad",
+                            f"asked to load a new model revision: {names(fired[RELOAD])}"))
+    fresh: dict[WorkerState, list[WorkerObservation]] = {}
+    states: dict[str, WorkerState] = {}
+    for o in observations:
+        states[o.name] = o.state
+        if o.state in FAILURE_REASONS and told.worker_states.get(o.name) != o.state:
+            fresh.setdefault(o.state, []).append(o)
+    for state, obs in fresh.items():
+        detail = "; ".join(f"{o.name}: {o.message}" for o in obs[:DETAILED])
+        more = f"; and {len(obs) - DETAILED} more" if len(obs) > DETAILED else ""
+        events.append(Event("Warning", FAILURE_REASONS[state], detail + more))
+    paused = plan.failed if plan is not None and plan.paused else ()
+    if paused and not told.paused:
+        events.append(Event("Warning", "RolloutPaused",
+                            f"generation {generation}: not handed to more workers until "
+                            f"{names(list(paused))} recover(s) or the spec changes"))
+    elif told.paused and not paused and plan is not None:
+        events.append(Event("Normal", "RolloutResumed", f"generation {generation}"))
+    if invalid is not None and told.invalid != invalid:
+        events.append(Event("Warning", "InvalidPolicy", invalid))
+    return events, Told(states, paused, invalid)
+
+
+def names(workers: Sequence[str]) -> str:
+    shown = ", ".join(workers[:NAMED])
+    more = f" and {len(workers) - NAMED} more" if len(workers) > NAMED else ""
+    return f"{len(workers)} worker(s): {shown}{more}"
