@@ -18,15 +18,20 @@ export PYTHONUNBUFFERED=1
 # The commit to record in results: pass GRAPHKEEPER_COMMIT=$(git rev-parse HEAD) from the checkout
 # that sent this tree (a copied tree's git metadata can name an older commit).
 if [ "${TESTS:-1}" = 1 ]; then
-  timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -m cuda -q -x -p no:cacheprovider tests/gpu 2>&1 | tee "$out/pytest-cuda-h200.log" | tail -25
+  # PYTEST_X="" runs every test past a failure (the whole picture in one call).
+  timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -m cuda -q ${PYTEST_X--x} -p no:cacheprovider ${TEST_SELECT:-tests/gpu} 2>&1 \
+    | tee "$out/pytest-cuda-h200.log" | tail -25
 fi
 IFS=';' read -ra benches <<< "${BENCH-load}"
 for b in "${benches[@]}"; do  # BENCH="" runs the tests alone
   case $b in
-    load) timeout 330 python3 bench/load_bench.py --seconds "${SECONDS_PER:-12}" --out "$out/load-h200.json" ;;
+    load) timeout 330 python3 bench/load_bench.py --seconds "${SECONDS_PER:-12}" ${SCENARIOS:+--scenarios "$SCENARIOS"} \
+        --label "${LABEL:-}" --out "$out/load-h200.json" ;;
     baseline)
       python3 -m pip install -q --no-deps --no-build-isolation --target /tmp/oldpkg ./.baseline >/dev/null 2>&1
-      timeout 150 python3 bench/load_bench.py --scenarios mixed --legacy --worker-pythonpath /tmp/oldpkg:/tmp/site \
+      # BASELINE_ARGS="" for a baseline that has --control-port (newer than 8e2591a).
+      timeout 330 python3 bench/load_bench.py --scenarios "${SCENARIOS:-mixed}" ${BASELINE_ARGS---legacy} \
+        --worker-pythonpath /tmp/oldpkg:/tmp/site \
         --seconds "${SECONDS_PER:-12}" --label "baseline ${BASELINE:-8e2591a}" --out "$out/load-baseline-h200.json" ;;
     apart)  # the engine core in its own process (the default) against it on a thread of the API process
       timeout 330 python3 bench/load_bench.py --scenarios one,decode,mixed --seconds "${SECONDS_PER:-12}" \
@@ -37,10 +42,13 @@ for b in "${benches[@]}"; do  # BENCH="" runs the tests alone
         --seconds "${SECONDS_PER:-12}" --out "$out/load-budget-sweep-h200.json" ;;
     economics-1b|economics-8b)  # the graph-economics sweep: 2 modes x 3 ladders, a fresh worker per cell
       preset=llama-${b#economics-}
-      timeout 570 python3 bench/sweep.py --preset "$preset" --modes FullAndPiecewise,FullDecodeOnly \
-        --ladders default,traffic,fixed:1,2,4,8,16,32,64 --budgets 0 --traffic-max-graphs 16 --scenario mixed \
+      timeout 570 python3 bench/sweep.py --preset "$preset" --modes "${MODES:-FullAndPiecewise,FullDecodeOnly}" \
+        --ladders "${LADDERS:-default,traffic,fixed:1,2,4,8,16,32,64}" --budgets 0 \
+        --traffic-max-graphs "${MAX_GRAPHS:-16}" --scenario mixed \
         --seconds "${SECONDS_PER:-10}" --worker-args=-O1 --logs "$out/logs-$b" \
         --out "$out/sweep-${preset/-/}-h200" ;;
+    graph-memory)  # graph memory through a fresh capture, a reload, idle release, an empty budget; track B
+      timeout 300 python3 bench/graph_memory.py --preset llama-1b --out "$out/graph-memory-h200.json" ;;
     economics-nothing)  # a graph memory budget that fits no graph: what stays held
       timeout 300 python3 bench/sweep.py --preset llama-1b --modes FullAndPiecewise --ladders default \
         --budgets 1Mi --scenario mixed --seconds "${SECONDS_PER:-10}" --worker-args=-O1 \

@@ -333,6 +333,8 @@ def recommendation_status(new: SizeChoice, current: SizeChoice, traffic: Traffic
         "paddedTokens": new.padded_tokens,
         "paddingWaste": round(new.padding_waste, 4),
         "graphs": new.graphs,
+        "throughputVsDefault": round(new.throughput_vs_default, 4),
+        "defaultGraphs": new.default_graphs,
         "memoryBytes": new.memory_bytes,
         "captureSeconds": round(new.capture_seconds, 3),
         "improvement": round(improvement(current, new), 4),
