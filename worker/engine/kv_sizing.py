@@ -105,7 +105,10 @@ class UtilizationSizing:
         if self.plan is None or graphs is None or not graphs.captured:
             return
         keys = capture.plan(policy, traffic.tokens()).keys  # none for a policy of mode NONE
-        measured = {k: max(0, e.device_bytes) for k, e in graphs.captured.items()}
+        # Device memory a key took to capture: its pool's growth and what its capture stream
+        # allocated beside the pool (library workspaces), as the allocator reserved them; graph
+        # memory (device_bytes) counts the pool alone, and the room is device memory.
+        measured = {k: max(0, e.device_bytes, e.reserved_bytes) for k, e in graphs.captured.items()}
         need = estimate_graph_bytes(keys, measured)
         if need > self.graph_room:
             raise PolicyError("capture_sizes", f"its graphs would take about {need} B of device memory; beside the KV "

@@ -128,13 +128,14 @@ class GraphSet:
     def release_idle(self, keys: set[Key]) -> None:
         """Releases graphs no step replayed for the policy's idle time; their memory is given back
         (all of it once the last graph of the set goes, see ``free_unused``)."""
-        for key in sorted(keys):
-            if key in self.captured:
-                self.released[key] = self.drop(key)
+        dropped = {key: self.drop(key) for key in sorted(keys) if key in self.captured}
         if not self.captured:
             self.free_unused()
         gc.collect()
+        # Measured before the keys are shown released: a reader that sees every graph released
+        # (status, from another thread) never sees the memory they held.
         self.memory_bytes = self.measure()  # the allocator's cache goes back first
+        self.released.update(dropped)
         self.report_held_without_graphs()
 
     def renew_pool(self) -> None:
