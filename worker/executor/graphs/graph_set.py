@@ -120,22 +120,30 @@ class GraphSet:
         """Resets one key's graphs (its blocks go back to the shared pool; the pool itself goes
         back to the device once no graph uses it, see ``free_unused``)."""
         entry = self.captured.pop(key)
+        self._reset(entry)
+        return entry
+
+    @staticmethod
+    def _reset(entry: CapturedGraph) -> None:
         for graph in entry.graphs:
             graph.reset()
         entry.graphs = []
-        return entry
 
     def release_idle(self, keys: set[Key]) -> None:
         """Releases graphs no step replayed for the policy's idle time; their memory is given back
         (all of it once the last graph of the set goes, see ``free_unused``)."""
-        dropped = {key: self.drop(key) for key in sorted(keys) if key in self.captured}
-        if not self.captured:
-            self.free_unused()
+        going = [key for key in sorted(keys) if key in self.captured]
+        for key in going:
+            self._reset(self.captured[key])
+        if len(going) == len(self.captured):
+            self._give_back()  # no graph alive any more
         gc.collect()
-        # Measured before the keys are shown released: a reader that sees every graph released
-        # (status, from another thread) never sees the memory they held.
+        # Published in this order for readers on other threads (status): the memory first, then
+        # the keys as released, then gone from the captured ones. A reader never sees a graph
+        # vanish, nor every graph released beside the memory they held.
         self.memory_bytes = self.measure()  # the allocator's cache goes back first
-        self.released.update(dropped)
+        self.released = {**self.released, **{key: self.captured[key] for key in going}}
+        self.captured = {k: v for k, v in self.captured.items() if k not in self.released}
         self.report_held_without_graphs()
 
     def renew_pool(self) -> None:
@@ -156,10 +164,14 @@ class GraphSet:
         current stream: it re-creates what eager steps hold anyway, the state the set's baseline
         was measured in, and graph memory is measured against like.
         """
-        if self.captured:
-            return
+        if not self.captured:
+            self._give_back()
+
+    def _give_back(self) -> None:
+        """``free_unused``'s work, for a caller that knows no graph is alive."""
         self._piece_buffers = None
-        self.renew_pool()
+        gc.collect()
+        self.pool = torch.cuda.graph_pool_handle()  # the old pool went with its last graph
         torch.cuda.synchronize()
         torch._C._cuda_clearCublasWorkspaces()
         self._eager_row()
