@@ -33,6 +33,7 @@ def reload_model(engine: Engine, reload: Reload) -> None:
         again = check_model_root(reload.source, e.settings.model, e.settings.model_roots)
         if again != reload.source:
             raise ReloadRefused("source", "changed since it was checked (a link was replaced)")
+        e.ledger.begin_reload()  # the old generation, before the load's readings hold both models
         fresh = e.slot.load(reload.source, reload.revision)
     except Exception as err:  # noqa: BLE001 - the old model keeps serving, graphs and all
         message = f"model reload failed: {str(err)[:256]}"

@@ -70,6 +70,7 @@ def graph_status(snap: Snapshot, *, capture: CaptureController, recorder: StepRe
         total_capture_seconds=c.total_seconds,
         capture_parts=[pb.CapturePart(part=part, seconds=seconds) for part, seconds in c.parts.items()],
         ledger=ledger.to_proto(),
+        previous_ledger=ledger.previous_to_proto(),
         running_sequences=running,
         queued_requests=queued,
         last_error=snap.last_error[:MAX_LAST_ERROR],
