@@ -170,8 +170,11 @@ def compare(canary_windows: Sequence[Window], rest_windows: Sequence[Window], se
         return Verdict(REVERT, f"canary ITL p99 {itl_rise:.1%} higher than the rest's "
                                f"({canary.itl_p99_seconds * 1e3:.2f} ms against {rest.itl_p99_seconds * 1e3:.2f} ms; "
                                f"limit {settings.max_itl_p99_increase:.0%})", canary, rest)
-    speed = f"{-slowdown:.1%} faster" if slowdown <= 0 else f"{slowdown:.1%} slower"
-    return Verdict(PROMOTE, f"canary {speed} per sequence than the rest, ITL p99 {itl_rise:+.1%} "
+    if abs(slowdown) < 0.0005:
+        speed = "as fast per sequence as the rest"
+    else:
+        speed = f"{abs(slowdown):.1%} {'faster' if slowdown < 0 else 'slower'} per sequence than the rest"
+    return Verdict(PROMOTE, f"canary {speed}, ITL p99 {itl_rise:+.1%} "
                             f"(limits {settings.max_slowdown:.0%}, {settings.max_itl_p99_increase:.0%})",
                    canary, rest)
 
