@@ -3,11 +3,13 @@
 The operator checks the spec again although the CRD's rules checked it at admission, so one that
 slipped past them is reported (Degraded/InvalidPolicy), never pushed nor rendered. ``desired_policy``
 is that one parse: the reconciler runs it once per run and hands the parsed value down; the sizes a
-run applies from traffic change only which wire policy it stands for (``Desired.applying``).
+run applies from traffic change only which wire policy it stands for (``Desired.applying``), and a
+canary only which wire policy its few workers are given (``Desired.canary_on``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
 from graphkeeper.operator.rollout import rollout_settings
@@ -32,6 +34,9 @@ class Desired:
     spec_wire: pb.GraphPolicy
     #: ``spec.onModelRevisionChange`` is Recapture: a pod asking for another revision is reloaded.
     reload_on_revision: bool
+    #: While a canary runs: its workers (pod keys) and the wire policy with the proposed sizes.
+    canary_workers: frozenset[str] = frozenset()
+    canary_wire: pb.GraphPolicy | None = None
 
     @property
     def mode(self) -> str:
@@ -40,7 +45,19 @@ class Desired:
 
     def applying(self, applied: Applied) -> Desired:
         """The same spec with ``applied`` (a set chosen from traffic) in effect."""
-        return replace(self, wire=effective_policy(self.spec_wire, self.traffic, applied, self.mode))
+        return replace(self, wire=effective_policy(self.spec_wire, self.traffic, applied, self.mode),
+                       canary_workers=frozenset(), canary_wire=None)
+
+    def canary_on(self, workers: Iterable[str], proposed: Applied) -> Desired:
+        """The same, with ``proposed`` given to ``workers`` only."""
+        wire = effective_policy(self.spec_wire, self.traffic, proposed, self.mode)
+        return replace(self, canary_workers=frozenset(workers), canary_wire=wire)
+
+    def wire_for(self, worker: str) -> pb.GraphPolicy:
+        """The wire policy the worker with pod key ``worker`` is to hold."""
+        if self.canary_wire is not None and worker in self.canary_workers:
+            return self.canary_wire
+        return self.wire
 
 
 def desired_policy(ref: PolicyRef, total: int, applied: Applied | None = None) -> tuple[Desired | None, str | None]:

@@ -97,6 +97,13 @@ def set_recommendation(namespace: str, policy: str, *, recommended: float, curre
     TRAFFIC_STEPS.labels(namespace=namespace, policy=policy).set(steps)
 
 
+CANARY_PHASE = Gauge(
+    "graphkeeper_operator_canary_phase",
+    "The policy's canary of a set chosen from traffic: 0 Idle, 1 Canary, 2 Promoted, 3 Reverted.",
+    ["namespace", "policy"],
+)
+
+
 def set_worker_states(
     namespace: str, policy: str, counts: dict[str, int], states: list[str]
 ) -> None:
@@ -111,7 +118,7 @@ def forget_policy(namespace: str, policy: str, states: list[str]) -> None:
     for sizes in COVERAGE_SIZES:
         with contextlib.suppress(KeyError):
             EXPECTED_COVERAGE.remove(namespace, policy, sizes)
-    for gauge in (RECOMMENDED_GRAPHS, RECOMMENDED_MEMORY, TRAFFIC_STEPS):
+    for gauge in (RECOMMENDED_GRAPHS, RECOMMENDED_MEMORY, TRAFFIC_STEPS, CANARY_PHASE):
         with contextlib.suppress(KeyError):
             gauge.remove(namespace, policy)
 

@@ -43,6 +43,8 @@ from typing import Any
 import kopf
 
 from graphkeeper.operator import metrics
+from graphkeeper.operator.canary import PHASES
+from graphkeeper.operator.canary_rollout import CanaryRollout, canary_status
 from graphkeeper.operator.desired import Desired, desired_policy
 from graphkeeper.operator.events import Told, run_events
 from graphkeeper.operator.kube import Kube, api_unreachable
@@ -89,8 +91,8 @@ RESYNC_SECONDS = 60.0
 #: the default 5 s) while only the traffic changes: each recomputation is a status write, and a
 #: large fleet's staggered reads would otherwise change the merged histogram every few seconds.
 RECOMMEND_EVERY_INTERVALS = 6
-#: The status keys of the sizes from traffic (``traffic.sizes_status``).
-SIZES_KEYS = ("recommendation", "effectiveCaptureSizes")
+#: The status keys of the sizes from traffic (``traffic.sizes_status``) and of their canary.
+SIZES_KEYS = ("recommendation", "effectiveCaptureSizes", "canary")
 
 _STATES = [str(s) for s in WorkerState]
 
@@ -128,16 +130,21 @@ def mark_waiting(observations: list[WorkerObservation], waiting: set[str]) -> li
 
 
 def policy_status(generation: int, outcome: RunOutcome, previous: Mapping[str, Any], invalid: str | None,
-                  applied: Applied, recommendation: Mapping[str, Any] | None, now: datetime) -> dict[str, Any]:
-    """The whole ``.status`` after one run (pure): the workers' part (``status.build_status``) and
-    the sizes from traffic (``traffic.sizes_status``). An invalid spec keeps the sizes as the last
-    status showed them: the workers keep their last policy."""
+                  applied: Applied, recommendation: Mapping[str, Any] | None, now: datetime,
+                  canary: CanaryRollout | None = None) -> dict[str, Any]:
+    """The whole ``.status`` after one run (pure): the workers' part (``status.build_status``), the
+    sizes from traffic (``traffic.sizes_status``) and their canary (``canary_rollout``). An invalid
+    spec keeps the sizes as the last status showed them: the workers keep their last policy."""
+    running = canary.progressing() if canary is not None else None
     status = build_status(generation=generation, observations=outcome.observations, previous=previous,
-                          now=now, invalid=invalid, rollout=outcome.rollout)
+                          now=now, invalid=invalid, rollout=outcome.rollout, canary=running)
     if outcome.desired is None:
         status.update({key: previous[key] for key in SIZES_KEYS if key in previous})
     else:
         status.update(sizes_status(outcome.desired.traffic, outcome.desired.mode, applied, recommendation))
+        shown = canary_status(canary.state) if canary is not None else None
+        if shown is not None:
+            status["canary"] = shown
     return status
 
 
@@ -167,7 +174,10 @@ class PolicyLoop:
         self.departed: dict[str, tuple[float, frozenset[str]]] = {}
         #: Capture sizes from traffic: the set applied last (read back from status, so a restarted
         #: operator keeps it), the last recommendation, and what and when it was computed from.
-        self.applied: Applied = applied_from_status(ref.status)
+        #: The canary of a new set (``fromTraffic.canary``); one left running by a restarted
+        #: operator is reverted.
+        self.canary = CanaryRollout()
+        self.applied: Applied = self.canary.resume(ref.status, applied_from_status(ref.status), time.time())
         self.recommendation: dict[str, Any] | None = (ref.status or {}).get("recommendation")
         self.traffic_key: tuple | None = None
         self.recommended_at = -math.inf
@@ -339,8 +349,9 @@ class Reconciler:
         # From here to the hand-out nothing awaits: who owns each worker, what it lacks and what
         # is pushed to it come from one snapshot, the same one every other loop sees.
         mine, observations = self._claimed(ref, pods)
-        if desired.traffic is not None:
+        if desired.traffic is not None and not loop.canary.busy:
             desired = self._from_traffic(loop, ref, mine, desired)
+        desired = self._canary(loop, ref, mine, desired)
         worker_observations, views = self._classify(mine, desired)
         observations += worker_observations
         departed = holding_slots(loop.departed, views, time.monotonic(), desired.deadline)
@@ -348,7 +359,7 @@ class Reconciler:
                             + [RolloutWorker(f"{key} (deleted, may still be recapturing)",
                                              available=False, blocked=True) for key in departed],
                             desired.max_unavailable)
-        fired = self.calls.hand_out(plan, views, desired.wire)
+        fired = self.calls.hand_out(plan, views, desired.wire_for)
         observations = mark_waiting(observations, set(plan.waiting))
         updated = sum(1 for o in observations if o.state == WorkerState.CAPTURED)
         rollout = rollout_status(plan, updated=updated, total=len(mine))
@@ -393,7 +404,8 @@ class Reconciler:
         loop.recommendation = look.status
         if look.new is None or look.current is None:
             return desired  # too few steps yet
-        if look.applied != loop.applied:
+        # With fromTraffic.canary the new set is offered to the canary instead (``_canary``).
+        if look.applied != loop.applied and not loop.canary.offer(desired.traffic, look.applied):
             loop.applied = look.applied
             loop.traffic_key = traffic_key(ref.generation, traffic, look.applied)
             desired = desired.applying(look.applied)
@@ -405,6 +417,23 @@ class Reconciler:
                                    memory_bytes=look.new.memory_bytes, steps=traffic.steps)
         return desired
 
+    def _canary(self, loop: PolicyLoop, ref: PolicyRef, mine: list[WorkerPod], desired: Desired) -> Desired:
+        """Carries out the canary's step (``canary_rollout``): the policy each worker is to hold,
+        the set in effect after a verdict, and the Events; returns that policy."""
+        statuses = {p.key: t.status if (t := self.calls.tracks.get(p.uid)) is not None and t.error is None else None
+                    for p in mine}
+        step = loop.canary.run(desired, loop.applied, statuses, time.time())
+        if step.applied != loop.applied:
+            loop.applied = step.applied
+            metrics.SIZE_APPLIES.inc()
+        for wire in (step.desired.wire, step.desired.canary_wire):
+            if wire is not None:
+                self.keys.remember(wire, len(self.loops))
+        for event in step.events:
+            self._event(ref.body(), event.kind, event.reason, event.message)
+        metrics.CANARY_PHASE.labels(namespace=ref.namespace, policy=ref.name).set(PHASES.index(loop.canary.state.phase))
+        return step.desired
+
     def _classify(self, pods: list[WorkerPod], desired: Desired) -> tuple[list[WorkerObservation], Views]:
         """Each owned worker's observation for ``.status`` and its view for the planner, by pod key."""
         now = time.monotonic()
@@ -414,8 +443,10 @@ class Reconciler:
             track = self.calls.track(pod)
             settle(track)
             obs, view = classify(
-                pod, track, desired.wire, want_revision=pod.model_revision if desired.reload_on_revision else "",
-                recaptures=self.keys.recaptures(track.status, desired.wire), now=now, deadline=desired.deadline)
+                pod, track, desired.wire_for(pod.key),
+                want_revision=pod.model_revision if desired.reload_on_revision else "",
+                recaptures=self.keys.recaptures(track.status, desired.wire_for(pod.key)), now=now,
+                deadline=desired.deadline)
             observations.append(obs)
             views[pod.key] = (pod, track, view)
         return observations, views
@@ -441,7 +472,7 @@ class Reconciler:
         workers and sets the gauges."""
         previous = loop.last_status if loop.last_status is not None else dict(ref.status)
         status = policy_status(ref.generation, outcome, previous, invalid, loop.applied, loop.recommendation,
-                               datetime.now(UTC))
+                               datetime.now(UTC), loop.canary)
         if status != previous:
             await self.kube.patch_policy_status(ref.namespace, ref.name, build_status_patch(status, previous))
             metrics.STATUS_WRITES.inc()

@@ -80,12 +80,14 @@ def build_status(
     now: datetime,
     invalid: str | None = None,
     rollout: Mapping[str, Any] | None = None,
+    canary: str | None = None,
 ) -> dict[str, Any]:
     """The whole ``.status`` for a policy at ``generation``.
 
     ``previous`` is the status as last written (for transition times and the last failure);
     ``invalid`` is the operator's own validation message when the spec cannot be pushed;
-    ``rollout`` is ``rollout.rollout_status`` (counts, and whether a failure paused it).
+    ``rollout`` is ``rollout.rollout_status`` (counts, and whether a failure paused it);
+    ``canary``: how a running canary stands (Progressing says it, reason CanaryRunning).
     """
     previous = previous or {}
     workers = sorted(observations, key=lambda o: (not o.failed, o.state != WorkerState.PENDING,
@@ -95,7 +97,7 @@ def build_status(
     waiting = [o for o in workers if o.state in (WorkerState.PENDING, WorkerState.STARTING)]
     selected = len(workers)
 
-    conditions = _conditions(generation, selected, captured, waiting, failed, invalid, rollout)
+    conditions = _conditions(generation, selected, captured, waiting, failed, invalid, rollout, canary)
     old = {c.get("type"): c for c in previous.get("conditions") or []}
     stamp = rfc3339(now)
     for cond in conditions:
@@ -130,6 +132,7 @@ def _conditions(
     failed: list[WorkerObservation],
     invalid: str | None,
     rollout: Mapping[str, Any] | None = None,
+    canary: str | None = None,
 ) -> list[dict[str, Any]]:
     def cond(kind: str, ok: bool, reason: str, message: str) -> dict[str, Any]:
         return {"type": kind, "status": "True" if ok else "False", "reason": reason,
@@ -159,6 +162,8 @@ def _conditions(
                            f"rollout paused: {_names(stuck)} failed to capture or load; no "
                            f"further worker is changed until it recovers or the spec changes "
                            f"({done})")
+    elif canary is not None:
+        progressing = cond("Progressing", True, "CanaryRunning", f"{canary} ({done})")
     elif waiting:
         unavailable = f", at most {rollout['maxUnavailable']} at a time" if rollout else ""
         progressing = cond("Progressing", True, "WaitingForWorkers",

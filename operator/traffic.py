@@ -63,6 +63,17 @@ MODE_NAMES: dict[int, str] = {v: k for k, v in MODE_BY_NAME.items()}
 
 
 @dataclass(frozen=True)
+class CanarySettings:
+    """``spec.captureSizes.fromTraffic.canary``, validated: who gets a new set first, for how long,
+    and how much worse than the rest it may serve (``canary.compare``)."""
+
+    workers: int = 1
+    window_seconds: int = 300
+    max_slowdown: float = 0.02
+    max_itl_p99_increase: float = 0.10
+
+
+@dataclass(frozen=True)
 class FromTraffic:
     """``spec.captureSizes.fromTraffic``, validated."""
 
@@ -72,13 +83,31 @@ class FromTraffic:
     min_interval_seconds: int = DEFAULT_MIN_INTERVAL_SECONDS
     min_improvement: float = DEFAULT_MIN_IMPROVEMENT_PERCENT / 100
     min_steps: int = DEFAULT_MIN_STEPS
+    #: None: an applied set goes to every worker through the rollout at once (no canary).
+    canary: CanarySettings | None = None
 
 
-def _int(spec: Mapping[str, Any], key: str, default: int, low: int, high: int) -> int:
+def _int(spec: Mapping[str, Any], key: str, default: int, low: int, high: int, field: str = FIELD) -> int:
     value = spec.get(key, default)
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        raise PolicyError(f"{FIELD}.{key}", f"must be an integer from {low} to {high}, got {value!r}")
+        raise PolicyError(f"{field}.{key}", f"must be an integer from {low} to {high}, got {value!r}")
     return value
+
+
+def canary_settings(raw: Any, mode: str) -> CanarySettings | None:
+    """``fromTraffic.canary``, or None; only Apply mode applies sets, so only it takes a canary."""
+    if raw is None:
+        return None
+    field = f"{FIELD}.canary"
+    if not isinstance(raw, Mapping):
+        raise PolicyError(field, "must be an object")
+    if mode != APPLY:
+        raise PolicyError(field, "only mode Apply applies sets; a canary needs mode Apply")
+    return CanarySettings(
+        workers=_int(raw, "workers", 1, 1, 10_000, field),
+        window_seconds=_int(raw, "windowSeconds", 300, 10, 86400, field),
+        max_slowdown=_int(raw, "maxSlowdownPercent", 2, 0, 100, field) / 100,
+        max_itl_p99_increase=_int(raw, "maxItlP99IncreasePercent", 10, 0, 1000, field) / 100)
 
 
 def from_traffic_settings(spec: Mapping[str, Any]) -> FromTraffic | None:
@@ -107,7 +136,8 @@ def from_traffic_settings(spec: Mapping[str, Any]) -> FromTraffic | None:
         mode=mode, max_graphs=max_graphs, memory_budget_bytes=budget,
         min_interval_seconds=_int(raw, "minIntervalSeconds", DEFAULT_MIN_INTERVAL_SECONDS, 0, 7 * 86400),
         min_improvement=_int(raw, "minImprovementPercent", DEFAULT_MIN_IMPROVEMENT_PERCENT, 0, 100) / 100,
-        min_steps=_int(raw, "minSteps", DEFAULT_MIN_STEPS, 1, 2**62))
+        min_steps=_int(raw, "minSteps", DEFAULT_MIN_STEPS, 1, 2**62),
+        canary=canary_settings(raw.get("canary"), mode))
 
 
 # --- the applied set -----------------------------------------------------------------------------

@@ -87,12 +87,14 @@ class WorkerCalls:
             if track is not None and track.read in late:
                 track.read_orphaned = True
 
-    def hand_out(self, plan: RolloutPlan, views: Views, wire: pb.GraphPolicy) -> dict[str, list[str]]:
-        """Starts the pushes and reloads the plan allows; returns what was started, for Events."""
+    def hand_out(self, plan: RolloutPlan, views: Views,
+                 wire_for: Callable[[str], pb.GraphPolicy]) -> dict[str, list[str]]:
+        """Starts the pushes and reloads the plan allows; returns what was started, for Events.
+        ``wire_for``: the policy to push to a pod key (a canary's few get another than the rest)."""
         fired: dict[str, list[str]] = {PUSH: [], RELOAD: []}
         for name in plan.push:
             pod, track, _ = views[name]
-            self._push(pod, track, wire)
+            self._push(pod, track, wire_for(name))
             fired[PUSH].append(name)
         for name in plan.reload:
             pod, track, _ = views[name]

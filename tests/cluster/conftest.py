@@ -232,6 +232,10 @@ class StandIn:
     #: form that the stand-in reads again when it changes.
     traffic: str = ""
     traffic_file: str = ""
+    #: Step speed (1: the simulated step time), and the speed while holding exactly some explicit
+    #: sizes (``1,8,40=0.9``): how a test makes a canary slower or faster.
+    speed: float = 1.0
+    speed_with_sizes: str = ""
 
 
 @dataclass
@@ -273,7 +277,8 @@ class Kubelet:
                     "--load-seconds", str(standin.load_seconds),
                     "--fail-sizes", ",".join(map(str, standin.fail_sizes)),
                     "--lifecycle-log", str(lifecycle), "--traffic", standin.traffic,
-                    "--traffic-file", standin.traffic_file, *token_args]
+                    "--traffic-file", standin.traffic_file, "--speed", str(standin.speed),
+                    "--speed-with-sizes", standin.speed_with_sizes, *token_args]
         else:
             args = [sys.executable, "-m", "graphkeeper.cli", "worker", "--model", "random:tiny",
                     "--host", "127.0.0.1", "--port", str(port), "--metrics-port",

@@ -24,6 +24,10 @@ from graphkeeper.proto import worker_pb2 as pb
 from graphkeeper.proto import worker_pb2_grpc as pb_grpc
 from graphkeeper.proto.enums import lifecycle_name
 from graphkeeper.proto.policy import PolicyError, recapture_key, validate_policy
+from graphkeeper.proto.serving_counters import ITL_BOUNDS_SECONDS, itl_bucket
+
+#: The simulated step time: a fixed part and a part per real token (seconds), at speed 1.
+STEP_SECONDS, TOKEN_SECONDS = 0.002, 0.00002
 
 
 @dataclass
@@ -55,7 +59,42 @@ class FakeWorkerState:
     traffic_since: float = field(default_factory=time.time)
     #: Device bytes each captured graph reports (CapturedSize.device_bytes).
     graph_bytes: int = 4 * 2**20
+    #: How fast its steps run (1: the simulated step time; 0.9: 10% slower per sequence), and the
+    #: speed while it holds exactly some explicit sizes (a test makes the canary's set slower).
+    speed: float = 1.0
+    speed_with_sizes: dict[tuple[int, ...], float] = field(default_factory=dict)
     _traffic_mtime: float = 0.0
+
+    def current_speed(self) -> float:
+        held = tuple(sorted(set(self.policy.capture_sizes.explicit.sizes))) if self.policy else ()
+        return self.speed_with_sizes.get(held, self.speed)
+
+    def serving(self, now: float | None = None) -> pb.ServingCounters:
+        """Serving counters for the simulated traffic since the last adoption: each step's
+        sequences sample one token each (decode) or one (mixed), at the current speed; a step
+        replays the smallest held explicit size that fits it, else runs eager."""
+        self.histogram(now)  # reads the traffic file again when it changed
+        elapsed = max(0.0, (now or time.time()) - self.traffic_since)
+        speed = self.current_speed()
+        sizes = sorted(set(self.policy.capture_sizes.explicit.sizes)) if self.policy else []
+        out = pb.ServingCounters(since_unix_seconds=self.traffic_since, itl_bounds_seconds=ITL_BOUNDS_SECONDS)
+        itl = [0] * (len(ITL_BOUNDS_SECONDS) + 1)
+        for tokens, decode, rate in self.traffic:
+            steps = int(rate * elapsed)
+            seqs = tokens if decode else 1
+            seconds = (STEP_SECONDS + TOKEN_SECONDS * tokens) / speed
+            out.generated_tokens += steps * seqs
+            out.sequence_seconds += steps * seqs * seconds
+            itl[itl_bucket(seconds)] += steps * seqs
+            size = next((s for s in sizes if s >= tokens), 0)
+            if size:
+                out.graph_steps += steps
+                out.replayed_tokens += steps * size
+                out.padded_tokens += steps * (size - tokens)
+            else:
+                out.eager_steps += steps
+        out.itl_counts.extend(itl)
+        return out
 
     def histogram(self, now: float | None = None) -> pb.StepHistogram:
         """The traffic since the last adoption, as a worker reports it."""
@@ -183,6 +222,8 @@ class FakeGraphControl(pb_grpc.GraphControlServicer, pb_grpc.InferenceWorkerServ
             last_error=self.state.last_error,
             traffic=self.state.histogram(),
             captured=self.state.captured(),
+            serving=self.state.serving(),
+            graph_memory_bytes=self.state.graph_bytes * len(self.state.captured()),
         )
 
     async def LoadModelRevision(self, request, context):  # noqa: N802
@@ -262,6 +303,16 @@ def parse_traffic(text: str) -> list[tuple[int, bool, float]]:
     return out
 
 
+def parse_speeds(text: str) -> dict[tuple[int, ...], float]:
+    """``1,8,40=0.9;2,16=1.1``: the speed while holding exactly those explicit sizes."""
+    out = {}
+    for item in text.split(";"):
+        if item.strip():
+            sizes, speed = item.split("=")
+            out[tuple(sorted({int(s) for s in sizes.split(",")}))] = float(speed)
+    return out
+
+
 async def serve_forever(args) -> None:
     """A fake worker process: GraphControl (on --control-port when given), GetModelInfo and
     gRPC health (SERVING at once) on --port. Lifecycle changes are appended to
@@ -280,7 +331,8 @@ async def serve_forever(args) -> None:
         policy=policy, capture_seconds=args.capture_seconds, load_seconds=args.load_seconds,
         fail_sizes=frozenset(int(s) for s in args.fail_sizes.split(",") if s.strip()),
         token=token, traffic=parse_traffic(args.traffic), traffic_file=args.traffic_file,
-        on_transition=(lambda t, name: log.write(f"{t:.6f} {name}\n")) if log else None)
+        on_transition=(lambda t, name: log.write(f"{t:.6f} {name}\n")) if log else None,
+        speed=args.speed, speed_with_sizes=parse_speeds(args.speed_with_sizes))
     server = FakeWorkerServer(state, port=args.port, separate_control=bool(args.control_port),
                               control_port=args.control_port)
     checker = health.aio.HealthServicer()
@@ -307,6 +359,8 @@ def main() -> None:
     parser.add_argument("--lifecycle-log", default="")
     parser.add_argument("--traffic", default="", help="steps per second, e.g. 8:decode:100,40:mixed:5")
     parser.add_argument("--traffic-file", default="", help="the same, read again when it changes")
+    parser.add_argument("--speed", type=float, default=1.0, help="step speed (1: the simulated step time)")
+    parser.add_argument("--speed-with-sizes", default="", help="e.g. 1,8,40=0.9: the speed holding those sizes")
     asyncio.run(serve_forever(parser.parse_args()))
 
 

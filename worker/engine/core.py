@@ -92,7 +92,9 @@ class Engine:
         self.recorder = StepRecorder(self.metrics)
         self.recorder.listed_tenants = frozenset(t.tenant for t in self.control.policy.tenants)
         policy = self.control.policy
-        self.recorder.traffic.reset(policy.policy_uid, policy.generation)
+        adopted_at = time.time()  # one stamp: the histogram and the counters describe one window
+        self.recorder.traffic.reset(policy.policy_uid, policy.generation, adopted_at)
+        self.recorder.serving.reset(adopted_at)
         self.outputs = OutputProcessor(self.scheduler, self.metrics)
         self.capture = CaptureController(self.dispatcher, self.metrics, settings.max_num_seqs,
                                          settings.max_num_batched_tokens, settings.inject_capture_failures)
@@ -363,7 +365,7 @@ class Engine:
         elapsed = now - max(inflight.started, self._last_finish)
         self._last_finish = now
         self.recorder.record(inflight.decision, inflight.desc, step.sequences,
-                             {s.tenant for s in step.sequences}, elapsed)
+                             {s.tenant for s in step.sequences}, elapsed, generated=len(step.samplers))
         self.publish(self.outputs.step_outputs(step.samplers, tokens, now))
         self.steps_since_ready += 1
         if self.steps_since_ready == STEADY_AFTER_STEPS:
@@ -378,7 +380,9 @@ class Engine:
         self.control.adopt(policy, recapture and self.captures_graphs)
         self.recorder.listed_tenants = frozenset(t.tenant for t in policy.tenants)
         traffic = self.recorder.traffic.tokens()  # what the old policy served: a max_graphs limit keeps its keys
-        self.recorder.traffic.reset(policy.policy_uid, policy.generation)
+        adopted_at = time.time()  # one stamp: the histogram and the counters describe one window
+        self.recorder.traffic.reset(policy.policy_uid, policy.generation, adopted_at)
+        self.recorder.serving.reset(adopted_at)
         self.capture.adopt(policy)
         self.metrics.policy_generation.set(policy.generation)
         log.info("policy %s generation %d adopted (recapture: %s)", (policy.policy_name or policy.policy_uid)[:64],

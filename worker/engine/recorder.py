@@ -1,6 +1,7 @@
 """Counts every step once: the metrics, the totals ``GraphStatus`` reports, each request's
 execution summary, the traffic histogram (step shapes since the last policy adoption) and what
-each captured graph earned (replays, padding, last use) all come from ``StepRecorder.record``, so
+each captured graph earned (replays, padding, last use) and the serving counters a canary is
+compared on (tokens, sequence-seconds, latency: ``serving_counters.py``) all come from ``StepRecorder.record``, so
 they cannot disagree."""
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from contextlib import suppress
 from dataclasses import dataclass
 
 from graphkeeper.proto.enums import mode_name, reason_name
+from graphkeeper.worker.engine.serving_counters import ServingCounters
 from graphkeeper.worker.engine.traffic import TrafficHistogram
 from graphkeeper.worker.executor.graphs.dispatcher import BatchDescriptor, Decision
 from graphkeeper.worker.metrics import STEP_KINDS, TENANT_EXECUTIONS, WorkerMetrics, attention_backend_label
@@ -34,6 +36,7 @@ class StepRecorder:
         self.padded_tokens = 0
         self._listed: frozenset[str] = frozenset()
         self.traffic = TrafficHistogram()
+        self.serving = ServingCounters()
         #: (mode, padded size) -> what that graph earned; started over at every capture phase.
         self.graph_use: dict[tuple[int, int], GraphUse] = {}
         self.attention_backend = "sdpa"
@@ -70,9 +73,10 @@ class StepRecorder:
         self._listed = frozenset(tenants)
 
     def record(self, decision: Decision, desc: BatchDescriptor, sequences: list, tenants: set[str],
-               elapsed: float, now: float | None = None) -> None:
+               elapsed: float, now: float | None = None, generated: int = 0) -> None:
         """One step: how it ran, for how many rows, for which sequences and listed tenants, and its
-        shape (``now``: time.monotonic() when it ended, for the graph's last use)."""
+        shape (``now``: time.monotonic() when it ended, for the graph's last use; ``generated``:
+        the sequences that sampled a token)."""
         m = self.metrics
         rows = desc.num_tokens if decision.eager else decision.size
         self.real_tokens += desc.num_tokens
@@ -80,6 +84,8 @@ class StepRecorder:
         m.real_tokens.inc(desc.num_tokens)
         m.padded_tokens.inc(rows)
         self.traffic.count(desc.num_tokens, len(sequences), desc.uniform_decode)
+        self.serving.count(sequences=len(sequences), generated=generated, seconds=elapsed, replayed_rows=rows,
+                           real_tokens=desc.num_tokens, eager=decision.eager)
         tokens, seqs = self._shape_series["decode" if desc.uniform_decode else "mixed"]
         tokens.observe(desc.num_tokens)
         seqs.observe(len(sequences))

@@ -76,6 +76,7 @@ def graph_status(snap: Snapshot, *, capture: CaptureController, recorder: StepRe
         last_error=snap.last_error[:MAX_LAST_ERROR],
         compile=compile,
         traffic=recorder.traffic.to_proto(),
+        serving=recorder.serving.to_proto(),
         kv_cache=kv_cache,
     )
 
