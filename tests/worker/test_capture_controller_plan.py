@@ -20,6 +20,7 @@ from graphkeeper.worker.engine.traffic import TrafficHistogram
 from graphkeeper.worker.executor.graphs.controller import CaptureController, plan_capture
 from graphkeeper.worker.executor.graphs.dispatcher import Dispatcher
 from graphkeeper.worker.executor.graphs.economics import IdleRelease
+from graphkeeper.worker.executor.graphs.graph_set import CapturedGraph
 from graphkeeper.worker.executor.graphs.modes import FULL, PIECEWISE, capture_plan
 from graphkeeper.worker.metrics import WorkerMetrics
 
@@ -42,10 +43,12 @@ def controller() -> CaptureController:
                              inject_failures=frozenset())
 
 
-def graphs(**device_bytes) -> SimpleNamespace:
-    """A graph set holding captured keys (``f1=`` FULL 1, ``p16=`` PIECEWISE 16) of these bytes."""
+def graphs(reserved: int = 0, **device_bytes) -> SimpleNamespace:
+    """A graph set holding captured keys (``f1=`` FULL 1, ``p16=`` PIECEWISE 16) of these bytes of
+    graph memory, each having reserved ``reserved`` bytes while it was captured."""
     mode = {"f": FULL, "p": PIECEWISE}
-    return SimpleNamespace(captured={(mode[k[0]], int(k[1:])): SimpleNamespace(device_bytes=b)
+    keys = {k: (mode[k[0]], int(k[1:])) for k in device_bytes}
+    return SimpleNamespace(captured={keys[k]: CapturedGraph(*keys[k], [], 0.0, b, reserved)
                                      for k, b in device_bytes.items()})
 
 
@@ -148,6 +151,16 @@ def test_the_memory_check_counts_only_the_graphs_max_graphs_keeps():
     sizing.check_graphs_fit(c, policy(max_graphs=3), TrafficHistogram())  # FULL 2, FULL 1, PIECEWISE 1: 4000 B
     with pytest.raises(PolicyError, match="room for 10000 B"):
         sizing.check_graphs_fit(c, policy(), TrafficHistogram())  # all eight keys: 38000 B
+
+
+def test_the_memory_check_prices_a_key_by_what_its_capture_reserved_when_that_is_more():
+    """Graph memory counts the pool alone; a capture also reserves its stream's workspaces beside
+    it, which the room (device memory) must hold too."""
+    c = controller()
+    c.graph_set = graphs(reserved=3000, f1=1000, p1=1000)  # 3000 B a row in each mode
+    sized(room=12_000).check_graphs_fit(c, policy(max_graphs=3), TrafficHistogram())  # 4 rows: 12000 B
+    with pytest.raises(PolicyError, match="room for 11999 B"):
+        sized(room=11_999).check_graphs_fit(c, policy(max_graphs=3), TrafficHistogram())
 
 
 def test_the_memory_check_keeps_the_keys_the_traffic_would_keep():
