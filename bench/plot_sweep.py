@@ -1,7 +1,7 @@
 """Draws a sweep's plot from its JSON (``bench/sweep.py`` writes it; this step needs matplotlib,
 the ``bench`` extra, and runs anywhere: the GPU machine has none).
 
-Left: coverage of the traffic profile against graph memory, one point per cell (the cells worth
+Left: predicted coverage (the share of the profile's steps replayed) against graph memory, one point per cell (the cells worth
 having sit top-left). Right: decode tokens/s against capture time. Marker shape is the graph mode,
 colour the ladder.
 
@@ -34,8 +34,8 @@ def plot(results: dict, out: Path) -> None:
         if coverage is not None:
             left.scatter(c.get("graph_memory_bytes", 0) / 2**20, 100 * coverage, **style)
         right.scatter(c.get("capture_seconds", 0), c.get("tokens_per_s", 0), **style)
-    left.set(xlabel="graph memory (MiB)", ylabel="coverage of the traffic profile (%)", title="what the graphs buy")
-    right.set(xlabel="capture time (s)", ylabel="decode tokens/s", title="what they cost at startup")
+    left.set(xlabel="graph memory (MiB)", ylabel="coverage predicted: steps replayed (%)", title="what the graphs buy")
+    right.set(xlabel="capture stage (s)", ylabel="generated tokens/s", title="what they cost at startup")
     handles = [plt.Line2D([], [], color=colours[lad], marker="o", linestyle="", label=lad) for lad in ladders]
     handles += [plt.Line2D([], [], color="grey", marker=MARKERS.get(m, "o"), linestyle="", label=m)
                 for m in sorted({c["mode"] for c in cells})]
