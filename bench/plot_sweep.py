@@ -1,8 +1,9 @@
 """Draws a sweep's plot from its JSON (``bench/sweep.py`` writes it; this step needs matplotlib,
 the ``bench`` extra, and runs anywhere: the GPU machine has none).
 
-Left: predicted coverage (the share of the profile's steps replayed) against graph memory, one point per cell (the cells worth
-having sit top-left). Right: decode tokens/s against capture time. Marker shape is the graph mode,
+Left: predicted coverage (the share of the profile's steps replayed) against graph memory, one
+point per cell (the cells worth having sit top-left). Right: generated tokens/s against the capture
+stage. Marker shape is the graph mode,
 colour the ladder.
 
     python bench/plot_sweep.py bench/results/sweep-llama1b-h200.json   # writes ...-h200.png beside it
