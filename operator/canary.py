@@ -32,6 +32,9 @@ from graphkeeper.proto import worker_pb2 as pb
 
 IDLE, CANARY, PROMOTED, REVERTED = "Idle", "Canary", "Promoted", "Reverted"
 PROMOTE, REVERT, WAIT = "Promote", "Revert", "Wait"
+#: A canary still undecided this many windows after it started (it never captured the proposal, or
+#: too little traffic came to judge it) is reverted: no proposal holds a policy's rollout forever.
+GIVE_UP_WINDOWS = 4
 PHASES = (IDLE, CANARY, PROMOTED, REVERTED)
 #: Steps each side must have served in the window before it is judged.
 MIN_WINDOW_STEPS = 100
@@ -248,7 +251,12 @@ def advance(canary: Canary, readings: Mapping[str, Reading], settings: CanarySet
         why = (f"canary worker(s) {', '.join(failed)} failed to capture the proposed sizes" if failed
                else f"canary worker(s) {', '.join(gone)} gone before the verdict")
         return replace(canary, phase=REVERTED, finished=now, verdict=Verdict(REVERT, why))
+    overdue = now - canary.started >= GIVE_UP_WINDOWS * settings.window_seconds
     if not canary.window_start:
+        if overdue:
+            why = (f"the canary did not hold the proposed sizes within {GIVE_UP_WINDOWS} windows "
+                   f"({GIVE_UP_WINDOWS * settings.window_seconds}s)")
+            return replace(canary, phase=REVERTED, finished=now, verdict=Verdict(REVERT, why))
         if all(readings[w].holds_proposal for w in canary.workers):
             baseline = {k: r.counters for k, r in readings.items() if r.counters is not None}
             return replace(canary, window_start=now, baseline=baseline,
@@ -268,6 +276,9 @@ def advance(canary: Canary, readings: Mapping[str, Reading], settings: CanarySet
         return replace(canary, phase=PROMOTED, finished=now, verdict=verdict)
     if verdict.decision == REVERT:
         return replace(canary, phase=REVERTED, finished=now, verdict=verdict)
+    if overdue:
+        why = f"still undecided after {GIVE_UP_WINDOWS} windows ({verdict.reason})"
+        return replace(canary, phase=REVERTED, finished=now, verdict=Verdict(REVERT, why, verdict.canary, verdict.rest))
     return replace(canary, verdict=verdict)
 
 

@@ -121,6 +121,21 @@ def test_the_state_machine_opens_the_window_once_the_canary_holds_and_decides_at
     assert canary.phase == phase and canary.finished == 170.0
 
 
+def test_a_canary_that_never_captures_or_never_gets_enough_traffic_is_reverted_in_the_end():
+    """No proposal holds a rollout forever: undecided GIVE_UP_WINDOWS windows after it started, it is
+    reverted, saying why."""
+    start = start_canary(Applied(), Applied((8,), 1, 0.0, "Full"), ["ns/w-0", "ns/w-1"], SETTINGS, 0.0)
+    never = {"ns/w-0": Reading(False, None), "ns/w-1": Reading(True, None)}
+    assert advance(start, never, SETTINGS, now=4 * 60 - 1).phase == CANARY
+    stuck = advance(start, never, SETTINGS, now=4 * 60)
+    assert stuck.phase == REVERTED and "did not hold the proposed sizes within 4 windows" in stuck.verdict.reason
+    idle = {"ns/w-0": Reading(True, served(steps=5)), "ns/w-1": Reading(True, served(steps=5))}
+    opened = advance(start, idle, SETTINGS, now=10.0)
+    assert advance(opened, idle, SETTINGS, now=200.0).verdict.decision == WAIT  # too few steps: keep waiting
+    quiet = advance(opened, idle, SETTINGS, now=240.0)
+    assert quiet.phase == REVERTED and quiet.verdict.reason.startswith("still undecided after 4 windows (too few steps")
+
+
 def test_no_canary_without_a_worker_left_to_compare_with():
     assert start_canary(Applied(), Applied((8,), 1, 0.0, "Full"), ["ns/w-0"], SETTINGS, 0.0) is None
 
