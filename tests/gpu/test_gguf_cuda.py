@@ -25,10 +25,11 @@ def _model_missing() -> str:
     return ""
 
 
+MODEL_MISSING = _model_missing()
 pytestmark = [
     pytest.mark.cuda,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU (run pytest -m cuda on one)"),
-    pytest.mark.skipif(bool(_model_missing()), reason=f"the default model is not installed: {_model_missing()}"),
+    pytest.mark.skipif(bool(MODEL_MISSING), reason=f"the default model is not installed: {MODEL_MISSING}"),
 ]
 
 PROMPTS = [

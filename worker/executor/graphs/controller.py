@@ -76,11 +76,15 @@ class CaptureController:
         self.effective_mode = pb.GRAPH_MODE_NONE
         self.downgrade_reason = ""
         self.ladder: list[int] = []
-        self.total_seconds = 0.0
         #: The last capture phase's seconds by part (CAPTURE_PARTS); they add up to total_seconds.
         self.parts: dict[str, float] = {}
         self.last_failure = ""
         self.idle = IdleRelease()
+
+    @property
+    def total_seconds(self) -> float:
+        """The whole last capture phase: the sum of its parts (0 before any)."""
+        return sum(self.parts.values())
 
     @property
     def active(self) -> bool:
@@ -160,7 +164,6 @@ class CaptureController:
         if job is None:
             return
         job.finish()
-        self.total_seconds = job.total_seconds
         self.parts = dict(job.parts)
         self._publish_state()
         failures = [v.message for v in graphs.skipped.values() if v.reason == pb.FALLBACK_REASON_SIZE_CAPTURE_FAILED]

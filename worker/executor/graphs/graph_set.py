@@ -111,8 +111,7 @@ class GraphSet:
         capture stream's library workspaces."""
         torch.cuda.synchronize()  # no replay still running on what is released
         for entry in self.captured.values():
-            for graph in entry.graphs:
-                graph.reset()
+            self._reset(entry)
         self.captured.clear()
         self.free_unused()
 
@@ -150,8 +149,11 @@ class GraphSet:
         """With no graph left, the pool was freed with its last graph: the next capture needs a
         fresh handle (capturing into a freed pool fails an allocator assert)."""
         if not self.captured:
-            gc.collect()
-            self.pool = torch.cuda.graph_pool_handle()
+            self._new_pool()
+
+    def _new_pool(self) -> None:
+        gc.collect()
+        self.pool = torch.cuda.graph_pool_handle()
 
     def free_unused(self) -> None:
         """With no graph left, gives back what was held only for graphs: the piece buffers, the
@@ -170,8 +172,7 @@ class GraphSet:
     def _give_back(self) -> None:
         """``free_unused``'s work, for a caller that knows no graph is alive."""
         self._piece_buffers = None
-        gc.collect()
-        self.pool = torch.cuda.graph_pool_handle()  # the old pool went with its last graph
+        self._new_pool()  # the old pool went with its last graph
         torch.cuda.synchronize()
         torch._C._cuda_clearCublasWorkspaces()
         self._eager_row()

@@ -40,7 +40,3 @@ def pool_bytes(pool: tuple[int, int]) -> int:
     """Bytes the allocator holds in ``pool``'s segments."""
     return snapshot_by_pool().get(tuple(pool), 0)
 
-
-def graph_pools_bytes() -> int:
-    """Bytes held in every graph pool (any pool but the regular one)."""
-    return sum(v for k, v in snapshot_by_pool().items() if k != REGULAR_POOL)
