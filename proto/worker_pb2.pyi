@@ -391,7 +391,7 @@ class LedgerEntry(_message.Message):
     def __init__(self, stage: _Optional[_Union[LedgerStage, str]] = ..., device_used_bytes: _Optional[int] = ..., torch_allocated_bytes: _Optional[int] = ..., torch_reserved_bytes: _Optional[int] = ..., residual_bytes: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class GraphStatus(_message.Message):
-    __slots__ = ("state", "requested_mode", "effective_mode", "mode_downgrade_reason", "policy_uid", "policy_generation", "model_revision", "captured", "skipped", "fallbacks", "graph_steps", "eager_steps", "graph_memory_bytes", "total_capture_seconds", "ledger", "running_sequences", "queued_requests", "last_error", "pending_policy_uid", "pending_policy_generation", "pending_model_revision", "compile", "traffic", "kv_cache", "capture_parts", "previous_ledger", "serving")
+    __slots__ = ("state", "requested_mode", "effective_mode", "mode_downgrade_reason", "policy_uid", "policy_generation", "model_revision", "captured", "skipped", "fallbacks", "graph_steps", "eager_steps", "graph_memory_bytes", "total_capture_seconds", "ledger", "running_sequences", "queued_requests", "last_error", "pending_policy_uid", "pending_policy_generation", "pending_model_revision", "compile", "traffic", "kv_cache", "capture_parts", "previous_ledger", "serving", "startup")
     STATE_FIELD_NUMBER: _ClassVar[int]
     REQUESTED_MODE_FIELD_NUMBER: _ClassVar[int]
     EFFECTIVE_MODE_FIELD_NUMBER: _ClassVar[int]
@@ -419,6 +419,7 @@ class GraphStatus(_message.Message):
     CAPTURE_PARTS_FIELD_NUMBER: _ClassVar[int]
     PREVIOUS_LEDGER_FIELD_NUMBER: _ClassVar[int]
     SERVING_FIELD_NUMBER: _ClassVar[int]
+    STARTUP_FIELD_NUMBER: _ClassVar[int]
     state: LifecycleState
     requested_mode: GraphMode
     effective_mode: GraphMode
@@ -446,7 +447,32 @@ class GraphStatus(_message.Message):
     capture_parts: _containers.RepeatedCompositeFieldContainer[CapturePart]
     previous_ledger: _containers.RepeatedCompositeFieldContainer[LedgerEntry]
     serving: ServingCounters
-    def __init__(self, state: _Optional[_Union[LifecycleState, str]] = ..., requested_mode: _Optional[_Union[GraphMode, str]] = ..., effective_mode: _Optional[_Union[GraphMode, str]] = ..., mode_downgrade_reason: _Optional[str] = ..., policy_uid: _Optional[str] = ..., policy_generation: _Optional[int] = ..., model_revision: _Optional[str] = ..., captured: _Optional[_Iterable[_Union[CapturedSize, _Mapping]]] = ..., skipped: _Optional[_Iterable[_Union[SkippedSize, _Mapping]]] = ..., fallbacks: _Optional[_Iterable[_Union[FallbackCount, _Mapping]]] = ..., graph_steps: _Optional[int] = ..., eager_steps: _Optional[int] = ..., graph_memory_bytes: _Optional[int] = ..., total_capture_seconds: _Optional[float] = ..., ledger: _Optional[_Iterable[_Union[LedgerEntry, _Mapping]]] = ..., running_sequences: _Optional[int] = ..., queued_requests: _Optional[int] = ..., last_error: _Optional[str] = ..., pending_policy_uid: _Optional[str] = ..., pending_policy_generation: _Optional[int] = ..., pending_model_revision: _Optional[str] = ..., compile: _Optional[_Union[CompileStatus, _Mapping]] = ..., traffic: _Optional[_Union[StepHistogram, _Mapping]] = ..., kv_cache: _Optional[_Union[KVCacheStatus, _Mapping]] = ..., capture_parts: _Optional[_Iterable[_Union[CapturePart, _Mapping]]] = ..., previous_ledger: _Optional[_Iterable[_Union[LedgerEntry, _Mapping]]] = ..., serving: _Optional[_Union[ServingCounters, _Mapping]] = ...) -> None: ...
+    startup: StartupStatus
+    def __init__(self, state: _Optional[_Union[LifecycleState, str]] = ..., requested_mode: _Optional[_Union[GraphMode, str]] = ..., effective_mode: _Optional[_Union[GraphMode, str]] = ..., mode_downgrade_reason: _Optional[str] = ..., policy_uid: _Optional[str] = ..., policy_generation: _Optional[int] = ..., model_revision: _Optional[str] = ..., captured: _Optional[_Iterable[_Union[CapturedSize, _Mapping]]] = ..., skipped: _Optional[_Iterable[_Union[SkippedSize, _Mapping]]] = ..., fallbacks: _Optional[_Iterable[_Union[FallbackCount, _Mapping]]] = ..., graph_steps: _Optional[int] = ..., eager_steps: _Optional[int] = ..., graph_memory_bytes: _Optional[int] = ..., total_capture_seconds: _Optional[float] = ..., ledger: _Optional[_Iterable[_Union[LedgerEntry, _Mapping]]] = ..., running_sequences: _Optional[int] = ..., queued_requests: _Optional[int] = ..., last_error: _Optional[str] = ..., pending_policy_uid: _Optional[str] = ..., pending_policy_generation: _Optional[int] = ..., pending_model_revision: _Optional[str] = ..., compile: _Optional[_Union[CompileStatus, _Mapping]] = ..., traffic: _Optional[_Union[StepHistogram, _Mapping]] = ..., kv_cache: _Optional[_Union[KVCacheStatus, _Mapping]] = ..., capture_parts: _Optional[_Iterable[_Union[CapturePart, _Mapping]]] = ..., previous_ledger: _Optional[_Iterable[_Union[LedgerEntry, _Mapping]]] = ..., serving: _Optional[_Union[ServingCounters, _Mapping]] = ..., startup: _Optional[_Union[StartupStatus, _Mapping]] = ...) -> None: ...
+
+class StartupStatus(_message.Message):
+    __slots__ = ("stages", "ready_seconds", "started_unix_seconds", "compile_cache", "tuning_cache", "caches")
+    STAGES_FIELD_NUMBER: _ClassVar[int]
+    READY_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    STARTED_UNIX_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    COMPILE_CACHE_FIELD_NUMBER: _ClassVar[int]
+    TUNING_CACHE_FIELD_NUMBER: _ClassVar[int]
+    CACHES_FIELD_NUMBER: _ClassVar[int]
+    stages: _containers.RepeatedCompositeFieldContainer[StartupStage]
+    ready_seconds: float
+    started_unix_seconds: float
+    compile_cache: str
+    tuning_cache: str
+    caches: str
+    def __init__(self, stages: _Optional[_Iterable[_Union[StartupStage, _Mapping]]] = ..., ready_seconds: _Optional[float] = ..., started_unix_seconds: _Optional[float] = ..., compile_cache: _Optional[str] = ..., tuning_cache: _Optional[str] = ..., caches: _Optional[str] = ...) -> None: ...
+
+class StartupStage(_message.Message):
+    __slots__ = ("stage", "seconds")
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    stage: str
+    seconds: float
+    def __init__(self, stage: _Optional[str] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class ServingCounters(_message.Message):
     __slots__ = ("generated_tokens", "sequence_seconds", "graph_steps", "eager_steps", "replayed_tokens", "padded_tokens", "itl_bounds_seconds", "itl_counts", "since_unix_seconds")

@@ -36,6 +36,9 @@ ABSENT_UNTIL_EVENT = {
     "graphkeeper_graph_released",
     # By part of a capture phase: a CPU runs none.
     "graphkeeper_graph_capture_part_seconds",
+    # Set by the worker's API process at the first READY it sees; an engine built alone sets none.
+    "graphkeeper_startup_stage_seconds",
+    "graphkeeper_startup_cache",
 }
 
 

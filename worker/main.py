@@ -27,6 +27,7 @@ from graphkeeper.proto.enums import lifecycle_name
 from graphkeeper.proto.policy import MODE_BY_NAME, PolicyError, policy_from_json, validate_policy
 from graphkeeper.worker.engine import Engine, EngineClient
 from graphkeeper.worker.engine.sizing import SizingError, parse_bytes, utilization_error
+from graphkeeper.worker.engine.startup import process_started_at, report_when_ready
 from graphkeeper.worker.model.kv_cache import check_block_size
 from graphkeeper.worker.model.loader import ModelSourceError, check_source
 from graphkeeper.worker.model.step import resolve as resolve_optimization
@@ -250,6 +251,7 @@ def settings_from_args(args: argparse.Namespace) -> EngineSettings:
         compile_cache_dir=args.compile_cache_dir, quantization=args.quantization,
         kv_block_size=getattr(args, "kv_block_size", 16), prefix_caching=getattr(args, "prefix_caching", True),
         gpu_memory_utilization=getattr(args, "gpu_memory_utilization", None) or 0.0,
+        process_started_at=process_started_at(),
     )
 
 
@@ -305,6 +307,7 @@ async def _serve(args: argparse.Namespace, settings: EngineSettings, token: str)
     hub = StreamHub(loop)
     engine.publish = hub.publish
     engine.lifecycle.subscribe(lambda s: log.info("lifecycle: %s", lifecycle_name(s)))
+    report_when_ready(engine, engine.metrics)
     if isinstance(engine, EngineClient):
         # The engine core decides the sizes the servers are built with (and refuses a KV cache
         # that cannot fit) before a port is bound.

@@ -42,6 +42,11 @@ MODEL_INFO_LABELS = ("revision", "source", "dtype", "device")
 MODE_KINDS = ("requested", "effective")
 #: Label values of graphkeeper_recaptures_total{cause}.
 RECAPTURE_CAUSES = ("policy", "model_revision")
+#: Label values of graphkeeper_startup_stage_seconds{stage} (engine/startup.py's stages, in order).
+STARTUP_STAGES = ("before_engine", "engine_process", "engine_setup", "device_context", "weights", "kv_cache",
+                  "tokenizer", "kernel_tuning", "compile", "warm_up", "capture", "kv_sizing", "ready")
+#: Label values of graphkeeper_startup_cache{outcome}; {cache} is "compile" or "tuning".
+CACHE_OUTCOMES = ("off", "hit", "miss", "partial")
 #: Label values of graphkeeper_tenant_steps_total{execution}.
 TENANT_EXECUTIONS = ("graph", "eager")
 
@@ -137,6 +142,13 @@ class WorkerMetrics:
             "kernels, weight quantization.", registry=r)
         self.compile_duration = Gauge("graphkeeper_compile_duration_seconds",
                                       "Time to compile (or load from the cache) and warm up the step.", registry=r)
+        # The start (set once, at the first READY the API process sees).
+        self.startup_stage = Gauge("graphkeeper_startup_stage_seconds",
+                                   "Seconds of each startup stage, from the worker process's start to READY.",
+                                   ["stage"], registry=r)
+        self.startup_cache = Gauge("graphkeeper_startup_cache",
+                                   "1 for each on-disk cache's outcome at startup (off, hit, miss, partial).",
+                                   ["cache", "outcome"], registry=r)
         self.tenant_steps = Counter(
             "graphkeeper_tenant_steps", "Steps holding a tenant's sequences (policy-listed tenants only).",
             ["tenant", "execution"], registry=r)
@@ -179,6 +191,15 @@ class WorkerMetrics:
         self.compile_info.info({"level": str(level), "compiled": "true" if compiled else "false", "cache": cache,
                                 "kernels": bounded_label(kernels), "quantization": bounded_label(quantization)})
         self.compile_duration.set(seconds)
+
+    def set_startup(self, startup: pb.StartupStatus) -> None:
+        """The start's stages (a stage this worker had not: 0) and its caches' outcomes."""
+        seconds = {s.stage: s.seconds for s in startup.stages}
+        for stage in STARTUP_STAGES:
+            self.startup_stage.labels(stage).set(seconds.get(stage, 0.0))
+        for cache, outcome in (("compile", startup.compile_cache), ("tuning", startup.tuning_cache)):
+            for value in CACHE_OUTCOMES:
+                self.startup_cache.labels(cache, value).set(1 if value == outcome else 0)
 
     def set_kv(self, block_size: int, total: int, used: int, cached: int, queries: int, hits: int,
                preemptions: int) -> None:
@@ -291,6 +312,8 @@ METRIC_NAMES = frozenset({
     "graphkeeper_tenant_steps_total",
     "graphkeeper_compile_info",
     "graphkeeper_compile_duration_seconds",
+    "graphkeeper_startup_stage_seconds",
+    "graphkeeper_startup_cache",
     "graphkeeper_kv_cache_blocks",
     "graphkeeper_kv_cache_used_blocks",
     "graphkeeper_kv_cache_cached_blocks",

@@ -64,6 +64,10 @@ class EngineSettings:
     compile: bool | None = None
     compile_cache_dir: str = DEFAULT_COMPILE_CACHE_DIR
     quantization: str = "none"
+    #: When the worker process started and when it spawned the engine core (seconds since the
+    #: epoch; 0: unknown, or no engine process): the startup stages count from the first.
+    process_started_at: float = 0.0
+    engine_spawned_at: float = 0.0
     #: Fault injection for tests: capture sizes that fail.
     inject_capture_failures: frozenset[int] = frozenset()
     #: Fault injection for tests: a step holding this prompt token raises (fatally: as a broken device).

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from graphkeeper.proto import worker_pb2 as pb
-from graphkeeper.worker.engine.startup import process_age, step_phases
+from graphkeeper.worker.engine.startup import process_age
 from graphkeeper.worker.kernels import linear_kernel, row_kernel
 from graphkeeper.worker.kernels.decode_kernel import decode_splits
 from graphkeeper.worker.model import tuning
@@ -147,11 +147,7 @@ def test_the_tuning_key_changes_with_the_gpu_the_libraries_the_source_pdl_and_th
         assert tuning.tuning_key(**{**args, name: value}) != base, name
 
 
-def test_startup_phases_name_tuning_and_compilation_with_their_cache_outcomes():
-    report = CompileReport(enabled=True, seconds=2.04, cache="hit",
-                           tuning=tuning.TuningReport(summary="skinny 4/20", cache="hit", seconds=0.01))
-    assert step_phases(report) == "tuning 0.0 s, cache hit; compile 2.0 s, cache hit"
-    assert step_phases(CompileReport()) == "no tuning or compilation"
+def test_this_process_has_an_age():
     assert 0 < process_age() < 3600
 
 

@@ -29,6 +29,7 @@ import multiprocessing
 import os
 import sys
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -38,7 +39,19 @@ from graphkeeper.proto import worker_pb2 as pb
 from graphkeeper.proto.enums import lifecycle_name
 from graphkeeper.worker.engine import process
 from graphkeeper.worker.engine.errors import NotServing
-from graphkeeper.worker.engine.ipc import Call, Cancel, Channel, ErrorBox, Model, Outputs, Reply, Sized, State, Submit
+from graphkeeper.worker.engine.ipc import (
+    Call,
+    Cancel,
+    Channel,
+    ErrorBox,
+    Model,
+    Outputs,
+    Reply,
+    Sized,
+    Started,
+    State,
+    Submit,
+)
 from graphkeeper.worker.engine.lifecycle import SERVING_STATES
 from graphkeeper.worker.engine.outputs import direct_publish
 from graphkeeper.worker.engine.sequence import Limits
@@ -85,12 +98,17 @@ def merge_families(core: list, api: list) -> list:
 
     A family only one side has passes as it is. For one both have (``WorkerMetrics`` registers
     every family in both, and the API process counts refusals in ``requests_total``), counters and
-    histograms add sample by sample; gauges and infos are the engine core's, which alone sets them.
+    histograms add sample by sample; gauges and infos are the engine core's, which alone sets them,
+    except a family the engine core has no sample of (the startup stages, which only the API process
+    can finish): this process's.
     """
     api_by_name = {f.name: f for f in api}
     merged = []
     for family in core:
         other = api_by_name.pop(family.name, None)
+        if other is not None and not family.samples:  # set by the API process alone (the startup stages)
+            merged.append(other)
+            continue
         if other is None or family.type not in ADDITIVE_TYPES:
             merged.append(family)
             continue
@@ -137,6 +155,9 @@ class EngineClient:
         self.captures_graphs = settings.device.split(":")[0] == "cuda"
         self.publish: Callable[[list[tuple[Any, list[int], Any]]], None] = direct_publish
         self.failed: BaseException | None = None
+        #: The start's stages as the engine core reported them at READY (empty before), finished
+        #: here with the last stage by ``startup.report_when_ready``.
+        self.startup = pb.StartupStatus()
         self.log_level = log_level
         self.proc: multiprocessing.process.BaseProcess | None = None
         self._channel: Channel | None = None
@@ -158,6 +179,7 @@ class EngineClient:
         """Spawns the engine core (call from the main thread: the child dies with this thread)."""
         ctx = multiprocessing.get_context("spawn")
         ours, theirs = ctx.Pipe(duplex=True)
+        self.settings = dataclasses.replace(self.settings, engine_spawned_at=time.time())
         self.proc = ctx.Process(target=process.main, name="engine-core",
                                 args=(theirs, self.settings, os.getpid(), self.log_level, sys.getswitchinterval()))
         self.proc.start()
@@ -245,7 +267,10 @@ class EngineClient:
         return future
 
     def status(self) -> pb.GraphStatus:
-        return self.call("status")
+        status = self.call("status")
+        if self.startup.stages:  # with the stage only this process sees
+            status.startup.CopyFrom(self.startup)
+        return status
 
     # --- the channel --------------------------------------------------------------------------
 
@@ -305,6 +330,8 @@ class EngineClient:
                 self.lifecycle.set(message.state)
         elif isinstance(message, Model):
             self._install(message)
+        elif isinstance(message, Started):
+            self.startup = pb.StartupStatus.FromString(message.startup)
 
     def _install(self, model: Model) -> None:
         tokenizer = load_tokenizer(model.source)

@@ -44,7 +44,7 @@ from graphkeeper.worker.engine.reload import reload_model
 from graphkeeper.worker.engine.scheduler import ScheduledStep, Scheduler
 from graphkeeper.worker.engine.sequence import Limits, Sequence, sequence_for
 from graphkeeper.worker.engine.sizing import settle, utilization_error
-from graphkeeper.worker.engine.startup import Laps, step_phases
+from graphkeeper.worker.engine.startup import StartupClock, step_parts
 from graphkeeper.worker.engine.status import graph_status, kv_cache_status, model_info
 from graphkeeper.worker.executor.graphs.controller import CaptureController
 from graphkeeper.worker.executor.graphs.dispatcher import BatchDescriptor, Dispatcher
@@ -65,6 +65,9 @@ class Engine:
     def __init__(self, settings: EngineSettings, metrics: WorkerMetrics | None = None) -> None:
         """Raises SizingError (or ModelSourceError) when the KV cache asked for cannot fit: checked
         here, from the model's config and the memory there is, before anything is allocated."""
+        self.clock = StartupClock(settings.process_started_at, settings.engine_spawned_at)
+        #: The start's stages until READY (empty before); the API process adds the last one.
+        self.startup = pb.StartupStatus()
         self.device = torch.device(settings.device)
         check_block_size(settings.kv_block_size)
         if error := utilization_error(settings.gpu_memory_utilization or None, self.device.type,
@@ -213,7 +216,7 @@ class Engine:
             snap, capture=self.capture, recorder=self.recorder, ledger=self.ledger,
             model_revision=loaded.revision if loaded else "", running=len(self.scheduler.running),
             queued=len(self.scheduler.waiting) + len(self.mailbox), compile=self.slot.compile_status(),
-            kv_cache=self.kv_status())
+            kv_cache=self.kv_status(), startup=self.startup)
 
     def kv_status(self) -> pb.KVCacheStatus:
         """The KV cache's blocks, prefix cache and preemptions (counts read without a lock: each is
@@ -243,34 +246,39 @@ class Engine:
             self.publish(self.outputs.end(leftover, NotServing(why)))
 
     def _startup(self) -> None:
-        s, laps = self.settings, Laps()
+        s, clock = self.settings, self.clock
+        clock.lap("engine_setup")
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device.index or 0)
             torch.cuda.init()
             torch.zeros(1, device=self.device)  # creates the context before the first ledger entry
         self.ledger.record(L.LEDGER_STAGE_CONTEXT, self.device)
-        laps.lap("device context")
-        self.slot.install(self.slot.load(s.model, s.model_revision))
+        clock.lap("device_context")
+        fresh = self.slot.load(s.model, s.model_revision)
+        clock.split("kv_cache", {"weights": self.slot.weights_seconds})
+        self.slot.install(fresh)
         self.recorder.set_attention(self.slot.runner.attention.name)
         self.blocks.reset_prefix_cache(self.slot.loaded.revision)
         self.control.move(S.LIFECYCLE_STATE_MODEL_LOADED)
-        laps.lap("weights and KV cache")
+        clock.lap("tokenizer")
         self.slot.prepare_step()
         self.ledger.record(L.LEDGER_STAGE_WARMUP, self.device)
         self.control.move(S.LIFECYCLE_STATE_WARMED)
-        laps.lap(f"step ({step_phases(self.slot.compile_report)})")
+        clock.split("warm_up", step_parts(self.slot.compile_report))
         self.capture.begin(self.control.policy, self.slot.runner)
         self.capture.run_all()
+        clock.lap("capture")
         self.kv_sizing.size(self.slot, self.blocks, self.capture, self.control.policy, s.max_num_batched_tokens)
         if self.slot.compile_report.enabled:
             forbid_recompiles()
         self._captured()
         self._export_gauges()
+        clock.lap("kv_sizing")
+        report = self.slot.compile_report
+        self.startup = clock.status(report.cache, report.tuning.cache if report.tuning else "off")
         self.control.move(S.LIFECYCLE_STATE_CAPTURED)
         self.control.move(S.LIFECYCLE_STATE_READY)
-        laps.lap("capture")
         log.info("READY: %s", self.capture.summary())
-        log.info(laps.line())
         self.ready.set()
 
     def _loop(self) -> None:

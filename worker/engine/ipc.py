@@ -87,6 +87,14 @@ class State:
 
 
 @dataclass(frozen=True)
+class Started:
+    """The engine's startup stages until its READY (a serialized ``StartupStatus``), sent once,
+    just before that READY's ``State``."""
+
+    startup: bytes
+
+
+@dataclass(frozen=True)
 class Model:
     """A model was installed: what the API process needs to admit, tokenize and describe."""
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from pathlib import Path
 
 import torch
@@ -48,16 +49,20 @@ class ModelSlot:
         self.runner: ModelRunner | None = None
         self.optimization = resolve(settings.optimization_level, settings.compile, device.type)
         self.compile_report = CompileReport(level=self.optimization.level, reason=self.optimization.reason)
+        #: Seconds the last ``load`` spent on the weights (the rest of it was the KV cache).
+        self.weights_seconds = 0.0
 
     def load(self, source: str, revision: str) -> tuple[LoadedModel, KVCache]:
         """New weights (and a KV cache for their shapes); nothing the engine serves is touched."""
         s = self.settings
         cache_len = aligned(s.max_seq_len)
         log.info("loading %s (%s on disk) on %s", source, describe_size(source_bytes(source)), self.device)
+        started = time.perf_counter()
         loaded = load_model(source, device=self.device, dtype=s.dtype, max_positions=cache_len, revision=revision,
                             quantization=s.quantization)
         # Settled as Ledger.restart measures after a reload: the stage is comparable across loads.
         self.ledger.record(L.LEDGER_STAGE_WEIGHTS, self.device, settle=True)
+        self.weights_seconds = time.perf_counter() - started
         old = self.runner
         if old is not None and old.loaded.config == loaded.config and old.loaded.dtype == loaded.dtype:
             cache = old.cache  # same shapes: keep the allocation, only the weights move

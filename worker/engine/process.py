@@ -37,6 +37,7 @@ from graphkeeper.worker.engine.ipc import (
     Outputs,
     Reply,
     Sized,
+    Started,
     State,
     Submit,
 )
@@ -92,6 +93,7 @@ class EngineHost:
         self.outbox = Outbox()
         self.sequences: dict[int, Sequence] = {}
         self._model: Any = None
+        self._startup_sent = False
         self._closed = threading.Event()
         engine.publish = self.publish
         engine.lifecycle.subscribe(self._on_state)
@@ -114,6 +116,9 @@ class EngineHost:
         """Any thread: a lifecycle move. The model is announced first, so requests admitted once
         the API process sees READY are checked against the model that serves them."""
         self._announce_model()
+        if state == pb.LIFECYCLE_STATE_READY and not self._startup_sent and self.engine.startup.stages:
+            self._startup_sent = True  # a recapture's READY is not a start
+            self.outbox.put(Started(self.engine.startup.SerializeToString()))
         failed = self.engine.failed
         self.outbox.put(State(state, "" if failed is None else f"{type(failed).__name__}: {failed}"))
 

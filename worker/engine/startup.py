@@ -1,30 +1,35 @@
-"""What a worker's start spends its time on, for the one startup log line."""
+"""What a worker's start spends its time on: the stages of the startup line, status and metric.
+
+The stages are counted from the worker (API) process's start, not the engine core's: the API
+process passes its start time to the engine core, which marks its stages on the same wall clock,
+and the API process adds the last one (READY reaching it) when it sees READY. So the line reads
+what a client polling readiness waits for, and the stages add up to it exactly.
+
+Stages, in order (a stage that does not happen on this worker reads 0 s):
+
+- ``before_engine``: the worker process's interpreter, imports and flag checks, until it spawns
+  the engine core (with ``--no-engine-process``: until the engine is built);
+- ``engine_process``: the engine core's interpreter and imports;
+- ``engine_setup``: deciding the sizes (with ``--no-engine-process``, binding the servers too);
+- ``device_context``, ``weights``, ``kv_cache``, ``tokenizer``;
+- ``kernel_tuning`` (or reading it from the cache), ``compile`` (tracing and compiling, or
+  loading the compiled code, with the first warm-up step it happens in), ``warm_up`` (the rest
+  of building the step);
+- ``capture`` (the whole capture stage), ``kv_sizing`` (track B's KV cache after capture);
+- ``ready``: the engine's READY reaching the API process, which then serves.
+"""
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from pathlib import Path
 
+from graphkeeper.proto import worker_pb2 as pb
 from graphkeeper.worker.model.step import CompileReport
 
-
-class Laps:
-    """Named phases of the start, each timed from the end of the one before."""
-
-    def __init__(self) -> None:
-        self.laps = [("before the engine", process_age())]
-        self._began = time.perf_counter()
-
-    def lap(self, name: str) -> None:
-        now = time.perf_counter()
-        self.laps.append((name, now - self._began))
-        self._began = now
-
-    def line(self) -> str:
-        """``startup: device context 0.1 s, ...; READY 13.0 s after the process started``."""
-        phases = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in self.laps)
-        return f"startup: {phases}; READY {process_age():.1f} s after the process started"
+log = logging.getLogger(__name__)
 
 
 def process_age() -> float:
@@ -37,11 +42,99 @@ def process_age() -> float:
     return max(0.0, uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
 
 
-def step_phases(report: CompileReport) -> str:
-    """What building the step spent its time on, for the startup log line (pure)."""
-    parts = []
-    if report.tuning is not None:
-        parts.append(f"tuning {report.tuning.seconds:.1f} s, cache {report.tuning.cache}")
-    if report.enabled:
-        parts.append(f"compile {report.seconds:.1f} s, cache {report.cache}")
-    return "; ".join(parts) or "no tuning or compilation"
+def process_started_at() -> float:
+    """When this process started, in seconds since the epoch (the wall clock both processes share)."""
+    return time.time() - process_age()
+
+
+class StartupClock:
+    """The start's stages, each timed from the end of the one before on the wall clock."""
+
+    def __init__(self, process_started: float = 0.0, engine_spawned: float = 0.0) -> None:
+        """``process_started``: the worker process's start (0: count from now); ``engine_spawned``:
+        when the API process spawned this engine core (0: the engine runs in the worker process)."""
+        now = time.time()
+        self.started = process_started or engine_spawned or now
+        self.stages: list[tuple[str, float]] = []
+        self._last = self.started
+        if process_started:
+            self._mark("before_engine", engine_spawned or now)
+        if engine_spawned:
+            self._mark("engine_process", now)
+
+    def _mark(self, name: str, at: float) -> None:
+        self.stages.append((name, max(0.0, at - self._last)))
+        self._last = max(self._last, at)
+
+    def lap(self, name: str) -> None:
+        """Ends stage ``name`` now."""
+        self._mark(name, time.time())
+
+    def split(self, rest: str, parts: dict[str, float]) -> None:
+        """Ends several stages now: the time since the last mark is ``parts`` (measured inside it,
+        in order, each at most what is left) and ``rest``, whatever they leave."""
+        now = time.time()
+        left = max(0.0, now - self._last)
+        for name, seconds in parts.items():
+            taken = min(max(0.0, seconds), left)
+            self.stages.append((name, taken))
+            left -= taken
+        self.stages.append((rest, left))
+        self._last = max(self._last, now)
+
+    def status(self, compile_cache: str, tuning_cache: str) -> pb.StartupStatus:
+        """The stages so far (the engine's READY), for the API process to finish."""
+        return pb.StartupStatus(
+            stages=[pb.StartupStage(stage=name, seconds=seconds) for name, seconds in self.stages],
+            ready_seconds=self._last - self.started, started_unix_seconds=self.started,
+            compile_cache=compile_cache, tuning_cache=tuning_cache, caches=caches(compile_cache, tuning_cache))
+
+
+def step_parts(report: CompileReport) -> dict[str, float]:
+    """Kernel tuning and compile seconds measured inside building the step (pure)."""
+    return {"kernel_tuning": report.tuning.seconds if report.tuning is not None else 0.0,
+            "compile": report.seconds if report.enabled else 0.0}
+
+
+def caches(compile_cache: str, tuning_cache: str) -> str:
+    """"warm" when every cache used hit, "cold" when one missed or hit in part, "none" when none
+    was used (pure)."""
+    used = [c for c in (compile_cache, tuning_cache) if c and c != "off"]
+    if not used:
+        return "none"
+    return "warm" if all(c == "hit" for c in used) else "cold"
+
+
+def finish(engine_ready: pb.StartupStatus, seen_at: float) -> pb.StartupStatus:
+    """The engine's stages plus ``ready``: until the API process saw READY at ``seen_at`` (pure)."""
+    done = pb.StartupStatus()
+    done.CopyFrom(engine_ready)
+    end = done.started_unix_seconds + done.ready_seconds
+    done.stages.add(stage="ready", seconds=max(0.0, seen_at - end))
+    done.ready_seconds = max(done.ready_seconds, seen_at - done.started_unix_seconds)
+    return done
+
+
+def line(status: pb.StartupStatus) -> str:
+    """``startup: before_engine 2.1 s, ...; READY 13.0 s after the worker process started (caches warm: ...)``."""
+    stages = ", ".join(f"{s.stage} {s.seconds:.1f} s" for s in status.stages)
+    return (f"startup: {stages}; READY {status.ready_seconds:.1f} s after the worker process started (caches "
+            f"{status.caches}: compile {status.compile_cache}, kernel tuning {status.tuning_cache})")
+
+
+def report_when_ready(engine, metrics) -> None:
+    """At the first READY the API process sees: finishes ``engine.startup`` with the ``ready``
+    stage, logs the startup line and sets the startup metrics (once; a recapture's READY is not a
+    start)."""
+    done = False
+
+    def on_state(state: int) -> None:
+        nonlocal done
+        if done or state != pb.LIFECYCLE_STATE_READY or not engine.startup.stages:
+            return
+        done = True
+        engine.startup = finish(engine.startup, time.time())
+        metrics.set_startup(engine.startup)
+        log.info(line(engine.startup))
+
+    engine.lifecycle.subscribe(on_state)

@@ -38,7 +38,8 @@ def model_info(loaded: LoadedModel | None, max_seq_len: int, max_num_seqs: int, 
 
 def graph_status(snap: Snapshot, *, capture: CaptureController, recorder: StepRecorder, ledger: Ledger,
                  model_revision: str, running: int, queued: int,
-                 compile: pb.CompileStatus | None = None, kv_cache: pb.KVCacheStatus | None = None) -> pb.GraphStatus:
+                 compile: pb.CompileStatus | None = None, kv_cache: pb.KVCacheStatus | None = None,
+                 startup: pb.StartupStatus | None = None) -> pb.GraphStatus:
     """``GraphStatus`` from a snapshot of the GraphControl state and the engine's counters (pure)."""
     c, policy, pending = capture, snap.policy, snap.pending
     graphs = c.graph_set
@@ -78,6 +79,7 @@ def graph_status(snap: Snapshot, *, capture: CaptureController, recorder: StepRe
         traffic=recorder.traffic.to_proto(),
         serving=recorder.serving.to_proto(),
         kv_cache=kv_cache,
+        startup=startup,
     )
 
 

@@ -1,0 +1,101 @@
+"""The startup stages: counted from the worker process's start, every stage named, adding up to the
+time a client waits for readiness (a real worker process, measured from outside)."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+from worker_harness import start_worker, wait_serving
+
+from graphkeeper.worker.engine.startup import StartupClock, caches, finish, line, step_parts
+from graphkeeper.worker.metrics import STARTUP_STAGES
+from graphkeeper.worker.model.step import CompileReport
+from graphkeeper.worker.model.tuning import TuningReport
+
+#: What the API process may spend between the engine's READY reaching it and a health poll
+#: seeing it, plus the poll interval, on a loaded two-core machine.
+SLACK_SECONDS = 1.5
+
+
+def started_at(pid: int) -> float:
+    """A process's start on the wall clock, read from outside it (/proc)."""
+    ticks = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    uptime = float(Path("/proc/uptime").read_text().split()[0])
+    return time.time() - uptime + ticks / os.sysconf("SC_CLK_TCK")
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux's /proc to read a process's start")
+def test_the_stages_add_up_to_the_time_from_the_process_start_to_ready(tmp_path):
+    before = time.time()
+    worker = start_worker(tmp_path, wait=False)
+    try:
+        begun = started_at(worker.proc.pid)
+        wait_serving(worker)
+        waited = time.time() - begun  # what a client polling health saw, from the process's start
+        startup = worker.status().startup
+        metrics = worker.metrics()
+        log = worker.log()
+        print(f"waited {waited:.2f} s;", *(ln for ln in log.splitlines() if "startup:" in ln))
+    finally:
+        worker.stop()
+    assert begun >= before - 0.05  # the start read from /proc is this process's
+    names = [s.stage for s in startup.stages]
+    assert names == list(STARTUP_STAGES)  # every stage, in order, with the engine in its own process
+    assert all(s.seconds >= 0 for s in startup.stages)
+    total = sum(s.seconds for s in startup.stages)
+    assert total == pytest.approx(startup.ready_seconds, abs=1e-6)
+    # Counted from the worker process's start (not the engine core's): within the health poll's
+    # slack of what the client measured, never more than it.
+    assert startup.started_unix_seconds == pytest.approx(begun, abs=0.05)
+    assert waited - SLACK_SECONDS <= startup.ready_seconds <= waited + 0.05
+    assert startup.stages[0].seconds > 0 and startup.stages[1].seconds > 0  # the imports of both processes
+    assert (startup.compile_cache, startup.tuning_cache, startup.caches) == ("off", "off", "none")  # a CPU
+    for stage in startup.stages:  # the metric carries the same stages
+        assert metrics[("graphkeeper_startup_stage_seconds", frozenset({("stage", stage.stage)}))] == pytest.approx(
+            stage.seconds, abs=1e-3)
+    assert metrics[("graphkeeper_startup_cache", frozenset({("cache", "compile"), ("outcome", "off")}))] == 1
+    assert metrics[("graphkeeper_startup_cache", frozenset({("cache", "tuning"), ("outcome", "miss")}))] == 0
+    assert f"READY {startup.ready_seconds:.1f} s after the worker process started" in log
+    assert "startup: before_engine " in log
+
+
+def test_the_clock_counts_from_the_worker_process_and_splits_measured_parts():
+    now = time.time()
+    clock = StartupClock(process_started=now - 3.0, engine_spawned=now - 1.0)
+    assert [name for name, _ in clock.stages] == ["before_engine", "engine_process"]
+    assert clock.stages[0][1] == pytest.approx(2.0, abs=0.01)
+    assert clock.stages[1][1] == pytest.approx(1.0, abs=0.1)
+    clock.split("warm_up", {"kernel_tuning": 0.0, "compile": 10.0})  # more than elapsed: capped at it
+    status = clock.status("hit", "hit")
+    assert [s.stage for s in status.stages][2:] == ["kernel_tuning", "compile", "warm_up"]
+    assert status.stages[4].seconds == 0.0
+    assert sum(s.seconds for s in status.stages) == pytest.approx(status.ready_seconds)
+    assert status.caches == "warm"
+    done = finish(status, status.started_unix_seconds + status.ready_seconds + 0.5)
+    assert done.stages[-1].stage == "ready" and done.stages[-1].seconds == pytest.approx(0.5)
+    assert sum(s.seconds for s in done.stages) == pytest.approx(done.ready_seconds)
+    assert "READY" in line(done) and "caches warm" in line(done)
+
+
+def test_an_engine_in_the_worker_process_has_no_engine_process_stage():
+    clock = StartupClock(process_started=time.time() - 1.0)
+    assert [name for name, _ in clock.stages] == ["before_engine"]
+    assert [name for name, _ in StartupClock().stages] == []  # an engine built alone counts from itself
+
+
+def test_a_start_is_warm_only_when_every_cache_it_used_hit():
+    assert caches("hit", "hit") == "warm"
+    assert caches("off", "hit") == "warm"
+    assert caches("partial", "hit") == "cold"
+    assert caches("hit", "miss") == "cold"
+    assert caches("off", "off") == "none"
+
+
+def test_step_parts_are_tuning_and_compile_seconds():
+    report = CompileReport(enabled=True, seconds=2.0, tuning=TuningReport(cache="hit", seconds=0.5))
+    assert step_parts(report) == {"kernel_tuning": 0.5, "compile": 2.0}
+    assert step_parts(CompileReport()) == {"kernel_tuning": 0.0, "compile": 0.0}
+
