@@ -19,24 +19,27 @@ import os
 import signal
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from graphkeeper.proto import worker_pb2 as pb
 from graphkeeper.proto.enums import lifecycle_name
 from graphkeeper.proto.policy import MODE_BY_NAME, PolicyError, policy_from_json, validate_policy
-from graphkeeper.worker.engine import Engine, EngineClient
+from graphkeeper.worker.engine.client import EngineClient
 from graphkeeper.worker.engine.sizing import SizingError, parse_bytes, utilization_error
 from graphkeeper.worker.engine.startup import process_started_at, report_when_ready
 from graphkeeper.worker.model.kv_cache import check_block_size
 from graphkeeper.worker.model.loader import ModelSourceError, check_source
-from graphkeeper.worker.model.step import resolve as resolve_optimization
+from graphkeeper.worker.model.presets import resolve as resolve_optimization
 from graphkeeper.worker.serving.grpc_server import build_servers, track_health
-from graphkeeper.worker.serving.http_server import OpenAIServer
 from graphkeeper.worker.serving.metrics_server import serve_http
 from graphkeeper.worker.serving.streams import StreamHub
 from graphkeeper.worker.serving.vllm_metrics import exported_registry
 from graphkeeper.worker.settings import DTYPES, EngineSettings
+
+if TYPE_CHECKING:
+    from graphkeeper.worker.engine.core import Engine
 
 log = logging.getLogger("graphkeeper.worker")
 INJECT_ENV = "GRAPHKEEPER_INJECT_CAPTURE_FAILURE"
@@ -321,7 +324,7 @@ async def _serve(args: argparse.Namespace, settings: EngineSettings, token: str)
     if not token and not _is_loopback(control_host):
         log.warning("no --control-token-file: GraphControl listens on 127.0.0.1 only, not %s", control_host)
         control_host = "127.0.0.1"
-    http: OpenAIServer | None = None
+    http = None
     http_host = getattr(args, "http_host", "") or args.host
     served_name = getattr(args, "served_model_name", "")
     registry = exported_registry(engine, served_name, getattr(args, "vllm_metric_names", False))
@@ -331,6 +334,8 @@ async def _serve(args: argparse.Namespace, settings: EngineSettings, token: str)
         if args.metrics_port:
             serve_http(engine, args.host, args.metrics_port, registry=registry)
         if getattr(args, "http_port", 0):
+            from graphkeeper.worker.serving.http_server import OpenAIServer  # aiohttp: only when served
+
             http = OpenAIServer(engine, hub, served_name, metrics=registry)
             await http.start(http_host, args.http_port)
         await servers.inference.start()
@@ -368,9 +373,12 @@ async def _serve(args: argparse.Namespace, settings: EngineSettings, token: str)
 
 
 def make_engine(args: argparse.Namespace, settings: EngineSettings) -> Engine | EngineClient:
-    """The engine core in a child process (the default), or on a thread of this one."""
+    """The engine core in a child process (the default), or on a thread of this one (only then
+    is the device side imported here)."""
     if getattr(args, "engine_process", True):
         return EngineClient(settings, log_level=args.log_level.upper())
+    from graphkeeper.worker.engine.core import Engine
+
     return Engine(settings)
 
 

@@ -18,8 +18,9 @@ from graphkeeper.worker.model import tuning
 from graphkeeper.worker.model.cache_key import library_versions, source_digest
 from graphkeeper.worker.model.config import PRESETS
 from graphkeeper.worker.model.llama import row_pieces_fit
+from graphkeeper.worker.model.presets import resolve
 from graphkeeper.worker.model.quantization import quantize, quantize_model
-from graphkeeper.worker.model.step import CompileReport, cache_key, resolve, step_modules
+from graphkeeper.worker.model.step import cache_key, step_modules
 
 
 def test_presets_set_compile_and_the_default_graph_mode():

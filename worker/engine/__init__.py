@@ -9,8 +9,8 @@ process of its own (``engine.process``), which is how ``graphkeeper worker`` ser
 names neither; ``worker.main`` picks one.
 """
 
-from graphkeeper.worker.engine.client import EngineClient
-from graphkeeper.worker.engine.core import Engine
+from typing import TYPE_CHECKING, Any
+
 from graphkeeper.worker.engine.errors import (
     UNKNOWN_ERROR,
     CannotFit,
@@ -28,6 +28,26 @@ from graphkeeper.worker.engine.model_roots import ReloadRefused
 from graphkeeper.worker.engine.sequence import Limits
 from graphkeeper.worker.model.tokenizer import ChatError, IncrementalDetokenizer
 from graphkeeper.worker.settings import EngineSettings
+
+if TYPE_CHECKING:
+    from graphkeeper.worker.engine.client import EngineClient
+    from graphkeeper.worker.engine.core import Engine
+
+
+def __getattr__(name: str) -> Any:
+    """``Engine`` and ``EngineClient`` are imported when first asked for: the API process of a
+    worker never builds an ``Engine``, and importing one loads the whole device side (the model,
+    the kernels, Triton) for nothing."""
+    if name == "Engine":
+        from graphkeeper.worker.engine.core import Engine
+
+        return Engine
+    if name == "EngineClient":
+        from graphkeeper.worker.engine.client import EngineClient
+
+        return EngineClient
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "SERVING_STATES", "CannotFit", "ChatError", "Engine", "EngineClient", "EngineFace", "EngineSettings",

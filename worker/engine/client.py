@@ -37,7 +37,6 @@ from typing import Any
 
 from graphkeeper.proto import worker_pb2 as pb
 from graphkeeper.proto.enums import lifecycle_name
-from graphkeeper.worker.engine import process
 from graphkeeper.worker.engine.errors import NotServing
 from graphkeeper.worker.engine.ipc import (
     Call,
@@ -143,6 +142,13 @@ class MergedRegistry:
         return merge_families(core, list(self.local.collect()))
 
 
+def engine_core_main(*args: Any) -> None:
+    """The engine-core process's entry point: imports the device side there, never here."""
+    from graphkeeper.worker.engine import process
+
+    process.main(*args)
+
+
 class EngineClient:
     """The API process's handle on the engine-core process."""
 
@@ -180,7 +186,7 @@ class EngineClient:
         ctx = multiprocessing.get_context("spawn")
         ours, theirs = ctx.Pipe(duplex=True)
         self.settings = dataclasses.replace(self.settings, engine_spawned_at=time.time())
-        self.proc = ctx.Process(target=process.main, name="engine-core",
+        self.proc = ctx.Process(target=engine_core_main, name="engine-core",
                                 args=(theirs, self.settings, os.getpid(), self.log_level, sys.getswitchinterval()))
         self.proc.start()
         theirs.close()

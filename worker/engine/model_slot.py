@@ -20,7 +20,8 @@ from graphkeeper.worker.executor.runner import ModelRunner
 from graphkeeper.worker.metrics import WorkerMetrics
 from graphkeeper.worker.model.kv_cache import KVCache
 from graphkeeper.worker.model.loader import LoadedModel, load_model
-from graphkeeper.worker.model.step import CompileReport, prepare_step, resolve
+from graphkeeper.worker.model.presets import resolve
+from graphkeeper.worker.model.step import CompileReport, prepare_step
 from graphkeeper.worker.model.tokenizer import Tokenizer, load_tokenizer
 from graphkeeper.worker.settings import EngineSettings
 

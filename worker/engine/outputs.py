@@ -8,14 +8,16 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from graphkeeper.proto import worker_pb2 as pb
 from graphkeeper.worker.engine.scheduler import ScheduledStep, Scheduler
 from graphkeeper.worker.engine.sequence import Sequence
 from graphkeeper.worker.executor.graphs.dispatcher import BatchDescriptor, Decision
-from graphkeeper.worker.executor.runner import Launched
 from graphkeeper.worker.metrics import WorkerMetrics, observe_many
+
+if TYPE_CHECKING:  # the API process imports this module; the runner (and Triton) is the engine core's
+    from graphkeeper.worker.executor.runner import Launched
 
 Update = tuple[Any, list[int], Any]  # (stream, new tokens, end: Completion, an exception, or None)
 

@@ -25,9 +25,12 @@ import logging
 import os
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from graphkeeper.proto import worker_pb2 as pb
-from graphkeeper.worker.model.step import CompileReport
+
+if TYPE_CHECKING:  # the API process imports this module; the step (and Triton) is the engine core's
+    from graphkeeper.worker.model.step import CompileReport
 
 log = logging.getLogger(__name__)
 
