@@ -56,6 +56,7 @@ def test_the_cache_key_changes_with_everything_that_changes_generated_code():
         _key(config=dataclasses.replace(PRESETS["tiny"], n_layers=3)), _key(dtype=torch.float16),
         _key(quantization="fp8"), _key(kernels="torch"), _key(capability="8.0"),
         _key(versions={**library_versions(), "torch": "0.0"}), _key(source="other"),
+        _key(versions={**library_versions(), "driver": "535.0.0"}), _key(device_name="NVIDIA H100 80GB HBM3"),
     ]
     assert base not in changed and len(set(changed)) == len(changed)
 

@@ -10,15 +10,20 @@ worker's own CUDA graphs.
   silent stall.
 - **On-disk cache.** Inductor's and Triton's caches live under ``<cache dir>/<key>``, where the
   key hashes everything that changes the generated code: the model config, dtype, quantization,
-  the kernel choice, the device's compute capability, the torch and triton versions and the
-  source of the modules the step runs. A second start with the same key loads the compiled
-  kernels instead of generating them; whether it did is read from Inductor's own counters.
+  the kernel choice, the GPU's name and compute capability, the torch, triton, CUDA and driver
+  versions and the source of the modules the step runs; ``key.json`` in the directory records
+  them, and a directory whose record differs is set aside, never used. A second start with the
+  same key loads the compiled kernels instead of generating them; whether it did is read from
+  Inductor's own counters.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
 import os
+import shutil
 import sys
 import time
 from collections.abc import Callable
@@ -32,11 +37,13 @@ from graphkeeper.proto import worker_pb2 as pb
 from graphkeeper.worker.kernels import choice, decode_kernel, linear_kernel, norm_kernel, pdl, row_kernel, varlen_kernel
 from graphkeeper.worker.kernels.timing import replay_seconds
 from graphkeeper.worker.model import llama, tuning
-from graphkeeper.worker.model.cache_key import key_of, library_versions, source_digest
+from graphkeeper.worker.model.cache_key import differences, key_of, library_versions, source_digest
 from graphkeeper.worker.model.config import ModelConfig
 from graphkeeper.worker.model.llama import PieceFunctions, make_pieces, make_row_pieces, row_pieces_fit
 
 log = logging.getLogger(__name__)
+#: The record of a compile cache directory's key and the facts it hashes.
+KEY_FILE = "key.json"
 
 def step_modules() -> list[ModuleType]:
     """The modules whose source is the compiled step: a change to any of them changes the key."""
@@ -44,13 +51,17 @@ def step_modules() -> list[ModuleType]:
             row_kernel, pdl]
 
 
+def cache_facts(config: ModelConfig, dtype: torch.dtype, quantization: str, kernels: str, capability: str,
+                versions: dict[str, str], source: str, device_name: str = "") -> dict:
+    """Everything that changes the generated code (pure): what the compile cache is keyed by."""
+    return {"config": config.as_dict(), "dtype": str(dtype), "quantization": quantization, "kernels": kernels,
+            "capability": capability, "device": device_name, "versions": versions, "source": source}
+
+
 def cache_key(config: ModelConfig, dtype: torch.dtype, quantization: str, kernels: str, capability: str,
-              versions: dict[str, str], source: str) -> str:
-    """The compile cache's key (pure): a hex digest of everything that changes the generated code."""
-    return key_of({
-        "config": config.as_dict(), "dtype": str(dtype), "quantization": quantization, "kernels": kernels,
-        "capability": capability, "versions": versions, "source": source,
-    })
+              versions: dict[str, str], source: str, device_name: str = "") -> str:
+    """The compile cache's key (pure): a hex digest of ``cache_facts``."""
+    return key_of(cache_facts(config, dtype, quantization, kernels, capability, versions, source, device_name))
 
 
 @dataclass
@@ -100,14 +111,52 @@ def compile_counters() -> dict[str, int]:
             "graphs": counters["stats"]["unique_graphs"]}
 
 
-def use_cache_dir(root: str, key: str) -> str:
-    """Points Inductor's and Triton's caches at ``root/key`` (created); returns that directory."""
+def use_cache_dir(root: str, key: str, facts: dict) -> str:
+    """Points Inductor's and Triton's caches at ``root/key`` (created); returns that directory.
+
+    The directory's ``key.json`` records the facts of its key. A directory whose record differs,
+    or that has none, is not used: it is set aside as ``<key>.ignored-<time>`` with a warning
+    naming what differs, and a new one takes its place. A new directory appears whole (made under
+    another name, then renamed), so workers starting together on one node never see one half made.
+    """
     path = Path(os.path.expanduser(root)) / key
-    (path / "inductor").mkdir(parents=True, exist_ok=True)
-    (path / "triton").mkdir(parents=True, exist_ok=True)
+    if path.exists():
+        found = _read_json(path / KEY_FILE)
+        diff = ["key.json"] if found is None else [] if found.get("key") == key else ["key"]
+        diff = diff or differences(facts, found.get("facts"))
+        if diff:
+            aside = path.with_name(f"{key}.ignored-{int(time.time())}")
+            log.warning("compile cache %s was written for another step (it differs in %s): ignored, set aside as %s",
+                        path, ", ".join(diff), aside.name)
+            with contextlib.suppress(OSError):  # another worker set it aside first
+                path.rename(aside)
+    if not path.exists():
+        _create_cache_dir(path, {"key": key, "facts": facts})
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path / "inductor")
     os.environ["TRITON_CACHE_DIR"] = str(path / "triton")
     return str(path)
+
+
+def _create_cache_dir(path: Path, record: dict) -> None:
+    """``path`` with its record and empty caches, made under another name and renamed into place
+    (when another worker made it first, theirs stays)."""
+    staging = path.with_name(f"{path.name}.{os.getpid()}.new")
+    shutil.rmtree(staging, ignore_errors=True)
+    (staging / "inductor").mkdir(parents=True)
+    (staging / "triton").mkdir()
+    (staging / KEY_FILE).write_text(json.dumps(record, sort_keys=True))
+    try:
+        staging.rename(path)
+    except OSError:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _read_json(path: Path) -> dict | None:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
 
 
 def compile_in_process() -> None:
@@ -167,9 +216,10 @@ def prepare_step(model, *, compile: bool, cache_root: str, quantization: str, wa
     if compile:
         capability = ".".join(map(str, torch.cuda.get_device_capability(device)))
         # The tuning summary stays out of the key: the linear op is opaque to Inductor.
-        report.key = cache_key(model.config, model.tok_embeddings.weight.dtype, quantization, kernels.name,
-                               capability, library_versions(), source_digest(step_modules()))
-        report.cache_dir = use_cache_dir(cache_root, report.key)
+        facts = cache_facts(model.config, model.tok_embeddings.weight.dtype, quantization, kernels.name, capability,
+                            library_versions(), source_digest(step_modules()), torch.cuda.get_device_name(device))
+        report.key = key_of(facts)
+        report.cache_dir = use_cache_dir(cache_root, report.key, facts)
         compile_in_process()
         torch.compiler.reset()  # one engine per process: its previous step's compiled code is dropped
         pieces = compile_pieces(pieces)

@@ -5,8 +5,9 @@ cuBLAS or the skinny kernel (and which tile) per row bucket (``linear_kernel.tun
 tile of the one-row fused product (``row_kernel.tune``). Timing every candidate takes seconds, and
 a restarted pod on the same GPU, libraries and kernel source would measure the same thing, so the
 results are kept in ``<cache dir>/tuning-<key>.json``. The key hashes the GPU's name and compute
-capability, the torch/triton/CUDA versions, the kernels' source, whether programmatic dependent
-launch is on, and the shapes; a file that does not parse is measured again and rewritten.
+capability, the torch/triton/CUDA/driver versions, the kernels' source, whether programmatic
+dependent launch is on, and the shapes; the file records them, and one whose record differs is
+ignored (never installed), as is one that does not parse: tuning measures again and rewrites it.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import torch
 from graphkeeper.worker.kernels import linear_kernel, pdl, row_kernel, timing
 from graphkeeper.worker.kernels.linear_kernel import Tile
 from graphkeeper.worker.kernels.row_kernel import RowTile
-from graphkeeper.worker.model.cache_key import key_of, library_versions, source_digest
+from graphkeeper.worker.model.cache_key import differences, key_of, library_versions, source_digest
 
 log = logging.getLogger(__name__)
 
@@ -60,11 +61,17 @@ def model_shapes(model) -> list[Shape]:
             Shape("output", model.output.weight, model.output.scale, -1)]
 
 
+def tuning_facts(device_name: str, capability: str, versions: dict[str, str], source: str, pdl_on: bool,
+                 shapes: list[tuple]) -> dict:
+    """Everything that changes what tuning would measure or choose (pure): what the cache is keyed by."""
+    return {"device": device_name, "capability": capability, "versions": versions, "source": source,
+            "pdl": pdl_on, "shapes": sorted(map(list, shapes))}
+
+
 def tuning_key(device_name: str, capability: str, versions: dict[str, str], source: str, pdl_on: bool,
                shapes: list[tuple]) -> str:
-    """The cache key (pure): everything that changes what tuning would measure or choose."""
-    return key_of({"device": device_name, "capability": capability, "versions": versions, "source": source,
-                   "pdl": pdl_on, "shapes": sorted(map(list, shapes))})
+    """The cache key (pure): a hex digest of ``tuning_facts``."""
+    return key_of(tuning_facts(device_name, capability, versions, source, pdl_on, shapes))
 
 
 def kernel_source_digest() -> str:
@@ -98,18 +105,20 @@ def tune_model(model, cache_root: str, row_pieces: bool) -> TuningReport:
     shapes = model_shapes(model)
     dtype = model.tok_embeddings.weight.dtype
     device = model.tok_embeddings.weight.device
-    facts = [(s.name, *s.weight.shape, str(s.weight.dtype), s.scale is not None and s.scale.numel() > 1)
-             for s in shapes] + [("rows", row_pieces), ("dtype", str(dtype))]
-    key = tuning_key(torch.cuda.get_device_name(device), ".".join(map(str, torch.cuda.get_device_capability(device))),
-                     library_versions(), kernel_source_digest(), pdl.enabled(), facts)
+    shape_facts = [(s.name, *s.weight.shape, str(s.weight.dtype), s.scale is not None and s.scale.numel() > 1)
+                   for s in shapes] + [("rows", row_pieces), ("dtype", str(dtype))]
+    facts = tuning_facts(torch.cuda.get_device_name(device),
+                         ".".join(map(str, torch.cuda.get_device_capability(device))), library_versions(),
+                         kernel_source_digest(), pdl.enabled(), shape_facts)
+    key = key_of(facts)
     path = Path(os.path.expanduser(cache_root)) / f"tuning-{key}.json"
     report = TuningReport(cache="miss", path=str(path))
     start = time.perf_counter()
-    if _load(path):
+    if load(path, key, facts):
         report.cache = "hit"
     else:
         _measure(shapes, dtype, row_pieces)
-        _save(path)
+        _save(path, key, facts)
     report.seconds = time.perf_counter() - start
     report.summary = _summary(shapes)
     log.info("kernel tuning %s in %.1f s (%s): %s", report.cache, report.seconds, path, report.summary)
@@ -138,11 +147,25 @@ def _summary(shapes: list[Shape]) -> str:
     return f"skinny {won}/{total}" if total else ""
 
 
-def _load(path: Path) -> bool:
+def load(path: Path, key: str, facts: dict) -> bool:
+    """Installs the decisions ``path`` holds, when it was written for ``key`` and ``facts``.
+
+    A file written for other facts (another GPU, driver or library; copied in from elsewhere, or
+    without a record of its facts) is ignored with a warning naming what differs, and nothing of
+    it is installed; a file that does not parse is measured again.
+    """
     if not path.is_file():
         return False
     try:
-        linear, rows = decode(json.loads(path.read_text()))
+        data = json.loads(path.read_text())
+        if not isinstance(data, dict):
+            raise ValueError("not a JSON object")
+        diff = ["key"] if data.get("key") != key else differences(facts, data.get("facts"))
+        if diff:
+            log.warning("tuning cache %s was written for other facts (it differs in %s): ignored, measuring again",
+                        path, ", ".join(diff))
+            return False
+        linear, rows = decode(data)
     except (OSError, ValueError) as err:
         log.warning("tuning cache %s unreadable, measuring again: %s", path, err)
         return False
@@ -153,11 +176,13 @@ def _load(path: Path) -> bool:
     return True
 
 
-def _save(path: Path) -> None:
+def _save(path: Path, key: str, facts: dict) -> None:
+    """Written atomically under a name of this process's own: workers on one node share the cache."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(encode(linear_kernel.choices(), row_kernel.choices())))
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        data = {"key": key, "facts": facts, **encode(linear_kernel.choices(), row_kernel.choices())}
+        tmp.write_text(json.dumps(data, sort_keys=True))
         tmp.replace(path)
     except OSError as err:  # a read-only cache costs the next start its tuning, nothing else
         log.warning("tuning cache %s not written: %s", path, err)
