@@ -112,24 +112,66 @@ def test_workers_serve_openai_http_and_vllm_metric_names_by_choice(helm):
     assert [p["name"] for p in svc["ports"]] == ["grpc"]  # 0: the HTTP API is not behind the Service
 
 
-def test_workers_get_the_preset_quantization_and_a_compile_cache_volume(helm):
-    docs = render(helm, "--set", "workers.enabled=true")
-    pod = one(docs, "Deployment", "gk-graphkeeper-worker")["spec"]["template"]["spec"]
+def worker_pod(helm: Path, *sets: str) -> dict:
+    args = [a for s in ("workers.enabled=true", *sets) for a in ("--set", s)]
+    return one(render(helm, *args), "Deployment", "gk-graphkeeper-worker")["spec"]["template"]["spec"]
+
+
+def cache_volume(pod: dict) -> dict | None:
+    """The compile cache's volume, checked to be mounted where --compile-cache-dir points."""
+    volume = {v["name"]: v for v in pod["volumes"]}.get("compile-cache")
+    mounts = {m["name"]: m["mountPath"] for m in pod["containers"][0]["volumeMounts"]}
+    assert (volume is None) == ("compile-cache" not in mounts)
+    if volume is not None:
+        assert f"--compile-cache-dir={mounts['compile-cache']}" in pod["containers"][0]["args"]
+    return volume
+
+
+def test_workers_get_the_preset_quantization_and_a_compile_cache_dir(helm):
+    pod = worker_pod(helm)
     args = pod["containers"][0]["args"]
     assert {"--optimization-level=2", "--quantization=none",
             "--compile-cache-dir=/var/cache/graphkeeper/compile"} <= set(args)
-    assert "compile-cache" not in {v["name"] for v in pod["volumes"]}  # inside the scratch emptyDir
-    docs = render(helm, "--set", "workers.enabled=true", "--set", "workers.optimizationLevel=1",
-                  "--set", "workers.compileCache.volume.persistentVolumeClaim.claimName=gk-cache")
-    pod = one(docs, "Deployment", "gk-graphkeeper-worker")["spec"]["template"]["spec"]
-    volumes = {v["name"]: v for v in pod["volumes"]}
-    assert volumes["compile-cache"]["persistentVolumeClaim"] == {"claimName": "gk-cache"}
-    mounts = {m["name"]: m["mountPath"] for m in pod["containers"][0]["volumeMounts"]}
-    assert mounts["compile-cache"] == "/var/cache/graphkeeper/compile"
-    assert "--optimization-level=1" in pod["containers"][0]["args"]
+    assert "--optimization-level=1" in worker_pod(helm, "workers.optimizationLevel=1")["containers"][0]["args"]
     bad = subprocess.run([str(helm), "template", "gk", str(CHART), "--set", "workers.optimizationLevel=3"],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and "optimizationLevel" in bad.stderr
+
+
+def test_gpu_workers_share_a_node_local_compile_cache_owned_by_the_worker(helm):
+    pod = worker_pod(helm)  # device: cuda by default
+    assert cache_volume(pod)["hostPath"] == {"path": "/var/cache/graphkeeper/compile", "type": "DirectoryOrCreate"}
+    (init,) = pod["initContainers"]
+    assert init["command"] == ["chown", "10001:10001", "/var/cache/graphkeeper/compile"]
+    assert init["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["CHOWN"]}
+    assert init["securityContext"]["allowPrivilegeEscalation"] is False
+    assert init["volumeMounts"] == [{"name": "compile-cache", "mountPath": "/var/cache/graphkeeper/compile"}]
+    pod = worker_pod(helm, "workers.compileCache.hostPath.path=/data/gk",
+                     "workers.compileCache.hostPath.fixPermissions=false")
+    assert cache_volume(pod)["hostPath"]["path"] == "/data/gk" and "initContainers" not in pod
+
+
+def test_cpu_workers_keep_the_compile_cache_in_scratch(helm):
+    pod = worker_pod(helm, "workers.device=cpu")
+    assert cache_volume(pod) is None and "initContainers" not in pod  # inside the scratch emptyDir
+    assert cache_volume(worker_pod(helm, "workers.compileCache.type=scratch")) is None
+
+
+def test_the_compile_cache_can_live_on_a_claim_or_any_volume(helm):
+    pod = worker_pod(helm, "workers.compileCache.type=persistentVolumeClaim",
+                     "workers.compileCache.persistentVolumeClaim.claimName=gk-cache")
+    assert cache_volume(pod)["persistentVolumeClaim"] == {"claimName": "gk-cache"}
+    assert "initContainers" not in pod
+    pod = worker_pod(helm, "workers.compileCache.volume.nfs.server=nfs.example",
+                     "workers.compileCache.volume.nfs.path=/gk")
+    assert cache_volume(pod)["nfs"] == {"server": "nfs.example", "path": "/gk"}  # volume wins over type auto
+    unnamed = subprocess.run([str(helm), "template", "gk", str(CHART), "--set", "workers.enabled=true",
+                              "--set", "workers.compileCache.type=persistentVolumeClaim"],
+                             capture_output=True, text=True, timeout=120)
+    assert unnamed.returncode != 0 and "claimName is required" in unnamed.stderr
+    wrong = subprocess.run([str(helm), "template", "gk", str(CHART), "--set", "workers.compileCache.type=nfs"],
+                           capture_output=True, text=True, timeout=120)
+    assert wrong.returncode != 0 and "type" in wrong.stderr
 
 
 def test_the_control_token_secret_is_mounted_by_both(helm):

@@ -127,3 +127,4 @@ def test_differences_name_the_facts_that_differ():
     assert differences({"a": 1, "b": (1, 2)}, {"a": 1, "b": [1, 2]}) == []
     assert differences({"a": 1, "b": 2}, {"a": 1, "b": 3, "c": 4}) == ["b", "c"]
     assert differences({"a": 1}, None) == ["(no facts recorded)"]
+

@@ -25,6 +25,7 @@ import logging
 import os
 import shutil
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -219,7 +220,11 @@ def prepare_step(model, *, compile: bool, cache_root: str, quantization: str, wa
         facts = cache_facts(model.config, model.tok_embeddings.weight.dtype, quantization, kernels.name, capability,
                             library_versions(), source_digest(step_modules()), torch.cuda.get_device_name(device))
         report.key = key_of(facts)
-        report.cache_dir = use_cache_dir(cache_root, report.key, facts)
+        try:
+            report.cache_dir = use_cache_dir(cache_root, report.key, facts)
+        except OSError as err:  # an unwritable cache volume costs this start its cache, not the start
+            log.warning("compile cache %s unusable (%s): compiling into a temporary directory", cache_root, err)
+            report.cache_dir = use_cache_dir(tempfile.mkdtemp(prefix="graphkeeper-compile-"), report.key, facts)
         compile_in_process()
         torch.compiler.reset()  # one engine per process: its previous step's compiled code is dropped
         pieces = compile_pieces(pieces)

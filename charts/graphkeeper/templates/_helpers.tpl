@@ -92,3 +92,17 @@ device is a GPU (device: cpu requests no GPU, whatever the values say). */ -}}
 {{- end }}
 {{- toYaml $res }}
 {{- end }}
+
+{{- /* Where the workers' compile cache lives: hostPath, persistentVolumeClaim, scratch (the pod's
+emptyDir) or volume (workers.compileCache.volume, whatever type says); auto is hostPath for GPU
+workers and scratch for CPU ones. */ -}}
+{{- define "graphkeeper.compileCacheType" -}}
+{{- $c := .Values.workers.compileCache -}}
+{{- if $c.volume -}}
+volume
+{{- else if eq $c.type "auto" -}}
+{{- if hasPrefix "cuda" .Values.workers.device }}hostPath{{ else }}scratch{{ end -}}
+{{- else -}}
+{{- $c.type -}}
+{{- end -}}
+{{- end }}
