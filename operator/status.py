@@ -59,6 +59,8 @@ class WorkerObservation:
     policy_generation: int = 0
     model_revision: str = ""
     effective_mode: str = ""
+    #: Whether its start found every cache it used (None: it used none, or has not started).
+    started_warm: bool | None = None
     captured_sizes: tuple[int, ...] = ()
     graph_memory_bytes: int = 0
     fallback_rate: float | None = None
@@ -218,6 +220,8 @@ def _summary(o: WorkerObservation) -> dict[str, Any]:
         out["modelRevision"] = o.model_revision
     if o.effective_mode:
         out["effectiveMode"] = o.effective_mode
+    if o.started_warm is not None:
+        out["startedWarm"] = o.started_warm
     out["capturedSizes"] = list(o.captured_sizes)[:512]
     out["graphMemoryBytes"] = o.graph_memory_bytes
     if o.fallback_rate is not None:

@@ -145,10 +145,17 @@ def observe(pod: WorkerPod, status: pb.GraphStatus, policy: pb.GraphPolicy,
                            if status.policy_uid == policy.policy_uid else 0),
         model_revision=status.model_revision,
         effective_mode=MODE_NAMES.get(status.effective_mode, ""),
+        started_warm=started_warm(status.startup),
         captured_sizes=tuple(sorted({c.size for c in status.captured})),
         graph_memory_bytes=status.graph_memory_bytes,
         fallback_rate=(status.eager_steps / steps) if steps else None,
     )
+
+
+def started_warm(startup: pb.StartupStatus) -> bool | None:
+    """Whether a worker's start found every cache it used (pure): None when it used none, or
+    has not reported its start (not READY yet, or a worker from before startup was reported)."""
+    return {"warm": True, "cold": False}.get(startup.caches)
 
 
 def classify(

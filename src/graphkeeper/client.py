@@ -165,11 +165,22 @@ def status_cmd(args: argparse.Namespace) -> int:
     fallbacks = ", ".join(f"{reason_name(f.reason)}={f.steps}" for f in status.fallbacks) or "none"
     print(f"steps     graph {status.graph_steps}, eager {status.eager_steps} (fallbacks: {fallbacks})")
     print(f"serving   {status.running_sequences} running, {status.queued_requests} queued")
+    if status.startup.stages:
+        print(startup_line(status.startup))
     if status.HasField("kv_cache"):
         print(kv_cache_line(status.kv_cache))
     if status.last_error:
         print(f"error     {status.last_error}")
     return 0
+
+
+def startup_line(startup: pb.StartupStatus) -> str:
+    """``startup   READY 13.6 s, caches warm (compile hit, tuning hit); capture 5.0 s, ...`` (pure):
+    the stages, longest first."""
+    stages = sorted((s for s in startup.stages if s.seconds >= 0.05), key=lambda s: -s.seconds)
+    return (f"startup   READY {startup.ready_seconds:.1f} s after the process started, caches {startup.caches} "
+            f"(compile {startup.compile_cache}, tuning {startup.tuning_cache}); "
+            + (", ".join(f"{s.stage} {s.seconds:.1f} s" for s in stages) or "every stage under 0.05 s"))
 
 
 MIB = float(1 << 20)

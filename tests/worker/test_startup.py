@@ -4,11 +4,12 @@ time a client waits for readiness (a real worker process, measured from outside)
 from __future__ import annotations
 
 import os
+import subprocess
 import time
 from pathlib import Path
 
 import pytest
-from worker_harness import start_worker, wait_serving
+from worker_harness import GRAPHKEEPER, start_worker, wait_serving
 
 from graphkeeper.worker.engine.startup import StartupClock, caches, finish, line, step_parts
 from graphkeeper.worker.metrics import STARTUP_STAGES
@@ -38,8 +39,11 @@ def test_the_stages_add_up_to_the_time_from_the_process_start_to_ready(tmp_path,
         waited = time.time() - begun  # what a client polling health saw, from the process's start
         startup = worker.status().startup
         metrics = worker.metrics()
+        token = next(tmp_path.glob("token-*"))
+        shown = subprocess.run([str(GRAPHKEEPER), "status", "--target", worker.target, "--control-target",
+                                worker.control_target, "--token-file", str(token)],
+                               capture_output=True, text=True, timeout=60)
         log = worker.log()
-        print(f"waited {waited:.2f} s;", *(ln for ln in log.splitlines() if "startup:" in ln))
     finally:
         worker.stop()
     assert begun >= before - 0.05  # the start read from /proc is this process's
@@ -62,6 +66,8 @@ def test_the_stages_add_up_to_the_time_from_the_process_start_to_ready(tmp_path,
     assert metrics[("graphkeeper_startup_cache", frozenset({("cache", "tuning"), ("outcome", "miss")}))] == 0
     assert f"READY {startup.ready_seconds:.1f} s after the worker process started" in log
     assert "startup: before_engine " in log
+    assert shown.returncode == 0, shown.stderr
+    assert f"startup   READY {startup.ready_seconds:.1f} s after the process started, caches none" in shown.stdout
 
 
 def test_the_clock_counts_from_the_worker_process_and_splits_measured_parts():
