@@ -59,6 +59,8 @@ for b in "${benches[@]}"; do  # BENCH="" runs the tests alone
     capacity)  # llama-8b at context 8192 in 16 GiB of KV cache: short sequences at once, paged vs static
       timeout 300 python3 bench/kv_capacity.py --kv-cache-memory 16Gi --seconds "${SECONDS_PER:-12}" \
         --out "$out/kv-capacity-h200.json" ;;
+    start)  # issue 36: READY cold, warm and warm again, stage by stage, llama-1b and llama-8b (3 starts each)
+      timeout 470 python3 bench/start_bench.py --out "$out/start-ii-h200.json" ;;
     *) eval "$b" ;;
   esac
 done

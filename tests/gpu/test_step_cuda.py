@@ -5,6 +5,7 @@ Run with ``pytest -m cuda`` on the GPU machine."""
 
 from __future__ import annotations
 
+import json
 import tempfile
 import time
 from pathlib import Path
@@ -350,7 +351,7 @@ def test_one_token_row_step_matches_transformers_on_the_same_weights(cache_root,
 
 def test_engine_reports_preset_compilation_and_a_cache_hit_on_the_second_start(cache_root):
     root = str(Path(cache_root) / "engine")
-    reports, tunings = [], []
+    reports, tunings, starts = [], [], []
     for _ in range(2):
         engine = Engine(EngineSettings(model="random:tiny@5", device="cuda", max_num_seqs=8, max_seq_len=128,
                                        max_num_batched_tokens=64, compile_cache_dir=root))
@@ -369,6 +370,7 @@ def test_engine_reports_preset_compilation_and_a_cache_hit_on_the_second_start(c
         assert done and engine.failed is None
         reports.append(status.compile)
         tunings.append(engine.slot.compile_report.tuning.cache)
+        starts.append(status.startup)
         assert status.compile.enabled and status.compile.optimization_level == 2
         assert status.compile.compiled_graphs == 3
         assert status.compile.kernels.startswith("inductor")
@@ -376,3 +378,12 @@ def test_engine_reports_preset_compilation_and_a_cache_hit_on_the_second_start(c
     assert reports[0].cache == "miss" and reports[1].cache == "hit", reports
     assert reports[0].cache_key == reports[1].cache_key
     assert tunings == ["miss", "hit"]  # the second start read the kernel tuning back
+    # The start says so too, stage by stage (an engine built alone counts from its own construction).
+    assert [(s.compile_cache, s.tuning_cache, s.caches) for s in starts] == [("miss", "miss", "cold"),
+                                                                           ("hit", "hit", "warm")]
+    for start in starts:
+        seconds = {s.stage: s.seconds for s in start.stages}
+        assert list(seconds)[:2] == ["engine_setup", "device_context"] and seconds["compile"] > 0
+        assert sum(seconds.values()) == pytest.approx(start.ready_seconds)
+    record = json.loads((Path(root) / reports[0].cache_key / "key.json").read_text())
+    assert record["key"] == reports[0].cache_key and record["facts"]["versions"]["driver"] != "unknown"
