@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 from worker_harness import GRAPHKEEPER, start_worker, wait_serving
 
+from graphkeeper.worker.engine.client import merge_families
 from graphkeeper.worker.engine.startup import StartupClock, caches, finish, line, step_parts
-from graphkeeper.worker.metrics import STARTUP_STAGES
+from graphkeeper.worker.metrics import STARTUP_STAGES, WorkerMetrics
 from graphkeeper.worker.model.step import CompileReport
 from graphkeeper.worker.model.tuning import TuningReport
 
@@ -107,3 +108,18 @@ def test_step_parts_are_tuning_and_compile_seconds():
     assert step_parts(report) == {"kernel_tuning": 0.5, "compile": 2.0}
     assert step_parts(CompileReport()) == {"kernel_tuning": 0.0, "compile": 0.0}
 
+
+
+def test_the_exposition_takes_the_startup_stages_from_the_api_process():
+    """Gauges are the engine core's, except a family it has no sample of: the stages only the API
+    process can finish."""
+    core, api = WorkerMetrics(), WorkerMetrics()
+    core.queue_depth.set(3)
+    api.queue_depth.set(7)  # the engine core's gauge wins
+    api.set_startup(finish(StartupClock(time.time() - 2.0).status("hit", "miss"), time.time()))
+    merged = {f.name: f for f in merge_families(list(core.registry.collect()), list(api.registry.collect()))}
+    assert [s.value for s in merged["graphkeeper_queue_depth"].samples] == [3]
+    stages = {s.labels["stage"]: s.value for s in merged["graphkeeper_startup_stage_seconds"].samples}
+    assert set(stages) == set(STARTUP_STAGES) and stages["before_engine"] >= 1.9
+    caches = {(s.labels["cache"], s.labels["outcome"]): s.value for s in merged["graphkeeper_startup_cache"].samples}
+    assert caches[("compile", "hit")] == 1 and caches[("tuning", "miss")] == 1 and caches[("tuning", "hit")] == 0
