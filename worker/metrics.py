@@ -44,7 +44,9 @@ MODE_KINDS = ("requested", "effective")
 RECAPTURE_CAUSES = ("policy", "model_revision")
 #: Label values of graphkeeper_startup_stage_seconds{stage} (engine/startup.py's stages, in order).
 STARTUP_STAGES = ("before_engine", "engine_process", "engine_setup", "device_context", "weights", "kv_cache",
-                  "tokenizer", "kernel_tuning", "compile", "warm_up", "capture", "kv_sizing", "ready")
+                  "tokenizer", "kernel_tuning", "compile", "warm_up", "capture_setup", "capture_prime",
+                  "capture_warm_up", "capture_record", "capture_validate", "capture_measure", "capture_finish",
+                  "capture_other", "kv_sizing", "ready")
 #: Label values of graphkeeper_startup_cache{outcome}; {cache} is "compile" or "tuning".
 CACHE_OUTCOMES = ("off", "hit", "miss", "partial")
 #: Label values of graphkeeper_tenant_steps_total{execution}.

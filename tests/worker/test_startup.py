@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from worker_harness import GRAPHKEEPER, start_worker, wait_serving
 
+from graphkeeper.worker.engine import startup
 from graphkeeper.worker.engine.client import merge_families
 from graphkeeper.worker.engine.startup import StartupClock, caches, finish, line, step_parts
 from graphkeeper.worker.metrics import STARTUP_STAGES, WorkerMetrics
@@ -123,3 +124,13 @@ def test_the_exposition_takes_the_startup_stages_from_the_api_process():
     assert set(stages) == set(STARTUP_STAGES) and stages["before_engine"] >= 1.9
     caches = {(s.labels["cache"], s.labels["outcome"]): s.value for s in merged["graphkeeper_startup_cache"].samples}
     assert caches[("compile", "hit")] == 1 and caches[("tuning", "miss")] == 1 and caches[("tuning", "hit")] == 0
+
+
+def test_the_capture_stage_is_split_into_the_capture_jobs_parts():
+    from graphkeeper.worker.executor.graphs.capture import CAPTURE_PARTS as JOB_PARTS
+
+    assert startup.CAPTURE_PARTS == JOB_PARTS
+    parts = startup.capture_parts({"prime": 1.0, "record": 2.5})
+    assert list(parts) == [f"capture_{p}" for p in JOB_PARTS]
+    assert (parts["capture_prime"], parts["capture_record"], parts["capture_setup"]) == (1.0, 2.5, 0.0)
+    assert [n for n in STARTUP_STAGES if n.startswith("capture_")] == [*parts, "capture_other"]

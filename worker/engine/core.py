@@ -44,7 +44,7 @@ from graphkeeper.worker.engine.reload import reload_model
 from graphkeeper.worker.engine.scheduler import ScheduledStep, Scheduler
 from graphkeeper.worker.engine.sequence import Limits, Sequence, sequence_for
 from graphkeeper.worker.engine.sizing import settle, utilization_error
-from graphkeeper.worker.engine.startup import StartupClock, step_parts
+from graphkeeper.worker.engine.startup import StartupClock, capture_parts, step_parts
 from graphkeeper.worker.engine.status import graph_status, kv_cache_status, model_info
 from graphkeeper.worker.executor.graphs.controller import CaptureController
 from graphkeeper.worker.executor.graphs.dispatcher import BatchDescriptor, Dispatcher
@@ -267,7 +267,7 @@ class Engine:
         clock.split("warm_up", step_parts(self.slot.compile_report))
         self.capture.begin(self.control.policy, self.slot.runner)
         self.capture.run_all()
-        clock.lap("capture")
+        clock.split("capture_other", capture_parts(self.capture.parts))
         self.kv_sizing.size(self.slot, self.blocks, self.capture, self.control.policy, s.max_num_batched_tokens)
         if self.slot.compile_report.enabled:
             forbid_recompiles()

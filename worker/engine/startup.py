@@ -15,7 +15,10 @@ Stages, in order (a stage that does not happen on this worker reads 0 s):
 - ``kernel_tuning`` (or reading it from the cache), ``compile`` (tracing and compiling, or
   loading the compiled code, with the first warm-up step it happens in), ``warm_up`` (the rest
   of building the step);
-- ``capture`` (the whole capture stage), ``kv_sizing`` (track B's KV cache after capture);
+- ``capture_setup``, ``capture_prime``, ``capture_warm_up``, ``capture_record``,
+  ``capture_validate``, ``capture_measure``, ``capture_finish`` (the capture job's parts, as
+  ``GraphStatus.capture_parts``) and ``capture_other`` (planning and whatever the parts leave);
+  ``kv_sizing`` (track B's KV cache after capture);
 - ``ready``: the engine's READY reaching the API process, which then serves.
 """
 
@@ -28,6 +31,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from graphkeeper.proto import worker_pb2 as pb
+
+#: The capture job's parts, in order (worker/executor/graphs/capture.py's CAPTURE_PARTS; a test
+#: keeps the two the same, so this module need not import the device side).
+CAPTURE_PARTS = ("setup", "prime", "warm_up", "record", "validate", "measure", "finish")
 
 if TYPE_CHECKING:  # the API process imports this module; the step (and Triton) is the engine core's
     from graphkeeper.worker.model.step import CompileReport
@@ -97,6 +104,12 @@ def step_parts(report: CompileReport) -> dict[str, float]:
     """Kernel tuning and compile seconds measured inside building the step (pure)."""
     return {"kernel_tuning": report.tuning.seconds if report.tuning is not None else 0.0,
             "compile": report.seconds if report.enabled else 0.0}
+
+
+def capture_parts(parts: dict[str, float]) -> dict[str, float]:
+    """The capture stage by part (``capture_setup`` ... ``capture_finish``; 0 for a part that did
+    not run, as on a CPU), in the capture job's order (pure)."""
+    return {f"capture_{part}": parts.get(part, 0.0) for part in CAPTURE_PARTS}
 
 
 def caches(compile_cache: str, tuning_cache: str) -> str:
