@@ -35,6 +35,7 @@ from graphkeeper.worker.engine.isolation import fail_step, isolate
 from graphkeeper.worker.engine.kv_sizing import UtilizationSizing
 from graphkeeper.worker.engine.ledger import Ledger
 from graphkeeper.worker.engine.lifecycle import Lifecycle
+from graphkeeper.worker.engine.logits_state import logits_state_for
 from graphkeeper.worker.engine.mailbox import Mailbox
 from graphkeeper.worker.engine.model_roots import check_model_root
 from graphkeeper.worker.engine.model_slot import ModelSlot
@@ -46,6 +47,7 @@ from graphkeeper.worker.engine.sequence import Limits, Sequence, sequence_for
 from graphkeeper.worker.engine.sizing import settle, utilization_error
 from graphkeeper.worker.engine.startup import Laps, step_phases
 from graphkeeper.worker.engine.status import graph_status, kv_cache_status, model_info
+from graphkeeper.worker.engine.structured import Grammars
 from graphkeeper.worker.executor.graphs.controller import CaptureController
 from graphkeeper.worker.executor.graphs.dispatcher import BatchDescriptor, Dispatcher
 from graphkeeper.worker.metrics import WorkerMetrics
@@ -102,6 +104,7 @@ class Engine:
         self.failed: BaseException | None = None
         self.steps_since_ready = 0
         self.mailbox = Mailbox()
+        self.grammars = Grammars()
         self._stop = threading.Event()
         self._draining = False
         self._last_finish = 0.0
@@ -134,6 +137,8 @@ class Engine:
         if self.scheduler.queued(len(self.mailbox)) >= self.settings.max_queue:
             raise QueueFull(f"queue is full ({self.settings.max_queue} requests waiting)")
         seq = sequence_for(req, stream, self.slot.eos_ids)
+        seq.logits = logits_state_for(req, seq.prompt, self.grammars, self.tokenizer, loaded.config.vocab_size,
+                                      next(iter(loaded.config.eos_token_ids), 0))
         need = blocks_for(len(seq.prompt) + seq.max_new_tokens, self.blocks.block_size)
         if need > self.blocks.num_blocks:
             raise CannotFit(f"prompt ({len(seq.prompt)} tokens) plus max_new_tokens ({seq.max_new_tokens}) needs "
@@ -278,6 +283,9 @@ class Engine:
         inflight: InFlight | None = None
         while not self._stop.is_set():
             inflight = self._between_steps(inflight)
+            if inflight is not None and self.scheduler.needs_history:  # penalties, grammars: see logits_state
+                self._finish(inflight)
+                inflight = None
             step = self.scheduler.schedule()
             launched, failure = self._launch(step) if step is not None else (None, None)
             self._finish(inflight)
@@ -366,7 +374,7 @@ class Engine:
         self._last_finish = now
         self.recorder.record(inflight.decision, inflight.desc, step.sequences,
                              {s.tenant for s in step.sequences}, elapsed, generated=len(step.samplers))
-        self.publish(self.outputs.step_outputs(step.samplers, tokens, now))
+        self.publish(self.outputs.step_outputs(step.samplers, tokens, now, inflight.launched.token_logprobs()))
         self.steps_since_ready += 1
         if self.steps_since_ready == STEADY_AFTER_STEPS:
             self.ledger.record(L.LEDGER_STAGE_STEADY, self.device)

@@ -16,6 +16,7 @@ from graphkeeper.worker.engine.sequence import Sequence
 from graphkeeper.worker.executor.graphs.dispatcher import BatchDescriptor, Decision
 from graphkeeper.worker.executor.runner import Launched
 from graphkeeper.worker.metrics import WorkerMetrics, observe_many
+from graphkeeper.worker.plan import Sampled, TokenLogprob
 
 Update = tuple[Any, list[int], Any]  # (stream, new tokens, end: Completion, an exception, or None)
 
@@ -25,10 +26,12 @@ class OutputProcessor:
         self.scheduler = scheduler
         self.metrics = metrics
 
-    def step_outputs(self, samplers: list[Sequence], tokens: list[int], now: float) -> list[Update]:
-        """The updates for one step's sampled tokens; tokens of finished sequences are dropped."""
+    def step_outputs(self, samplers: list[Sequence], tokens: list[int], now: float,
+                     logprobs: list[TokenLogprob] | None = None) -> list[Update]:
+        """The updates for one step's sampled tokens; tokens of finished sequences are dropped.
+        A sequence that asked for log probabilities gets its token as ``Sampled`` with them."""
         updates, first, gaps = [], [], []
-        for seq, token in zip(samplers, tokens, strict=True):
+        for i, (seq, token) in enumerate(zip(samplers, tokens, strict=True)):
             if seq.finished:
                 continue  # cancelled, or stopped a step ago: this token was never wanted
             if seq.first_token_at is None:
@@ -37,7 +40,9 @@ class OutputProcessor:
             else:
                 gaps.append(now - seq.last_token_at)
             seq.last_token_at = now
-            updates.append((seq.stream, [token], self._append(seq, token)))
+            wants = logprobs is not None and seq.logits is not None and seq.logits.spec.logprobs >= 0
+            new = Sampled([token], [_trim(logprobs[i], seq.logits.spec.logprobs)]) if wants else [token]
+            updates.append((seq.stream, new, self._append(seq, token)))
         m = self.metrics
         m.generated_tokens.inc(len(updates))
         observe_many(m.time_to_first_token, first)
@@ -46,6 +51,8 @@ class OutputProcessor:
 
     def _append(self, seq: Sequence, token: int) -> pb.Completion | None:
         seq.output.append(token)
+        if seq.logits is not None:
+            seq.logits.accept(token)
         self.scheduler.received(seq)
         reason = seq.stop_reason()
         if reason == pb.FINISH_REASON_UNSPECIFIED:
@@ -79,6 +86,12 @@ class OutputProcessor:
                     self.metrics.requests.labels(outcome).inc()
                 updates.append((seq.stream, [], err))
         return updates
+
+
+def _trim(entry: TokenLogprob, top: int) -> TokenLogprob:
+    """A row's log probabilities with the alternatives its request asked for (the step computed
+    as many as the most demanding row)."""
+    return entry if len(entry.top) == top else entry._replace(top=entry.top[:top])
 
 
 def direct_publish(updates: list[tuple[Any, list[int], Any]]) -> None:

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from graphkeeper.worker.engine.blocks import BlockManager, block_hashes, blocks_for, chain_hash
+from graphkeeper.worker.engine.logits_state import build_logits_batch
 from graphkeeper.worker.engine.sequence import Sequence
 from graphkeeper.worker.plan import PrefillChunk, SamplingBatch, StepPlan
 
@@ -113,6 +114,7 @@ class Scheduler:
         #: preempted for blocks (it started on the weights serving now) is still recomputed.
         self.admitting = True
         self.sampled_running = 0  # running sequences that sample (not greedy)
+        self.logits_running = 0  # running sequences with logits processing or log probabilities
         #: Decoding sequences whose received tokens filled a block not yet registered (its last
         #: token's keys are written by the step that feeds it back); checked after each launch.
         self._decoded: list[Sequence] = []
@@ -185,6 +187,7 @@ class Scheduler:
             self._leave_decode({seq})
         self.free_slots.append(seq.slot)
         self.sampled_running -= not seq.sampling.greedy
+        self.logits_running -= seq.logits is not None
         seq.slot = None
 
     def _leave_decode(self, gone: set[Sequence]) -> None:
@@ -235,6 +238,7 @@ class Scheduler:
             num_decode=nd, prefill=chunks, sample_rows=np.asarray(sample_rows, dtype=np.int64),
             sample_slots=np.array([s.slot for s in samplers], dtype=np.int64),
             sampling=self._sampling(samplers, np.concatenate([batch.sample_index, np.asarray(sample_index, np.int64)])),
+            logits=build_logits_batch([s.logits for s in samplers]) if self.logits_running else None,
             block_updates=self._take_table_updates(),
         )
         # Launched: decoding sequences move one position on, and finished prefills join the batch.
@@ -252,6 +256,13 @@ class Scheduler:
         if not self.sampled_running:
             return None
         return SamplingBatch.build([s.sampling for s in samplers], [s.seed for s in samplers], sample_index)
+
+    @property
+    def needs_history(self) -> bool:
+        """Whether a running sequence needs its latest token on the host before its next row is
+        built (penalties, a grammar): the engine then reads the step in flight first."""
+        return bool(self.logits_running) and any(
+            s.logits is not None and s.logits.spec.needs_history for s in self.running)
 
     def _retire_sampled_out(self) -> None:
         """Sequences whose last token is already on its way leave the decode batch (they still hold
@@ -298,6 +309,7 @@ class Scheduler:
             self.running.append(seq)
             self.prefilling.append(seq)
             self.sampled_running += not seq.sampling.greedy
+            self.logits_running += seq.logits is not None
 
     def _grow(self) -> None:
         """Gives every decoding sequence whose next token starts a block a new block, preempting
@@ -437,6 +449,7 @@ def sub_step(step: ScheduledStep, keep: set[Sequence]) -> ScheduledStep:
         prompt_tokens=prompt_tokens, positions=np.concatenate(positions), slots=np.concatenate(slots),
         num_decode=len(decode), prefill=chunks, sample_rows=np.asarray(sample_rows, dtype=np.int64),
         sample_slots=plan.sample_slots[sample_from], sampling=sampling,
+        logits=plan.logits.select(sample_from) if plan.logits is not None else None,
         block_updates=plan.block_updates,  # idempotent: the failed step may or may not have applied them
     )
     return ScheduledStep(sub, sequences, [step.samplers[k] for k in sample_from])

@@ -27,6 +27,8 @@ class Sequence:
     #: Every id that ends the sequence as EOS (empty with ignore_eos).
     eos_ids: frozenset[int] = frozenset()
     seed: int = 0
+    #: Penalty counts and grammar matcher (``logits_state``); None for a request that asks for none.
+    logits: Any = None
     output: list[int] = field(default_factory=list)  # tokens the host has received
     slot: int | None = None
     #: The KV blocks the sequence holds, in order (its block table), and the chained hashes of the
@@ -74,6 +76,8 @@ class Sequence:
             return pb.FINISH_REASON_STOP
         if last in self.eos_ids:
             return pb.FINISH_REASON_EOS
+        if self.logits is not None and self.logits.grammar_done:
+            return pb.FINISH_REASON_STOP
         if len(self.output) >= self.max_new_tokens:
             return pb.FINISH_REASON_LENGTH
         return pb.FINISH_REASON_UNSPECIFIED

@@ -70,6 +70,8 @@ class TokenStream:
     """One Generate call's mailbox on the event loop: the hub appends, the handler drains."""
 
     tokens: list[int] = field(default_factory=list)
+    #: The tokens' log probabilities (``TokenLogprob``), for a request that asked for them.
+    logprobs: list = field(default_factory=list)
     end: pb.Completion | BaseException | None = None
     wake: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -110,6 +112,8 @@ class StreamHub:
             for stream, tokens, end in updates:
                 if tokens:
                     stream.tokens.extend(tokens)
+                    if (logprobs := getattr(tokens, "logprobs", None)) is not None:  # plan.Sampled
+                        stream.logprobs.extend(logprobs)
                 if end is not None:
                     stream.end = end
                 stream.wake.set()
