@@ -74,7 +74,8 @@ def reference_greedy(hf, prompt: list[int], n: int, *, presence=0.0, frequency=0
 
 def complete(client: openai.OpenAI, max_tokens: int = NEW, **extra):
     body = {**NO_EOS, **extra.pop("extra_body", {})}
-    return client.completions.create(model="tiny", prompt=PROMPT, max_tokens=max_tokens, temperature=extra.pop("temperature", 0),
+    temperature = extra.pop("temperature", 0)
+    return client.completions.create(model="tiny", prompt=PROMPT, max_tokens=max_tokens, temperature=temperature,
                                      extra_body=body, **extra)
 
 

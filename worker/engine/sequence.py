@@ -74,10 +74,13 @@ class Sequence:
         last = self.output[-1]
         if last in self.stop_ids:
             return pb.FINISH_REASON_STOP
-        if last in self.eos_ids:
+        if self.logits is not None and self.logits.matcher is not None:
+            # A grammar ends its output (its EOS included); an EOS id the grammar read as text
+            # (a model whose EOS is an ordinary token) does not.
+            if self.logits.grammar_done:
+                return pb.FINISH_REASON_STOP
+        elif last in self.eos_ids:
             return pb.FINISH_REASON_EOS
-        if self.logits is not None and self.logits.grammar_done:
-            return pb.FINISH_REASON_STOP
         if len(self.output) >= self.max_new_tokens:
             return pb.FINISH_REASON_LENGTH
         return pb.FINISH_REASON_UNSPECIFIED

@@ -18,7 +18,7 @@ from typing import Any
 
 from graphkeeper.proto import worker_pb2 as pb
 from graphkeeper.proto.field_checks import clipped_repr
-from graphkeeper.worker.engine.structured import constraint_error
+from graphkeeper.worker.engine import constraint_error
 from graphkeeper.worker.plan import TokenLogprob
 
 #: The fields this module reads (beside ``openai_api``'s own).

@@ -7,8 +7,7 @@ from __future__ import annotations
 import math
 
 from graphkeeper.proto import worker_pb2 as pb
-from graphkeeper.worker.engine import Limits
-from graphkeeper.worker.engine.structured import constraint_error
+from graphkeeper.worker.engine import Limits, constraint_error
 
 #: vLLM's default ``max_logprobs``; OpenAI allows 20 alternatives for chat.
 MAX_LOGPROBS = 20
