@@ -12,11 +12,14 @@ from __future__ import annotations
 
 import concurrent.futures
 
+import grpc
 import openai
 import pytest
 import torch
 from hf_reference import tiny_hf_model
 from worker_harness import Worker
+
+from graphkeeper.proto import worker_pb2 as pb
 
 pytest.importorskip("transformers")
 
@@ -200,3 +203,21 @@ def test_refusals_are_400_naming_the_field_and_counted_once(server, client, case
     assert server.metric("graphkeeper_requests_total", outcome="invalid") == before + 1
     assert ids(complete(client, 2).choices[0])  # the worker still serves
 
+
+
+def test_grpc_generate_takes_the_same_parameters_and_streams_logprobs(server, hf):
+    sampling = pb.SamplingParams(frequency_penalty=2.0, logprobs=2)
+    request = pb.GenerateRequest(prompt_token_ids=PROMPT, sampling=sampling,
+                                 stopping=pb.StoppingCriteria(max_new_tokens=NEW, ignore_eos=True))
+    chunks = [r.tokens for r in server.inference.Generate(request, timeout=60) if r.HasField("tokens")]
+    tokens = [t for c in chunks for t in c.token_ids]
+    assert tokens == reference_greedy(hf, PROMPT, NEW, frequency=2.0)
+    logprobs = [lp for c in chunks for lp in c.logprobs]
+    assert [lp.token_id for lp in logprobs] == tokens and all(len(lp.top) == 2 for lp in logprobs)
+    expected = next_logits(hf, PROMPT).log_softmax(-1)
+    assert logprobs[0].logprob == pytest.approx(float(expected[tokens[0]]), abs=1e-4)
+    bad = pb.GenerateRequest(prompt_token_ids=PROMPT, sampling=pb.SamplingParams(min_p=2.0),
+                             stopping=pb.StoppingCriteria(max_new_tokens=2))
+    with pytest.raises(grpc.RpcError) as err:
+        list(server.inference.Generate(bad, timeout=60))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "sampling.min_p" in err.value.details()

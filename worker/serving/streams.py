@@ -13,6 +13,7 @@ way in, its tokens' one way out, and the name the model goes by in public.
 - ``count_refusal``: a request refused on its way into the engine, counted under the outcome of
   its row in the engine's errors table (``engine.classify``), which each front end answers with.
 - ``public_model_info``: what an unauthenticated client may learn of the model.
+- ``token_logprobs``: a gRPC chunk's log probabilities (the HTTP shapes are ``openai_sampling``'s).
 
 The front ends import this module and never each other.
 """
@@ -168,6 +169,12 @@ def count_refusal(engine: EngineFace, err: Exception) -> None:
     if status is UNKNOWN_ERROR:
         log.error("a request failed on its way into the engine", exc_info=err)
     engine.metrics.requests.labels(status.outcome).inc()
+
+
+def token_logprobs(entries: list) -> list[pb.TokenLogprob]:
+    """A gRPC ``TokenChunk``'s log probabilities from the stream's ``TokenLogprob`` entries."""
+    return [pb.TokenLogprob(token_id=e.token, logprob=e.logprob,
+                            top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in e.top]) for e in entries]
 
 
 def public_model_info(info: pb.GetModelInfoResponse) -> pb.GetModelInfoResponse:
