@@ -35,7 +35,7 @@ from graphkeeper.worker.engine.isolation import fail_step, isolate
 from graphkeeper.worker.engine.kv_sizing import UtilizationSizing
 from graphkeeper.worker.engine.ledger import Ledger
 from graphkeeper.worker.engine.lifecycle import Lifecycle
-from graphkeeper.worker.engine.logits_state import logits_state_for
+from graphkeeper.worker.engine.logits_state import build_logits_batch, logits_state_for
 from graphkeeper.worker.engine.mailbox import Mailbox
 from graphkeeper.worker.engine.model_roots import check_model_root
 from graphkeeper.worker.engine.model_slot import ModelSlot
@@ -283,11 +283,8 @@ class Engine:
         inflight: InFlight | None = None
         while not self._stop.is_set():
             inflight = self._between_steps(inflight)
-            if inflight is not None and self.scheduler.needs_history:  # penalties, grammars: see logits_state
-                self._finish(inflight)
-                inflight = None
             step = self.scheduler.schedule()
-            launched, failure = self._launch(step) if step is not None else (None, None)
+            launched, failure = self._launch(step, inflight) if step is not None else (None, None)
             self._finish(inflight)
             inflight = launched
             if failure is not None:  # after the previous step's tokens: streams stay in order
@@ -331,19 +328,24 @@ class Engine:
 
     # --- one step: run, then postprocess ---------------------------------------------------
 
-    def _launch(self, step: ScheduledStep) -> tuple[InFlight | None, Exception | None]:
+    def _launch(self, step: ScheduledStep, before: InFlight | None) -> tuple[InFlight | None, Exception | None]:
         """Dispatches and launches a step; its tokens are read by ``_finish`` after the next launch.
 
         A step that raises is returned as its failure, for ``isolate`` once the step before it
         has been postprocessed.
         """
         try:
-            return self._start(step), None
+            return self._start(step, before), None
         except Exception as err:  # noqa: BLE001 - isolated: the culprit fails, the others run again
             return None, err
 
-    def _start(self, step: ScheduledStep) -> InFlight:
-        """Launches ``step`` (the one place a step runs); raises what the step raised."""
+    def _start(self, step: ScheduledStep, before: InFlight | None = None) -> InFlight:
+        """Launches ``step`` (the one place a step runs); raises what the step raised.
+
+        A step with rows that need every earlier token (penalties, grammars) reads the step
+        ``before`` it once its own forward pass is queued, so the device computes while the host
+        waits, and builds its logits processing from what that step produced.
+        """
         plan = step.plan
         desc = BatchDescriptor(plan.num_tokens, plan.uniform_decode,
                                all(self.control.tenant_allows(s.tenant) for s in step.sequences))
@@ -352,13 +354,19 @@ class Engine:
         if failure := injected_failure(self.settings.inject_step_failure, plan.prompt_tokens):
             raise failure
         runner = self.slot.runner
-        launched = runner.sample_and_send(runner.execute(plan, decision, self.capture.graph_set), plan)
+        hidden = runner.execute(plan, decision, self.capture.graph_set)
+        if step.needs_history:
+            self._finish(before)
+            plan.logits = build_logits_batch([s.logits for s in step.samplers])
+        launched = runner.sample_and_send(hidden, plan)
         return InFlight(step, decision, desc, launched, started)
 
     def _finish(self, inflight: InFlight | None) -> None:
-        """Reads a launched step's tokens, counts it once, and publishes its outputs in one call."""
-        if inflight is None:
+        """Reads a launched step's tokens, counts it once, and publishes its outputs in one call
+        (once: a step that needs its tokens may have read them already)."""
+        if inflight is None or inflight.read:
             return
+        inflight.read = True
         try:
             self._read(inflight)
         except Exception as err:  # noqa: BLE001 - the step after it is already launched: no re-run

@@ -5,8 +5,9 @@ A sequence that asks for nothing beyond temperature, top-k and top-p has no stat
 nothing to a step. One that asks for penalties keeps its output tokens' counts (and, for the
 repetition penalty, its prompt's distinct tokens); one with a grammar keeps the grammar's matcher,
 advanced by each token it receives. Both need every earlier token before their next row is
-built, so the engine reads the step in flight before it schedules a step holding such a row
-(``LogitsSpec.needs_history``); bias, min-p and log probabilities need nothing of the kind.
+sampled (``LogitsSpec.needs_history``): the engine queues such a step's forward pass, then reads
+the step before it (the device computes meanwhile), then builds the batch here and samples.
+Bias, min-p and log probabilities need nothing of the kind and are built with the plan.
 """
 
 from __future__ import annotations
@@ -88,7 +89,7 @@ def build_logits_batch(states: list[LogitsState | None]) -> LogitsBatch | None:
         for token, value in spec.logit_bias:
             bias_at.append((k, token))
             bias.append(value)
-        if state.matcher is not None:
+        if state.matcher is not None and not state.grammar_done:  # done: its row's token is dropped
             mask_rows.append(k)
             masks.append(state.mask())
     f32 = np.float32

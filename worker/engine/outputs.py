@@ -110,3 +110,4 @@ class InFlight:
     desc: BatchDescriptor
     launched: Launched
     started: float
+    read: bool = False  # its tokens were read and published (``Engine._finish``)

@@ -44,6 +44,9 @@ class ScheduledStep:
     plan: StepPlan
     sequences: list[Sequence]  # every sequence with a row in the step
     samplers: list[Sequence]  # the sequence of each sample row, in row order
+    #: A sample row needs every earlier token on the host (penalties, a grammar): the plan's
+    #: ``logits`` is built by the engine once the step before has been read (``Engine._start``).
+    needs_history: bool = False
 
 
 class DecodeBatch:
@@ -233,12 +236,14 @@ class Scheduler:
                 completed.append(seq)
         if not sequences:
             return None
+        history = bool(self.logits_running) and any(
+            s.logits is not None and s.logits.spec.needs_history for s in samplers)
         plan = StepPlan(
             prompt_tokens=prompt_tokens, positions=np.concatenate(positions), slots=np.concatenate(slots),
             num_decode=nd, prefill=chunks, sample_rows=np.asarray(sample_rows, dtype=np.int64),
             sample_slots=np.array([s.slot for s in samplers], dtype=np.int64),
             sampling=self._sampling(samplers, np.concatenate([batch.sample_index, np.asarray(sample_index, np.int64)])),
-            logits=build_logits_batch([s.logits for s in samplers]) if self.logits_running else None,
+            logits=build_logits_batch([s.logits for s in samplers]) if self.logits_running and not history else None,
             block_updates=self._take_table_updates(),
         )
         # Launched: decoding sequences move one position on, and finished prefills join the batch.
@@ -249,20 +254,13 @@ class Scheduler:
                 batch.join(seq)
         if self._decoded:
             self._register_decoded()
-        return ScheduledStep(plan, sequences, samplers)
+        return ScheduledStep(plan, sequences, samplers, history)
 
     def _sampling(self, samplers: list[Sequence], sample_index: np.ndarray) -> SamplingBatch | None:
         """Per-row sampling parameters, built only while some running sequence samples."""
         if not self.sampled_running:
             return None
         return SamplingBatch.build([s.sampling for s in samplers], [s.seed for s in samplers], sample_index)
-
-    @property
-    def needs_history(self) -> bool:
-        """Whether a running sequence needs its latest token on the host before its next row is
-        built (penalties, a grammar): the engine then reads the step in flight first."""
-        return bool(self.logits_running) and any(
-            s.logits is not None and s.logits.spec.needs_history for s in self.running)
 
     def _retire_sampled_out(self) -> None:
         """Sequences whose last token is already on its way leave the decode batch (they still hold
@@ -452,4 +450,4 @@ def sub_step(step: ScheduledStep, keep: set[Sequence]) -> ScheduledStep:
         logits=plan.logits.select(sample_from) if plan.logits is not None else None,
         block_updates=plan.block_updates,  # idempotent: the failed step may or may not have applied them
     )
-    return ScheduledStep(sub, sequences, [step.samplers[k] for k in sample_from])
+    return ScheduledStep(sub, sequences, [step.samplers[k] for k in sample_from], step.needs_history)
