@@ -39,11 +39,13 @@ def grammar_for(constraint: pb.OutputConstraint) -> str:
 
 def constraint_error(constraint: pb.OutputConstraint) -> tuple[str, str] | None:
     """(field, why) when the constraint cannot be enforced, else None. Pure apart from llguidance."""
-    import llguidance
-
     kind = constraint.WhichOneof("kind")
     if kind is None:
         return None
+    try:
+        import llguidance
+    except ImportError:  # an install without it (pyproject requires it): refused, never a failed step
+        return "constraint", "structured output is not available on this worker (llguidance is not installed)"
     if kind == "json_object":
         return None if constraint.json_object else ("constraint.json_object", "must be true when set")
     text = constraint.json_schema
