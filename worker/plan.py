@@ -65,13 +65,27 @@ class TokenLogprob(NamedTuple):
 
 class Sampled(list):
     """A stream's new token ids in an update, with ``logprobs`` (one ``TokenLogprob`` per id)
-    for a request that asked for them. A list, so every consumer of plain token lists (the gRPC
-    and HTTP streams, the engine-core channel, which pickles the attribute with it) takes it
-    unchanged; the ones that serve log probabilities read the attribute."""
+    for a request that asked for them, and with its first token the prompt's (``prompt_logprobs``,
+    one per prompt token after the first) for a request that asked for those. A list, so every
+    consumer of plain token lists (the gRPC and HTTP streams, the engine-core channel, which
+    pickles the attributes with it) takes it unchanged; the ones that serve log probabilities
+    read the attributes."""
 
-    def __init__(self, tokens: list[int], logprobs: list[TokenLogprob]) -> None:
+    def __init__(self, tokens: list[int], logprobs: list[TokenLogprob] | None,
+                 prompt_logprobs: list[TokenLogprob] | None = None) -> None:
         super().__init__(tokens)
         self.logprobs = logprobs
+        self.prompt_logprobs = prompt_logprobs
+
+
+@dataclass(frozen=True)
+class PromptLogprobs:
+    """Prompt log probabilities a prefill chunk computes: the chunk's first ``len(targets)`` rows
+    each give the log probability of ``targets[i]``, the prompt token after the row's."""
+
+    chunk: int  # index into the plan's ``prefill``
+    top: int
+    targets: np.ndarray  # int64
 
 
 @dataclass(frozen=True)
@@ -89,6 +103,8 @@ class LogitsSpec:
     logit_bias: tuple[tuple[int, float], ...] = ()
     logprobs: int = -1
     constrained: bool = False
+    #: Alternatives for each prompt token's log probability; -1: the prompt's are not computed.
+    prompt_logprobs: int = -1
 
     @property
     def penalised(self) -> bool:
@@ -178,6 +194,8 @@ class StepPlan:
     sampling: SamplingBatch | None = None
     #: Penalties, biases, min-p, grammar masks and log probabilities; None when no row asks.
     logits: LogitsBatch | None = None
+    #: Prefill chunks whose prompt log probabilities are asked for.
+    prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
     decode_tokens: np.ndarray | None = None  # given only by probes and warm-up, which have no history
     #: Block-table changes ``[3, k]`` (slot, index in the slot's table, block), applied before the
     #: step runs; each (slot, index) at most once. None when the step changes no table.

@@ -71,7 +71,7 @@ def test_a_chat_body_becomes_messages_and_fills_the_context_without_max_tokens()
     ({"prompt": "x", "n": 17}, 400, "n"),
     ({"prompt": "x", "n": 0}, 400, "n"),
     ({"prompt": "x", "best_of": 2}, 400, "best_of"),
-    ({"prompt": "x", "echo": True, "logprobs": 0}, 400, "echo"),
+    ({"prompt": "x", "echo": "yes"}, 400, "echo"),
     ({"prompt": "x", "presence_penalty": 2.5}, 400, "presence_penalty"),
     ({"prompt": "x", "logit_bias": {"a": 2}}, 400, "logit_bias"),
     ({"prompt": "x", "suffix": "y"}, 400, "suffix"),

@@ -178,10 +178,27 @@ def test_a_mixed_batch_leaves_plain_requests_exactly_as_alone(client):
     assert results[:3] == alone and results[-3:] == alone
 
 
+def test_echo_with_logprobs_gives_the_prompts_log_probabilities(client, hf):
+    prompt = [(7 * i + 3) % 500 + 3 for i in range(100)]  # longer than a step's 64 tokens: chunked
+    with torch.no_grad():
+        expected = hf(torch.tensor([prompt])).logits[0].float().log_softmax(-1)
+    for _ in range(2):  # the second time the prefix cache holds the prompt: it is computed again
+        resp = client.completions.create(model="tiny", prompt=prompt, max_tokens=2, temperature=0, echo=True,
+                                         logprobs=2, extra_body=NO_EOS)
+        lp = resp.choices[0].logprobs
+        assert lp.tokens[:100] == [str(t) for t in prompt] and len(lp.tokens) == 102
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        for i in range(1, 100):
+            assert lp.token_logprobs[i] == pytest.approx(float(expected[i - 1, prompt[i]]), abs=1e-4)
+            assert list(lp.top_logprobs[i]) == [str(t) for t in expected[i - 1].topk(2).indices.tolist()]
+        generated = ids(resp.choices[0])
+        assert lp.token_logprobs[100] == pytest.approx(float(expected[99, generated[0]]), abs=1e-4)
+
+
 REFUSED = {
     "best_of": ({"n": 1, "best_of": 2}, "best_of"),
     "tools": ({"extra_body": {"tools": [{"type": "function", "function": {"name": "f"}}]}}, "tools"),
-    "echo_with_logprobs": ({"echo": True, "logprobs": 1}, "echo"),
+    "suffix": ({"suffix": "x"}, "suffix"),
     "logprobs_over_5": ({"logprobs": 6}, "logprobs"),
     "presence_out_of_range": ({"presence_penalty": 2.5}, "presence_penalty"),
     "repetition_zero": ({"extra_body": {"repetition_penalty": 0}}, "repetition_penalty"),
@@ -205,6 +222,11 @@ def test_refusals_are_400_naming_the_field_and_counted_once(server, client, case
 
 
 
+def _prompt_lp(hf, i: int) -> float:
+    """transformers' log probability of ``PROMPT[i]`` after the tokens before it."""
+    return float(next_logits(hf, PROMPT[:i]).log_softmax(-1)[PROMPT[i]])
+
+
 def test_grpc_generate_takes_the_same_parameters_and_streams_logprobs(server, hf):
     sampling = pb.SamplingParams(frequency_penalty=2.0, logprobs=2)
     request = pb.GenerateRequest(prompt_token_ids=PROMPT, sampling=sampling,
@@ -216,6 +238,10 @@ def test_grpc_generate_takes_the_same_parameters_and_streams_logprobs(server, hf
     assert [lp.token_id for lp in logprobs] == tokens and all(len(lp.top) == 2 for lp in logprobs)
     expected = next_logits(hf, PROMPT).log_softmax(-1)
     assert logprobs[0].logprob == pytest.approx(float(expected[tokens[0]]), abs=1e-4)
+    request.sampling.prompt_logprobs = 0
+    completion = [r.completion for r in server.inference.Generate(request, timeout=60) if r.HasField("completion")][0]
+    assert [e.token_id for e in completion.prompt_logprobs] == PROMPT[1:]
+    assert completion.prompt_logprobs[0].logprob == pytest.approx(_prompt_lp(hf, 1), abs=1e-4)
     bad = pb.GenerateRequest(prompt_token_ids=PROMPT, sampling=pb.SamplingParams(min_p=2.0),
                              stopping=pb.StoppingCriteria(max_new_tokens=2))
     with pytest.raises(grpc.RpcError) as err:

@@ -382,6 +382,7 @@ class Engine:
         self._last_finish = now
         self.recorder.record(inflight.decision, inflight.desc, step.sequences,
                              {s.tenant for s in step.sequences}, elapsed, generated=len(step.samplers))
+        self.outputs.prompt_logprobs(step.sequences, step.plan.num_decode, inflight.launched.prompt_logprobs())
         self.publish(self.outputs.step_outputs(step.samplers, tokens, now, inflight.launched.token_logprobs()))
         self.steps_since_ready += 1
         if self.steps_since_ready == STEADY_AFTER_STEPS:

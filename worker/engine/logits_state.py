@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from graphkeeper.proto import worker_pb2 as pb
-from graphkeeper.worker.plan import LogitsBatch, LogitsSpec
+from graphkeeper.worker.plan import LogitsBatch, LogitsSpec, PromptLogprobs
 
 
 def logits_spec(req: pb.GenerateRequest) -> LogitsSpec:
@@ -29,6 +29,7 @@ def logits_spec(req: pb.GenerateRequest) -> LogitsSpec:
         repetition_penalty=s.repetition_penalty or 1.0, min_p=s.min_p,
         logit_bias=tuple(sorted(s.logit_bias.items())), logprobs=s.logprobs if s.HasField("logprobs") else -1,
         constrained=req.HasField("constraint") and req.constraint.WhichOneof("kind") is not None,
+        prompt_logprobs=s.prompt_logprobs if s.HasField("prompt_logprobs") else -1,
     )
 
 
@@ -39,6 +40,10 @@ class LogitsState:
         self.spec = spec
         self.matcher = matcher
         self.counts: Counter[int] = Counter()
+        #: The prompt's log probabilities as the prefill computes them (one per prompt token after
+        #: the first), and the prompt positions whose chunks were scheduled to compute them.
+        self.prompt_entries: list = []
+        self.prompt_scheduled = 0
         self.prompt_tokens = (np.unique(np.asarray(prompt, dtype=np.int64)) if spec.repetition_penalty != 1.0
                               else np.zeros(0, dtype=np.int64))
 
@@ -57,6 +62,20 @@ class LogitsState:
     def mask(self) -> np.ndarray:
         """The grammar's allowed-token bitmask for the next token, int32 words."""
         return np.frombuffer(self.matcher.compute_bitmask(), dtype=np.int32)
+
+
+def schedule_prompt_logprobs(seq: Any, start: int, length: int) -> PromptLogprobs | None:
+    """What a prefill chunk of ``seq`` (rows from position ``start``) computes for its prompt log
+    probabilities, with the chunk index 0 for the scheduler to set; None when it computes none:
+    not asked for, or computed already (a recompute after a preemption starts over at 0)."""
+    state = seq.logits
+    if state is None or state.spec.prompt_logprobs < 0 or start != state.prompt_scheduled:
+        return None
+    state.prompt_scheduled = start + length
+    end = min(start + length + 1, len(seq.prompt))
+    if start + 1 >= end:
+        return None
+    return PromptLogprobs(0, state.spec.prompt_logprobs, np.asarray(seq.prompt[start + 1:end], dtype=np.int64))
 
 
 def logits_state_for(req: pb.GenerateRequest, prompt: list[int], grammars: Any, tokenizer: Any, vocab_size: int,

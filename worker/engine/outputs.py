@@ -40,14 +40,31 @@ class OutputProcessor:
             else:
                 gaps.append(now - seq.last_token_at)
             seq.last_token_at = now
-            wants = logprobs is not None and seq.logits is not None and seq.logits.spec.logprobs >= 0
-            new = Sampled([token], [_trim(logprobs[i], seq.logits.spec.logprobs)]) if wants else [token]
+            new = self._sampled(seq, token, logprobs[i] if logprobs is not None else None)
             updates.append((seq.stream, new, self._append(seq, token)))
         m = self.metrics
         m.generated_tokens.inc(len(updates))
         observe_many(m.time_to_first_token, first)
         observe_many(m.inter_token_latency, gaps)
         return updates
+
+    @staticmethod
+    def _sampled(seq: Sequence, token: int, entry: TokenLogprob | None) -> list[int]:
+        """The token as its stream gets it: with its log probabilities, and with the first token the
+        prompt's, when the request asked for them."""
+        state = seq.logits
+        if state is None or (state.spec.logprobs < 0 and state.spec.prompt_logprobs < 0):
+            return [token]
+        wants = entry is not None and state.spec.logprobs >= 0
+        prompt = state.prompt_entries if state.spec.prompt_logprobs >= 0 and not seq.output else None
+        return Sampled([token], [_trim(entry, state.spec.logprobs)] if wants else None, prompt)
+
+    def prompt_logprobs(self, sequences: list[Sequence], num_decode: int,
+                        computed: list[tuple[int, list[TokenLogprob]]]) -> None:
+        """Keeps a step's prompt log probabilities with their sequences (prefill chunk ``j`` is
+        ``sequences[num_decode + j]``), before the step's tokens are handed out."""
+        for chunk, entries in computed:
+            sequences[num_decode + chunk].logits.prompt_entries.extend(entries)
 
     def _append(self, seq: Sequence, token: int) -> pb.Completion | None:
         seq.output.append(token)
@@ -74,6 +91,9 @@ class OutputProcessor:
             generated_tokens=len(seq.output),
             time_to_first_token_seconds=(seq.first_token_at - seq.arrived) if seq.first_token_at is not None else 0.0,
             total_seconds=time.perf_counter() - seq.arrived, execution=summary,
+            prompt_logprobs=[pb.TokenLogprob(token_id=e.token, logprob=e.logprob,
+                                             top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in e.top])
+                             for e in (seq.logits.prompt_entries if seq.logits is not None else ())],
         )
 
     def end(self, sequences: list[Sequence], err: BaseException, outcome: str | None = None) -> list[Update]:

@@ -28,15 +28,16 @@ grows with the sequences that changed, not with the batch.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
 
 from graphkeeper.worker.engine.blocks import BlockManager, block_hashes, blocks_for, chain_hash
-from graphkeeper.worker.engine.logits_state import build_logits_batch
+from graphkeeper.worker.engine.logits_state import build_logits_batch, schedule_prompt_logprobs
 from graphkeeper.worker.engine.sequence import Sequence
-from graphkeeper.worker.plan import PrefillChunk, SamplingBatch, StepPlan
+from graphkeeper.worker.plan import PrefillChunk, PromptLogprobs, SamplingBatch, StepPlan
 
 
 @dataclass
@@ -209,6 +210,7 @@ class Scheduler:
         positions: list[np.ndarray] = [batch.positions]
         slots: list[np.ndarray] = [batch.slots]
         chunks: list[PrefillChunk] = []
+        prompt_logprobs: list[PromptLogprobs] = []
         sample_rows: list[int] = list(range(nd))
         samplers: list[Sequence] = list(batch.seqs)
         sample_index: list[int] = []
@@ -220,6 +222,8 @@ class Scheduler:
             tokens = seq.to_prefill
             n = min(budget, self.prefill_chunk, len(tokens) - seq.computed)
             row = nd + len(prompt_tokens)
+            if seq.logits is not None and (wanted := schedule_prompt_logprobs(seq, seq.computed, n)) is not None:
+                prompt_logprobs.append(dataclasses.replace(wanted, chunk=len(chunks)))
             chunks.append(PrefillChunk(row=row, length=n, slot=seq.slot, start=seq.computed))
             prompt_tokens.extend(tokens[seq.computed:seq.computed + n])
             positions.append(np.arange(seq.computed, seq.computed + n, dtype=np.int64))
@@ -244,7 +248,7 @@ class Scheduler:
             sample_slots=np.array([s.slot for s in samplers], dtype=np.int64),
             sampling=self._sampling(samplers, np.concatenate([batch.sample_index, np.asarray(sample_index, np.int64)])),
             logits=build_logits_batch([s.logits for s in samplers]) if self.logits_running and not history else None,
-            block_updates=self._take_table_updates(),
+            block_updates=self._take_table_updates(), prompt_logprobs=prompt_logprobs,
         )
         # Launched: decoding sequences move one position on, and finished prefills join the batch.
         batch.advance()
@@ -286,7 +290,7 @@ class Scheduler:
                 seq.block_hashes, seq.hashed_revision = block_hashes(tokens, bs, blocks.revision), blocks.revision
             hashes = seq.block_hashes
             # At most the blocks before the last token: that one is always computed, for its logits.
-            cached = blocks.peek(hashes[:(len(tokens) - 1) // bs])
+            cached = blocks.peek(hashes[:(len(tokens) - 1) // bs]) if not _computes_prompt(seq) else []
             fresh = blocks_for(len(tokens), bs) - len(cached)
             if fresh > blocks.available - blocks.idle(cached):
                 break
@@ -407,6 +411,11 @@ def _tokens(seq: Sequence, start: int, end: int) -> list[int]:
     return seq.prompt[start:] + seq.output[:end - p]
 
 
+def _computes_prompt(seq: Sequence) -> bool:
+    """Whether the sequence's prompt must be computed whole (its log probabilities were asked for)."""
+    return seq.logits is not None and seq.logits.spec.prompt_logprobs >= 0
+
+
 def sub_step(step: ScheduledStep, keep: set[Sequence]) -> ScheduledStep:
     """The rows of ``step`` that belong to ``keep``, as a step of their own.
 
@@ -424,10 +433,12 @@ def sub_step(step: ScheduledStep, keep: set[Sequence]) -> ScheduledStep:
     sample_rows, sample_from = list(range(len(decode))), list(decode)  # new row, index of the old sample row
     old_sample = {int(row): k for k, row in enumerate(plan.sample_rows[nd:], start=nd)}
     row = len(decode)
+    new_chunk: dict[int, int] = {}
     for j, chunk in enumerate(plan.prefill):
         seq = step.sequences[nd + j]
         if seq not in keep:
             continue
+        new_chunk[j] = len(chunks)
         start = chunk.row - nd  # the chunk's tokens in prompt_tokens
         prompt_tokens.extend(plan.prompt_tokens[start:start + chunk.length])
         positions.append(plan.positions[chunk.row:chunk.row + chunk.length])
@@ -449,5 +460,7 @@ def sub_step(step: ScheduledStep, keep: set[Sequence]) -> ScheduledStep:
         sample_slots=plan.sample_slots[sample_from], sampling=sampling,
         logits=plan.logits.select(sample_from) if plan.logits is not None else None,
         block_updates=plan.block_updates,  # idempotent: the failed step may or may not have applied them
+        prompt_logprobs=[dataclasses.replace(p, chunk=new_chunk[p.chunk]) for p in plan.prompt_logprobs
+                         if p.chunk in new_chunk],
     )
     return ScheduledStep(sub, sequences, [step.samplers[k] for k in sample_from], step.needs_history)

@@ -26,7 +26,14 @@ from graphkeeper.worker.kernels.linear_kernel import warm_rows
 from graphkeeper.worker.model.attention import BLOCK_Q, AttentionMetadata, SlotAttention
 from graphkeeper.worker.model.kv_cache import KVCache
 from graphkeeper.worker.model.loader import LoadedModel
-from graphkeeper.worker.plan import PrefillChunk, SamplingBatch, SamplingSpec, StepPlan, TokenLogprob
+from graphkeeper.worker.plan import (
+    PrefillChunk,
+    PromptLogprobs,
+    SamplingBatch,
+    SamplingSpec,
+    StepPlan,
+    TokenLogprob,
+)
 
 
 @dataclass
@@ -38,6 +45,9 @@ class Launched:
     done: torch.cuda.Event | None
     count: int
     logprobs: tuple[Tensor, Tensor, Tensor] | None = None
+    #: Per prefill chunk that computes its prompt's log probabilities: (chunk index, targets,
+    #: (chosen, top values, top ids)).
+    prompt: list[tuple[int, np.ndarray, tuple[Tensor, Tensor, Tensor]]] | None = None
 
     def tokens(self) -> np.ndarray:
         """Waits for the step's copy (the one host synchronisation of a step) and returns its tokens."""
@@ -53,6 +63,15 @@ class Launched:
         tokens = self.host[: self.count].tolist()
         return [TokenLogprob(t, c, tuple(zip(i, v, strict=True)))
                 for t, c, v, i in zip(tokens, chosen, values, ids, strict=True)]
+
+    def prompt_logprobs(self) -> list[tuple[int, list[TokenLogprob]]]:
+        """(chunk index, the log probability of each prompt token the chunk's rows predict)."""
+        out = []
+        for chunk, targets, tensors in self.prompt or ():
+            chosen, values, ids = (t.tolist() for t in tensors)
+            out.append((chunk, [TokenLogprob(int(t), c, tuple(zip(i, v, strict=True)))
+                                for t, c, v, i in zip(targets, chosen, values, ids, strict=True)]))
+        return out
 
 
 class ModelRunner:
@@ -245,9 +264,18 @@ class ModelRunner:
         host[:ns].copy_(tokens, non_blocking=True)
         if extra is not None and raw is not None:
             logprobs = tuple(t.to("cpu", non_blocking=True) for t in pick_logprobs(raw, tokens, extra.top_logprobs))
+        prompt = [self._prompt_logprobs(hidden, plan, p) for p in plan.prompt_logprobs] or None
         if done is not None:
             done.record()
-        return Launched(host, done, ns, logprobs)
+        return Launched(host, done, ns, logprobs, prompt)
+
+    def _prompt_logprobs(self, hidden: Tensor, plan: StepPlan, wanted: PromptLogprobs) -> tuple:
+        """A chunk's prompt log probabilities: the LM head on its rows, each row's next prompt token."""
+        row = plan.prefill[wanted.chunk].row
+        n = len(wanted.targets)
+        targets = torch.from_numpy(wanted.targets).to(self.device, non_blocking=True)
+        picked = pick_logprobs(raw_logprobs(self.model.head(hidden[row:row + n])), targets, wanted.top)
+        return wanted.chunk, wanted.targets, tuple(t.to("cpu", non_blocking=True) for t in picked)
 
     def inert_decode(self, rows: int) -> StepPlan:
         """A decode step of ``rows`` rows on the KV cache's dummy slot (where padding rows write)."""

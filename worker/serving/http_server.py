@@ -48,7 +48,7 @@ from graphkeeper.worker.serving.openai_api import (
     parse_completion,
     usage,
 )
-from graphkeeper.worker.serving.openai_sampling import chat_logprobs, completion_logprobs
+from graphkeeper.worker.serving.openai_sampling import chat_logprobs, completion_logprobs, echoed_entries
 from graphkeeper.worker.serving.streams import StreamHub, TokenStream, admitted, count_refusal, public_model_info
 
 log = logging.getLogger(__name__)
@@ -383,8 +383,9 @@ class _Run:
         self.events = TextEvents(self.rid, parsed.chat, parsed.created, model, parsed.continuous_usage) if (
             parsed.stream and self.detok is not None and _TEXT_MARK not in model and _USAGE_MARK not in model
             and parsed.choices.n == 1 and parsed.choices.logprobs is None) else None
-        #: Log probability objects' token texts, and a completion's text offset.
+        #: A completion's text offset in its log probabilities, and an echoed prompt's entries.
         self.offset = 0
+        self.echo_entries: list | None = None
         self.generated = 0
         self.completion: pb.Completion | None = None
         self.ended = False
@@ -407,6 +408,8 @@ class _Run:
             if stream.tokens:
                 tokens, stream.tokens = stream.tokens, []
                 logprobs, stream.logprobs = stream.logprobs, []
+                if self.echo_entries is None and stream.prompt_logprobs is not None:
+                    self.echo_entries = echoed_entries(list(self.request.prompt_token_ids), stream.prompt_logprobs)
                 if not self.matcher.stopped:
                     self.generated += len(tokens)
                     text = self.matcher.feed(self.detok.add(tokens)) if self.detok else ""
@@ -471,6 +474,8 @@ class _Run:
             ids.extend(delta[1])
             entries.extend(delta[2])
             await self.pace()
+        if self.parsed.choices.echo:
+            entries[:0] = self.echo_entries or []
         return choice(self.parsed.chat, "".join(texts), self.finish(), delta=False, token_ids=self._token_ids(ids),
                       index=self.index, logprobs=self.logprobs(entries))
 
@@ -478,8 +483,8 @@ class _Run:
         """This choice's chunks, from its first delta (already taken) to its end."""
         parsed, chat = self.parsed, self.parsed.chat
         delta = first
-        if delta is not None and (echo := self.echoed()):
-            delta = (echo + delta[0], *delta[1:])
+        if delta is not None and self.parsed.choices.echo:
+            delta = (self.echoed() + delta[0], delta[1], [*(self.echo_entries or []), *delta[2]])
         while delta is not None:
             text, tokens, entries = delta
             last = self.ended

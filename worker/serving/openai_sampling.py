@@ -5,8 +5,8 @@ probability objects of the responses. Pure, like ``openai_api``, which calls ``r
 once per request.
 
 What stays refused, 400 naming the field: ``best_of`` other than ``n`` (vLLM v1 dropped it too),
-prompt log probabilities (``echo`` with ``logprobs``), ``suffix``, and tool calling, which needs
-a chat template and a parser for the model's tool-call format that this worker does not have.
+``suffix``, and tool calling, which needs a chat template and a parser for the model's tool-call
+format that this worker does not have.
 """
 
 from __future__ import annotations
@@ -73,8 +73,8 @@ def read_sampling(body: dict, request: pb.GenerateRequest, chat: bool) -> Choice
     if logprobs is not None:
         s.logprobs = logprobs
     echo = not chat and _flag(body, "echo")
-    if echo and logprobs is not None:
-        raise SamplingError("echo", "echo with logprobs (prompt log probabilities) is not supported")
+    if echo and logprobs is not None:  # the prompt's tokens get theirs too
+        s.prompt_logprobs = logprobs
     if not chat and body.get("suffix"):
         raise SamplingError("suffix", "insertion (suffix) is not supported")
     _refuse_tools(body)
@@ -208,13 +208,20 @@ def chat_logprobs(entries: list[TokenLogprob], text: Any) -> dict[str, Any]:
                         for e in entries]}
 
 
-def completion_logprobs(entries: list[TokenLogprob], text: Any, offset: int = 0) -> dict[str, Any]:
+def completion_logprobs(entries: list[TokenLogprob | None], text: Any, offset: int = 0) -> dict[str, Any]:
     """Completions' ``logprobs`` object: parallel lists of tokens, their log probabilities, their
-    alternatives (a map of token text to log probability) and each token's offset in the text."""
+    alternatives (a map of token text to log probability) and each token's offset in the text.
+    An echoed prompt's first token has no log probability: its entry is ``(token, None)``."""
     tokens, offsets = [], []
     for e in entries:
-        tokens.append(text(e.token))
+        tokens.append(text(e[0]))
         offsets.append(offset)
         offset += len(tokens[-1])
-    return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [{text(t): v for t, v in e.top} for e in entries], "text_offset": offsets}
+    return {"tokens": tokens, "token_logprobs": [e[1] for e in entries],
+            "top_logprobs": [None if e[1] is None else {text(t): v for t, v in e.top} for e in entries],
+            "text_offset": offsets}
+
+
+def echoed_entries(prompt: list[int], entries: list[TokenLogprob]) -> list:
+    """An echoed prompt's entries: its first token without a log probability, then each computed one."""
+    return [(prompt[0], None), *entries] if prompt else []

@@ -35,8 +35,9 @@ def logits_errors(req: pb.GenerateRequest, limits: Limits) -> tuple[str, str] | 
             return f"sampling.logit_bias[{token}]", f"token id {token} is outside [0, {limits.vocab_size})"
         if not math.isfinite(bias) or not -100.0 <= bias <= 100.0:
             return f"sampling.logit_bias[{token}]", f"must be in [-100, 100], got {bias}"
-    if s.HasField("logprobs") and not 0 <= s.logprobs <= MAX_LOGPROBS:
-        return "sampling.logprobs", f"must be in [0, {MAX_LOGPROBS}], got {s.logprobs}"
+    for name in ("logprobs", "prompt_logprobs"):
+        if s.HasField(name) and not 0 <= getattr(s, name) <= MAX_LOGPROBS:
+            return f"sampling.{name}", f"must be in [0, {MAX_LOGPROBS}], got {getattr(s, name)}"
     if req.HasField("constraint") and req.constraint.WhichOneof("kind") is not None:
         if not limits.text_prompts:
             return "constraint", "structured output needs the model's tokenizer (tokenizer.json)"

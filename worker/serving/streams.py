@@ -73,6 +73,8 @@ class TokenStream:
     tokens: list[int] = field(default_factory=list)
     #: The tokens' log probabilities (``TokenLogprob``), for a request that asked for them.
     logprobs: list = field(default_factory=list)
+    #: The prompt's log probabilities, with the first token, for a request that asked for them.
+    prompt_logprobs: list | None = None
     end: pb.Completion | BaseException | None = None
     wake: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -115,6 +117,8 @@ class StreamHub:
                     stream.tokens.extend(tokens)
                     if (logprobs := getattr(tokens, "logprobs", None)) is not None:  # plan.Sampled
                         stream.logprobs.extend(logprobs)
+                    if (prompt := getattr(tokens, "prompt_logprobs", None)) is not None:
+                        stream.prompt_logprobs = prompt
                 if end is not None:
                     stream.end = end
                 stream.wake.set()
