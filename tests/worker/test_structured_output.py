@@ -168,3 +168,20 @@ def test_bad_constraints_are_400_naming_the_field(server, client, case):
         ask(client, 4, extra_body=extra)
     assert err.value.status_code == 400 and err.value.body["param"] == param
     assert ask(client, 2).choices[0].message.content is not None  # the worker still serves
+
+
+def test_chat_n_choices_each_seeded_and_streamed_by_index(client):
+    resp = ask(client, 8, n=2, temperature=1.0, seed=40, extra_body={"ignore_eos": True})
+    assert [c.index for c in resp.choices] == [0, 1]
+    for i, c in enumerate(resp.choices):
+        assert c.message.content == ask(client, 8, temperature=1.0, seed=40 + i,
+                                        extra_body={"ignore_eos": True}).choices[0].message.content
+    chunks = list(client.chat.completions.create(
+        model="tiny-json", messages=[{"role": "user", "content": "reply in JSON"}], max_completion_tokens=8, n=2,
+        temperature=1.0, seed=40, stream=True, extra_body={"ignore_eos": True}))
+    texts: dict[int, str] = {}
+    for chunk in chunks:
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + (c.delta.content or "")
+    assert texts == {i: c.message.content for i, c in enumerate(resp.choices)}
+    assert len({chunk.id for chunk in chunks}) == 1  # one response, whatever its number of choices
