@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from graphkeeper.worker.engine.blocks import BlockManager, NoFreeBlocks, block_hashes, blocks_for
-from graphkeeper.worker.engine.scheduler import Scheduler
+from graphkeeper.worker.engine.scheduler import DECODE_RESERVE_BLOCKS, Scheduler, admission_blocks
 from graphkeeper.worker.engine.sequence import Sequence
 from graphkeeper.worker.plan import SamplingSpec
 
@@ -76,6 +76,36 @@ def test_admission_waits_for_blocks_and_the_plan_carries_the_block_tables():
     sched.schedule()
     sched.schedule()  # position 12 starts a fourth block
     assert len(a.blocks) == 4
+
+
+def test_admission_asks_for_the_prompt_and_a_decode_reserve_and_takes_only_the_prompt():
+    assert DECODE_RESERVE_BLOCKS == 1
+    assert admission_blocks(8, 100, 4) == 3  # two blocks of prompt, one of output
+    assert admission_blocks(8, 1, 4) == 3 and admission_blocks(7, 1, 4) == 2  # never past what the output reaches
+    assert admission_blocks(8, 0, 4) == 2
+    blocks = BlockManager(5, 4, prefix_caching=False)
+    sched = Scheduler(4, 64, 0, blocks)
+    a, b, c = seq(list(range(8)), 8, "a"), seq(list(range(8)), 8, "b"), seq(list(range(10, 18)), 1, "c")
+    for s in (a, b, c):
+        sched.add(s)
+    sched.schedule()
+    # a needs 3 and takes 2; b needs 3 of the 3 left and takes 2; c asks for one new token, but
+    # its position 8 starts a third block, so it needs 3 of the 1 left: it waits.
+    assert sched.running == [a, b] and list(sched.waiting) == [c]
+    assert len(a.blocks) == len(b.blocks) == 2 and blocks.available == 1
+
+
+def test_many_short_requests_all_run_at_once_while_their_blocks_are_free():
+    """32 requests on a cache that holds far fewer whole contexts (8 of 256 tokens): each needs the
+    blocks of its prompt and one more, so all 32 are admitted in one step and none waits."""
+    context, block = 256, 16
+    sched = Scheduler(32, 512, 0, BlockManager(8 * context // block, block, prefix_caching=False))
+    requests = [seq(list(range(i, i + 12)), 200, f"r{i}") for i in range(32)]
+    for r in requests:
+        sched.add(r)
+    step = sched.schedule()
+    assert len(sched.running) == 32 and not sched.waiting and len(step.samplers) == 32
+    assert all(len(r.blocks) == 1 for r in requests)
 
 
 def test_the_youngest_sequence_is_preempted_and_resumes_from_its_tokens():
