@@ -62,7 +62,8 @@ def _worker(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", default=d.DEFAULT_DEVICE, help="cpu, cuda or cuda:N")
     p.add_argument("--dtype", default=d.DEFAULT_DTYPE, help=", ".join(d.DTYPES))
     p.add_argument("--max-num-seqs", type=int, default=d.DEFAULT_MAX_NUM_SEQS,
-                   help="sequences at once (default: what the KV cache holds)")
+                   help="sequences at once (default: 256 on a GPU, 128 on a CPU, at most the step budget; admitted "
+                        "by the KV blocks their prompts need)")
     p.add_argument("--max-seq-len", type=int, default=d.DEFAULT_MAX_SEQ_LEN,
                    help="tokens per sequence (default: the model's context, capped by memory)")
     p.add_argument("--kv-cache-memory", default="",
