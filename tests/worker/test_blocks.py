@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from graphkeeper.worker.engine.blocks import BlockManager, NoFreeBlocks, block_hashes, blocks_for
 from graphkeeper.worker.engine.scheduler import DECODE_RESERVE_BLOCKS, Scheduler, admission_blocks
@@ -367,3 +369,31 @@ def test_a_preempted_decoding_sequence_keeps_one_right_chain_and_its_next_turn_h
     sched.add(turn)
     sched.schedule()
     assert turn.cached_prompt_tokens == 16
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 40), st.integers(1, 30), st.booleans()), min_size=1, max_size=24),
+       st.integers(6, 40), st.integers(1, 8))
+def test_no_request_waits_while_a_slot_and_its_blocks_are_free(requests, num_blocks, max_num_seqs):
+    """Right after every step is planned: either nothing waits, or the head of the queue lacks a
+    slot or the blocks of its prompt and decode reserve (admission is in order). Requests arrive
+    between steps, tokens come back, and some running ones finish."""
+    block = 4
+    blocks = BlockManager(num_blocks, block, prefix_caching=False)
+    sched = Scheduler(max_num_seqs, 64, 0, blocks)
+    # The engine refuses a request the whole cache cannot hold (CannotFit).
+    fits = [(p, n, done) for p, n, done in requests if blocks_for(p + n, block) <= num_blocks]
+    for i, (prompt, max_new, finish_one) in enumerate(fits):
+        sched.add(seq(list(range(100 + i, 100 + i + prompt)), max_new, f"r{i}"))
+        step = sched.schedule()
+        if sched.waiting:
+            head = sched.waiting[0]
+            tokens = len(head.prompt) + len(head.output)
+            short_of_blocks = admission_blocks(tokens, head.max_new_tokens - len(head.output), block) > blocks.available
+            assert len(sched.running) == max_num_seqs or short_of_blocks or head.samples_scheduled > len(head.output)
+        for s in step.samplers if step else []:
+            s.output.append(7)  # each sampled token arrives before the next step
+            if len(s.output) >= s.max_new_tokens:
+                sched.finish(s)
+        if finish_one and sched.running:
+            sched.finish(sched.running[0])
