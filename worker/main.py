@@ -321,7 +321,7 @@ async def _serve(args: argparse.Namespace, settings: EngineSettings, token: str)
     http: OpenAIServer | None = None
     http_host = getattr(args, "http_host", "") or args.host
     served_name = getattr(args, "served_model_name", "")
-    registry = exported_registry(engine, served_name, getattr(args, "vllm_metric_names", False))
+    registry = exported_registry(engine, served_name, getattr(args, "vllm_metric_names", True))
     try:
         servers = build_servers(engine, args.host, args.port, control_host, args.control_port, token, hub)
         track_health(engine, servers.health, loop)

@@ -18,8 +18,9 @@ DEFAULT_MODEL = "builtin:smollm2-135m-instruct"
 DEFAULT_DEVICE = "cpu"
 DEFAULT_DTYPE = "auto"
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-#: Unset (None), the context length and sequence count come from the model and the memory
-#: there is (engine/sizing.py); a random preset serves 512 tokens and 16 sequences.
+#: Unset (None), the context length comes from the model and the memory there is, and the
+#: sequence count is a fixed default per device within the step budget (engine/sizing.py:
+#: DEFAULT_MAX_NUM_SEQS); a random preset serves 512 tokens and 16 sequences.
 DEFAULT_MAX_NUM_SEQS: int | None = None
 DEFAULT_MAX_SEQ_LEN: int | None = None
 #: Tokens per step: decode rows plus prefill chunks.

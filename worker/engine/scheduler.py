@@ -5,10 +5,13 @@ first, then prefill chunks, within ``max_num_seqs`` running sequences and a toke
 step; long prompts are prefilled in chunks. A sequence holds one slot (its row of the KV cache's
 block table) and the KV blocks of its tokens from admission until it finishes or is cancelled.
 
-KV memory is paged (``blocks.py``). A waiting sequence is admitted while blocks for its whole
-prompt remain, after reusing the cached blocks of its prompt's longest cached prefix (prefix
-caching: those tokens are not computed again; at least the last prompt token always is, so there
-are logits to sample). A decoding sequence takes a new block when its next token starts one; when
+KV memory is paged (``blocks.py``). A waiting sequence is admitted, not when a whole context is
+free, but while a slot and the blocks for its prompt and a small decode reserve (its first
+``DECODE_RESERVE_BLOCKS`` blocks of output, ``admission_blocks``) remain, after reusing the cached
+blocks of its prompt's longest cached prefix (prefix caching: those tokens are not computed
+again; at least the last prompt token always is, so there are logits to sample). The reserve is
+only checked, not taken: it keeps a sequence just admitted from preempting another at its first
+decode steps. A decoding sequence takes a new block when its next token starts one; when
 none is left the youngest running sequence is *preempted*: its blocks and slot are freed and it
 waits at the head of the queue, to be recomputed (prompt and the tokens sampled so far, as one
 prefill) once blocks are free again, so memory that is momentarily short fails no request. The
@@ -36,6 +39,16 @@ import numpy as np
 from graphkeeper.worker.engine.blocks import BlockManager, block_hashes, blocks_for, chain_hash
 from graphkeeper.worker.engine.sequence import Sequence
 from graphkeeper.worker.plan import PrefillChunk, SamplingBatch, StepPlan
+
+#: Blocks of output a sequence must find free beside its prompt's to be admitted (checked, not taken).
+DECODE_RESERVE_BLOCKS = 1
+
+
+def admission_blocks(tokens: int, remaining: int, block_size: int) -> int:
+    """The blocks a sequence of ``tokens`` tokens (prompt, or prompt and output to recompute) with
+    ``remaining`` tokens still to generate needs free to be admitted (pure): its tokens and the
+    decode reserve, never past what its output can reach (so never past the context)."""
+    return blocks_for(tokens + min(remaining, DECODE_RESERVE_BLOCKS * block_size), block_size)
 
 
 @dataclass
@@ -261,8 +274,9 @@ class Scheduler:
             self.decode.leave(done)
 
     def _admit(self) -> None:
-        """Admits waiting sequences in order while a slot and blocks for the whole prompt remain
-        (the cached blocks of its longest cached prefix are reused, not counted)."""
+        """Admits waiting sequences in order while a slot and blocks for the prompt and the decode
+        reserve remain (``admission_blocks``; the cached blocks of its longest cached prefix are
+        reused, not counted). Only the prompt's blocks are taken."""
         bs, blocks = self.block_size, self.blocks
         while self.waiting and self.free_slots and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
@@ -279,7 +293,8 @@ class Scheduler:
             # At most the blocks before the last token: that one is always computed, for its logits.
             cached = blocks.peek(hashes[:(len(tokens) - 1) // bs])
             fresh = blocks_for(len(tokens), bs) - len(cached)
-            if fresh > blocks.available - blocks.idle(cached):
+            needed = admission_blocks(len(tokens), seq.max_new_tokens - len(seq.output), bs) - len(cached)
+            if needed > blocks.available - blocks.idle(cached):
                 break
             self.waiting.popleft()
             # A recompute after a preemption reuses its own blocks: saved work, but neither a
