@@ -56,6 +56,9 @@ class EngineSettings:
     max_queue: int = DEFAULT_MAX_QUEUE
     #: Longest prefill chunk (0: the token budget).
     prefill_chunk: int = 0
+    #: Inter-token target bounding the prefill a step with decode rows carries, in ms (0: derived
+    #: from the step times measured at capture; engine/step_budget.py).
+    itl_target_ms: float = 0.0
     #: The policy to capture before READY (None or one without a uid: the default ladder).
     policy: pb.GraphPolicy | None = None
     #: Where LoadModelRevision may load from (empty: no path may be loaded; random presets only).

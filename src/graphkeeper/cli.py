@@ -80,6 +80,9 @@ def _worker(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-queue", type=int, default=d.DEFAULT_MAX_QUEUE,
                    help="queued requests before RESOURCE_EXHAUSTED")
     p.add_argument("--prefill-chunk", type=int, default=0, help="longest prefill chunk (0: token budget)")
+    p.add_argument("--itl-target-ms", type=float, default=0.0,
+                   help="inter-token target: a step with decode rows carries prefill only up to the size whose "
+                        "measured step time fits it (0: the measured time of the largest replayed step)")
     p.add_argument("--policy-file", default="", help="GraphPolicy JSON to capture before ready")
     p.add_argument("--graph-mode", default="", help="graph mode without a policy (e.g. FullAndPiecewise)")
     p.add_argument("-O", "--optimization-level", type=int, default=d.DEFAULT_OPTIMIZATION_LEVEL, choices=(0, 1, 2),

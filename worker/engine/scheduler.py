@@ -38,6 +38,7 @@ import numpy as np
 
 from graphkeeper.worker.engine.blocks import BlockManager, block_hashes, blocks_for, chain_hash
 from graphkeeper.worker.engine.sequence import Sequence
+from graphkeeper.worker.engine.step_budget import StepBudget
 from graphkeeper.worker.plan import PrefillChunk, SamplingBatch, StepPlan
 
 #: Blocks of output a sequence must find free beside its prompt's to be admitted (checked, not taken).
@@ -116,6 +117,9 @@ class Scheduler:
         self.preemptions = 0
         self.max_num_seqs = max_num_seqs
         self.token_budget = max_num_batched_tokens
+        #: Prefill tokens a step may carry beside its decode rows (the engine sets a latency target
+        #: once step times are measured; until then every step may take the whole budget).
+        self.step_budget = StepBudget.fixed(max_num_batched_tokens)
         self.prefill_chunk = prefill_chunk or max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -211,7 +215,7 @@ class Scheduler:
         self._admit()
         batch = self.decode
         nd = len(batch)
-        budget = self.token_budget - nd
+        budget = self.step_budget.prefill_tokens(nd)
         prompt_tokens: list[int] = []
         positions: list[np.ndarray] = [batch.positions]
         slots: list[np.ndarray] = [batch.slots]
