@@ -33,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -167,6 +168,9 @@ def run_cell(args: argparse.Namespace, cell: dict, sizes: list[int], logs: Path,
         load = drive(target, args.scenario, args.seconds, vocab, args.client_procs)
         row.update(tokens_per_s=load["tokens_per_s"], itl_ms=load["itl_ms"], ttft_ms=load["ttft_ms"],
                    errors=load["errors"], dispatch=coverage(before, scrape(metrics)))
+        # The worker's whole exposition after the load (step times by size, eager reasons): the
+        # figures behind a cell's throughput, for reading when a cell surprises.
+        (logs / f"{name}.metrics.txt").write_bytes(urllib.request.urlopen(metrics, timeout=10).read())
         after = graph_status(control)
         row["observed_traffic_steps"] = after.traffic.steps
         row["_traffic"] = after.traffic

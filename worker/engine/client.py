@@ -38,7 +38,19 @@ from graphkeeper.proto import worker_pb2 as pb
 from graphkeeper.proto.enums import lifecycle_name
 from graphkeeper.worker.engine import process
 from graphkeeper.worker.engine.errors import NotServing
-from graphkeeper.worker.engine.ipc import Call, Cancel, Channel, ErrorBox, Model, Outputs, Reply, Sized, State, Submit
+from graphkeeper.worker.engine.ipc import (
+    Call,
+    Cancel,
+    Channel,
+    ErrorBox,
+    Model,
+    Outputs,
+    Reply,
+    Sized,
+    State,
+    StepBudgetUpdate,
+    Submit,
+)
 from graphkeeper.worker.engine.lifecycle import SERVING_STATES
 from graphkeeper.worker.engine.outputs import direct_publish
 from graphkeeper.worker.engine.sequence import Limits
@@ -305,6 +317,8 @@ class EngineClient:
                 self.lifecycle.set(message.state)
         elif isinstance(message, Model):
             self._install(message)
+        elif isinstance(message, StepBudgetUpdate) and self._info is not None:
+            self._info.step_budget.ParseFromString(message.budget)
 
     def _install(self, model: Model) -> None:
         tokenizer = load_tokenizer(model.source)

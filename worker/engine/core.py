@@ -47,6 +47,7 @@ from graphkeeper.worker.engine.sequence import Limits, Sequence, sequence_for
 from graphkeeper.worker.engine.sizing import settle, utilization_error
 from graphkeeper.worker.engine.startup import Laps, step_phases
 from graphkeeper.worker.engine.status import graph_status, kv_cache_status, model_info
+from graphkeeper.worker.engine.step_budget import install_step_budget
 from graphkeeper.worker.engine.structured import Grammars
 from graphkeeper.worker.executor.graphs.controller import CaptureController
 from graphkeeper.worker.executor.graphs.dispatcher import BatchDescriptor, Dispatcher
@@ -208,7 +209,7 @@ class Engine:
 
     def model_info(self) -> pb.GetModelInfoResponse | None:
         return model_info(self.slot.loaded, self.settings.max_seq_len, self.settings.max_num_seqs,
-                          self.slot.eos_ids, self.tokenizer)
+                          self.slot.eos_ids, self.tokenizer, self.scheduler.step_budget.to_proto())
 
     def status(self) -> pb.GraphStatus:
         """What the engine has adopted, read under the lock its changes are made under."""
@@ -218,7 +219,7 @@ class Engine:
             snap, capture=self.capture, recorder=self.recorder, ledger=self.ledger,
             model_revision=loaded.revision if loaded else "", running=len(self.scheduler.running),
             queued=len(self.scheduler.waiting) + len(self.mailbox), compile=self.slot.compile_status(),
-            kv_cache=self.kv_status())
+            kv_cache=self.kv_status(), step_budget=self.scheduler.step_budget.to_proto())
 
     def kv_status(self) -> pb.KVCacheStatus:
         """The KV cache's blocks, prefix cache and preemptions (counts read without a lock: each is
@@ -423,5 +424,8 @@ class Engine:
         graphs = self.capture.graph_set
         self.recorder.graphs_captured(list(graphs.captured) if graphs else [])
         self.metrics.policy_generation.set(self.control.policy.generation)
+        s = self.settings
+        self.scheduler.step_budget = install_step_budget(s.max_num_batched_tokens, s.itl_target_ms,
+                                                         graphs.captured.values() if graphs else (), self.device.type)
         if self.control.captured(self.capture.last_failure):
             log.info("READY: %s", self.capture.summary())

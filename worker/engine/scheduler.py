@@ -5,10 +5,13 @@ first, then prefill chunks, within ``max_num_seqs`` running sequences and a toke
 step; long prompts are prefilled in chunks. A sequence holds one slot (its row of the KV cache's
 block table) and the KV blocks of its tokens from admission until it finishes or is cancelled.
 
-KV memory is paged (``blocks.py``). A waiting sequence is admitted while blocks for its whole
-prompt remain, after reusing the cached blocks of its prompt's longest cached prefix (prefix
-caching: those tokens are not computed again; at least the last prompt token always is, so there
-are logits to sample). A decoding sequence takes a new block when its next token starts one; when
+KV memory is paged (``blocks.py``). A waiting sequence is admitted, not when a whole context is
+free, but while a slot and the blocks for its prompt and a small decode reserve (its first
+``DECODE_RESERVE_BLOCKS`` blocks of output, ``admission_blocks``) remain, after reusing the cached
+blocks of its prompt's longest cached prefix (prefix caching: those tokens are not computed
+again; at least the last prompt token always is, so there are logits to sample). The reserve is
+only checked, not taken: it keeps a sequence just admitted from preempting another at its first
+decode steps. A decoding sequence takes a new block when its next token starts one; when
 none is left the youngest running sequence is *preempted*: its blocks and slot are freed and it
 waits at the head of the queue, to be recomputed (prompt and the tokens sampled so far, as one
 prefill) once blocks are free again, so memory that is momentarily short fails no request. The
@@ -37,7 +40,18 @@ import numpy as np
 from graphkeeper.worker.engine.blocks import BlockManager, block_hashes, blocks_for, chain_hash
 from graphkeeper.worker.engine.logits_state import build_logits_batch, schedule_prompt_logprobs
 from graphkeeper.worker.engine.sequence import Sequence
+from graphkeeper.worker.engine.step_budget import StepBudget
 from graphkeeper.worker.plan import PrefillChunk, PromptLogprobs, SamplingBatch, StepPlan
+
+#: Blocks of output a sequence must find free beside its prompt's to be admitted (checked, not taken).
+DECODE_RESERVE_BLOCKS = 1
+
+
+def admission_blocks(tokens: int, remaining: int, block_size: int) -> int:
+    """The blocks a sequence of ``tokens`` tokens (prompt, or prompt and output to recompute) with
+    ``remaining`` tokens still to generate needs free to be admitted (pure): its tokens and the
+    decode reserve, never past what its output can reach (so never past the context)."""
+    return blocks_for(tokens + min(remaining, DECODE_RESERVE_BLOCKS * block_size), block_size)
 
 
 @dataclass
@@ -108,6 +122,9 @@ class Scheduler:
         self.preemptions = 0
         self.max_num_seqs = max_num_seqs
         self.token_budget = max_num_batched_tokens
+        #: Prefill tokens a step may carry beside its decode rows (the engine sets a latency target
+        #: once step times are measured; until then every step may take the whole budget).
+        self.step_budget = StepBudget.fixed(max_num_batched_tokens)
         self.prefill_chunk = prefill_chunk or max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -205,7 +222,7 @@ class Scheduler:
         self._admit()
         batch = self.decode
         nd = len(batch)
-        budget = self.token_budget - nd
+        budget = self.step_budget.prefill_tokens(nd)
         prompt_tokens: list[int] = []
         positions: list[np.ndarray] = [batch.positions]
         slots: list[np.ndarray] = [batch.slots]
@@ -274,8 +291,9 @@ class Scheduler:
             self.decode.leave(done)
 
     def _admit(self) -> None:
-        """Admits waiting sequences in order while a slot and blocks for the whole prompt remain
-        (the cached blocks of its longest cached prefix are reused, not counted)."""
+        """Admits waiting sequences in order while a slot and blocks for the prompt and the decode
+        reserve remain (``admission_blocks``; the cached blocks of its longest cached prefix are
+        reused, not counted). Only the prompt's blocks are taken."""
         bs, blocks = self.block_size, self.blocks
         while self.waiting and self.free_slots and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
@@ -292,7 +310,8 @@ class Scheduler:
             # At most the blocks before the last token: that one is always computed, for its logits.
             cached = blocks.peek(hashes[:(len(tokens) - 1) // bs]) if not _computes_prompt(seq) else []
             fresh = blocks_for(len(tokens), bs) - len(cached)
-            if fresh > blocks.available - blocks.idle(cached):
+            needed = admission_blocks(len(tokens), seq.max_new_tokens - len(seq.output), bs) - len(cached)
+            if needed > blocks.available - blocks.idle(cached):
                 break
             self.waiting.popleft()
             # A recompute after a preemption reuses its own blocks: saved work, but neither a

@@ -11,10 +11,11 @@ tokens per event when it does not or when many streams are open (paced like the 
 
 A client that goes away cancels its sequence (the handler is cancelled on disconnect, and a write
 to a closed connection fails), so its slot returns at once. Every refusal is an OpenAI error
-object with its status: 400 naming the field, 404 for another model, 413 for a body over the
-cap, 501 for what is not supported; an engine error (429 for a full queue, 400 for a request the
-cache cannot fit, 503 while not serving, 500 for a failed step or anything else) gets the status
-of its row in the engine's errors table (``engine.classify``), as on the gRPC port.
+object with its status: 400 naming the field (what is not supported included: never a 5xx,
+which the SDKs retry), 404 for another model, 413 for a body over the cap; an engine error (429
+for a full queue, 400 for a request the cache cannot fit, 503 while not serving, 500 for a failed
+step or anything else) gets the status of its row in the engine's errors table
+(``engine.classify``), as on the gRPC port.
 """
 
 from __future__ import annotations

@@ -5,16 +5,19 @@ Pure, so every refusal and every response shape is testable without a model or a
 HTTP server (``http_server``) only moves bytes. The request then goes through the same admission
 as a gRPC request (``grpc_server.admitted``).
 
-What the worker does not do is refused, never ignored: a field no OpenAI-compatible server knows
-is 400 naming it, so a client's typo or a feature it relies on is never silently dropped; the
-sampling fields (``n``, penalties, ``logit_bias``, ``min_p``, log probabilities, ``echo``,
-structured output) and their refusals are ``openai_sampling``'s. ``null`` is read as "not set",
-as OpenAI does.
+What the worker does not do is refused, never ignored, and every refusal is a 400 naming the
+field (``unsupported``: OpenAI's ``invalid_request_error`` with code ``unsupported_parameter``;
+never a 5xx, which the SDKs retry), as is a field no OpenAI-compatible server knows, so a
+client's typo or a feature it relies on is never silently dropped. Fields that change nothing
+the model computes (``store``, ``metadata``, ``user``, the ``developer`` role, ...) are accepted
+(``openai_fields``); the sampling fields (``n``, penalties, ``logit_bias``, ``min_p``, log
+probabilities, ``echo``, structured output) and their refusals are ``openai_sampling``'s.
+``null`` is read as "not set", as OpenAI does.
 
 Extensions, as vLLM names them: ``top_k``, ``ignore_eos``, ``stop_token_ids``; the tenant for the
-per-tenant graph toggle comes from the ``X-Graphkeeper-Tenant`` header or else ``user``; the
-final response (the last stream chunk when streaming) carries the request's graph execution
-summary as ``graphkeeper.execution``.
+per-tenant graph toggle comes from the ``X-Graphkeeper-Tenant`` header or else a label made from
+``user`` (``openai_fields.tenant_from_user``); the final response (the last stream chunk when
+streaming) carries the request's graph execution summary as ``graphkeeper.execution``.
 """
 
 from __future__ import annotations
@@ -28,6 +31,14 @@ from google.protobuf.json_format import MessageToDict
 
 from graphkeeper.proto import worker_pb2 as pb
 from graphkeeper.proto.field_checks import clipped_repr
+from graphkeeper.worker.serving.openai_fields import (
+    NEUTRAL_CHAT_FIELDS,
+    NEUTRAL_FIELDS,
+    FieldTypeError,
+    chat_role,
+    check_neutral,
+    tenant_from_user,
+)
 from graphkeeper.worker.serving.openai_sampling import SAMPLING_FIELDS, Choices, SamplingError, read_sampling
 
 TENANT_HEADER = "X-Graphkeeper-Tenant"
@@ -40,8 +51,8 @@ MAX_STOP_STRING_CHARS = 256
 
 _COMMON = ("model", "max_tokens", "temperature", "top_p", "top_k", "stream", "stream_options", "stop",
            "stop_token_ids", "seed", "user", "ignore_eos", *SAMPLING_FIELDS)
-COMPLETION_FIELDS = frozenset((*_COMMON, "prompt"))
-CHAT_FIELDS = frozenset((*_COMMON, "messages", "max_completion_tokens"))
+COMPLETION_FIELDS = frozenset((*_COMMON, "prompt")) | NEUTRAL_FIELDS
+CHAT_FIELDS = frozenset((*_COMMON, "messages", "max_completion_tokens")) | NEUTRAL_CHAT_FIELDS
 MESSAGE_FIELDS = frozenset(("role", "content", "name"))
 FINISH = {pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_EOS: "stop"}
 
@@ -63,7 +74,10 @@ def invalid(param: str, message: str) -> ApiError:
 
 
 def unsupported(param: str, message: str) -> ApiError:
-    return ApiError(501, f"{param}: {message}", param, "not_implemented_error", "not_implemented")
+    """A request for what this server does not do: 400 naming the field, as OpenAI refuses a
+    parameter a model does not support (a 5xx would be retried by the SDKs, reaching the worker
+    three times for one call)."""
+    return ApiError(400, f"{param}: {message}", param, code="unsupported_parameter")
 
 
 @dataclass
@@ -149,6 +163,10 @@ def _check_fields(body: Any, known: frozenset[str]) -> None:
     if unknown:
         raise invalid(unknown[0], f"unknown field {clipped_repr(unknown[0])} (this server knows: "
                       f"{', '.join(sorted(known))})")
+    try:
+        check_neutral(body)
+    except FieldTypeError as err:
+        raise invalid(err.param, err.message) from None
 
 
 def _read_sampling(body: dict, request: pb.GenerateRequest, chat: bool) -> Choices:
@@ -156,7 +174,7 @@ def _read_sampling(body: dict, request: pb.GenerateRequest, chat: bool) -> Choic
     try:
         return read_sampling(body, request, chat)
     except SamplingError as err:
-        raise invalid(err.param, err.message) from None
+        raise (unsupported if err.unsupported else invalid)(err.param, err.message) from None
 
 
 def _common(body: dict, request: pb.GenerateRequest, tenant_header: str | None) -> tuple[
@@ -204,10 +222,17 @@ def _common(body: dict, request: pb.GenerateRequest, tenant_header: str | None) 
                 raise invalid(f"stream_options.{key}", "unknown field")
         include_usage = _bool(options, "include_usage", name="stream_options.include_usage")
         continuous = _bool(options, "continuous_usage_stats", name="stream_options.continuous_usage_stats")
-    tenant = tenant_header if tenant_header is not None else body.get("user")
-    if tenant is not None:
-        request.tenant = _str(tenant, TENANT_HEADER if tenant_header is not None else "user")
+    request.tenant = _tenant(body, tenant_header)
     return model, stream, (include_usage, continuous), stop
+
+
+def _tenant(body: dict, tenant_header: str | None) -> str:
+    """The header as sent (admission checks it is a label, naming the header), else ``user``
+    made a label."""
+    if tenant_header is not None:
+        return _str(tenant_header, TENANT_HEADER)
+    user = body.get("user")
+    return "" if user is None else tenant_from_user(_str(user, "user"))
 
 
 def _stop_strings(value: Any) -> tuple[str, ...]:
@@ -292,7 +317,7 @@ def parse_chat(body: Any, tenant_header: str | None = None) -> Parsed:
             raise invalid(f"{name}.role", "is required")
         if message.get("name") is not None:
             _str(message["name"], f"{name}.name")
-        request.messages.append(pb.ChatMessage(role=_str(role, f"{name}.role"),
+        request.messages.append(pb.ChatMessage(role=chat_role(_str(role, f"{name}.role")),
                                                content=_content(message.get("content"), f"{name}.content")))
     model, stream, (include_usage, continuous), stop = _common(body, request, tenant_header)
     choices = _read_sampling(body, request, chat=True)
@@ -303,7 +328,7 @@ def parse_chat(body: Any, tenant_header: str | None = None) -> Parsed:
 
 
 def _content(value: Any, name: str) -> str:
-    """A message's text: a string, or an array of text parts (images and audio are 501)."""
+    """A message's text: a string, or an array of text parts (images and audio are refused)."""
     if value is None:
         return ""
     if isinstance(value, str):

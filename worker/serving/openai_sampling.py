@@ -34,11 +34,12 @@ MAX_CHAT_LOGPROBS = 20
 
 
 class SamplingError(ValueError):
-    """A sampling field refused; ``openai_api`` turns it into its 400 error object."""
+    """A sampling field refused; ``openai_api`` turns it into its 400 error object (code
+    ``unsupported_parameter`` when ``unsupported``: a valid request for what this server lacks)."""
 
-    def __init__(self, param: str, message: str) -> None:
+    def __init__(self, param: str, message: str, unsupported: bool = False) -> None:
         super().__init__(message)
-        self.param, self.message = param, message
+        self.param, self.message, self.unsupported = param, message, unsupported
 
 
 @dataclass(frozen=True)
@@ -56,7 +57,8 @@ def read_sampling(body: dict, request: pb.GenerateRequest, chat: bool) -> Choice
     n = _int(body, "n", 1, MAX_N) or 1
     best_of = _int(body, "best_of", 1, MAX_N)
     if best_of is not None and best_of != n:
-        raise SamplingError("best_of", f"only best_of equal to n ({n}) is supported (vLLM v1 has no best_of either)")
+        raise SamplingError("best_of", f"only best_of equal to n ({n}) is supported (vLLM v1 has no best_of either)",
+                            unsupported=True)
     s = request.sampling
     for name, low, high in (("presence_penalty", -2.0, 2.0), ("frequency_penalty", -2.0, 2.0),
                             ("min_p", 0.0, 1.0)):
@@ -76,7 +78,7 @@ def read_sampling(body: dict, request: pb.GenerateRequest, chat: bool) -> Choice
     if echo and logprobs is not None:  # the prompt's tokens get theirs too
         s.prompt_logprobs = logprobs
     if not chat and body.get("suffix"):
-        raise SamplingError("suffix", "insertion (suffix) is not supported")
+        raise SamplingError("suffix", "insertion (suffix) is not supported", unsupported=True)
     _refuse_tools(body)
     _constraint(body, request)
     return Choices(n=n, logprobs=logprobs, echo=echo)
@@ -149,10 +151,10 @@ def _refuse_tools(body: dict) -> None:
         if body.get(name):
             raise SamplingError(name, "tool calling is not supported by this server (no tool-call parser for the "
                                       "model's chat template); describe the tools in a message, or use "
-                                      "response_format json_schema for structured replies")
+                                      "response_format json_schema for structured replies", unsupported=True)
     for name in ("tool_choice", "function_call"):
         if body.get(name) not in (None, "none", "auto"):
-            raise SamplingError(name, "tool calling is not supported by this server")
+            raise SamplingError(name, "tool calling is not supported by this server", unsupported=True)
 
 
 def _constraint(body: dict, request: pb.GenerateRequest) -> None:
