@@ -19,6 +19,8 @@ pytestmark = [
     pytest.mark.cuda,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU (run pytest -m cuda on one)"),
 ]
+pytest.importorskip("llguidance", reason="structured output needs llguidance: carry its abi3 wheel in .whl/ "
+                                         "(bench/gpu_session.sh installs it)")
 
 CORPUS = ['{"name": "ada", "age": 36, "tags": ["x", "y"]}', "the graphs replay every decode step",
           "true false null 0123456789 -+.eE"] * 20
