@@ -54,6 +54,8 @@ SCENARIOS = {
     "decode": (64, (8, 8), (400, 400), 0.0),
     "mixed": (64, (16, 400), (64, 256), 2.0),
     "mixed256": (256, (16, 400), (64, 256), 2.0),
+    # Long prompts beside decoding streams: what the step budget's inter-token target is for.
+    "long": (64, (500, 3000), (32, 256), 2.0),
     "shared": (64, (8, 32), (32, 32), 0.0),
     "shared_nocache": (64, (8, 32), (32, 32), 0.0),
 }
@@ -299,7 +301,8 @@ def main() -> int:
     parser.add_argument("--scenarios", default="one,decode,mixed,mixed256")
     parser.add_argument("--seconds", type=float, default=20.0)
     parser.add_argument("--budget", type=int, default=0, help="token budget (0: the worker's default)")
-    parser.add_argument("--budgets", default="", help="comma list: sweep the mixed scenario over these budgets")
+    parser.add_argument("--budgets", default="", help="comma list: sweep --budget-scenarios over these budgets")
+    parser.add_argument("--budget-scenarios", default="mixed", help="comma list: the scenarios --budgets sweeps")
     parser.add_argument("--client-procs", type=int, default=8)
     parser.add_argument("--sample-threads", action="store_true",
                         help="run each worker under bench/thread_sampler.py and keep its summary")
@@ -321,7 +324,7 @@ def main() -> int:
     logs.mkdir(parents=True, exist_ok=True)
     plan = [(s, args.budget) for s in args.scenarios.split(",") if s]
     if args.budgets:
-        plan += [("mixed", int(b)) for b in args.budgets.split(",")]
+        plan += [(s, int(b)) for s in args.budget_scenarios.split(",") for b in args.budgets.split(",")]
     for scenario, budget in plan:
         spec = scenario_spec(scenario)
         streams = spec[0]

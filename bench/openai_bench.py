@@ -10,12 +10,16 @@ The workload published serving numbers use: random prompts of ``--prompt-tokens`
    decodes to text (a real tokenizer of another vocabulary would leave ids it does not know
    silent). Prompt text is tokenized and output detokenized by the worker, as for any text model.
 2. HTTP: one worker (``--http-port``), GuideLLM's ``concurrent`` profile over ``/v1/completions``
-   (streaming, usage in every chunk) for each concurrency, ``--seconds`` each.
+   (streaming, usage in every chunk) for each concurrency, ``--seconds`` each; then, on the same
+   worker, the plain multi-process client (``bench/http_client.py``: one process per core, nothing
+   tokenized on the client) at the same concurrencies (``--clients``). Each client's CPU is
+   recorded (GuideLLM's as the CPU time of its process tree over its run): a figure is the
+   worker's only if its client was not the limit, which the plain client beside it shows.
 3. gRPC: ``bench/load_bench.py`` on the same model directory with scenarios ``c<N>-p<P>-o<O>``
    (token-id prompts of the same lengths, ``ignore_eos``), ``--seconds`` each.
 4. ``$OUT/openai-<preset>.json`` and ``.md``: tokens/s, TTFT and inter-token latency percentiles of
-   both paths and the ratio HTTP / gRPC of tokens/s at each concurrency (the acceptance asks for
-   >= 0.95 at 64).
+   every client and path, the clients' CPU, and the ratio HTTP / gRPC of tokens/s at each
+   concurrency (the acceptance asks for >= 0.95 at 1, 16 and 64).
 
 GuideLLM and what it needs beyond the GPU image (torch, transformers, numpy, protobuf are there),
 aiohttp (the worker's HTTP server) included, are installed from carried wheels into ``--site``
@@ -32,6 +36,8 @@ calls on the same warm machine (``.benchsite`` is git-ignored and stays between 
         --models /tmp/obm --seconds 20 --out $out' bash bench/gpu_session.sh
     python bench/openai_bench.py --device cpu --dtype float32 --preset tiny --prompt-tokens 32 \\
         --output-tokens 8 --concurrency 2 --seconds 5 --site /tmp/glsite --out /tmp/ob           # CPU check
+    python bench/openai_bench.py --device cpu --dtype float32 --preset tiny --prompt-tokens 32 \\
+        --output-tokens 8 --concurrency 2 --seconds 3 --clients plain --out /tmp/ob  # no GuideLLM
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ import argparse
 import datetime as dt
 import json
 import os
+import resource
 import socket
 import subprocess
 import sys
@@ -49,6 +56,10 @@ import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+
+import http_client  # noqa: E402  (bench/http_client.py, beside this file)
+
 #: load_bench.py's token budget per step (its worker's --max-num-batched-tokens): the HTTP worker
 #: gets the same, and the same --max-num-seqs, so the two paths differ only in the API.
 GRPC_BENCH_BUDGET = 512
@@ -129,8 +140,9 @@ def start_worker(model: Path, args: argparse.Namespace, max_num_seqs: int, log: 
     raise RuntimeError("worker did not become ready")
 
 
-def run_guidellm(url: str, model: Path, args: argparse.Namespace, site: Path, out: Path) -> dict:
-    """GuideLLM's concurrent profile at each concurrency; its JSON report."""
+def run_guidellm(url: str, model: Path, args: argparse.Namespace, site: Path, out: Path) -> tuple[dict, float]:
+    """GuideLLM's concurrent profile at each concurrency; its JSON report and the CPU cores its
+    process tree used on average over the run (its CPU seconds over its wall seconds)."""
     concurrency = [int(c) for c in args.concurrency.split(",")]
     scenario = {
         "spec": {
@@ -148,9 +160,28 @@ def run_guidellm(url: str, model: Path, args: argparse.Namespace, site: Path, ou
     path = out.with_suffix(".scenario.json")
     path.write_text(json.dumps(scenario, indent=1))
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    before, began = _children_cpu(), time.perf_counter()
     subprocess.run([sys.executable, "-m", "guidellm", "run", "--scenario", str(path), "--disable-console-interactive"],
                    check=True, env=env, timeout=args.seconds * len(concurrency) * 4 + 600)
-    return json.loads(out.read_text())
+    cores = (_children_cpu() - before) / (time.perf_counter() - began)
+    return json.loads(out.read_text()), cores
+
+
+def _children_cpu() -> float:
+    """CPU seconds of this process's waited-for children (and theirs)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def run_plain(url: str, model: Path, args: argparse.Namespace, vocab: int) -> list[dict]:
+    """The plain multi-process client at each concurrency, on the same worker and workload."""
+    rows = []
+    for c in (int(x) for x in args.concurrency.split(",")):
+        row = http_client.drive(url, str(model), c, prompt_tokens=args.prompt_tokens, output_tokens=args.output_tokens,
+                                seconds=args.seconds, vocab=vocab, words=True, processes=args.client_processes)
+        rows.append({k: row[k] for k in ("concurrency", "tokens_per_s", "requests_completed", "errors", "ttft_ms",
+                                         "itl_ms", "client_cpu", "processes")})
+    return rows
 
 
 def _get(tree: dict, *keys: str, default=None):
@@ -210,6 +241,10 @@ def main() -> int:
     parser.add_argument("--site", default="", help="where GuideLLM is (or gets) installed (default: a temp dir)")
     parser.add_argument("--models", default="", help="where the model directories are made (default: a temp dir)")
     parser.add_argument("--paths", default="http,grpc", help="http, grpc or both")
+    parser.add_argument("--clients", default="guidellm,plain",
+                        help="the HTTP clients: guidellm, plain (bench/http_client.py) or both, on one worker")
+    parser.add_argument("--client-processes", type=int, default=0,
+                        help="the plain client's processes (0: one per core, at most one per stream)")
     parser.add_argument("--out", default=os.environ.get("OUT", "openai-bench-out"))
     args = parser.parse_args()
     out = Path(args.out)
@@ -217,9 +252,11 @@ def main() -> int:
     site = Path(args.site or tempfile.mkdtemp(prefix="guidellm-site-"))
     models = Path(args.models or tempfile.mkdtemp(prefix="openai-bench-models-"))
     paths = set(args.paths.split(","))
+    clients = set(args.clients.split(","))
     # The worker imports aiohttp, which the GPU image lacks: it comes with the carried wheels, and
     # every process started from here (workers, GuideLLM, load_bench) sees them.
-    install_client(Path(args.wheels), site)
+    if "guidellm" in clients:
+        install_client(Path(args.wheels), site)
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH")) if p)
     began = time.perf_counter()
     model = prepare_model(args.preset, args.device, args.dtype, models)
@@ -230,24 +267,28 @@ def main() -> int:
         "device": args.device, "workload": {"prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens,
                                             "ignore_eos": True, "concurrency": args.concurrency,
                                             "seconds": args.seconds},
-        "client": "guidellm", "http": [], "grpc": [],
+        "clients": sorted(clients), "http": [], "http_plain": [], "grpc": [],
     }
     if "http" in paths:
         max_seqs = max(64, *(int(c) for c in args.concurrency.split(",")))
         proc, url = start_worker(model, args, max_seqs, out / f"worker-http-{args.preset}.log")
         try:
-            report = run_guidellm(url, model, args, site, out / f"guidellm-{args.preset}.json")
+            if "guidellm" in clients:
+                report, cores = run_guidellm(url, model, args, site, out / f"guidellm-{args.preset}.json")
+                results["http"] = [row | {"client_cpu": {"cores_used": cores}} for row in summarize_guidellm(report)]
+            if "plain" in clients:
+                vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+                results["http_plain"] = run_plain(url, model, args, vocab)
         finally:
             proc.terminate()
             proc.wait(120)
-        results["http"] = summarize_guidellm(report)
     if "grpc" in paths:
         grpc = run_grpc(model, args, out / f"grpc-{args.preset}.json")
         results["grpc"] = [{"concurrency": row["streams"], "tokens_per_s": row["tokens_per_s"],
                             "requests_completed": row["requests_completed"], "errors": row["errors"],
                             "ttft_ms": row["ttft_ms"], "itl_ms": row["itl_ms"]} for row in grpc["scenarios"]]
     by_c = {row["concurrency"]: row for row in results["grpc"]}
-    for row in results["http"]:
+    for row in results["http"] + results["http_plain"]:
         other = by_c.get(row["concurrency"])
         if other and other["tokens_per_s"] and row["tokens_per_s"] is not None:
             row["ratio_to_grpc"] = row["tokens_per_s"] / other["tokens_per_s"]
@@ -259,18 +300,27 @@ def main() -> int:
 
 def markdown(results: dict) -> str:
     w = results["workload"]
-    lines = [f"# {results['preset']} ({results['dtype']}, {results['device']}): OpenAI HTTP (GuideLLM) vs gRPC "
-             f"(load_bench)", "",
+    lines = [f"# {results['preset']} ({results['dtype']}, {results['device']}): OpenAI HTTP (GuideLLM, plain "
+             f"client) vs gRPC (load_bench)", "",
              f"Random prompts of {w['prompt_tokens']} tokens, {w['output_tokens']} new tokens, ignore_eos, "
-             f"{w['seconds']:g} s per concurrency and path. {results['date']} {results['commit']}", "",
-             "| path | concurrency | output tok/s | HTTP/gRPC | TTFT p50 / p90 / p99 ms | ITL p50 / p90 / p99 ms |",
-             "|---|---|---|---|---|---|"]
-    for path in ("http", "grpc"):
-        for row in results[path]:
+             f"{w['seconds']:g} s per concurrency and path. {results['date']} {results['commit']}. Client CPU: "
+             "cores its processes used on average (the plain client: and its busiest process's share of a core; "
+             f"above {http_client.BUSY:.0%} it may be the limit).", "",
+             "| path | concurrency | output tok/s | HTTP/gRPC | TTFT p50 / p90 / p99 ms | ITL p50 / p90 / p99 ms "
+             "| client CPU |", "|---|---|---|---|---|---|---|"]
+    for path, name in (("http", "http (GuideLLM)"), ("http_plain", "http (plain client)"), ("grpc", "grpc")):
+        for row in results.get(path, []):
             ratio = f"{row['ratio_to_grpc']:.3f}" if "ratio_to_grpc" in row else ""
-            lines.append(f"| {path} | {row['concurrency']} | {_num(row['tokens_per_s'])} | {ratio} | "
-                         f"{_pcts(row['ttft_ms'])} | {_pcts(row['itl_ms'])} |")
+            lines.append(f"| {name} | {row['concurrency']} | {_num(row['tokens_per_s'])} | {ratio} | "
+                         f"{_pcts(row['ttft_ms'])} | {_pcts(row['itl_ms'])} | {_cpu(row.get('client_cpu'))} |")
     return "\n".join(lines) + "\n"
+
+
+def _cpu(cpu: dict | None) -> str:
+    if not cpu:
+        return "-"
+    busiest = cpu.get("busiest_process")
+    return f"{cpu['cores_used']:.2f} cores" + (f", busiest {busiest:.0%}" if busiest is not None else "")
 
 
 def _num(value) -> str:

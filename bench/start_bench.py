@@ -43,7 +43,7 @@ TARGETS = {"llama-1b": {"cold": 20.0, "warm": 8.0, "warm again": 8.0},
            "llama-8b": {"cold": 30.0, "warm": 12.0, "warm again": 12.0}}
 STAGES = ("before_engine", "engine_process", "engine_setup", "device_context", "weights", "kv_cache", "tokenizer",
           "kernel_tuning", "compile", "warm_up", "capture_setup", "capture_prime", "capture_warm_up", "capture_record",
-          "capture_validate", "capture_measure", "capture_finish", "capture_other", "kv_sizing", "ready")
+          "capture_validate", "capture_measure", "capture_finish", "capture_other", "after_capture", "ready")
 
 
 def process_started(pid: int) -> float:

@@ -115,16 +115,45 @@ LEDGER_STAGE_CAPTURE: LedgerStage
 LEDGER_STAGE_STEADY: LedgerStage
 
 class SamplingParams(_message.Message):
-    __slots__ = ("temperature", "top_k", "top_p", "seed")
+    __slots__ = ("temperature", "top_k", "top_p", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "logit_bias", "logprobs", "prompt_logprobs")
+    class LogitBiasEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: float
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[float] = ...) -> None: ...
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    PRESENCE_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    MIN_P_FIELD_NUMBER: _ClassVar[int]
+    LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_k: int
     top_p: float
     seed: int
-    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
+    presence_penalty: float
+    frequency_penalty: float
+    repetition_penalty: float
+    min_p: float
+    logit_bias: _containers.ScalarMap[int, float]
+    logprobs: int
+    prompt_logprobs: int
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., min_p: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ...) -> None: ...
+
+class OutputConstraint(_message.Message):
+    __slots__ = ("json_schema", "json_object")
+    JSON_SCHEMA_FIELD_NUMBER: _ClassVar[int]
+    JSON_OBJECT_FIELD_NUMBER: _ClassVar[int]
+    json_schema: str
+    json_object: bool
+    def __init__(self, json_schema: _Optional[str] = ..., json_object: _Optional[bool] = ...) -> None: ...
 
 class StoppingCriteria(_message.Message):
     __slots__ = ("max_new_tokens", "stop_token_ids", "ignore_eos")
@@ -137,7 +166,7 @@ class StoppingCriteria(_message.Message):
     def __init__(self, max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "tenant", "prompt_token_ids", "sampling", "stopping", "prompt_text", "messages")
+    __slots__ = ("request_id", "tenant", "prompt_token_ids", "sampling", "stopping", "prompt_text", "messages", "constraint")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -145,6 +174,7 @@ class GenerateRequest(_message.Message):
     STOPPING_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TEXT_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    CONSTRAINT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     tenant: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -152,7 +182,8 @@ class GenerateRequest(_message.Message):
     stopping: StoppingCriteria
     prompt_text: str
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
-    def __init__(self, request_id: _Optional[str] = ..., tenant: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stopping: _Optional[_Union[StoppingCriteria, _Mapping]] = ..., prompt_text: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ...) -> None: ...
+    constraint: OutputConstraint
+    def __init__(self, request_id: _Optional[str] = ..., tenant: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stopping: _Optional[_Union[StoppingCriteria, _Mapping]] = ..., prompt_text: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., constraint: _Optional[_Union[OutputConstraint, _Mapping]] = ...) -> None: ...
 
 class ChatMessage(_message.Message):
     __slots__ = ("role", "content")
@@ -171,15 +202,35 @@ class GenerateResponse(_message.Message):
     def __init__(self, tokens: _Optional[_Union[TokenChunk, _Mapping]] = ..., completion: _Optional[_Union[Completion, _Mapping]] = ...) -> None: ...
 
 class TokenChunk(_message.Message):
-    __slots__ = ("token_ids", "text")
+    __slots__ = ("token_ids", "text", "logprobs")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
+
+class TokenLogprob(_message.Message):
+    __slots__ = ("token_id", "logprob", "top")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TOP_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    logprob: float
+    top: _containers.RepeatedCompositeFieldContainer[TopLogprob]
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ...) -> None: ...
+
+class TopLogprob(_message.Message):
+    __slots__ = ("token_id", "logprob")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    logprob: float
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ...) -> None: ...
 
 class Completion(_message.Message):
-    __slots__ = ("request_id", "finish_reason", "prompt_tokens", "generated_tokens", "time_to_first_token_seconds", "total_seconds", "execution")
+    __slots__ = ("request_id", "finish_reason", "prompt_tokens", "generated_tokens", "time_to_first_token_seconds", "total_seconds", "execution", "prompt_logprobs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -187,6 +238,7 @@ class Completion(_message.Message):
     TIME_TO_FIRST_TOKEN_SECONDS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     EXECUTION_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     finish_reason: FinishReason
     prompt_tokens: int
@@ -194,7 +246,8 @@ class Completion(_message.Message):
     time_to_first_token_seconds: float
     total_seconds: float
     execution: ExecutionSummary
-    def __init__(self, request_id: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., time_to_first_token_seconds: _Optional[float] = ..., total_seconds: _Optional[float] = ..., execution: _Optional[_Union[ExecutionSummary, _Mapping]] = ...) -> None: ...
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    def __init__(self, request_id: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., time_to_first_token_seconds: _Optional[float] = ..., total_seconds: _Optional[float] = ..., execution: _Optional[_Union[ExecutionSummary, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class ExecutionSummary(_message.Message):
     __slots__ = ("graph_steps", "eager_steps", "preemptions", "cached_prompt_tokens")
@@ -231,7 +284,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetModelInfoResponse(_message.Message):
-    __slots__ = ("source", "revision", "architecture", "dtype", "vocab_size", "hidden_size", "num_layers", "num_attention_heads", "num_key_value_heads", "max_seq_len", "max_num_seqs", "eos_token_id", "device", "parameter_count", "eos_token_ids", "model_context_length", "tokenizer", "chat_template")
+    __slots__ = ("source", "revision", "architecture", "dtype", "vocab_size", "hidden_size", "num_layers", "num_attention_heads", "num_key_value_heads", "max_seq_len", "max_num_seqs", "eos_token_id", "device", "parameter_count", "eos_token_ids", "model_context_length", "tokenizer", "chat_template", "step_budget")
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     REVISION_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
@@ -250,6 +303,7 @@ class GetModelInfoResponse(_message.Message):
     MODEL_CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FIELD_NUMBER: _ClassVar[int]
     CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
+    STEP_BUDGET_FIELD_NUMBER: _ClassVar[int]
     source: str
     revision: str
     architecture: str
@@ -268,7 +322,8 @@ class GetModelInfoResponse(_message.Message):
     model_context_length: int
     tokenizer: bool
     chat_template: bool
-    def __init__(self, source: _Optional[str] = ..., revision: _Optional[str] = ..., architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_attention_heads: _Optional[int] = ..., num_key_value_heads: _Optional[int] = ..., max_seq_len: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., eos_token_id: _Optional[int] = ..., device: _Optional[str] = ..., parameter_count: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., model_context_length: _Optional[int] = ..., tokenizer: _Optional[bool] = ..., chat_template: _Optional[bool] = ...) -> None: ...
+    step_budget: StepBudgetStatus
+    def __init__(self, source: _Optional[str] = ..., revision: _Optional[str] = ..., architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_attention_heads: _Optional[int] = ..., num_key_value_heads: _Optional[int] = ..., max_seq_len: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., eos_token_id: _Optional[int] = ..., device: _Optional[str] = ..., parameter_count: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., model_context_length: _Optional[int] = ..., tokenizer: _Optional[bool] = ..., chat_template: _Optional[bool] = ..., step_budget: _Optional[_Union[StepBudgetStatus, _Mapping]] = ...) -> None: ...
 
 class CaptureSizes(_message.Message):
     __slots__ = ("explicit", "ladder", "max_capture_size")
@@ -391,7 +446,7 @@ class LedgerEntry(_message.Message):
     def __init__(self, stage: _Optional[_Union[LedgerStage, str]] = ..., device_used_bytes: _Optional[int] = ..., torch_allocated_bytes: _Optional[int] = ..., torch_reserved_bytes: _Optional[int] = ..., residual_bytes: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class GraphStatus(_message.Message):
-    __slots__ = ("state", "requested_mode", "effective_mode", "mode_downgrade_reason", "policy_uid", "policy_generation", "model_revision", "captured", "skipped", "fallbacks", "graph_steps", "eager_steps", "graph_memory_bytes", "total_capture_seconds", "ledger", "running_sequences", "queued_requests", "last_error", "pending_policy_uid", "pending_policy_generation", "pending_model_revision", "compile", "traffic", "kv_cache", "capture_parts", "previous_ledger", "serving", "startup")
+    __slots__ = ("state", "requested_mode", "effective_mode", "mode_downgrade_reason", "policy_uid", "policy_generation", "model_revision", "captured", "skipped", "fallbacks", "graph_steps", "eager_steps", "graph_memory_bytes", "total_capture_seconds", "ledger", "running_sequences", "queued_requests", "last_error", "pending_policy_uid", "pending_policy_generation", "pending_model_revision", "compile", "traffic", "kv_cache", "capture_parts", "previous_ledger", "serving", "step_budget", "startup")
     STATE_FIELD_NUMBER: _ClassVar[int]
     REQUESTED_MODE_FIELD_NUMBER: _ClassVar[int]
     EFFECTIVE_MODE_FIELD_NUMBER: _ClassVar[int]
@@ -419,6 +474,7 @@ class GraphStatus(_message.Message):
     CAPTURE_PARTS_FIELD_NUMBER: _ClassVar[int]
     PREVIOUS_LEDGER_FIELD_NUMBER: _ClassVar[int]
     SERVING_FIELD_NUMBER: _ClassVar[int]
+    STEP_BUDGET_FIELD_NUMBER: _ClassVar[int]
     STARTUP_FIELD_NUMBER: _ClassVar[int]
     state: LifecycleState
     requested_mode: GraphMode
@@ -447,8 +503,21 @@ class GraphStatus(_message.Message):
     capture_parts: _containers.RepeatedCompositeFieldContainer[CapturePart]
     previous_ledger: _containers.RepeatedCompositeFieldContainer[LedgerEntry]
     serving: ServingCounters
+    step_budget: StepBudgetStatus
     startup: StartupStatus
-    def __init__(self, state: _Optional[_Union[LifecycleState, str]] = ..., requested_mode: _Optional[_Union[GraphMode, str]] = ..., effective_mode: _Optional[_Union[GraphMode, str]] = ..., mode_downgrade_reason: _Optional[str] = ..., policy_uid: _Optional[str] = ..., policy_generation: _Optional[int] = ..., model_revision: _Optional[str] = ..., captured: _Optional[_Iterable[_Union[CapturedSize, _Mapping]]] = ..., skipped: _Optional[_Iterable[_Union[SkippedSize, _Mapping]]] = ..., fallbacks: _Optional[_Iterable[_Union[FallbackCount, _Mapping]]] = ..., graph_steps: _Optional[int] = ..., eager_steps: _Optional[int] = ..., graph_memory_bytes: _Optional[int] = ..., total_capture_seconds: _Optional[float] = ..., ledger: _Optional[_Iterable[_Union[LedgerEntry, _Mapping]]] = ..., running_sequences: _Optional[int] = ..., queued_requests: _Optional[int] = ..., last_error: _Optional[str] = ..., pending_policy_uid: _Optional[str] = ..., pending_policy_generation: _Optional[int] = ..., pending_model_revision: _Optional[str] = ..., compile: _Optional[_Union[CompileStatus, _Mapping]] = ..., traffic: _Optional[_Union[StepHistogram, _Mapping]] = ..., kv_cache: _Optional[_Union[KVCacheStatus, _Mapping]] = ..., capture_parts: _Optional[_Iterable[_Union[CapturePart, _Mapping]]] = ..., previous_ledger: _Optional[_Iterable[_Union[LedgerEntry, _Mapping]]] = ..., serving: _Optional[_Union[ServingCounters, _Mapping]] = ..., startup: _Optional[_Union[StartupStatus, _Mapping]] = ...) -> None: ...
+    def __init__(self, state: _Optional[_Union[LifecycleState, str]] = ..., requested_mode: _Optional[_Union[GraphMode, str]] = ..., effective_mode: _Optional[_Union[GraphMode, str]] = ..., mode_downgrade_reason: _Optional[str] = ..., policy_uid: _Optional[str] = ..., policy_generation: _Optional[int] = ..., model_revision: _Optional[str] = ..., captured: _Optional[_Iterable[_Union[CapturedSize, _Mapping]]] = ..., skipped: _Optional[_Iterable[_Union[SkippedSize, _Mapping]]] = ..., fallbacks: _Optional[_Iterable[_Union[FallbackCount, _Mapping]]] = ..., graph_steps: _Optional[int] = ..., eager_steps: _Optional[int] = ..., graph_memory_bytes: _Optional[int] = ..., total_capture_seconds: _Optional[float] = ..., ledger: _Optional[_Iterable[_Union[LedgerEntry, _Mapping]]] = ..., running_sequences: _Optional[int] = ..., queued_requests: _Optional[int] = ..., last_error: _Optional[str] = ..., pending_policy_uid: _Optional[str] = ..., pending_policy_generation: _Optional[int] = ..., pending_model_revision: _Optional[str] = ..., compile: _Optional[_Union[CompileStatus, _Mapping]] = ..., traffic: _Optional[_Union[StepHistogram, _Mapping]] = ..., kv_cache: _Optional[_Union[KVCacheStatus, _Mapping]] = ..., capture_parts: _Optional[_Iterable[_Union[CapturePart, _Mapping]]] = ..., previous_ledger: _Optional[_Iterable[_Union[LedgerEntry, _Mapping]]] = ..., serving: _Optional[_Union[ServingCounters, _Mapping]] = ..., step_budget: _Optional[_Union[StepBudgetStatus, _Mapping]] = ..., startup: _Optional[_Union[StartupStatus, _Mapping]] = ...) -> None: ...
+
+class StepBudgetStatus(_message.Message):
+    __slots__ = ("tokens", "tokens_with_decode", "itl_target_seconds", "source")
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_WITH_DECODE_FIELD_NUMBER: _ClassVar[int]
+    ITL_TARGET_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    tokens: int
+    tokens_with_decode: int
+    itl_target_seconds: float
+    source: str
+    def __init__(self, tokens: _Optional[int] = ..., tokens_with_decode: _Optional[int] = ..., itl_target_seconds: _Optional[float] = ..., source: _Optional[str] = ...) -> None: ...
 
 class StartupStatus(_message.Message):
     __slots__ = ("stages", "ready_seconds", "started_unix_seconds", "compile_cache", "tuning_cache", "caches")

@@ -106,7 +106,7 @@ def test_workers_serve_openai_http_and_vllm_metric_names_by_choice(helm):
                   "--set", "workers.service.ports.http=0")
     container = one(docs, "Deployment", "gk-graphkeeper-worker")["spec"]["template"]["spec"]["containers"][0]
     assert {"--http-port=8080", "--served-model-name=smollm2"} <= set(container["args"])
-    assert "--vllm-metric-names" not in container["args"]
+    assert "--no-vllm-metric-names" in container["args"] and "--vllm-metric-names" not in container["args"]
     assert {p["name"]: p["containerPort"] for p in container["ports"]}["http"] == 8080
     svc = one(docs, "Service", "gk-graphkeeper-worker")["spec"]
     assert [p["name"] for p in svc["ports"]] == ["grpc"]  # 0: the HTTP API is not behind the Service

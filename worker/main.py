@@ -76,6 +76,12 @@ def limit_errors(max_num_seqs: int, max_seq_len: int, max_num_batched_tokens: in
     return errors
 
 
+def itl_target_error(itl_target_ms: float) -> str | None:
+    if not math.isfinite(itl_target_ms) or itl_target_ms < 0:
+        return f"--itl-target-ms must be a finite number of milliseconds, 0 or more (0: derived), got {itl_target_ms}"
+    return None
+
+
 def block_size_error(block_size: int) -> str | None:
     try:
         check_block_size(block_size)
@@ -197,6 +203,7 @@ def boot_errors(args: argparse.Namespace) -> list[str]:
                            control_token_error(getattr(args, "control_token_file", ""))) if e]
     errors += model_root_errors(getattr(args, "model_root", None) or [])
     errors += [e for e in (block_size_error(getattr(args, "kv_block_size", 16)),
+                           itl_target_error(getattr(args, "itl_target_ms", 0.0)),
                            utilization_error(getattr(args, "gpu_memory_utilization", None), args.device,
                                              getattr(args, "kv_cache_memory", ""))) if e]
     if not errors:  # the costlier checks only once the flags themselves make sense
@@ -248,7 +255,8 @@ def settings_from_args(args: argparse.Namespace) -> EngineSettings:
         model=args.model, model_revision=args.model_revision, device=args.device, dtype=args.dtype,
         max_num_seqs=args.max_num_seqs, max_seq_len=args.max_seq_len, kv_cache_memory=kv_cache_memory,
         max_num_batched_tokens=args.max_num_batched_tokens, max_queue=args.max_queue,
-        prefill_chunk=args.prefill_chunk, policy=policy, inject_capture_failures=inject,
+        prefill_chunk=args.prefill_chunk, itl_target_ms=getattr(args, "itl_target_ms", 0.0), policy=policy,
+        inject_capture_failures=inject,
         inject_step_failure=_step_injection(os.environ.get(INJECT_STEP_ENV, "")),
         model_roots=tuple(args.model_root), optimization_level=args.optimization_level, compile=args.compile,
         compile_cache_dir=args.compile_cache_dir, quantization=args.quantization,
@@ -327,7 +335,7 @@ async def _serve(args: argparse.Namespace, settings: EngineSettings, token: str)
     http = None
     http_host = getattr(args, "http_host", "") or args.host
     served_name = getattr(args, "served_model_name", "")
-    registry = exported_registry(engine, served_name, getattr(args, "vllm_metric_names", False))
+    registry = exported_registry(engine, served_name, getattr(args, "vllm_metric_names", True))
     try:
         servers = build_servers(engine, args.host, args.port, control_host, args.control_port, token, hub)
         track_health(engine, servers.health, loop)

@@ -46,7 +46,7 @@ RECAPTURE_CAUSES = ("policy", "model_revision")
 STARTUP_STAGES = ("before_engine", "engine_process", "engine_setup", "device_context", "weights", "kv_cache",
                   "tokenizer", "kernel_tuning", "compile", "warm_up", "capture_setup", "capture_prime",
                   "capture_warm_up", "capture_record", "capture_validate", "capture_measure", "capture_finish",
-                  "capture_other", "kv_sizing", "ready")
+                  "capture_other", "after_capture", "ready")
 #: Label values of graphkeeper_startup_cache{outcome}; {cache} is "compile" or "tuning".
 CACHE_OUTCOMES = ("off", "hit", "miss", "partial")
 #: Label values of graphkeeper_tenant_steps_total{execution}.

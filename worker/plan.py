@@ -8,6 +8,7 @@ no torch, so the scheduler and its tests never load the device stack.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
@@ -53,6 +54,125 @@ class SamplingBatch:
         )
 
 
+class TokenLogprob(NamedTuple):
+    """A sampled token's log probability under the model and its ``top`` alternatives, as
+    ``(token, logprob)`` pairs, most likely first."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+
+
+class Sampled(list):
+    """A stream's new token ids in an update, with ``logprobs`` (one ``TokenLogprob`` per id)
+    for a request that asked for them, and with its first token the prompt's (``prompt_logprobs``,
+    one per prompt token after the first) for a request that asked for those. A list, so every
+    consumer of plain token lists (the gRPC and HTTP streams, the engine-core channel, which
+    pickles the attributes with it) takes it unchanged; the ones that serve log probabilities
+    read the attributes."""
+
+    def __init__(self, tokens: list[int], logprobs: list[TokenLogprob] | None,
+                 prompt_logprobs: list[TokenLogprob] | None = None) -> None:
+        super().__init__(tokens)
+        self.logprobs = logprobs
+        self.prompt_logprobs = prompt_logprobs
+
+
+@dataclass(frozen=True)
+class PromptLogprobs:
+    """Prompt log probabilities a prefill chunk computes: the chunk's first ``len(targets)`` rows
+    each give the log probability of ``targets[i]``, the prompt token after the row's."""
+
+    chunk: int  # index into the plan's ``prefill``
+    top: int
+    targets: np.ndarray  # int64
+
+
+@dataclass(frozen=True)
+class LogitsSpec:
+    """What one request asks of its logits beyond temperature, top-k and top-p (vLLM's meanings).
+
+    Neutral values change nothing: penalties 0 (repetition 1), no bias, ``min_p`` 0, no grammar.
+    ``logprobs`` is -1 for none, else the count of alternatives returned beside each token.
+    """
+
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    logprobs: int = -1
+    constrained: bool = False
+    #: Alternatives for each prompt token's log probability; -1: the prompt's are not computed.
+    prompt_logprobs: int = -1
+
+    @property
+    def penalised(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty) or self.repetition_penalty != 1.0
+
+    @property
+    def changes_logits(self) -> bool:
+        """Whether the row's logits differ from the model's before temperature (not logprobs)."""
+        return self.penalised or bool(self.logit_bias) or self.min_p > 0.0 or self.constrained
+
+    @property
+    def needs_history(self) -> bool:
+        """Whether the row needs every earlier token on the host before it is scheduled (penalty
+        counts, the grammar's state), so the step before it must be read first."""
+        return self.penalised or self.constrained
+
+
+@dataclass
+class LogitsBatch:
+    """A step's logits processing, host arrays; built only when some sample row asks for any.
+
+    ``rows`` are the sample rows whose logits change; the per-row arrays follow ``rows``. Token
+    lists are sparse: ``(index into rows, token, value)`` triples. ``masks`` holds a grammar's
+    allowed-token bitmask (32 tokens an int32 word) for each index in ``mask_rows``.
+    ``logprobs`` has one entry per sample row (-1: none).
+    """
+
+    rows: np.ndarray  # int64
+    presence: np.ndarray  # float32, per entry of rows
+    frequency: np.ndarray
+    repetition: np.ndarray
+    min_p: np.ndarray
+    counts: np.ndarray  # [3, k] int64: (index into rows, token, times in the output)
+    seen: np.ndarray  # [2, k] int64: (index into rows, token in the prompt or the output)
+    bias: tuple[np.ndarray, np.ndarray]  # ([2, k] int64 (index into rows, token), [k] float32)
+    mask_rows: np.ndarray  # int64 indices into rows
+    masks: np.ndarray  # [len(mask_rows), words] int32
+    logprobs: np.ndarray  # int64, per sample row
+
+    @property
+    def top_logprobs(self) -> int:
+        """The most alternatives any row asked for (-1: no row asked for log probabilities)."""
+        return int(self.logprobs.max()) if len(self.logprobs) else -1
+
+    def select(self, keep: list[int]) -> LogitsBatch:
+        """The batch for the sample rows ``keep`` (in that order), for a step re-run without a culprit."""
+        new_of = {old: new for new, old in enumerate(keep)}
+        entries = [i for i, row in enumerate(self.rows) if int(row) in new_of]
+        renumber = np.full(len(self.rows) + 1, -1, dtype=np.int64)
+        renumber[entries] = np.arange(len(entries))
+
+        def sparse(arr: np.ndarray) -> np.ndarray:
+            kept = arr[:, renumber[arr[0]] >= 0]
+            return np.concatenate([renumber[kept[0]][None], kept[1:]]) if kept.size else arr[:, :0]
+
+        bias_kept = renumber[self.bias[0][0]] >= 0
+        mask_kept = renumber[self.mask_rows] >= 0 if len(self.mask_rows) else np.zeros(0, dtype=bool)
+        return LogitsBatch(
+            rows=np.array([new_of[int(self.rows[i])] for i in entries], dtype=np.int64),
+            presence=self.presence[entries], frequency=self.frequency[entries],
+            repetition=self.repetition[entries], min_p=self.min_p[entries],
+            counts=sparse(self.counts), seen=sparse(self.seen),
+            bias=(sparse(self.bias[0]), self.bias[1][bias_kept]),
+            mask_rows=renumber[self.mask_rows[mask_kept]], masks=self.masks[mask_kept],
+            logprobs=self.logprobs[keep],
+        )
+
+
 @dataclass
 class StepPlan:
     """A scheduled step, flat: decode rows first, then prefill chunks.
@@ -72,6 +192,10 @@ class StepPlan:
     sample_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     sample_slots: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     sampling: SamplingBatch | None = None
+    #: Penalties, biases, min-p, grammar masks and log probabilities; None when no row asks.
+    logits: LogitsBatch | None = None
+    #: Prefill chunks whose prompt log probabilities are asked for.
+    prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
     decode_tokens: np.ndarray | None = None  # given only by probes and warm-up, which have no history
     #: Block-table changes ``[3, k]`` (slot, index in the slot's table, block), applied before the
     #: step runs; each (slot, index) at most once. None when the step changes no table.

@@ -18,8 +18,9 @@ DEFAULT_MODEL = "builtin:smollm2-135m-instruct"
 DEFAULT_DEVICE = "cpu"
 DEFAULT_DTYPE = "auto"
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-#: Unset (None), the context length and sequence count come from the model and the memory
-#: there is (engine/sizing.py); a random preset serves 512 tokens and 16 sequences.
+#: Unset (None), the context length comes from the model and the memory there is, and the
+#: sequence count is a fixed default per device within the step budget (engine/sizing.py:
+#: DEFAULT_MAX_NUM_SEQS); a random preset serves 512 tokens and 16 sequences.
 DEFAULT_MAX_NUM_SEQS: int | None = None
 DEFAULT_MAX_SEQ_LEN: int | None = None
 #: Tokens per step: decode rows plus prefill chunks.
@@ -55,6 +56,9 @@ class EngineSettings:
     max_queue: int = DEFAULT_MAX_QUEUE
     #: Longest prefill chunk (0: the token budget).
     prefill_chunk: int = 0
+    #: Inter-token target bounding the prefill a step with decode rows carries, in ms (0: derived
+    #: from the step times measured at capture; engine/step_budget.py).
+    itl_target_ms: float = 0.0
     #: The policy to capture before READY (None or one without a uid: the default ladder).
     policy: pb.GraphPolicy | None = None
     #: Where LoadModelRevision may load from (empty: no path may be loaded; random presets only).

@@ -56,13 +56,14 @@ def _worker(sub: argparse._SubParsersAction) -> None:
                    help="OpenAI-compatible HTTP port (/v1/completions, /v1/chat/completions, /health); 0 disables it")
     p.add_argument("--served-model-name", default="",
                    help="the model's name in the HTTP API (default: the model file or directory's name)")
-    p.add_argument("--vllm-metric-names", action=argparse.BooleanOptionalAction, default=False,
+    p.add_argument("--vllm-metric-names", action=argparse.BooleanOptionalAction, default=True,
                    help="also export queue, running and KV-cache gauges under vLLM's names (vllm:num_requests_waiting, "
-                        "...) for inference gateways and autoscalers that read them")
+                        "...) for inference gateways and autoscalers that read them (default: on)")
     p.add_argument("--device", default=d.DEFAULT_DEVICE, help="cpu, cuda or cuda:N")
     p.add_argument("--dtype", default=d.DEFAULT_DTYPE, help=", ".join(d.DTYPES))
     p.add_argument("--max-num-seqs", type=int, default=d.DEFAULT_MAX_NUM_SEQS,
-                   help="sequences at once (default: what the KV cache holds)")
+                   help="sequences at once (default: 256 on a GPU, 128 on a CPU, at most the step budget; admitted "
+                        "by the KV blocks their prompts need)")
     p.add_argument("--max-seq-len", type=int, default=d.DEFAULT_MAX_SEQ_LEN,
                    help="tokens per sequence (default: the model's context, capped by memory)")
     p.add_argument("--kv-cache-memory", default="",
@@ -79,6 +80,9 @@ def _worker(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-queue", type=int, default=d.DEFAULT_MAX_QUEUE,
                    help="queued requests before RESOURCE_EXHAUSTED")
     p.add_argument("--prefill-chunk", type=int, default=0, help="longest prefill chunk (0: token budget)")
+    p.add_argument("--itl-target-ms", type=float, default=0.0,
+                   help="inter-token target: a step with decode rows carries prefill only up to the size whose "
+                        "measured step time fits it (0: the measured time of the largest replayed step)")
     p.add_argument("--policy-file", default="", help="GraphPolicy JSON to capture before ready")
     p.add_argument("--graph-mode", default="", help="graph mode without a policy (e.g. FullAndPiecewise)")
     p.add_argument("-O", "--optimization-level", type=int, default=d.DEFAULT_OPTIMIZATION_LEVEL, choices=(0, 1, 2),

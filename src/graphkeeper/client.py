@@ -118,6 +118,14 @@ def kv_cache_line(kv: pb.KVCacheStatus) -> str:
             f"{kv.blocks_cached} cached; {prefix}; {kv.preemptions} preemptions; {kv.bytes} B ({sized})")
 
 
+def step_budget_line(b: pb.StepBudgetStatus) -> str:
+    """The step budget in one line: the whole budget, the bound with decode rows and why."""
+    if not b.itl_target_seconds:
+        return f"budget    {b.tokens} tokens a step ({b.source})"
+    return (f"budget    {b.tokens} tokens a step with no decode row, {b.tokens_with_decode} with decode rows "
+            f"(inter-token target {b.itl_target_seconds * 1e3:.2f} ms: {b.source})")
+
+
 def fetch_status(args: argparse.Namespace, with_model: bool) -> tuple[pb.GetModelInfoResponse | None, pb.GraphStatus]:
     """The worker's graph status (and its model info, when asked) over the control port with the
     control token, for ``status`` and ``graphs``; CommandError says what went wrong."""
@@ -169,6 +177,8 @@ def status_cmd(args: argparse.Namespace) -> int:
         print(startup_line(status.startup))
     if status.HasField("kv_cache"):
         print(kv_cache_line(status.kv_cache))
+    if status.HasField("step_budget"):
+        print(step_budget_line(status.step_budget))
     if status.last_error:
         print(f"error     {status.last_error}")
     return 0

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from graphkeeper.worker.engine.blocks import BlockManager, NoFreeBlocks, block_hashes, blocks_for
-from graphkeeper.worker.engine.scheduler import Scheduler
+from graphkeeper.worker.engine.scheduler import DECODE_RESERVE_BLOCKS, Scheduler, admission_blocks
 from graphkeeper.worker.engine.sequence import Sequence
 from graphkeeper.worker.plan import SamplingSpec
 
@@ -76,6 +78,36 @@ def test_admission_waits_for_blocks_and_the_plan_carries_the_block_tables():
     sched.schedule()
     sched.schedule()  # position 12 starts a fourth block
     assert len(a.blocks) == 4
+
+
+def test_admission_asks_for_the_prompt_and_a_decode_reserve_and_takes_only_the_prompt():
+    assert DECODE_RESERVE_BLOCKS == 1
+    assert admission_blocks(8, 100, 4) == 3  # two blocks of prompt, one of output
+    assert admission_blocks(8, 1, 4) == 3 and admission_blocks(7, 1, 4) == 2  # never past what the output reaches
+    assert admission_blocks(8, 0, 4) == 2
+    blocks = BlockManager(5, 4, prefix_caching=False)
+    sched = Scheduler(4, 64, 0, blocks)
+    a, b, c = seq(list(range(8)), 8, "a"), seq(list(range(8)), 8, "b"), seq(list(range(10, 18)), 1, "c")
+    for s in (a, b, c):
+        sched.add(s)
+    sched.schedule()
+    # a needs 3 and takes 2; b needs 3 of the 3 left and takes 2; c asks for one new token, but
+    # its position 8 starts a third block, so it needs 3 of the 1 left: it waits.
+    assert sched.running == [a, b] and list(sched.waiting) == [c]
+    assert len(a.blocks) == len(b.blocks) == 2 and blocks.available == 1
+
+
+def test_many_short_requests_all_run_at_once_while_their_blocks_are_free():
+    """32 requests on a cache that holds far fewer whole contexts (8 of 256 tokens): each needs the
+    blocks of its prompt and one more, so all 32 are admitted in one step and none waits."""
+    context, block = 256, 16
+    sched = Scheduler(32, 512, 0, BlockManager(8 * context // block, block, prefix_caching=False))
+    requests = [seq(list(range(i, i + 12)), 200, f"r{i}") for i in range(32)]
+    for r in requests:
+        sched.add(r)
+    step = sched.schedule()
+    assert len(sched.running) == 32 and not sched.waiting and len(step.samplers) == 32
+    assert all(len(r.blocks) == 1 for r in requests)
 
 
 def test_the_youngest_sequence_is_preempted_and_resumes_from_its_tokens():
@@ -337,3 +369,31 @@ def test_a_preempted_decoding_sequence_keeps_one_right_chain_and_its_next_turn_h
     sched.add(turn)
     sched.schedule()
     assert turn.cached_prompt_tokens == 16
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 40), st.integers(1, 30), st.booleans()), min_size=1, max_size=24),
+       st.integers(6, 40), st.integers(1, 8))
+def test_no_request_waits_while_a_slot_and_its_blocks_are_free(requests, num_blocks, max_num_seqs):
+    """Right after every step is planned: either nothing waits, or the head of the queue lacks a
+    slot or the blocks of its prompt and decode reserve (admission is in order). Requests arrive
+    between steps, tokens come back, and some running ones finish."""
+    block = 4
+    blocks = BlockManager(num_blocks, block, prefix_caching=False)
+    sched = Scheduler(max_num_seqs, 64, 0, blocks)
+    # The engine refuses a request the whole cache cannot hold (CannotFit).
+    fits = [(p, n, done) for p, n, done in requests if blocks_for(p + n, block) <= num_blocks]
+    for i, (prompt, max_new, finish_one) in enumerate(fits):
+        sched.add(seq(list(range(100 + i, 100 + i + prompt)), max_new, f"r{i}"))
+        step = sched.schedule()
+        if sched.waiting:
+            head = sched.waiting[0]
+            tokens = len(head.prompt) + len(head.output)
+            short_of_blocks = admission_blocks(tokens, head.max_new_tokens - len(head.output), block) > blocks.available
+            assert len(sched.running) == max_num_seqs or short_of_blocks or head.samples_scheduled > len(head.output)
+        for s in step.samplers if step else []:
+            s.output.append(7)  # each sampled token arrives before the next step
+            if len(s.output) >= s.max_new_tokens:
+                sched.finish(s)
+        if finish_one and sched.running:
+            sched.finish(sched.running[0])

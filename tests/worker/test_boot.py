@@ -171,6 +171,8 @@ def _bad_flag_cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
         "utilization-above-one": (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization must be"),
         "utilization-zero": (["--gpu-memory-utilization", "0"], "in (0, 1]"),
         "utilization-on-a-cpu": (["--gpu-memory-utilization", "0.9"], "it needs --device cuda"),
+        "negative-itl-target": (["--itl-target-ms", "-1"], "--itl-target-ms must be a finite number"),
+        "infinite-itl-target": (["--itl-target-ms", "inf"], "--itl-target-ms must be a finite number"),
     }
 
 

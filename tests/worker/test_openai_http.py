@@ -196,10 +196,10 @@ def test_a_stop_string_is_counted_as_a_stop_not_a_cancellation(server, client):
     ({"temperature": -1}, 400, "temperature"),
     ({"max_tokens": 0}, 400, "max_tokens"),
     ({"top_p": 1.5}, 400, "top_p"),
-    ({"n": 2}, 501, "n"),
-    ({"logprobs": 2}, 501, "logprobs"),
+    ({"n": 17}, 400, "n"),
+    ({"logprobs": 6}, 400, "logprobs"),
     ({"extra_body": {"frobnicate": 1}}, 400, "frobnicate"),
-    ({"user": "Not A Label"}, 400, "user"),
+    ({"suffix": " the end"}, 400, "suffix"),
     ({"model": "gpt-4"}, 404, "model"),
     ({"max_tokens": MAX_SEQ_LEN}, 400, "max_tokens"),
 ])
@@ -221,12 +221,12 @@ def test_chat_refusals_name_the_field(server, client):
     with pytest.raises(openai.APIStatusError) as err:
         client.chat.completions.create(model="tiny-chat", messages=[{"role": "user", "content": "hi"}], max_tokens=2,
                                        tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])
-    assert err.value.status_code == 501 and err.value.body["param"] == "tools"
+    assert err.value.status_code == 400 and err.value.body["param"] == "tools"
 
 
 def test_the_tenant_comes_from_the_header_or_user(server, client):
     """Steps are counted per tenant for the tenants a policy lists: the request's tenant is the
-    header's, else ``user``'s."""
+    header's, else ``user``'s made a label (any string is a valid ``user``)."""
     held = server.status()
     listed = pb.GraphPolicy(policy_uid=held.policy_uid or "uid-t", policy_name="default/graphs",
                             generation=held.policy_generation + 1, mode=pb.GRAPH_MODE_FULL,
@@ -238,6 +238,8 @@ def test_the_tenant_comes_from_the_header_or_user(server, client):
     complete(client, "the graphs", 3, user="team-a")
     after = server.metric("graphkeeper_tenant_steps_total", tenant="team-a", execution="eager")
     assert after >= before + 3
+    complete(client, "the graphs", 3, user="Team_A")  # OpenAI lets user be any string: it maps to team-a
+    assert server.metric("graphkeeper_tenant_steps_total", tenant="team-a", execution="eager") >= after + 3
     complete(client, "the graphs", 3, user="ignored-by-the-header", extra_headers={"X-Graphkeeper-Tenant": "team-b"})
     assert server.metric("graphkeeper_tenant_steps_total", tenant="team-b", execution="eager") >= 3
     with pytest.raises(openai.BadRequestError) as err:

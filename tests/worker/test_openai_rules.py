@@ -3,6 +3,8 @@ worker: every decision the HTTP server makes is made here."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -65,13 +67,14 @@ def test_a_chat_body_becomes_messages_and_fills_the_context_without_max_tokens()
      "stream_options.include_usage"),
     ({"prompt": ""}, 400, "prompt"),
     ({}, 400, "prompt"),
-    ({"prompt": ["a", "b"]}, 501, "prompt"),
-    ({"prompt": "x", "n": 3}, 501, "n"),
+    ({"prompt": ["a", "b"]}, 400, "prompt"),
+    ({"prompt": "x", "n": 17}, 400, "n"),
     ({"prompt": "x", "n": 0}, 400, "n"),
-    ({"prompt": "x", "best_of": 2}, 501, "best_of"),
-    ({"prompt": "x", "echo": True}, 501, "echo"),
-    ({"prompt": "x", "presence_penalty": 0.5}, 501, "presence_penalty"),
-    ({"prompt": "x", "logit_bias": {"1": 2}}, 501, "logit_bias"),
+    ({"prompt": "x", "best_of": 2}, 400, "best_of"),
+    ({"prompt": "x", "echo": "yes"}, 400, "echo"),
+    ({"prompt": "x", "presence_penalty": 2.5}, 400, "presence_penalty"),
+    ({"prompt": "x", "logit_bias": {"a": 2}}, 400, "logit_bias"),
+    ({"prompt": "x", "suffix": "y"}, 400, "suffix"),
     ({"prompt": "x", "stop_token_ids": [True]}, 400, "stop_token_ids[0]"),
     ({"prompt": "x", "messages": []}, 400, "messages"),
     ({"prompt": "x", "zzz": 1, "aaa": 2}, 400, "aaa"),
@@ -94,19 +97,44 @@ def test_completion_refusals_name_the_field(body, status, param):
     ({"messages": [{"content": "hi"}]}, 400, "messages[0].role"),
     ({"messages": [{"role": "user", "content": 3}]}, 400, "messages[0].content"),
     ({"messages": [{"role": "user", "content": "x", "mood": "ok"}]}, 400, "messages[0].mood"),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, 501,
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, 400,
      "messages[0].content[0].type"),
-    ({"messages": [{"role": "user", "content": "x"}], "tools": [{}]}, 501, "tools"),
-    ({"messages": [{"role": "user", "content": "x"}], "tool_choice": "auto"}, 501, "tool_choice"),
-    ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}}, 501,
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [{}]}, 400, "tools"),
+    ({"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}, 400, "tool_choice"),
+    ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "xml"}}, 400,
      "response_format"),
-    ({"messages": [{"role": "user", "content": "x"}], "logprobs": True}, 501, "logprobs"),
+    ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400, "top_logprobs"),
+    ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
+    ({"messages": [{"role": "user", "content": "x"}], "response_format": {
+        "type": "json_schema", "json_schema": {"schema": {"type": "object", "properties": 3}}}}, 400,
+     "response_format.json_schema.schema"),
     ({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": -1}, 400, "max_completion_tokens"),
 ])
 def test_chat_refusals_name_the_field(body, status, param):
     with pytest.raises(ApiError) as err:
         parse_chat(body)
     assert (err.value.status, err.value.param) == (status, param)
+
+
+def test_sampling_fields_reach_the_engine_request():
+    echo = parse_completion({"prompt": "x", "echo": True})
+    assert echo.choices.echo and echo.choices.logprobs is None
+    parsed = parse_completion({"prompt": "x", "n": 3, "best_of": 3, "presence_penalty": 0.5,
+                               "frequency_penalty": -1, "repetition_penalty": 1.2, "min_p": 0.1,
+                               "logit_bias": {"7": -100}, "logprobs": 2})
+    s = parsed.request.sampling
+    assert (parsed.choices.n, parsed.choices.logprobs) == (3, 2)
+    assert (s.presence_penalty, s.frequency_penalty, s.min_p, s.logprobs) == (0.5, -1.0, pytest.approx(0.1), 2)
+    assert s.repetition_penalty == pytest.approx(1.2) and dict(s.logit_bias) == {7: -100.0}
+    chat = parse_chat({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 4,
+                       "response_format": {"type": "json_object"}, "tool_choice": "none"})
+    assert chat.choices.logprobs == 4 and chat.request.constraint.json_object
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    guided = parse_chat({"messages": [{"role": "user", "content": "x"}], "guided_json": schema})
+    assert json.loads(guided.request.constraint.json_schema) == schema
+    plain = parse_chat({"messages": [{"role": "user", "content": "x"}], "logprobs": False})
+    assert plain.choices.logprobs is None and not plain.request.sampling.HasField("logprobs")
+    assert not plain.request.HasField("constraint")
 
 
 def test_the_tenant_header_wins_over_user():

@@ -8,6 +8,7 @@ from graphkeeper.worker.engine.sizing import (
     SizingError,
     check_utilization,
     choose_sizes,
+    default_max_num_seqs,
     estimate_graph_bytes,
     kv_bytes_per_token,
     parse_bytes,
@@ -20,26 +21,44 @@ PER_TOKEN = kv_bytes_per_token(30, 3, 64, 4)  # SmolLM2-135M in float32: 46,080 
 
 def sizes(**kw):
     args = dict(model_context=8192, per_token_bytes=PER_TOKEN, budget_bytes=4 * GIB, max_seq_len=None,
-                max_num_seqs=None, seqs_cap=16)
+                max_num_seqs=None, default_seqs=(128, "the cpu default"))
     return choose_sizes(**(args | kw))
 
 
-def test_unset_the_context_is_the_models_and_the_sequences_what_the_cache_holds():
+def test_unset_the_context_is_the_models_and_the_sequences_a_fixed_default_admitted_by_blocks():
+    """128 sequences of 8,192 tokens would take 46 GiB: the 4 GiB budget becomes blocks, and the
+    sequences are admitted by the blocks their prompts need, not by whole contexts."""
     s = sizes()
-    assert s.max_seq_len == 8192
-    assert s.max_num_seqs == 4 * GIB // (8192 * PER_TOKEN) - 1 == 10  # one slot is scratch
-    assert "the model's own" in s.explanation and "what the KV cache holds" in s.explanation
+    assert s.max_seq_len == 8192 and s.max_num_seqs == 128
+    assert s.kv_blocks == (4 * GIB - 8192 * PER_TOKEN) // (16 * PER_TOKEN)  # one scratch context, then blocks
+    assert "the model's own" in s.explanation and "128 sequences (the cpu default; admitted by blocks)" in s.explanation
 
 
-def test_a_small_budget_caps_the_context_and_says_so():
+def test_a_small_budget_caps_the_context_to_a_few_whole_contexts_and_says_so():
     s = sizes(budget_bytes=GIB)
-    assert s.max_seq_len < 8192 and s.max_seq_len % 16 == 0
-    assert s.max_num_seqs >= 4
-    assert "capped by memory" in s.explanation
+    assert s.max_seq_len < 8192 and s.max_seq_len % 16 == 0 and s.max_num_seqs == 128
+    assert s.kv_blocks * 16 >= 4 * s.max_seq_len  # four whole contexts still fit
+    assert "capped by memory for 4 whole contexts" in s.explanation
 
 
-def test_the_sequence_count_is_capped_per_device():
-    assert sizes(model_context=128, seqs_cap=16).max_num_seqs == 16
+@pytest.mark.parametrize("device,step_tokens,expected", [
+    ("cuda", 512, 256), ("cpu", 512, 128), ("cuda", 8192, 256),  # the fixed defaults, as vLLM's API server
+    ("cuda", 64, 64), ("cpu", 100, 100),  # never above the step budget (a token per sequence per step)
+])
+def test_the_default_sequence_count_is_fixed_per_device_and_bounded_by_the_step_and_the_ladder(
+        device, step_tokens, expected):
+    seqs, why = default_max_num_seqs(device, step_tokens)
+    assert seqs == expected and device in why
+    assert ("lowered" in why) == (expected < {"cuda": 256, "cpu": 128}[device])
+
+
+def test_the_default_is_what_the_default_ladder_can_replay():
+    from graphkeeper.proto.policy import default_ladder, default_max_capture_size
+
+    for device in ("cpu", "cuda"):
+        for step in (1, 8, 96, 512, 4096):
+            seqs, _ = default_max_num_seqs(device, step)
+            assert 1 <= seqs <= default_ladder(default_max_capture_size(step))[-1] <= step
 
 
 def test_explicit_sizes_that_do_not_fit_are_refused_in_one_line():

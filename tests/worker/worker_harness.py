@@ -150,10 +150,11 @@ class Worker:
 
 def start_worker(
     log_dir: Path, *extra: str, model: str = "random:tiny", env: dict[str, str] | None = None,
-    wait: bool = True,
+    wait: bool = True, base_args: bool = True,
 ) -> Worker:
     """Starts ``graphkeeper worker`` on free loopback ports (gRPC, control, metrics and OpenAI HTTP),
-    its control port guarded by a token file, and waits for health SERVING."""
+    its control port guarded by a token file, and waits for health SERVING. ``base_args`` False
+    leaves the sizes to the worker's defaults (a default worker, as ``make run`` starts one)."""
     port, metrics_port, control_port = free_port(), free_port(), free_port()
     http_port = free_port() if "--http-port" not in extra else int(extra[extra.index("--http-port") + 1])
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -168,7 +169,7 @@ def start_worker(
     ]
     if "--http-port" not in extra:
         args += ["--http-port", str(http_port)]
-    if not any(a == "--max-num-seqs" for a in extra):
+    if base_args and not any(a == "--max-num-seqs" for a in extra):
         args += BASE_ARGS
     with log_path.open("wb") as log_file:
         proc = subprocess.Popen(

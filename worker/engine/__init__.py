@@ -26,6 +26,7 @@ from graphkeeper.worker.engine.face import EngineFace, LifecycleView
 from graphkeeper.worker.engine.lifecycle import SERVING_STATES
 from graphkeeper.worker.engine.model_roots import ReloadRefused
 from graphkeeper.worker.engine.sequence import Limits
+from graphkeeper.worker.engine.structured import constraint_error
 from graphkeeper.worker.model.tokenizer import ChatError, IncrementalDetokenizer
 from graphkeeper.worker.settings import EngineSettings
 
@@ -52,5 +53,5 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "SERVING_STATES", "CannotFit", "ChatError", "Engine", "EngineClient", "EngineFace", "EngineSettings",
     "ErrorStatus", "IncrementalDetokenizer", "LifecycleView", "Limits", "NotServing", "QueueFull", "ReloadRefused",
-    "StalePolicy", "StepFailed", "UNKNOWN_ERROR", "classify", "error_message",
+    "StalePolicy", "StepFailed", "UNKNOWN_ERROR", "classify", "constraint_error", "error_message",
 ]

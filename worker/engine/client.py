@@ -49,6 +49,7 @@ from graphkeeper.worker.engine.ipc import (
     Sized,
     Started,
     State,
+    StepBudgetUpdate,
     Submit,
 )
 from graphkeeper.worker.engine.lifecycle import SERVING_STATES
@@ -338,6 +339,8 @@ class EngineClient:
             self._install(message)
         elif isinstance(message, Started):
             self.startup = pb.StartupStatus.FromString(message.startup)
+        elif isinstance(message, StepBudgetUpdate) and self._info is not None:
+            self._info.step_budget.ParseFromString(message.budget)
 
     def _install(self, model: Model) -> None:
         tokenizer = load_tokenizer(model.source)

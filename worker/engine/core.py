@@ -35,6 +35,7 @@ from graphkeeper.worker.engine.isolation import fail_step, isolate
 from graphkeeper.worker.engine.kv_sizing import UtilizationSizing
 from graphkeeper.worker.engine.ledger import Ledger
 from graphkeeper.worker.engine.lifecycle import Lifecycle
+from graphkeeper.worker.engine.logits_state import build_logits_batch, logits_state_for
 from graphkeeper.worker.engine.mailbox import Mailbox
 from graphkeeper.worker.engine.model_roots import check_model_root
 from graphkeeper.worker.engine.model_slot import ModelSlot
@@ -46,6 +47,8 @@ from graphkeeper.worker.engine.sequence import Limits, Sequence, sequence_for
 from graphkeeper.worker.engine.sizing import settle, utilization_error
 from graphkeeper.worker.engine.startup import StartupClock, capture_parts, step_parts
 from graphkeeper.worker.engine.status import graph_status, kv_cache_status, model_info
+from graphkeeper.worker.engine.step_budget import install_step_budget
+from graphkeeper.worker.engine.structured import Grammars
 from graphkeeper.worker.executor.graphs.controller import CaptureController
 from graphkeeper.worker.executor.graphs.dispatcher import BatchDescriptor, Dispatcher
 from graphkeeper.worker.metrics import WorkerMetrics
@@ -105,6 +108,7 @@ class Engine:
         self.failed: BaseException | None = None
         self.steps_since_ready = 0
         self.mailbox = Mailbox()
+        self.grammars = Grammars()
         self._stop = threading.Event()
         self._draining = False
         self._last_finish = 0.0
@@ -137,6 +141,8 @@ class Engine:
         if self.scheduler.queued(len(self.mailbox)) >= self.settings.max_queue:
             raise QueueFull(f"queue is full ({self.settings.max_queue} requests waiting)")
         seq = sequence_for(req, stream, self.slot.eos_ids)
+        seq.logits = logits_state_for(req, seq.prompt, self.grammars, self.tokenizer, loaded.config.vocab_size,
+                                      next(iter(loaded.config.eos_token_ids), 0))
         need = blocks_for(len(seq.prompt) + seq.max_new_tokens, self.blocks.block_size)
         if need > self.blocks.num_blocks:
             raise CannotFit(f"prompt ({len(seq.prompt)} tokens) plus max_new_tokens ({seq.max_new_tokens}) needs "
@@ -206,7 +212,7 @@ class Engine:
 
     def model_info(self) -> pb.GetModelInfoResponse | None:
         return model_info(self.slot.loaded, self.settings.max_seq_len, self.settings.max_num_seqs,
-                          self.slot.eos_ids, self.tokenizer)
+                          self.slot.eos_ids, self.tokenizer, self.scheduler.step_budget.to_proto())
 
     def status(self) -> pb.GraphStatus:
         """What the engine has adopted, read under the lock its changes are made under."""
@@ -216,7 +222,8 @@ class Engine:
             snap, capture=self.capture, recorder=self.recorder, ledger=self.ledger,
             model_revision=loaded.revision if loaded else "", running=len(self.scheduler.running),
             queued=len(self.scheduler.waiting) + len(self.mailbox), compile=self.slot.compile_status(),
-            kv_cache=self.kv_status(), startup=self.startup)
+            kv_cache=self.kv_status(), step_budget=self.scheduler.step_budget.to_proto(),
+            startup=self.startup)
 
     def kv_status(self) -> pb.KVCacheStatus:
         """The KV cache's blocks, prefix cache and preemptions (counts read without a lock: each is
@@ -273,7 +280,7 @@ class Engine:
             forbid_recompiles()
         self._captured()
         self._export_gauges()
-        clock.lap("kv_sizing")
+        clock.lap("after_capture")
         report = self.slot.compile_report
         self.startup = clock.status(report.cache, report.tuning.cache if report.tuning else "off")
         self.control.move(S.LIFECYCLE_STATE_CAPTURED)
@@ -287,7 +294,7 @@ class Engine:
         while not self._stop.is_set():
             inflight = self._between_steps(inflight)
             step = self.scheduler.schedule()
-            launched, failure = self._launch(step) if step is not None else (None, None)
+            launched, failure = self._launch(step, inflight) if step is not None else (None, None)
             self._finish(inflight)
             inflight = launched
             if failure is not None:  # after the previous step's tokens: streams stay in order
@@ -331,19 +338,24 @@ class Engine:
 
     # --- one step: run, then postprocess ---------------------------------------------------
 
-    def _launch(self, step: ScheduledStep) -> tuple[InFlight | None, Exception | None]:
+    def _launch(self, step: ScheduledStep, before: InFlight | None) -> tuple[InFlight | None, Exception | None]:
         """Dispatches and launches a step; its tokens are read by ``_finish`` after the next launch.
 
         A step that raises is returned as its failure, for ``isolate`` once the step before it
         has been postprocessed.
         """
         try:
-            return self._start(step), None
+            return self._start(step, before), None
         except Exception as err:  # noqa: BLE001 - isolated: the culprit fails, the others run again
             return None, err
 
-    def _start(self, step: ScheduledStep) -> InFlight:
-        """Launches ``step`` (the one place a step runs); raises what the step raised."""
+    def _start(self, step: ScheduledStep, before: InFlight | None = None) -> InFlight:
+        """Launches ``step`` (the one place a step runs); raises what the step raised.
+
+        A step with rows that need every earlier token (penalties, grammars) reads the step
+        ``before`` it once its own forward pass is queued, so the device computes while the host
+        waits, and builds its logits processing from what that step produced.
+        """
         plan = step.plan
         desc = BatchDescriptor(plan.num_tokens, plan.uniform_decode,
                                all(self.control.tenant_allows(s.tenant) for s in step.sequences))
@@ -352,13 +364,19 @@ class Engine:
         if failure := injected_failure(self.settings.inject_step_failure, plan.prompt_tokens):
             raise failure
         runner = self.slot.runner
-        launched = runner.sample_and_send(runner.execute(plan, decision, self.capture.graph_set), plan)
+        hidden = runner.execute(plan, decision, self.capture.graph_set)
+        if step.needs_history:
+            self._finish(before)
+            plan.logits = build_logits_batch([s.logits for s in step.samplers])
+        launched = runner.sample_and_send(hidden, plan)
         return InFlight(step, decision, desc, launched, started)
 
     def _finish(self, inflight: InFlight | None) -> None:
-        """Reads a launched step's tokens, counts it once, and publishes its outputs in one call."""
-        if inflight is None:
+        """Reads a launched step's tokens, counts it once, and publishes its outputs in one call
+        (once: a step that needs its tokens may have read them already)."""
+        if inflight is None or inflight.read:
             return
+        inflight.read = True
         try:
             self._read(inflight)
         except Exception as err:  # noqa: BLE001 - the step after it is already launched: no re-run
@@ -374,7 +392,8 @@ class Engine:
         self._last_finish = now
         self.recorder.record(inflight.decision, inflight.desc, step.sequences,
                              {s.tenant for s in step.sequences}, elapsed, generated=len(step.samplers))
-        self.publish(self.outputs.step_outputs(step.samplers, tokens, now))
+        self.outputs.prompt_logprobs(step.sequences, step.plan.num_decode, inflight.launched.prompt_logprobs())
+        self.publish(self.outputs.step_outputs(step.samplers, tokens, now, inflight.launched.token_logprobs()))
         self.steps_since_ready += 1
         if self.steps_since_ready == STEADY_AFTER_STEPS:
             self.ledger.record(L.LEDGER_STAGE_STEADY, self.device)
@@ -414,5 +433,8 @@ class Engine:
         graphs = self.capture.graph_set
         self.recorder.graphs_captured(list(graphs.captured) if graphs else [])
         self.metrics.policy_generation.set(self.control.policy.generation)
+        s = self.settings
+        self.scheduler.step_budget = install_step_budget(s.max_num_batched_tokens, s.itl_target_ms,
+                                                         graphs.captured.values() if graphs else (), self.device.type)
         if self.control.captured(self.capture.last_failure):
             log.info("READY: %s", self.capture.summary())

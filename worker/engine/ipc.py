@@ -95,6 +95,13 @@ class Started:
 
 
 @dataclass(frozen=True)
+class StepBudgetUpdate:
+    """The engine installed a step budget (after a capture phase): GetModelInfo states it."""
+
+    budget: bytes  # a serialized StepBudgetStatus
+
+
+@dataclass(frozen=True)
 class Model:
     """A model was installed: what the API process needs to admit, tokenize and describe."""
 

@@ -15,6 +15,7 @@ from graphkeeper.worker.engine.scheduler import ScheduledStep, Scheduler
 from graphkeeper.worker.engine.sequence import Sequence
 from graphkeeper.worker.executor.graphs.dispatcher import BatchDescriptor, Decision
 from graphkeeper.worker.metrics import WorkerMetrics, observe_many
+from graphkeeper.worker.plan import Sampled, TokenLogprob
 
 if TYPE_CHECKING:  # the API process imports this module; the runner (and Triton) is the engine core's
     from graphkeeper.worker.executor.runner import Launched
@@ -27,10 +28,12 @@ class OutputProcessor:
         self.scheduler = scheduler
         self.metrics = metrics
 
-    def step_outputs(self, samplers: list[Sequence], tokens: list[int], now: float) -> list[Update]:
-        """The updates for one step's sampled tokens; tokens of finished sequences are dropped."""
+    def step_outputs(self, samplers: list[Sequence], tokens: list[int], now: float,
+                     logprobs: list[TokenLogprob] | None = None) -> list[Update]:
+        """The updates for one step's sampled tokens; tokens of finished sequences are dropped.
+        A sequence that asked for log probabilities gets its token as ``Sampled`` with them."""
         updates, first, gaps = [], [], []
-        for seq, token in zip(samplers, tokens, strict=True):
+        for i, (seq, token) in enumerate(zip(samplers, tokens, strict=True)):
             if seq.finished:
                 continue  # cancelled, or stopped a step ago: this token was never wanted
             if seq.first_token_at is None:
@@ -39,15 +42,36 @@ class OutputProcessor:
             else:
                 gaps.append(now - seq.last_token_at)
             seq.last_token_at = now
-            updates.append((seq.stream, [token], self._append(seq, token)))
+            new = self._sampled(seq, token, logprobs[i] if logprobs is not None else None)
+            updates.append((seq.stream, new, self._append(seq, token)))
         m = self.metrics
         m.generated_tokens.inc(len(updates))
         observe_many(m.time_to_first_token, first)
         observe_many(m.inter_token_latency, gaps)
         return updates
 
+    @staticmethod
+    def _sampled(seq: Sequence, token: int, entry: TokenLogprob | None) -> list[int]:
+        """The token as its stream gets it: with its log probabilities, and with the first token the
+        prompt's, when the request asked for them."""
+        state = seq.logits
+        if state is None or (state.spec.logprobs < 0 and state.spec.prompt_logprobs < 0):
+            return [token]
+        wants = entry is not None and state.spec.logprobs >= 0
+        prompt = state.prompt_entries if state.spec.prompt_logprobs >= 0 and not seq.output else None
+        return Sampled([token], [_trim(entry, state.spec.logprobs)] if wants else None, prompt)
+
+    def prompt_logprobs(self, sequences: list[Sequence], num_decode: int,
+                        computed: list[tuple[int, list[TokenLogprob]]]) -> None:
+        """Keeps a step's prompt log probabilities with their sequences (prefill chunk ``j`` is
+        ``sequences[num_decode + j]``), before the step's tokens are handed out."""
+        for chunk, entries in computed:
+            sequences[num_decode + chunk].logits.prompt_entries.extend(entries)
+
     def _append(self, seq: Sequence, token: int) -> pb.Completion | None:
         seq.output.append(token)
+        if seq.logits is not None:
+            seq.logits.accept(token)
         self.scheduler.received(seq)
         reason = seq.stop_reason()
         if reason == pb.FINISH_REASON_UNSPECIFIED:
@@ -69,6 +93,9 @@ class OutputProcessor:
             generated_tokens=len(seq.output),
             time_to_first_token_seconds=(seq.first_token_at - seq.arrived) if seq.first_token_at is not None else 0.0,
             total_seconds=time.perf_counter() - seq.arrived, execution=summary,
+            prompt_logprobs=[pb.TokenLogprob(token_id=e.token, logprob=e.logprob,
+                                             top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in e.top])
+                             for e in (seq.logits.prompt_entries if seq.logits is not None else ())],
         )
 
     def end(self, sequences: list[Sequence], err: BaseException, outcome: str | None = None) -> list[Update]:
@@ -81,6 +108,12 @@ class OutputProcessor:
                     self.metrics.requests.labels(outcome).inc()
                 updates.append((seq.stream, [], err))
         return updates
+
+
+def _trim(entry: TokenLogprob, top: int) -> TokenLogprob:
+    """A row's log probabilities with the alternatives its request asked for (the step computed
+    as many as the most demanding row)."""
+    return entry if len(entry.top) == top else entry._replace(top=entry.top[:top])
 
 
 def direct_publish(updates: list[tuple[Any, list[int], Any]]) -> None:
@@ -99,3 +132,4 @@ class InFlight:
     desc: BatchDescriptor
     launched: Launched
     started: float
+    read: bool = False  # its tokens were read and published (``Engine._finish``)

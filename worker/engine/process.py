@@ -39,6 +39,7 @@ from graphkeeper.worker.engine.ipc import (
     Sized,
     Started,
     State,
+    StepBudgetUpdate,
     Submit,
 )
 from graphkeeper.worker.engine.sequence import Sequence
@@ -94,6 +95,7 @@ class EngineHost:
         self.sequences: dict[int, Sequence] = {}
         self._model: Any = None
         self._startup_sent = False
+        self._budget: Any = None
         self._closed = threading.Event()
         engine.publish = self.publish
         engine.lifecycle.subscribe(self._on_state)
@@ -128,6 +130,10 @@ class EngineHost:
             self._model = loaded
             info = self.engine.model_info()
             self.outbox.put(Model(loaded.source, self.engine.limits(), info.SerializeToString() if info else b""))
+        budget = self.engine.scheduler.step_budget
+        if budget is not self._budget:  # a capture phase ended: before READY, GetModelInfo has it
+            self._budget = budget
+            self.outbox.put(StepBudgetUpdate(budget.to_proto().SerializeToString()))
 
     def send_loop(self) -> None:
         """Sender thread: ships whatever accumulated, one send per batch, until the channel closes."""

@@ -5,10 +5,13 @@ first, then prefill chunks, within ``max_num_seqs`` running sequences and a toke
 step; long prompts are prefilled in chunks. A sequence holds one slot (its row of the KV cache's
 block table) and the KV blocks of its tokens from admission until it finishes or is cancelled.
 
-KV memory is paged (``blocks.py``). A waiting sequence is admitted while blocks for its whole
-prompt remain, after reusing the cached blocks of its prompt's longest cached prefix (prefix
-caching: those tokens are not computed again; at least the last prompt token always is, so there
-are logits to sample). A decoding sequence takes a new block when its next token starts one; when
+KV memory is paged (``blocks.py``). A waiting sequence is admitted, not when a whole context is
+free, but while a slot and the blocks for its prompt and a small decode reserve (its first
+``DECODE_RESERVE_BLOCKS`` blocks of output, ``admission_blocks``) remain, after reusing the cached
+blocks of its prompt's longest cached prefix (prefix caching: those tokens are not computed
+again; at least the last prompt token always is, so there are logits to sample). The reserve is
+only checked, not taken: it keeps a sequence just admitted from preempting another at its first
+decode steps. A decoding sequence takes a new block when its next token starts one; when
 none is left the youngest running sequence is *preempted*: its blocks and slot are freed and it
 waits at the head of the queue, to be recomputed (prompt and the tokens sampled so far, as one
 prefill) once blocks are free again, so memory that is momentarily short fails no request. The
@@ -28,14 +31,27 @@ grows with the sequences that changed, not with the batch.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
 
 from graphkeeper.worker.engine.blocks import BlockManager, block_hashes, blocks_for, chain_hash
+from graphkeeper.worker.engine.logits_state import build_logits_batch, schedule_prompt_logprobs
 from graphkeeper.worker.engine.sequence import Sequence
-from graphkeeper.worker.plan import PrefillChunk, SamplingBatch, StepPlan
+from graphkeeper.worker.engine.step_budget import StepBudget
+from graphkeeper.worker.plan import PrefillChunk, PromptLogprobs, SamplingBatch, StepPlan
+
+#: Blocks of output a sequence must find free beside its prompt's to be admitted (checked, not taken).
+DECODE_RESERVE_BLOCKS = 1
+
+
+def admission_blocks(tokens: int, remaining: int, block_size: int) -> int:
+    """The blocks a sequence of ``tokens`` tokens (prompt, or prompt and output to recompute) with
+    ``remaining`` tokens still to generate needs free to be admitted (pure): its tokens and the
+    decode reserve, never past what its output can reach (so never past the context)."""
+    return blocks_for(tokens + min(remaining, DECODE_RESERVE_BLOCKS * block_size), block_size)
 
 
 @dataclass
@@ -43,6 +59,9 @@ class ScheduledStep:
     plan: StepPlan
     sequences: list[Sequence]  # every sequence with a row in the step
     samplers: list[Sequence]  # the sequence of each sample row, in row order
+    #: A sample row needs every earlier token on the host (penalties, a grammar): the plan's
+    #: ``logits`` is built by the engine once the step before has been read (``Engine._start``).
+    needs_history: bool = False
 
 
 class DecodeBatch:
@@ -103,6 +122,9 @@ class Scheduler:
         self.preemptions = 0
         self.max_num_seqs = max_num_seqs
         self.token_budget = max_num_batched_tokens
+        #: Prefill tokens a step may carry beside its decode rows (the engine sets a latency target
+        #: once step times are measured; until then every step may take the whole budget).
+        self.step_budget = StepBudget.fixed(max_num_batched_tokens)
         self.prefill_chunk = prefill_chunk or max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -113,6 +135,7 @@ class Scheduler:
         #: preempted for blocks (it started on the weights serving now) is still recomputed.
         self.admitting = True
         self.sampled_running = 0  # running sequences that sample (not greedy)
+        self.logits_running = 0  # running sequences with logits processing or log probabilities
         #: Decoding sequences whose received tokens filled a block not yet registered (its last
         #: token's keys are written by the step that feeds it back); checked after each launch.
         self._decoded: list[Sequence] = []
@@ -185,6 +208,7 @@ class Scheduler:
             self._leave_decode({seq})
         self.free_slots.append(seq.slot)
         self.sampled_running -= not seq.sampling.greedy
+        self.logits_running -= seq.logits is not None
         seq.slot = None
 
     def _leave_decode(self, gone: set[Sequence]) -> None:
@@ -198,11 +222,12 @@ class Scheduler:
         self._admit()
         batch = self.decode
         nd = len(batch)
-        budget = self.token_budget - nd
+        budget = self.step_budget.prefill_tokens(nd)
         prompt_tokens: list[int] = []
         positions: list[np.ndarray] = [batch.positions]
         slots: list[np.ndarray] = [batch.slots]
         chunks: list[PrefillChunk] = []
+        prompt_logprobs: list[PromptLogprobs] = []
         sample_rows: list[int] = list(range(nd))
         samplers: list[Sequence] = list(batch.seqs)
         sample_index: list[int] = []
@@ -214,6 +239,8 @@ class Scheduler:
             tokens = seq.to_prefill
             n = min(budget, self.prefill_chunk, len(tokens) - seq.computed)
             row = nd + len(prompt_tokens)
+            if seq.logits is not None and (wanted := schedule_prompt_logprobs(seq, seq.computed, n)) is not None:
+                prompt_logprobs.append(dataclasses.replace(wanted, chunk=len(chunks)))
             chunks.append(PrefillChunk(row=row, length=n, slot=seq.slot, start=seq.computed))
             prompt_tokens.extend(tokens[seq.computed:seq.computed + n])
             positions.append(np.arange(seq.computed, seq.computed + n, dtype=np.int64))
@@ -230,12 +257,15 @@ class Scheduler:
                 completed.append(seq)
         if not sequences:
             return None
+        history = bool(self.logits_running) and any(
+            s.logits is not None and s.logits.spec.needs_history for s in samplers)
         plan = StepPlan(
             prompt_tokens=prompt_tokens, positions=np.concatenate(positions), slots=np.concatenate(slots),
             num_decode=nd, prefill=chunks, sample_rows=np.asarray(sample_rows, dtype=np.int64),
             sample_slots=np.array([s.slot for s in samplers], dtype=np.int64),
             sampling=self._sampling(samplers, np.concatenate([batch.sample_index, np.asarray(sample_index, np.int64)])),
-            block_updates=self._take_table_updates(),
+            logits=build_logits_batch([s.logits for s in samplers]) if self.logits_running and not history else None,
+            block_updates=self._take_table_updates(), prompt_logprobs=prompt_logprobs,
         )
         # Launched: decoding sequences move one position on, and finished prefills join the batch.
         batch.advance()
@@ -245,7 +275,7 @@ class Scheduler:
                 batch.join(seq)
         if self._decoded:
             self._register_decoded()
-        return ScheduledStep(plan, sequences, samplers)
+        return ScheduledStep(plan, sequences, samplers, history)
 
     def _sampling(self, samplers: list[Sequence], sample_index: np.ndarray) -> SamplingBatch | None:
         """Per-row sampling parameters, built only while some running sequence samples."""
@@ -261,8 +291,9 @@ class Scheduler:
             self.decode.leave(done)
 
     def _admit(self) -> None:
-        """Admits waiting sequences in order while a slot and blocks for the whole prompt remain
-        (the cached blocks of its longest cached prefix are reused, not counted)."""
+        """Admits waiting sequences in order while a slot and blocks for the prompt and the decode
+        reserve remain (``admission_blocks``; the cached blocks of its longest cached prefix are
+        reused, not counted). Only the prompt's blocks are taken."""
         bs, blocks = self.block_size, self.blocks
         while self.waiting and self.free_slots and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
@@ -277,9 +308,10 @@ class Scheduler:
                 seq.block_hashes, seq.hashed_revision = block_hashes(tokens, bs, blocks.revision), blocks.revision
             hashes = seq.block_hashes
             # At most the blocks before the last token: that one is always computed, for its logits.
-            cached = blocks.peek(hashes[:(len(tokens) - 1) // bs])
+            cached = blocks.peek(hashes[:(len(tokens) - 1) // bs]) if not _computes_prompt(seq) else []
             fresh = blocks_for(len(tokens), bs) - len(cached)
-            if fresh > blocks.available - blocks.idle(cached):
+            needed = admission_blocks(len(tokens), seq.max_new_tokens - len(seq.output), bs) - len(cached)
+            if needed > blocks.available - blocks.idle(cached):
                 break
             self.waiting.popleft()
             # A recompute after a preemption reuses its own blocks: saved work, but neither a
@@ -298,6 +330,7 @@ class Scheduler:
             self.running.append(seq)
             self.prefilling.append(seq)
             self.sampled_running += not seq.sampling.greedy
+            self.logits_running += seq.logits is not None
 
     def _grow(self) -> None:
         """Gives every decoding sequence whose next token starts a block a new block, preempting
@@ -397,6 +430,11 @@ def _tokens(seq: Sequence, start: int, end: int) -> list[int]:
     return seq.prompt[start:] + seq.output[:end - p]
 
 
+def _computes_prompt(seq: Sequence) -> bool:
+    """Whether the sequence's prompt must be computed whole (its log probabilities were asked for)."""
+    return seq.logits is not None and seq.logits.spec.prompt_logprobs >= 0
+
+
 def sub_step(step: ScheduledStep, keep: set[Sequence]) -> ScheduledStep:
     """The rows of ``step`` that belong to ``keep``, as a step of their own.
 
@@ -414,10 +452,12 @@ def sub_step(step: ScheduledStep, keep: set[Sequence]) -> ScheduledStep:
     sample_rows, sample_from = list(range(len(decode))), list(decode)  # new row, index of the old sample row
     old_sample = {int(row): k for k, row in enumerate(plan.sample_rows[nd:], start=nd)}
     row = len(decode)
+    new_chunk: dict[int, int] = {}
     for j, chunk in enumerate(plan.prefill):
         seq = step.sequences[nd + j]
         if seq not in keep:
             continue
+        new_chunk[j] = len(chunks)
         start = chunk.row - nd  # the chunk's tokens in prompt_tokens
         prompt_tokens.extend(plan.prompt_tokens[start:start + chunk.length])
         positions.append(plan.positions[chunk.row:chunk.row + chunk.length])
@@ -437,6 +477,9 @@ def sub_step(step: ScheduledStep, keep: set[Sequence]) -> ScheduledStep:
         prompt_tokens=prompt_tokens, positions=np.concatenate(positions), slots=np.concatenate(slots),
         num_decode=len(decode), prefill=chunks, sample_rows=np.asarray(sample_rows, dtype=np.int64),
         sample_slots=plan.sample_slots[sample_from], sampling=sampling,
+        logits=plan.logits.select(sample_from) if plan.logits is not None else None,
         block_updates=plan.block_updates,  # idempotent: the failed step may or may not have applied them
+        prompt_logprobs=[dataclasses.replace(p, chunk=new_chunk[p.chunk]) for p in plan.prompt_logprobs
+                         if p.chunk in new_chunk],
     )
-    return ScheduledStep(sub, sequences, [step.samplers[k] for k in sample_from])
+    return ScheduledStep(sub, sequences, [step.samplers[k] for k in sample_from], step.needs_history)

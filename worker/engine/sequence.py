@@ -27,6 +27,8 @@ class Sequence:
     #: Every id that ends the sequence as EOS (empty with ignore_eos).
     eos_ids: frozenset[int] = frozenset()
     seed: int = 0
+    #: Penalty counts and grammar matcher (``logits_state``); None for a request that asks for none.
+    logits: Any = None
     output: list[int] = field(default_factory=list)  # tokens the host has received
     slot: int | None = None
     #: The KV blocks the sequence holds, in order (its block table), and the chained hashes of the
@@ -72,7 +74,12 @@ class Sequence:
         last = self.output[-1]
         if last in self.stop_ids:
             return pb.FINISH_REASON_STOP
-        if last in self.eos_ids:
+        if self.logits is not None and self.logits.matcher is not None:
+            # A grammar ends its output (its EOS included); an EOS id the grammar read as text
+            # (a model whose EOS is an ordinary token) does not.
+            if self.logits.grammar_done:
+                return pb.FINISH_REASON_STOP
+        elif last in self.eos_ids:
             return pb.FINISH_REASON_EOS
         if len(self.output) >= self.max_new_tokens:
             return pb.FINISH_REASON_LENGTH

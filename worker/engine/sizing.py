@@ -1,18 +1,22 @@
 """How long a sequence may be and how many run at once, from the model and the memory there is.
 
 The KV cache is paged: sequences hold blocks of ``block_size`` tokens, as many as their tokens
-need, so ``max_num_seqs`` bounds the sequences running at once and the blocks bound the tokens
-they hold together. Its size is what ``max_seq_len`` x ``max_num_seqs`` would reserve, within
-the budget: a budget smaller than that is filled with blocks (sequences are admitted while blocks
-remain and preempted when they run out), as long as one sequence of the whole context fits.
+need, and a sequence is admitted when the blocks of its prompt (and a small decode reserve) are
+free (``scheduler.py``), not a whole context; it is preempted when blocks run out. So
+``max_num_seqs`` bounds the sequences running at once and the blocks bound the tokens they hold
+together. The cache is what ``max_seq_len`` x ``max_num_seqs`` would reserve, within the budget:
+a budget smaller than that is filled with blocks, as long as one sequence of the whole context fits.
 
-Unset, the context length is the model's own
-(capped so that the cache still holds a few sequences, said in the log) and the number of
-sequences is what the cache then holds (at most a per-device cap). Set explicitly, they are
-checked against the same budget before anything is allocated: a worker asked for a KV cache the
-machine cannot hold refuses at boot in one line instead of allocating until the node kills it.
+Unset, ``max_num_seqs`` is a fixed number, as vLLM's is (``DEFAULT_MAX_NUM_SEQS``: 256 on a GPU,
+128 on a CPU), lowered to the token budget per step (every running sequence needs a token per
+step) and to the largest batch the default capture ladder records (a larger decode batch could
+never replay a graph). Unset, the context length is the model's own, capped so that the cache
+still holds a few whole contexts (said in the log). Set explicitly, both are checked against the
+same budget before anything is allocated: a worker asked for a KV cache the machine cannot hold
+refuses at boot in one line instead of allocating until the node kills it.
 
-``choose_sizes`` is pure (tests give it numbers); ``kv_budget_bytes`` reads the machine.
+``choose_sizes`` and ``default_max_num_seqs`` are pure (tests give them numbers);
+``default_budget`` and ``settle`` read the machine.
 """
 
 from __future__ import annotations
@@ -23,17 +27,19 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from graphkeeper.proto.field_checks import FieldError
-from graphkeeper.proto.policy import parse_quantity
+from graphkeeper.proto.policy import default_max_capture_size, parse_quantity
 
 #: KV rows are allocated in multiples of this (as the attention kernels read them).
 KV_ROW_ALIGN = 16
 #: A random preset has no trained context: it serves this many tokens unless told otherwise.
 RANDOM_PRESET_CONTEXT = 512
-#: The most sequences a default picks: a CPU serves few streams well; a GPU batches many.
-DEFAULT_SEQS_CAP = {"cpu": 16, "cuda": 256}
-#: A random preset keeps the fixed default it always had (tests and benchmarks rely on it).
+#: ``--max-num-seqs`` unset: vLLM's defaults for its API server (256 on a GPU, 128 on a CPU);
+#: ``default_max_num_seqs`` lowers them to the step budget and the captured sizes.
+DEFAULT_MAX_NUM_SEQS = {"cpu": 128, "cuda": 256}
+#: A random preset keeps the fixed default it always had (tests and benchmarks rely on it), within
+#: the same bounds.
 RANDOM_PRESET_SEQS = 16
-#: A default context is capped so that at least this many sequences fit.
+#: A default context is capped so that at least this many whole contexts fit in the cache.
 MIN_DEFAULT_SEQS = 4
 #: CPU: at most this share of the memory available to the process goes to the KV cache,
 #: and never more than CPU_KV_CAP_BYTES (a CPU serves small batches).
@@ -73,23 +79,41 @@ def gib(n: int) -> str:
     return f"{n / (1 << 20):.2f} MiB" if n >= 1 << 20 else f"{n} bytes"
 
 
+def default_max_num_seqs(device_type: str, step_tokens: int) -> tuple[int, str]:
+    """``--max-num-seqs`` when it is not set, and why (pure): the device's fixed default, at most
+    the token budget per step and the largest size the default capture ladder records."""
+    fixed = DEFAULT_MAX_NUM_SEQS.get(device_type, DEFAULT_MAX_NUM_SEQS["cpu"])
+    top = default_max_capture_size(step_tokens)  # never above the step budget
+    if fixed <= top:
+        return fixed, f"the {device_type} default"
+    return top, f"the {device_type} default {fixed}, lowered to the step budget and the largest captured size"
+
+
 def choose_sizes(*, model_context: int, per_token_bytes: int, budget_bytes: int, max_seq_len: int | None,
-                 max_num_seqs: int | None, seqs_cap: int, step_tokens: int = 0, block_size: int = 16) -> Sizes:
+                 max_num_seqs: int | None, default_seqs: tuple[int, str], step_tokens: int = 0,
+                 block_size: int = 16) -> Sizes:
     """The context length, sequence count and KV blocks to serve with; raises SizingError when
     not even one sequence of the context fits.
 
+    ``default_seqs`` is the sequence count (and where it came from) when ``max_num_seqs`` is None.
     ``step_tokens`` (the token budget of a step) sizes the cache's scratch slots, which padded
     rows write to; they count against the budget like the sequences' blocks.
     """
     why = []
+    if max_num_seqs is None:
+        seqs = default_seqs[0]
+        why_seqs = f"{seqs} sequences ({default_seqs[1]}; admitted by blocks)"
+    else:
+        seqs = max_num_seqs
+        why_seqs = f"{seqs} sequences (--max-num-seqs)"
     if max_seq_len is None:
         context = model_context
-        wanted = max_num_seqs or MIN_DEFAULT_SEQS
+        wanted = min(seqs, MIN_DEFAULT_SEQS)
         fits = (budget_bytes // (per_token_bytes * (wanted + 1))) // KV_ROW_ALIGN * KV_ROW_ALIGN  # + scratch
         if fits < context:
             context = fits
             why.append(f"context {context} tokens (the model's {model_context}, capped by memory for "
-                       f"{wanted} sequences)")
+                       f"{wanted} whole contexts)")
         else:
             why.append(f"context {context} tokens (the model's own)")
         if context < 2:
@@ -98,17 +122,9 @@ def choose_sizes(*, model_context: int, per_token_bytes: int, budget_bytes: int,
     else:
         context = max_seq_len
         why.append(f"context {context} tokens (--max-seq-len)")
+    why.append(why_seqs)
     per_sequence = -(-aligned(context) // block_size) * block_size * per_token_bytes  # whole blocks
     scratch = max(1, math.ceil(step_tokens / aligned(context)))
-    if max_num_seqs is None:
-        seqs = min(seqs_cap, budget_bytes // per_sequence - scratch)
-        if seqs < 1:
-            raise SizingError(f"--max-seq-len {context} needs {gib(per_sequence)} of KV cache per sequence; "
-                              f"the budget is {gib(budget_bytes)} (--kv-cache-memory)")
-        why.append(f"{seqs} sequences (what the KV cache holds, at most {seqs_cap})")
-    else:
-        seqs = max_num_seqs
-        why.append(f"{seqs} sequences (--max-num-seqs)")
     least = (1 + scratch) * per_sequence
     if least > budget_bytes:
         raise SizingError(f"--max-seq-len {context} needs {gib(least)} of KV cache for one sequence of the whole "
@@ -118,8 +134,8 @@ def choose_sizes(*, model_context: int, per_token_bytes: int, budget_bytes: int,
     blocks = (total - scratch * per_sequence) // block_bytes
     total = blocks * block_bytes + scratch * per_sequence
     return Sizes(context, seqs, total, budget_bytes, blocks, block_size,
-                 ", ".join(why) + f": KV cache {gib(total)} ({blocks} blocks of {block_size} tokens) of a "
-                 f"{gib(budget_bytes)} budget")
+                 ", ".join(why) + f": KV cache {gib(total)} ({blocks} blocks of {block_size} tokens, "
+                 f"{blocks * block_size} tokens) of a {gib(budget_bytes)} budget")
 
 
 def kv_bytes_per_token(n_layers: int, n_kv_heads: int, head_dim: int, dtype_bytes: int) -> int:
@@ -196,9 +212,9 @@ def settle(settings, device) -> tuple[object, Sizes]:
     dtype_bytes = model_dtype(settings.model, settings.dtype, device).itemsize
     random_preset = settings.model.startswith("random:")
     context = RANDOM_PRESET_CONTEXT if random_preset else config.max_position_embeddings
-    max_num_seqs = settings.max_num_seqs
-    if random_preset and max_num_seqs is None:
-        max_num_seqs = RANDOM_PRESET_SEQS
+    default_seqs = default_max_num_seqs(device.type, settings.max_num_batched_tokens)
+    if random_preset:
+        default_seqs = (min(RANDOM_PRESET_SEQS, default_seqs[0]), "a random preset's default")
     budget = settings.kv_cache_memory
     if not budget:
         free = None
@@ -208,8 +224,8 @@ def settle(settings, device) -> tuple[object, Sizes]:
     sizes = choose_sizes(
         model_context=context, per_token_bytes=kv_bytes_per_token(config.n_layers, config.n_kv_heads,
                                                                   config.head_dim, dtype_bytes),
-        budget_bytes=budget, max_seq_len=settings.max_seq_len, max_num_seqs=max_num_seqs,
-        seqs_cap=DEFAULT_SEQS_CAP.get(device.type, 16), step_tokens=settings.max_num_batched_tokens,
+        budget_bytes=budget, max_seq_len=settings.max_seq_len, max_num_seqs=settings.max_num_seqs,
+        default_seqs=default_seqs, step_tokens=settings.max_num_batched_tokens,
         block_size=settings.kv_block_size)
     return dataclasses.replace(settings, max_seq_len=sizes.max_seq_len, max_num_seqs=sizes.max_num_seqs), sizes
 

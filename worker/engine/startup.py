@@ -18,7 +18,8 @@ Stages, in order (a stage that does not happen on this worker reads 0 s):
 - ``capture_setup``, ``capture_prime``, ``capture_warm_up``, ``capture_record``,
   ``capture_validate``, ``capture_measure``, ``capture_finish`` (the capture job's parts, as
   ``GraphStatus.capture_parts``) and ``capture_other`` (planning and whatever the parts leave);
-  ``kv_sizing`` (track B's KV cache after capture);
+  ``after_capture`` (track B's KV cache sized after capture, the step budget from the measured
+  steps, the ledger);
 - ``ready``: the engine's READY reaching the API process, which then serves.
 """
 

@@ -20,7 +20,8 @@ MAX_LAST_ERROR = 1024
 
 
 def model_info(loaded: LoadedModel | None, max_seq_len: int, max_num_seqs: int, eos_ids: frozenset[int] = frozenset(),
-               tokenizer: Tokenizer | None = None) -> pb.GetModelInfoResponse | None:
+               tokenizer: Tokenizer | None = None, step_budget: pb.StepBudgetStatus | None = None,
+               ) -> pb.GetModelInfoResponse | None:
     if loaded is None:
         return None
     c = loaded.config
@@ -32,13 +33,14 @@ def model_info(loaded: LoadedModel | None, max_seq_len: int, max_num_seqs: int, 
         device=str(loaded.device), parameter_count=loaded.parameter_count,
         eos_token_ids=[c.eos_token_id, *sorted(eos_ids - {c.eos_token_id})],
         model_context_length=c.max_position_embeddings, tokenizer=tokenizer is not None,
-        chat_template=tokenizer is not None and tokenizer.has_chat_template,
+        chat_template=tokenizer is not None and tokenizer.has_chat_template, step_budget=step_budget,
     )
 
 
 def graph_status(snap: Snapshot, *, capture: CaptureController, recorder: StepRecorder, ledger: Ledger,
                  model_revision: str, running: int, queued: int,
                  compile: pb.CompileStatus | None = None, kv_cache: pb.KVCacheStatus | None = None,
+                 step_budget: pb.StepBudgetStatus | None = None,
                  startup: pb.StartupStatus | None = None) -> pb.GraphStatus:
     """``GraphStatus`` from a snapshot of the GraphControl state and the engine's counters (pure)."""
     c, policy, pending = capture, snap.policy, snap.pending
@@ -78,7 +80,7 @@ def graph_status(snap: Snapshot, *, capture: CaptureController, recorder: StepRe
         compile=compile,
         traffic=recorder.traffic.to_proto(),
         serving=recorder.serving.to_proto(),
-        kv_cache=kv_cache,
+        kv_cache=kv_cache, step_budget=step_budget,
         startup=startup,
     )
 

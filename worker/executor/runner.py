@@ -20,27 +20,58 @@ import torch
 from torch import Tensor
 
 from graphkeeper.worker.executor.graphs.dispatcher import Decision
+from graphkeeper.worker.executor.logits import pick_logprobs, process, raw_logprobs
 from graphkeeper.worker.executor.sampling import sample
 from graphkeeper.worker.kernels.linear_kernel import warm_rows
 from graphkeeper.worker.model.attention import BLOCK_Q, AttentionMetadata, SlotAttention
 from graphkeeper.worker.model.kv_cache import KVCache
 from graphkeeper.worker.model.loader import LoadedModel
-from graphkeeper.worker.plan import PrefillChunk, SamplingBatch, SamplingSpec, StepPlan
+from graphkeeper.worker.plan import (
+    PrefillChunk,
+    PromptLogprobs,
+    SamplingBatch,
+    SamplingSpec,
+    StepPlan,
+    TokenLogprob,
+)
 
 
 @dataclass
 class Launched:
-    """A step on its way: its tokens land in ``host`` once ``done`` has completed."""
+    """A step on its way: its tokens land in ``host`` once ``done`` has completed, and so do the
+    log probabilities (chosen, top values, top ids) when a row asked for them."""
 
     host: Tensor
     done: torch.cuda.Event | None
     count: int
+    logprobs: tuple[Tensor, Tensor, Tensor] | None = None
+    #: Per prefill chunk that computes its prompt's log probabilities: (chunk index, targets,
+    #: (chosen, top values, top ids)).
+    prompt: list[tuple[int, np.ndarray, tuple[Tensor, Tensor, Tensor]]] | None = None
 
     def tokens(self) -> np.ndarray:
         """Waits for the step's copy (the one host synchronisation of a step) and returns its tokens."""
         if self.done is not None:
             self.done.synchronize()
         return self.host[: self.count].numpy()
+
+    def token_logprobs(self) -> list[TokenLogprob] | None:
+        """Each sample row's ``TokenLogprob`` (after ``tokens``); None when no row asked."""
+        if self.logprobs is None:
+            return None
+        chosen, values, ids = (t.tolist() for t in self.logprobs)
+        tokens = self.host[: self.count].tolist()
+        return [TokenLogprob(t, c, tuple(zip(i, v, strict=True)))
+                for t, c, v, i in zip(tokens, chosen, values, ids, strict=True)]
+
+    def prompt_logprobs(self) -> list[tuple[int, list[TokenLogprob]]]:
+        """(chunk index, the log probability of each prompt token the chunk's rows predict)."""
+        out = []
+        for chunk, targets, tensors in self.prompt or ():
+            chosen, values, ids = (t.tolist() for t in tensors)
+            out.append((chunk, [TokenLogprob(int(t), c, tuple(zip(i, v, strict=True)))
+                                for t, c, v, i in zip(targets, chosen, values, ids, strict=True)]))
+        return out
 
 
 class ModelRunner:
@@ -221,14 +252,30 @@ class ModelRunner:
     def sample_and_send(self, hidden: Tensor, plan: StepPlan) -> Launched:
         """Samples on the device, records each slot's new token, and starts the copy back."""
         ns = plan.num_samples
-        tokens = sample(self.model.head(self.sample_rows(hidden, plan)), plan.sampling)
+        logits = self.model.head(self.sample_rows(hidden, plan))
+        extra, logprobs = plan.logits, None
+        if extra is not None:  # the rows that ask for nothing keep their logits bit for bit
+            raw = raw_logprobs(logits) if extra.top_logprobs >= 0 else None
+            logits = process(logits, extra, plan.sampling)
+        tokens = sample(logits, plan.sampling)
         self.last_tokens.index_copy_(0, self._row(self.SAMPLE_SLOTS, ns), tokens)
         host, done = self._host[self._turn], self._sent[self._turn]
         self._turn ^= 1
         host[:ns].copy_(tokens, non_blocking=True)
+        if extra is not None and raw is not None:
+            logprobs = tuple(t.to("cpu", non_blocking=True) for t in pick_logprobs(raw, tokens, extra.top_logprobs))
+        prompt = [self._prompt_logprobs(hidden, plan, p) for p in plan.prompt_logprobs] or None
         if done is not None:
             done.record()
-        return Launched(host, done, ns)
+        return Launched(host, done, ns, logprobs, prompt)
+
+    def _prompt_logprobs(self, hidden: Tensor, plan: StepPlan, wanted: PromptLogprobs) -> tuple:
+        """A chunk's prompt log probabilities: the LM head on its rows, each row's next prompt token."""
+        row = plan.prefill[wanted.chunk].row
+        n = len(wanted.targets)
+        targets = torch.from_numpy(wanted.targets).to(self.device, non_blocking=True)
+        picked = pick_logprobs(raw_logprobs(self.model.head(hidden[row:row + n])), targets, wanted.top)
+        return wanted.chunk, wanted.targets, tuple(t.to("cpu", non_blocking=True) for t in picked)
 
     def inert_decode(self, rows: int) -> StepPlan:
         """A decode step of ``rows`` rows on the KV cache's dummy slot (where padding rows write)."""

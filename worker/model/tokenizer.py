@@ -127,6 +127,14 @@ class Tokenizer:
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)
 
+    def token_text(self, token: int) -> str:
+        """One token's own text, special tokens included (how log probabilities name tokens)."""
+        return self._tok.decode([token], skip_special_tokens=False)
+
+    def backend_json(self) -> str:
+        """The whole tokenizer as ``tokenizer.json`` text (what a grammar library wraps)."""
+        return self._tok.to_str()
+
 
 def _apply_special_tokens(tok: Any, config: TokenizerConfig) -> None:
     """Rebuilds the post-processor when the tokenizer config says explicitly whether to add BOS or

@@ -14,6 +14,7 @@ from graphkeeper.proto import worker_pb2 as pb
 from graphkeeper.proto.field_checks import FieldError, check_string, clipped_repr, utf8_len
 from graphkeeper.proto.policy import valid_tenant
 from graphkeeper.worker.engine import Limits
+from graphkeeper.worker.serving.sampling_checks import logits_errors
 
 MAX_TEMPERATURE = 100.0
 MAX_STOP_IDS = 64
@@ -88,6 +89,8 @@ def validate_request(req: pb.GenerateRequest, limits: Limits) -> None:
         if not 0 <= token < limits.vocab_size:
             raise AdmissionError(f"stopping.stop_token_ids[{i}]", f"token id {token} is outside the vocabulary")
     _validate_sampling(req.sampling)
+    if error := logits_errors(req, limits):
+        raise AdmissionError(*error)
 
 
 def _validate_prompt_source(req: pb.GenerateRequest, limits: Limits) -> None:

@@ -44,7 +44,14 @@ from graphkeeper.worker.serving.admission import (
     max_request_bytes,
     validate_reload_request,
 )
-from graphkeeper.worker.serving.streams import StreamHub, TokenStream, admitted, count_refusal, public_model_info
+from graphkeeper.worker.serving.streams import (
+    StreamHub,
+    TokenStream,
+    admitted,
+    count_refusal,
+    public_model_info,
+    token_logprobs,
+)
 from graphkeeper.worker.serving.wire import tolerant
 
 log = logging.getLogger(__name__)
@@ -87,7 +94,9 @@ class InferenceServicer(pb_grpc.InferenceWorkerServicer):
                 stream.wake.clear()
                 while stream.tokens:  # tokens that arrive during a write go out before the end
                     tokens, stream.tokens = stream.tokens, []
-                    chunk = pb.TokenChunk(token_ids=tokens, text=detok.add(tokens) if detok else "")
+                    logprobs, stream.logprobs = stream.logprobs, []
+                    chunk = pb.TokenChunk(token_ids=tokens, text=detok.add(tokens) if detok else "",
+                                          logprobs=token_logprobs(logprobs))
                     await context.write(pb.GenerateResponse(tokens=chunk))
                 end = stream.end
                 if isinstance(end, pb.Completion):

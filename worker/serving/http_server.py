@@ -11,10 +11,11 @@ tokens per event when it does not or when many streams are open (paced like the 
 
 A client that goes away cancels its sequence (the handler is cancelled on disconnect, and a write
 to a closed connection fails), so its slot returns at once. Every refusal is an OpenAI error
-object with its status: 400 naming the field, 404 for another model, 413 for a body over the
-cap, 501 for what is not supported; an engine error (429 for a full queue, 400 for a request the
-cache cannot fit, 503 while not serving, 500 for a failed step or anything else) gets the status
-of its row in the engine's errors table (``engine.classify``), as on the gRPC port.
+object with its status: 400 naming the field (what is not supported included: never a 5xx,
+which the SDKs retry), 404 for another model, 413 for a body over the cap; an engine error (429
+for a full queue, 400 for a request the cache cannot fit, 503 while not serving, 500 for a failed
+step or anything else) gets the status of its row in the engine's errors table
+(``engine.classify``), as on the gRPC port.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from graphkeeper.worker.serving.openai_api import (
     parse_completion,
     usage,
 )
+from graphkeeper.worker.serving.openai_sampling import chat_logprobs, completion_logprobs, echoed_entries
 from graphkeeper.worker.serving.streams import StreamHub, TokenStream, admitted, count_refusal, public_model_info
 
 log = logging.getLogger(__name__)
@@ -122,7 +124,11 @@ def openai_param(field: str, parsed: Parsed, tenant_param: str) -> str:
         return tenant_param
     if base == "stopping.max_new_tokens":
         return parsed.max_tokens_param
-    return _PARAMS.get(base, base) + bracket + rest
+    if base == "sampling.logit_bias":  # a map: OpenAI names the entry by its key
+        return "logit_bias." + rest.rstrip("]")
+    if base.startswith("constraint"):
+        return "response_format"
+    return _PARAMS.get(base, base.removeprefix("sampling.")) + bracket + rest
 
 
 class OpenAIServer:
@@ -257,32 +263,100 @@ class OpenAIServer:
             raise ApiError(404, f"the model {clipped_repr(parsed.model)} does not exist: this server serves {model!r}",
                            "model", "not_found_error", "model_not_found")
         engine = self.engine
-        stream = TokenStream()
+        runs: list[_Run] = []
+        rid = new_id(parsed.chat)  # one id for the response, whatever its number of choices
         try:
             admitted_request = await admitted(engine, parsed.request, parsed.fill_context)
-            seq = engine.submit(admitted_request, stream)
+            for index, choice_request in enumerate(choice_requests(admitted_request, parsed.choices.n)):
+                stream = TokenStream()
+                seq = engine.submit(choice_request, stream)
+                runs.append(_Run(engine, seq, stream, parsed, choice_request, model, self.hub, index, rid))
         except AdmissionError as err:
             self._count("oversize" if isinstance(err, Oversize) else "invalid")
             param = openai_param(err.field, parsed, TENANT_HEADER if tenant_header is not None else "user")
             raise ApiError(400, f"{param}: {err.message}", param) from None
         except Exception as err:  # noqa: BLE001 - refused by the engine (or a bug): answered by the table
+            for run in runs:  # the choices already submitted end with the refused one
+                engine.cancel(run.seq)
             count_refusal(engine, err)
             raise engine_error(err) from None
-        run = _Run(engine, seq, stream, parsed, admitted_request, model, self.hub)
-        self.hub.open_streams += 1
+        self.hub.open_streams += len(runs)
         try:
             if parsed.stream:
-                return await run.stream_to(request)
-            return await run.respond()
+                return await _stream_runs(runs, request)
+            return await _respond(runs)
         except BaseException:
             # Whatever ends the handler before the sequence ended (the client went away, the server
             # is stopping, an error of this process) frees its slot, unless a stop string already
             # ended it (it then finishes as a stop).
-            if not run.ended and not run.matcher.stopped:
-                engine.cancel(seq)
+            for run in runs:
+                if not run.ended and not run.matcher.stopped:
+                    engine.cancel(run.seq)
             raise
         finally:
-            self.hub.open_streams -= 1
+            self.hub.open_streams -= len(runs)
+
+
+def choice_requests(request: pb.GenerateRequest, n: int) -> list[pb.GenerateRequest]:
+    """One engine request per choice; with a seed, choice ``i`` draws with ``seed + i`` (as vLLM
+    seeds its parallel samples), so every choice is reproducible and they differ."""
+    if n == 1:
+        return [request]
+    out = []
+    for i in range(n):
+        copy = pb.GenerateRequest()
+        copy.CopyFrom(request)
+        if request.sampling.HasField("seed"):
+            copy.sampling.seed = (request.sampling.seed + i) % 2**64
+        out.append(copy)
+    return out
+
+
+async def _respond(runs: list[_Run]) -> web.Response:
+    """The whole response once every choice has ended."""
+    bodies = await asyncio.gather(*(run.collect() for run in runs))
+    first = runs[0]
+    parsed = first.parsed
+    body = envelope(first.rid, parsed.chat, parsed.created, first.model, list(bodies), chunk=False)
+    body["usage"] = usage(first.prompt_tokens, sum(run.generated for run in runs))
+    body["graphkeeper"] = ext = extension(first.completion)
+    return web.Response(body=dumps(body), content_type="application/json",
+                        headers={EXECUTION_HEADER: dumps(ext["execution"]).decode()})
+
+
+async def _stream_runs(runs: list[_Run], request: web.Request) -> web.StreamResponse:
+    """Server-sent events of every choice, interleaved as their tokens come. The headers go out
+    with the first token, so a request the engine core refuses (a full queue) is still answered
+    with its status rather than a broken stream."""
+    firsts = [await run.next_delta() for run in runs]  # raises ApiError before anything is sent
+    response = web.StreamResponse(status=200, headers=SSE_HEADERS)
+    await response.prepare(request)
+    try:
+        await asyncio.gather(*(run.stream_to(response, first) for run, first in zip(runs, firsts, strict=True)))
+    except ApiError as err:  # the stream already began: the error is its last event
+        await response.write(sse(err.body()))
+        await response.write(DONE)
+        await response.write_eof()
+        return response
+    head = runs[0]
+    parsed, chat = head.parsed, head.parsed.chat
+    events = []
+    for run in runs:
+        final = envelope(run.rid, chat, parsed.created, run.model,
+                         [choice(chat, "", run.finish(), delta=True, index=run.index)], chunk=True)
+        if chat:
+            final["choices"][0]["delta"] = {}
+        final["graphkeeper"] = extension(run.completion)
+        if parsed.continuous_usage:
+            final["usage"] = run.usage()
+        events.append(sse(final))
+    if parsed.include_usage:
+        tail = envelope(head.rid, chat, parsed.created, head.model, [], chunk=True)
+        tail["usage"] = usage(head.prompt_tokens, sum(run.generated for run in runs))
+        events.append(sse(tail))
+    await response.write(b"".join((*events, DONE)))  # one send for the request's last events
+    await response.write_eof()
+    return response
 
 
 def engine_error(err: BaseException) -> ApiError:
@@ -295,24 +369,32 @@ class _Run:
     """One admitted request's tokens, turned into text, stop-string matched and answered."""
 
     def __init__(self, engine: EngineFace, seq: Any, stream: TokenStream, parsed: Parsed, request: pb.GenerateRequest,
-                 model: str, hub: StreamHub) -> None:
+                 model: str, hub: StreamHub, index: int = 0, rid: str = "") -> None:
         self.engine, self.seq, self.stream, self.parsed, self.hub = engine, seq, stream, parsed, hub
+        self.index = index
+        self.request = request
         self.model = model
         self.prompt_tokens = len(request.prompt_token_ids)
         tokenizer = engine.tokenizer
         self.detok = IncrementalDetokenizer(tokenizer, list(request.prompt_token_ids)) if tokenizer else None
         self.matcher = StopMatcher(parsed.stop)
-        self.rid = new_id(parsed.chat)
-        #: Plain text chunks pre-encoded, when they carry no per-chunk usage or token ids.
+        self.rid = rid or new_id(parsed.chat)
+        #: Plain text chunks pre-encoded, when they carry no per-chunk usage, token ids, log
+        #: probabilities or choice index.
         self.events = TextEvents(self.rid, parsed.chat, parsed.created, model, parsed.continuous_usage) if (
-            parsed.stream and self.detok is not None and _TEXT_MARK not in model and _USAGE_MARK not in model) else None
+            parsed.stream and self.detok is not None and _TEXT_MARK not in model and _USAGE_MARK not in model
+            and parsed.choices.n == 1 and parsed.choices.logprobs is None) else None
+        #: A completion's text offset in its log probabilities, and an echoed prompt's entries.
+        self.offset = 0
+        self.echo_entries: list | None = None
         self.generated = 0
         self.completion: pb.Completion | None = None
         self.ended = False
         self.first = True
 
-    async def next_delta(self) -> tuple[str, list[int]] | None:
-        """The text and token ids since the last call, or None once the request has ended.
+    async def next_delta(self) -> tuple[str, list[int], list] | None:
+        """The text, token ids and their log probabilities since the last call, or None once the
+        request has ended.
 
         A stop string cancels the sequence at once (its slot returns) and the rest of the stream
         is waited for and dropped, so the engine's completion (the execution summary) still comes.
@@ -323,16 +405,19 @@ class _Run:
                 return None
             await stream.wake.wait()
             stream.wake.clear()
-            text, tokens = "", []
+            text, tokens, logprobs = "", [], []
             if stream.tokens:
                 tokens, stream.tokens = stream.tokens, []
+                logprobs, stream.logprobs = stream.logprobs, []
+                if self.echo_entries is None and stream.prompt_logprobs is not None:
+                    self.echo_entries = echoed_entries(list(self.request.prompt_token_ids), stream.prompt_logprobs)
                 if not self.matcher.stopped:
                     self.generated += len(tokens)
                     text = self.matcher.feed(self.detok.add(tokens)) if self.detok else ""
                     if self.matcher.stopped:  # a normal finish: counted as a stop, not a cancellation
                         self.engine.cancel(self.seq, pb.FINISH_REASON_STOP)
                 else:
-                    tokens = []
+                    tokens, logprobs = [], []
             end = stream.end
             if isinstance(end, pb.Completion):
                 self.ended, self.completion = True, end
@@ -345,7 +430,7 @@ class _Run:
                 self.ended = True
                 raise engine_error(end)
             if text or tokens or self.ended:
-                return text, tokens
+                return text, tokens, logprobs
 
     async def pace(self) -> None:
         """After a write, as the gRPC streams do: tokens that arrive meanwhile go out together."""
@@ -355,70 +440,67 @@ class _Run:
     def _token_ids(self, tokens: list[int]) -> list[int] | None:
         return None if self.detok is not None else tokens
 
-    def _finish(self) -> str:
+    def finish(self) -> str:
         return finish_reason(self.completion, self.matcher.stopped)
 
-    def _usage(self) -> dict[str, int]:
+    def usage(self) -> dict[str, int]:
         return usage(self.prompt_tokens, self.generated)
 
-    async def respond(self) -> web.Response:
-        texts, ids = [], []
+    def echoed(self) -> str:
+        """The prompt's text, for ``echo`` (a token-id prompt is decoded)."""
+        if not self.parsed.choices.echo:
+            return ""
+        if self.parsed.request.prompt_text:
+            return self.parsed.request.prompt_text
+        return self.detok.tokenizer.decode(list(self.request.prompt_token_ids)) if self.detok else ""
+
+    def logprobs(self, entries: list) -> dict | None:
+        """The choice's ``logprobs`` object for these tokens, when the request asked for them."""
+        if self.parsed.choices.logprobs is None:
+            return None
+        tokenizer = self.engine.tokenizer
+        text = tokenizer.token_text if tokenizer is not None else str
+        if self.parsed.chat:
+            return chat_logprobs(entries, text)
+        out = completion_logprobs(entries, text, self.offset)
+        if out["tokens"]:
+            self.offset = out["text_offset"][-1] + len(out["tokens"][-1])
+        return out
+
+    async def collect(self) -> dict[str, Any]:
+        """The whole choice, once the request has ended."""
+        texts, ids, entries = [self.echoed()], [], []
         while (delta := await self.next_delta()) is not None:
             texts.append(delta[0])
             ids.extend(delta[1])
+            entries.extend(delta[2])
             await self.pace()
-        parsed = self.parsed
-        body = envelope(self.rid, parsed.chat, parsed.created, self.model,
-                        [choice(parsed.chat, "".join(texts), self._finish(), delta=False,
-                                token_ids=self._token_ids(ids))], chunk=False)
-        body["usage"] = self._usage()
-        body["graphkeeper"] = ext = extension(self.completion)
-        return web.Response(body=dumps(body), content_type="application/json",
-                            headers={EXECUTION_HEADER: dumps(ext["execution"]).decode()})
+        if self.parsed.choices.echo:
+            entries[:0] = self.echo_entries or []
+        return choice(self.parsed.chat, "".join(texts), self.finish(), delta=False, token_ids=self._token_ids(ids),
+                      index=self.index, logprobs=self.logprobs(entries))
 
-    async def stream_to(self, request: web.Request) -> web.StreamResponse:
-        """Server-sent events. The headers go out with the first token, so a request the engine
-        core refuses (a full queue) is still answered with its status rather than a broken stream."""
-        first = await self.next_delta()  # raises ApiError before anything is sent
-        response = web.StreamResponse(status=200, headers=SSE_HEADERS)
-        await response.prepare(request)
+    async def stream_to(self, response: web.StreamResponse, first: tuple[str, list[int], list] | None) -> None:
+        """This choice's chunks, from its first delta (already taken) to its end."""
         parsed, chat = self.parsed, self.parsed.chat
         delta = first
-        try:
-            while delta is not None:
-                text, tokens = delta
-                last = self.ended
-                if self.events is not None and text and not (chat and self.first):
-                    await response.write(self.events.text(text, self.prompt_tokens, self.generated))
-                elif text or (tokens and self.detok is None) or (chat and self.first):
-                    chunk = envelope(self.rid, chat, parsed.created, self.model,
-                                     [choice(chat, text, None, delta=True, role=self.first,
-                                             token_ids=self._token_ids(tokens))], chunk=True)
-                    self.first = False
-                    if parsed.continuous_usage:
-                        chunk["usage"] = self._usage()
-                    await response.write(sse(chunk))
-                if last:
-                    break
-                await self.pace()
-                delta = await self.next_delta()
-        except ApiError as err:  # the stream already began: the error is its last event
-            await response.write(sse(err.body()))
-            await response.write(DONE)
-            await response.write_eof()
-            return response
-        final = envelope(self.rid, chat, parsed.created, self.model,
-                         [choice(chat, "", self._finish(), delta=True)], chunk=True)
-        if chat:
-            final["choices"][0]["delta"] = {}
-        final["graphkeeper"] = extension(self.completion)
-        if parsed.continuous_usage:
-            final["usage"] = self._usage()
-        events = [sse(final)]
-        if parsed.include_usage:
-            tail = envelope(self.rid, chat, parsed.created, self.model, [], chunk=True)
-            tail["usage"] = self._usage()
-            events.append(sse(tail))
-        await response.write(b"".join((*events, DONE)))  # one send for the request's last events
-        await response.write_eof()
-        return response
+        if delta is not None and self.parsed.choices.echo:
+            delta = (self.echoed() + delta[0], delta[1], [*(self.echo_entries or []), *delta[2]])
+        while delta is not None:
+            text, tokens, entries = delta
+            last = self.ended
+            if self.events is not None and text and not (chat and self.first):
+                await response.write(self.events.text(text, self.prompt_tokens, self.generated))
+            elif text or (tokens and self.detok is None) or (chat and self.first) or entries:
+                chunk = envelope(self.rid, chat, parsed.created, self.model,
+                                 [choice(chat, text, None, delta=True, role=self.first,
+                                         token_ids=self._token_ids(tokens), index=self.index,
+                                         logprobs=self.logprobs(entries))], chunk=True)
+                self.first = False
+                if parsed.continuous_usage:
+                    chunk["usage"] = self.usage()
+                await response.write(sse(chunk))
+            if last:
+                break
+            await self.pace()
+            delta = await self.next_delta()

@@ -5,15 +5,19 @@ Pure, so every refusal and every response shape is testable without a model or a
 HTTP server (``http_server``) only moves bytes. The request then goes through the same admission
 as a gRPC request (``grpc_server.admitted``).
 
-What the worker does not do is refused, never ignored: ``n`` or ``best_of`` above 1, logprobs,
-penalties, logit biases, tools and structured output are 501 ``not_implemented`` naming the
-field, and a field no OpenAI-compatible server knows is 400 naming it, so a client's typo or a
-feature it relies on is never silently dropped. ``null`` is read as "not set", as OpenAI does.
+What the worker does not do is refused, never ignored, and every refusal is a 400 naming the
+field (``unsupported``: OpenAI's ``invalid_request_error`` with code ``unsupported_parameter``;
+never a 5xx, which the SDKs retry), as is a field no OpenAI-compatible server knows, so a
+client's typo or a feature it relies on is never silently dropped. Fields that change nothing
+the model computes (``store``, ``metadata``, ``user``, the ``developer`` role, ...) are accepted
+(``openai_fields``); the sampling fields (``n``, penalties, ``logit_bias``, ``min_p``, log
+probabilities, ``echo``, structured output) and their refusals are ``openai_sampling``'s.
+``null`` is read as "not set", as OpenAI does.
 
 Extensions, as vLLM names them: ``top_k``, ``ignore_eos``, ``stop_token_ids``; the tenant for the
-per-tenant graph toggle comes from the ``X-Graphkeeper-Tenant`` header or else ``user``; the
-final response (the last stream chunk when streaming) carries the request's graph execution
-summary as ``graphkeeper.execution``.
+per-tenant graph toggle comes from the ``X-Graphkeeper-Tenant`` header or else a label made from
+``user`` (``openai_fields.tenant_from_user``); the final response (the last stream chunk when
+streaming) carries the request's graph execution summary as ``graphkeeper.execution``.
 """
 
 from __future__ import annotations
@@ -27,6 +31,15 @@ from google.protobuf.json_format import MessageToDict
 
 from graphkeeper.proto import worker_pb2 as pb
 from graphkeeper.proto.field_checks import clipped_repr
+from graphkeeper.worker.serving.openai_fields import (
+    NEUTRAL_CHAT_FIELDS,
+    NEUTRAL_FIELDS,
+    FieldTypeError,
+    chat_role,
+    check_neutral,
+    tenant_from_user,
+)
+from graphkeeper.worker.serving.openai_sampling import SAMPLING_FIELDS, Choices, SamplingError, read_sampling
 
 TENANT_HEADER = "X-Graphkeeper-Tenant"
 #: The non-streaming response's header with the compact JSON of the execution summary.
@@ -36,12 +49,10 @@ DEFAULT_COMPLETION_TOKENS = 16
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 
-_COMMON = ("model", "max_tokens", "temperature", "top_p", "top_k", "n", "stream", "stream_options", "stop",
-           "stop_token_ids", "seed", "user", "ignore_eos", "presence_penalty", "frequency_penalty",
-           "logit_bias", "logprobs")
-COMPLETION_FIELDS = frozenset((*_COMMON, "prompt", "echo", "best_of", "suffix"))
-CHAT_FIELDS = frozenset((*_COMMON, "messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
-                         "functions", "function_call", "parallel_tool_calls", "response_format"))
+_COMMON = ("model", "max_tokens", "temperature", "top_p", "top_k", "stream", "stream_options", "stop",
+           "stop_token_ids", "seed", "user", "ignore_eos", *SAMPLING_FIELDS)
+COMPLETION_FIELDS = frozenset((*_COMMON, "prompt")) | NEUTRAL_FIELDS
+CHAT_FIELDS = frozenset((*_COMMON, "messages", "max_completion_tokens")) | NEUTRAL_CHAT_FIELDS
 MESSAGE_FIELDS = frozenset(("role", "content", "name"))
 FINISH = {pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_EOS: "stop"}
 
@@ -63,7 +74,10 @@ def invalid(param: str, message: str) -> ApiError:
 
 
 def unsupported(param: str, message: str) -> ApiError:
-    return ApiError(501, f"{param}: {message}", param, "not_implemented_error", "not_implemented")
+    """A request for what this server does not do: 400 naming the field, as OpenAI refuses a
+    parameter a model does not support (a 5xx would be retried by the SDKs, reaching the worker
+    three times for one call)."""
+    return ApiError(400, f"{param}: {message}", param, code="unsupported_parameter")
 
 
 @dataclass
@@ -82,6 +96,8 @@ class Parsed:
     continuous_usage: bool = False
     #: The field that set the output length, for errors about it (``max_tokens`` or ``max_completion_tokens``).
     max_tokens_param: str = "max_tokens"
+    #: ``n``, log probabilities and ``echo`` (``openai_sampling``).
+    choices: Choices = field(default_factory=Choices)
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -147,45 +163,24 @@ def _check_fields(body: Any, known: frozenset[str]) -> None:
     if unknown:
         raise invalid(unknown[0], f"unknown field {clipped_repr(unknown[0])} (this server knows: "
                       f"{', '.join(sorted(known))})")
+    try:
+        check_neutral(body)
+    except FieldTypeError as err:
+        raise invalid(err.param, err.message) from None
 
 
-def _refuse_unsupported(body: dict) -> None:
-    """501 for what an OpenAI server offers and this one does not; the neutral values pass."""
-    for name in ("n", "best_of"):
-        value = _int(body, name)
-        if value is not None and value != 1:
-            if value < 1:
-                raise invalid(name, f"must be at least 1, got {value}")
-            raise unsupported(name, "only 1 is supported (send several requests)")
-    for name in ("presence_penalty", "frequency_penalty"):
-        value = _number(body, name)
-        if value:
-            raise unsupported(name, "penalties are not supported")
-    if body.get("logit_bias"):
-        raise unsupported("logit_bias", "logit biases are not supported")
-    if body.get("logprobs") not in (None, False, 0) or body.get("top_logprobs"):
-        raise unsupported("logprobs" if body.get("logprobs") not in (None, False, 0) else "top_logprobs",
-                          "log probabilities are not supported")
-    if body.get("echo"):
-        raise unsupported("echo", "echoing the prompt is not supported")
-    if body.get("suffix"):
-        raise unsupported("suffix", "insertion (suffix) is not supported")
-    for name in ("tools", "functions"):
-        if body.get(name):
-            raise unsupported(name, "tool calling is not supported")
-    for name in ("tool_choice", "function_call"):
-        if body.get(name) not in (None, "none"):
-            raise unsupported(name, "tool calling is not supported")
-    response_format = body.get("response_format")
-    if response_format is not None and response_format != {"type": "text"}:
-        raise unsupported("response_format", "only {\"type\": \"text\"} is supported")
+def _read_sampling(body: dict, request: pb.GenerateRequest, chat: bool) -> Choices:
+    """``openai_sampling``'s fields, its refusals as 400 naming the field."""
+    try:
+        return read_sampling(body, request, chat)
+    except SamplingError as err:
+        raise (unsupported if err.unsupported else invalid)(err.param, err.message) from None
 
 
 def _common(body: dict, request: pb.GenerateRequest, tenant_header: str | None) -> tuple[
         str | None, bool, tuple[bool, bool], tuple[str, ...]]:
     """The fields both endpoints share, into ``request``: (model, stream, (include_usage,
     continuous_usage_stats), stop strings)."""
-    _refuse_unsupported(body)
     model = body.get("model")
     if model is not None:
         model = _str(model, "model")
@@ -227,10 +222,17 @@ def _common(body: dict, request: pb.GenerateRequest, tenant_header: str | None) 
                 raise invalid(f"stream_options.{key}", "unknown field")
         include_usage = _bool(options, "include_usage", name="stream_options.include_usage")
         continuous = _bool(options, "continuous_usage_stats", name="stream_options.continuous_usage_stats")
-    tenant = tenant_header if tenant_header is not None else body.get("user")
-    if tenant is not None:
-        request.tenant = _str(tenant, TENANT_HEADER if tenant_header is not None else "user")
+    request.tenant = _tenant(body, tenant_header)
     return model, stream, (include_usage, continuous), stop
+
+
+def _tenant(body: dict, tenant_header: str | None) -> str:
+    """The header as sent (admission checks it is a label, naming the header), else ``user``
+    made a label."""
+    if tenant_header is not None:
+        return _str(tenant_header, TENANT_HEADER)
+    user = body.get("user")
+    return "" if user is None else tenant_from_user(_str(user, "user"))
 
 
 def _stop_strings(value: Any) -> tuple[str, ...]:
@@ -285,9 +287,11 @@ def parse_completion(body: Any, tenant_header: str | None = None) -> Parsed:
     else:
         raise invalid("prompt", "must be a string, an array of token ids or a batch of one of them")
     model, stream, (include_usage, continuous), stop = _common(body, request, tenant_header)
+    choices = _read_sampling(body, request, chat=False)
     max_tokens, param = _max_tokens(body, ("max_tokens",))
     request.stopping.max_new_tokens = DEFAULT_COMPLETION_TOKENS if max_tokens is None else max_tokens
-    return Parsed(request, model, stream, include_usage, stop, continuous_usage=continuous, max_tokens_param=param)
+    return Parsed(request, model, stream, include_usage, stop, continuous_usage=continuous, max_tokens_param=param,
+                  choices=choices)
 
 
 def parse_chat(body: Any, tenant_header: str | None = None) -> Parsed:
@@ -313,17 +317,18 @@ def parse_chat(body: Any, tenant_header: str | None = None) -> Parsed:
             raise invalid(f"{name}.role", "is required")
         if message.get("name") is not None:
             _str(message["name"], f"{name}.name")
-        request.messages.append(pb.ChatMessage(role=_str(role, f"{name}.role"),
+        request.messages.append(pb.ChatMessage(role=chat_role(_str(role, f"{name}.role")),
                                                content=_content(message.get("content"), f"{name}.content")))
     model, stream, (include_usage, continuous), stop = _common(body, request, tenant_header)
+    choices = _read_sampling(body, request, chat=True)
     max_tokens, param = _max_tokens(body, ("max_completion_tokens", "max_tokens"))
     request.stopping.max_new_tokens = max_tokens or 1
     return Parsed(request, model, stream, include_usage, stop, fill_context=max_tokens is None, chat=True,
-                  continuous_usage=continuous, max_tokens_param=param)
+                  continuous_usage=continuous, max_tokens_param=param, choices=choices)
 
 
 def _content(value: Any, name: str) -> str:
-    """A message's text: a string, or an array of text parts (images and audio are 501)."""
+    """A message's text: a string, or an array of text parts (images and audio are refused)."""
     if value is None:
         return ""
     if isinstance(value, str):
@@ -405,15 +410,15 @@ def extension(completion: pb.Completion | None) -> dict[str, Any]:
 
 
 def choice(chat: bool, text: str, finish: str | None, *, delta: bool, role: bool = False,
-           token_ids: list[int] | None = None) -> dict[str, Any]:
+           token_ids: list[int] | None = None, index: int = 0, logprobs: dict | None = None) -> dict[str, Any]:
     """One choice of a response (``delta`` for a stream chunk); ``token_ids`` only for a model
     without a tokenizer, whose text is empty."""
     if chat:
         body: dict[str, Any] = {"role": "assistant", "content": text} if role or not delta else {"content": text}
-        out: dict[str, Any] = {"index": 0, ("delta" if delta else "message"): body, "logprobs": None,
+        out: dict[str, Any] = {"index": index, ("delta" if delta else "message"): body, "logprobs": logprobs,
                                "finish_reason": finish}
     else:
-        out = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        out = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
     if token_ids is not None:
         out["token_ids"] = token_ids
     return out

@@ -13,6 +13,7 @@ way in, its tokens' one way out, and the name the model goes by in public.
 - ``count_refusal``: a request refused on its way into the engine, counted under the outcome of
   its row in the engine's errors table (``engine.classify``), which each front end answers with.
 - ``public_model_info``: what an unauthenticated client may learn of the model.
+- ``token_logprobs``: a gRPC chunk's log probabilities (the HTTP shapes are ``openai_sampling``'s).
 
 The front ends import this module and never each other.
 """
@@ -70,6 +71,10 @@ class TokenStream:
     """One Generate call's mailbox on the event loop: the hub appends, the handler drains."""
 
     tokens: list[int] = field(default_factory=list)
+    #: The tokens' log probabilities (``TokenLogprob``), for a request that asked for them.
+    logprobs: list = field(default_factory=list)
+    #: The prompt's log probabilities, with the first token, for a request that asked for them.
+    prompt_logprobs: list | None = None
     end: pb.Completion | BaseException | None = None
     wake: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -110,6 +115,10 @@ class StreamHub:
             for stream, tokens, end in updates:
                 if tokens:
                     stream.tokens.extend(tokens)
+                    if (logprobs := getattr(tokens, "logprobs", None)) is not None:  # plan.Sampled
+                        stream.logprobs.extend(logprobs)
+                    if (prompt := getattr(tokens, "prompt_logprobs", None)) is not None:
+                        stream.prompt_logprobs = prompt
                 if end is not None:
                     stream.end = end
                 stream.wake.set()
@@ -164,6 +173,12 @@ def count_refusal(engine: EngineFace, err: Exception) -> None:
     if status is UNKNOWN_ERROR:
         log.error("a request failed on its way into the engine", exc_info=err)
     engine.metrics.requests.labels(status.outcome).inc()
+
+
+def token_logprobs(entries: list) -> list[pb.TokenLogprob]:
+    """A gRPC ``TokenChunk``'s log probabilities from the stream's ``TokenLogprob`` entries."""
+    return [pb.TokenLogprob(token_id=e.token, logprob=e.logprob,
+                            top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in e.top]) for e in entries]
 
 
 def public_model_info(info: pb.GetModelInfoResponse) -> pb.GetModelInfoResponse:

@@ -1,4 +1,6 @@
-"""graphkeeper's scheduler and KV-cache gauges also under vLLM's names (``--vllm-metric-names``).
+"""graphkeeper's scheduler and KV-cache gauges also under vLLM's names (``--vllm-metric-names``,
+on by default: a gateway pointed at a default worker finds them; ``--no-vllm-metric-names`` leaves
+them out).
 
 Inference gateways and autoscalers read a model server's load from vLLM's series: the Gateway API
 Inference Extension's endpoint picker reads ``vllm:num_requests_waiting``,
@@ -96,7 +98,7 @@ def served_model_name(engine: EngineFace, served_name: str = "") -> str:
     return public_model_info(info).source if info is not None else ""
 
 
-def exported_registry(engine: EngineFace, served_name: str = "", vllm_names: bool = False) -> Any:
+def exported_registry(engine: EngineFace, served_name: str = "", vllm_names: bool = True) -> Any:
     """What ``/metrics`` exports: the engine's registry, with the vLLM aliases when asked for."""
     if not vllm_names:
         return engine.metrics.registry

@@ -1,0 +1,185 @@
+"""What the sampling parameters cost under load: a batch of ``--streams`` (64) OpenAI completions
+streams where every request is plain, against the same batch where half the streams ask for log
+probabilities (5 alternatives), penalties (frequency, presence, repetition) or a JSON schema, a
+third of that half each. Plain requests are greedy with ``ignore_eos``; a JSON-schema request's
+grammar (an array of strings) does not end before ``--output-tokens``, so both runs generate the
+same number of tokens. Tokens/s over ``--seconds`` per run, and the share of each request's steps
+that replayed graphs (its ``graphkeeper.execution`` summary), which must stay 1.0.
+
+The client is one asyncio process of plain HTTP (aiohttp, the worker's own dependency), one
+connection per stream and one non-streaming response per request, so its work per token is nil;
+the run also records its CPU time against its wall time to show it is not the limit.
+
+The model is ``random:<preset>`` saved with a byte-level tokenizer of the model's vocabulary (the
+256 byte symbols, then placeholder words), so JSON can be spelt and every id decodes; prompts are
+token ids.
+
+    python bench/sampling_bench.py --out bench/results/sampling-h200.json                      # H200
+    python bench/sampling_bench.py --device cpu --dtype float32 --preset tiny --streams 8 \\
+        --prompt-tokens 16 --output-tokens 16 --seconds 10 --out /tmp/sampling.json             # CPU check
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import json
+import os
+import platform
+import random
+import resource
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+SCHEMA = {"type": "array", "items": {"type": "string"}}
+#: What the parameterised half of the streams asks for, in turn.
+KINDS = {
+    "logprobs": {"logprobs": 5},
+    "penalties": {"frequency_penalty": 0.5, "presence_penalty": 0.5, "repetition_penalty": 1.1},
+    "json_schema": {"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA}}},
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def prepare_model(preset: str, device: str, dtype: str, root: Path) -> Path:
+    """``random:<preset>`` with a byte-level BPE tokenizer covering its whole vocabulary."""
+    path = root / f"{preset}-{dtype}-bytes"
+    if (path / "tokenizer.json").is_file():
+        return path
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    from graphkeeper.worker.model.loader import load_model, save_hf_directory
+
+    loaded = load_model(f"random:{preset}", device=device, dtype=dtype, max_positions=8192)
+    save_hf_directory(loaded.model, path)
+    vocab = loaded.config.vocab_size
+    del loaded
+    symbols = sorted(pre_tokenizers.ByteLevel.alphabet())
+    words = {s: i for i, s in enumerate(symbols)}
+    words.update({f"w{i}": i for i in range(len(symbols), vocab)})
+    tok = Tokenizer(models.BPE(vocab=words, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.save(str(path / "tokenizer.json"))
+    return path
+
+
+def start_worker(model: Path, args: argparse.Namespace, log: Path) -> tuple[subprocess.Popen, str]:
+    http = free_port()
+    cmd = [sys.executable, "-m", "graphkeeper.cli", "worker", "--model", str(model), "--device", args.device,
+           "--dtype", args.dtype, "--port", str(free_port()), "--control-port", str(free_port()),
+           "--metrics-port", "0", "--http-port", str(http), "--served-model-name", "bench",
+           "--max-num-seqs", str(max(64, args.streams)), "--max-seq-len", str(args.max_seq_len),
+           "--max-num-batched-tokens", "512", "--log-level", "WARNING", *args.worker_args.split()]
+    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{http}"
+    deadline = time.time() + 900
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"worker exited during startup:\n{log.read_text()[-3000:]}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as resp:
+                if resp.status == 200:
+                    return proc, url
+        except OSError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise RuntimeError("worker did not become ready")
+
+
+async def drive(url: str, args: argparse.Namespace, mixed: bool, vocab: int) -> dict:
+    """``--streams`` loops of requests for ``--seconds``; counts tokens and graph steps by kind."""
+    import aiohttp
+
+    rng = random.Random(7)
+    kinds = ["plain"] * args.streams
+    if mixed:
+        for i in range(args.streams // 2):
+            kinds[2 * i + 1] = list(KINDS)[i % len(KINDS)]
+    stats = {k: {"requests": 0, "tokens": 0, "graph_steps": 0, "steps": 0, "errors": 0} for k in ("plain", *KINDS)}
+    deadline = time.perf_counter() + args.seconds
+
+    async def stream(session: aiohttp.ClientSession, kind: str) -> None:
+        while time.perf_counter() < deadline:
+            body = {"model": "bench", "prompt": [rng.randrange(256, vocab) for _ in range(args.prompt_tokens)],
+                    "max_tokens": args.output_tokens, "temperature": 0, "ignore_eos": True, **KINDS.get(kind, {})}
+            async with session.post(url + "/v1/completions", json=body) as resp:
+                reply = await resp.json()
+            row = stats[kind]
+            if resp.status != 200:
+                row["errors"] += 1
+                continue
+            execution = reply["graphkeeper"]["execution"]
+            graphs = sum(int(g["steps"]) for g in execution.get("graph_steps", []))
+            row["requests"] += 1
+            row["tokens"] += reply["usage"]["completion_tokens"]
+            row["graph_steps"] += graphs
+            row["steps"] += graphs + sum(int(e["steps"]) for e in execution.get("eager_steps", []))
+
+    cpu0, wall0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+    connector = aiohttp.TCPConnector(limit=args.streams)
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=600)) as session:
+        await asyncio.gather(*(stream(session, k) for k in kinds))
+    wall = time.perf_counter() - wall0
+    cpu1 = resource.getrusage(resource.RUSAGE_SELF)
+    tokens = sum(r["tokens"] for r in stats.values())
+    steps = sum(r["steps"] for r in stats.values())
+    return {"mix": "half parameterised" if mixed else "plain", "seconds": wall, "tokens": tokens,
+            "tokens_per_s": tokens / wall, "graph_step_share": sum(r["graph_steps"] for r in stats.values()) / steps
+            if steps else None, "client_cpu_share": (cpu1.ru_utime + cpu1.ru_stime - cpu0.ru_utime - cpu0.ru_stime)
+            / wall, "by_kind": {k: v for k, v in stats.items() if v["requests"] or v["errors"]}}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="llama-1b")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--streams", type=int, default=64)
+    parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--output-tokens", type=int, default=128)
+    parser.add_argument("--seconds", type=float, default=30.0, help="per run")
+    parser.add_argument("--max-seq-len", type=int, default=2048)
+    parser.add_argument("--worker-args", default="")
+    parser.add_argument("--models", default="/tmp/sampling-bench-models")
+    parser.add_argument("--out", default=os.environ.get("OUT", "sampling-bench.json"))
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    model = prepare_model(args.preset, args.device, args.dtype, Path(args.models))
+    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    proc, url = start_worker(model, args, out.with_suffix(".worker.log"))
+    try:
+        asyncio.run(drive(url, argparse.Namespace(**{**vars(args), "seconds": min(5.0, args.seconds)}), True, vocab))
+        runs = [asyncio.run(drive(url, args, mixed, vocab)) for mixed in (False, True)]
+    finally:
+        proc.terminate()
+        proc.wait(120)
+    result = {
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), "command": " ".join(sys.argv),
+        "commit": os.environ.get("GRAPHKEEPER_COMMIT", ""), "host": platform.node(), "preset": args.preset,
+        "device": args.device, "dtype": args.dtype, "streams": args.streams, "prompt_tokens": args.prompt_tokens,
+        "output_tokens": args.output_tokens, "runs": runs,
+        "mixed_over_plain": runs[1]["tokens_per_s"] / runs[0]["tokens_per_s"] if runs[0]["tokens_per_s"] else None,
+    }
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    for run in runs:
+        print(f"{run['mix']:>20}: {run['tokens_per_s']:9.1f} tokens/s, graph steps {run['graph_step_share']}, "
+              f"client CPU {run['client_cpu_share']:.2f}", flush=True)
+    print(f"half parameterised / plain: {result['mixed_over_plain']:.3f} (acceptance: >= 0.90)", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,106 @@
+"""Sampling parameters and structured output inside graph replay on a real GPU: a batch mixing
+plain requests with penalties, a logit bias, min-p, log probabilities and a JSON schema runs every
+step from graphs (no eager step, no recapture), and each plain request's tokens are bit for bit
+what they are alone. Run with ``pytest -m cuda`` on the GPU machine."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+import torch
+
+from graphkeeper.proto import worker_pb2 as pb
+from graphkeeper.worker.engine import Engine, EngineSettings
+from graphkeeper.worker.model.loader import load_model, save_hf_directory
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU (run pytest -m cuda on one)"),
+]
+pytest.importorskip("llguidance", reason="structured output needs llguidance: carry its abi3 wheel in .whl/ "
+                                         "(bench/gpu_session.sh installs it)")
+
+CORPUS = ['{"name": "ada", "age": 36, "tags": ["x", "y"]}', "the graphs replay every decode step",
+          "true false null 0123456789 -+.eE"] * 20
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 99}},
+          "required": ["name", "age"], "additionalProperties": False}
+PROMPTS = [[5 + i, 17, 42, 42, 99, 3 + i] for i in range(8)]
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    root = tmp_path_factory.mktemp("json-model")
+    save_hf_directory(load_model("random:tiny@5", device="cpu", max_positions=512).model, root)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=400, show_progress=False,
+                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.save(str(root / "tokenizer.json"))
+    settings = EngineSettings(model=str(root), device="cuda", dtype="bfloat16", max_num_seqs=32, max_seq_len=256,
+                              max_num_batched_tokens=128)
+    engine = Engine(settings)
+    engine.start()
+    assert engine.ready.wait(300) and engine.failed is None, engine.failed
+    yield engine
+    engine.drain_and_stop(5)
+
+
+def request(prompt: list[int], new: int = 24, **sampling) -> pb.GenerateRequest:
+    req = pb.GenerateRequest(prompt_token_ids=prompt, stopping=pb.StoppingCriteria(max_new_tokens=new,
+                                                                                   ignore_eos=True))
+    schema = sampling.pop("schema", None)
+    if schema is not None:
+        req.constraint.json_schema = json.dumps(schema)
+    for key, value in sampling.items():
+        if key == "logit_bias":
+            req.sampling.logit_bias.update(value)
+        else:
+            setattr(req.sampling, key, value)
+    return req
+
+
+def run_together(engine: Engine, requests: list[pb.GenerateRequest]) -> list[tuple[list[int], pb.Completion]]:
+    """Submits every request before any step can finish them, and waits for all."""
+    results: list = [None] * len(requests)
+    done = [threading.Event() for _ in requests]
+
+    def emitter(i: int):
+        out: list[int] = []
+
+        def emit(tokens, end):
+            out.extend(tokens)
+            if end is not None:
+                results[i] = (out, end)
+                done[i].set()
+        return emit
+
+    for i, req in enumerate(requests):
+        engine.submit(req, emitter(i))
+    assert all(d.wait(120) for d in done)
+    return results
+
+
+def test_a_mixed_batch_replays_graphs_and_keeps_plain_rows_exact(engine):
+    plain = [request(PROMPTS[0]), request(PROMPTS[1], temperature=0.8, seed=3),
+             request(PROMPTS[2], temperature=0.7, top_p=0.9, seed=4), request(PROMPTS[3])]
+    alone = [run_together(engine, [r])[0][0] for r in plain]
+    parameterised = [request(PROMPTS[4], frequency_penalty=1.0, presence_penalty=0.5, repetition_penalty=1.2),
+                     request(PROMPTS[5], logit_bias={7: 5.0}, logprobs=5),
+                     request(PROMPTS[6], temperature=1.0, min_p=0.2, seed=9),
+                     request(PROMPTS[7], 64, schema=SCHEMA)]
+    captured_before = len(engine.status().captured)
+    mixed = run_together(engine, [*plain, *parameterised])
+    assert [tokens for tokens, _ in mixed[:4]] == alone
+    for _, completion in mixed:
+        assert not completion.execution.eager_steps, completion.execution
+        assert sum(g.steps for g in completion.execution.graph_steps) == completion.generated_tokens
+    assert len(engine.status().captured) == captured_before  # no capture for any request
+    reply = engine.tokenizer.decode(mixed[-1][0])
+    value = json.loads(reply)
+    assert set(value) == {"name", "age"} and 0 <= value["age"] <= 99
