@@ -28,7 +28,7 @@ from graphkeeper.proto.enums import lifecycle_name
 from graphkeeper.proto.policy import MODE_BY_NAME, PolicyError, policy_from_json, validate_policy
 from graphkeeper.worker.engine.client import EngineClient
 from graphkeeper.worker.engine.sizing import SizingError, parse_bytes, utilization_error
-from graphkeeper.worker.engine.startup import process_started_at, report_when_ready
+from graphkeeper.worker.engine.startup import ReadyReport, process_started_at
 from graphkeeper.worker.model.kv_cache import check_block_size
 from graphkeeper.worker.model.loader import ModelSourceError, check_source
 from graphkeeper.worker.model.presets import resolve as resolve_optimization
@@ -318,7 +318,7 @@ async def _serve(args: argparse.Namespace, settings: EngineSettings, token: str)
     hub = StreamHub(loop)
     engine.publish = hub.publish
     engine.lifecycle.subscribe(lambda s: log.info("lifecycle: %s", lifecycle_name(s)))
-    report_when_ready(engine, engine.metrics)
+    startup = ReadyReport(engine, engine.metrics)
     if isinstance(engine, EngineClient):
         # The engine core decides the sizes the servers are built with (and refuses a KV cache
         # that cannot fit) before a port is bound.
@@ -355,6 +355,7 @@ async def _serve(args: argparse.Namespace, settings: EngineSettings, token: str)
     log.info("gRPC inference on %s:%d, control on %s:%d%s, metrics on %s:%s, OpenAI HTTP on %s", args.host,
              servers.inference_port, control_host, servers.control_port, " (bearer token)" if token else "", args.host,
              args.metrics_port or "-", f"{http_host}:{http.port}" if http is not None else "-")
+    startup.listening()
     if not isinstance(engine, EngineClient):
         engine.start()
     stop = asyncio.Event()

@@ -163,7 +163,7 @@ class EngineClient:
         self.publish: Callable[[list[tuple[Any, list[int], Any]]], None] = direct_publish
         self.failed: BaseException | None = None
         #: The start's stages as the engine core reported them at READY (empty before), finished
-        #: here with the last stage by ``startup.report_when_ready``.
+        #: here with the last stage by ``startup.ReadyReport``.
         self.startup = pb.StartupStatus()
         self.log_level = log_level
         self.proc: multiprocessing.process.BaseProcess | None = None

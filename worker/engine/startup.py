@@ -20,13 +20,15 @@ Stages, in order (a stage that does not happen on this worker reads 0 s):
   ``GraphStatus.capture_parts``) and ``capture_other`` (planning and whatever the parts leave);
   ``after_capture`` (track B's KV cache sized after capture, the step budget from the measured
   steps, the ledger);
-- ``ready``: the engine's READY reaching the API process, which then serves.
+- ``ready``: until the API process serves: the engine's READY has reached it and its servers
+  listen (they bind while the engine core loads; on a quick start they may finish last).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -139,19 +141,34 @@ def line(status: pb.StartupStatus) -> str:
             f"{status.caches}: compile {status.compile_cache}, kernel tuning {status.tuning_cache})")
 
 
-def report_when_ready(engine, metrics) -> None:
-    """At the first READY the API process sees: finishes ``engine.startup`` with the ``ready``
-    stage, logs the startup line and sets the startup metrics (once; a recapture's READY is not a
-    start)."""
-    done = False
+class ReadyReport:
+    """Finishes the start's record once the API process serves: it has seen the engine's first
+    READY and its servers listen, whichever comes last (the servers bind while the engine core
+    loads). Then ``engine.startup`` gets its ``ready`` stage, the line is logged and the metrics set,
+    once (a recapture's READY is not a start)."""
 
-    def on_state(state: int) -> None:
-        nonlocal done
-        if done or state != pb.LIFECYCLE_STATE_READY or not engine.startup.stages:
-            return
-        done = True
-        engine.startup = finish(engine.startup, time.time())
-        metrics.set_startup(engine.startup)
-        log.info(line(engine.startup))
+    def __init__(self, engine, metrics) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self._lock = threading.Lock()
+        self._ready = self._listening = self._done = False
+        engine.lifecycle.subscribe(self._on_state)
 
-    engine.lifecycle.subscribe(on_state)
+    def _on_state(self, state: int) -> None:
+        if state == pb.LIFECYCLE_STATE_READY and self.engine.startup.stages:
+            self._finish_when(ready=True)
+
+    def listening(self) -> None:
+        """The worker's servers are bound and answer (called once, by the worker's main)."""
+        self._finish_when(listening=True)
+
+    def _finish_when(self, ready: bool = False, listening: bool = False) -> None:
+        with self._lock:
+            self._ready |= ready
+            self._listening |= listening
+            if self._done or not (self._ready and self._listening):
+                return
+            self._done = True
+            self.engine.startup = finish(self.engine.startup, time.time())
+        self.metrics.set_startup(self.engine.startup)
+        log.info(line(self.engine.startup))
