@@ -217,3 +217,19 @@ def test_a_load_that_blocks_fails_the_reload_instead_of_wedging_the_engine():
     release.set()
     engine.slot.load = lambda source, revision: (source, revision)
     assert load_bounded(engine, reload, timeout=5) == ("/models/x", "")
+
+
+# --- the field blamed ------------------------------------------------------------------------
+
+
+def test_a_prompt_that_fills_the_context_is_blamed_not_max_tokens():
+    from graphkeeper.worker.engine.sequence import Limits
+    from graphkeeper.worker.serving.admission import AdmissionError, validate_prompt_length
+
+    limits = Limits(1000, 128)
+    with pytest.raises(AdmissionError) as err:
+        validate_prompt_length(100_000, 16, limits)
+    assert err.value.field == "prompt_token_ids"
+    with pytest.raises(AdmissionError) as err:
+        validate_prompt_length(100, 100, limits)  # room for some new tokens, not that many
+    assert err.value.field == "stopping.max_new_tokens"

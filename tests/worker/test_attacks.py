@@ -347,14 +347,17 @@ def test_a_stopped_engine_core_makes_the_worker_not_ready_and_control_unavailabl
 
 
 def test_a_fifo_weight_file_is_refused_before_it_is_opened(worker, model_root):
+    from graphkeeper.worker.model.loader import load_model, save_hf_directory
+
     model = model_root / "fifo-model"
-    model.mkdir()
-    (model / "config.json").write_text("{}")
-    os.mkfifo(model / "model.safetensors")
+    save_hf_directory(load_model("random:tiny", device="cpu", max_positions=128).model, model)
+    weights = next(model.glob("*.safetensors"))
+    weights.unlink()
+    os.mkfifo(weights)  # a valid model whose weights would be read from a FIFO: the read never returns
     with pytest.raises(grpc.RpcError) as err:
         worker.control.LoadModelRevision(pb.LoadModelRevisionRequest(source=str(model)), timeout=30)
     assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
-    assert "model.safetensors" in err.value.details() and "FIFO" in err.value.details()
+    assert weights.name in err.value.details() and "FIFO" in err.value.details()
     assert worker.status().state == pb.LIFECYCLE_STATE_READY
     assert len(list(pb_grpc.InferenceWorkerStub(worker.channel).Generate(make_request([1, 2], 2), timeout=30))) > 0
 
