@@ -52,7 +52,7 @@ def test_below_the_caps_need_the_caps_shrink_not_the_descriptors():
 
 
 def test_bad_limits_are_named():
-    errors = limits_errors(ConnectionLimits(max_connections=0, max_connections_per_peer=5, header_seconds=0,
+    errors = limits_errors(ConnectionLimits(max_connections=0, max_connections_per_peer=0, header_seconds=0,
                                             body_seconds=float("nan")))
     assert any("--max-connections must" in e for e in errors)
     assert any("--max-connections-per-peer" in e for e in errors)
@@ -145,8 +145,9 @@ def test_the_rate_limit_bounds_all_keys_together_and_the_keys_it_remembers():
 
 @pytest.mark.parametrize(("raw", "says"), [
     (b'{"a": ' + b"9" * 5000 + b"}", "5000 digits"),
-    (b'{"a": NaN}', "NaN is not JSON"),
-    (b'{"a": -Infinity}', "-Infinity is not JSON"),
+    (b'{"a": NaN}', "a: NaN is not a JSON number"),
+    (b'{"m": [{"x": -Infinity}]}', "m[0].x: -Infinity is not a JSON number"),
+    (b"NaN", "the request body: NaN is not a JSON number"),
     (b"\xff", "not UTF-8"),
     (b"{", "not valid JSON"),
     (b"[" * 100_000, "nests too deeply"),

@@ -240,7 +240,7 @@ BAD_BODIES = {
     "integer of 5,000 digits": (b'{"prompt": [1], "max_tokens": ' + b"9" * 5000 + b"}", {}),
     "gzip that is not": (b"this is not gzip", {"Content-Encoding": "gzip"}),
     "deflate that is not": (b"this is not deflate", {"Content-Encoding": "deflate"}),
-    "NaN": (b'{"prompt": [1], "temperature": NaN}', {}),
+    "NaN": (b'{"prompt": [1], "parallel_tool_calls": NaN}', {}),
 }
 
 

@@ -262,18 +262,35 @@ def _bounded_int(text: str) -> int:
     return int(text)
 
 
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not JSON")
+class _NotJson:
+    """Where the body held ``NaN``, ``Infinity`` or ``-Infinity`` (Python's JSON reads them; JSON
+    has no such numbers): kept as a marker so the refusal can name the field that held it."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
+def _marker_path(value: Any, path: str = "") -> tuple[str, str] | None:
+    """(the field's path, the constant) of the first ``_NotJson`` in ``value``, if any."""
+    if isinstance(value, _NotJson):
+        return path, value.name
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        sub = f"{path}[{key}]" if isinstance(key, int) else (f"{path}.{key}" if path else str(key))
+        if (found := _marker_path(item, sub)) is not None:
+            return found
+    return None
 
 
 def parse_json(raw: bytes) -> Any:
-    """The body as JSON, or a 400 ApiError naming what is wrong with it (never another error)."""
+    """The body as JSON, or a 400 ApiError naming what is wrong with it (never another error):
+    ``NaN`` or ``Infinity`` is refused naming the field that held it."""
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as err:
         raise ApiError(400, f"the request body is not UTF-8 ({err.reason} at byte {err.start})") from None
     try:
-        return json.loads(text, parse_int=_bounded_int, parse_constant=_no_constant)
+        value = json.loads(text, parse_int=_bounded_int, parse_constant=_NotJson)
     except json.JSONDecodeError as err:
         raise ApiError(400, f"the request body is not valid JSON: {err.msg} at line {err.lineno} column "
                        f"{err.colno}") from None
@@ -281,6 +298,12 @@ def parse_json(raw: bytes) -> Any:
         raise ApiError(400, "the request body is not valid JSON here: it nests too deeply") from None
     except ValueError as err:
         raise ApiError(400, f"the request body is not valid JSON here: {clip(str(err), 200)}") from None
+    if (found := _marker_path(value)) is not None:
+        field, name = found
+        param = clip(field, MAX_PARAM_CHARS) or None
+        raise ApiError(400, f"{param or 'the request body'}: {name} is not a JSON number (the request body "
+                       "must be JSON)", param)
+    return value
 
 
 def clip(text: str, limit: int) -> str:

@@ -62,9 +62,8 @@ def limits_errors(limits: ConnectionLimits) -> list[str]:
     errors = []
     if limits.max_connections < 1:
         errors.append(f"--max-connections must be at least 1, got {limits.max_connections}")
-    if not 1 <= limits.max_connections_per_peer <= max(1, limits.max_connections):
-        errors.append(f"--max-connections-per-peer must be in [1, --max-connections], got "
-                      f"{limits.max_connections_per_peer}")
+    if limits.max_connections_per_peer < 1:
+        errors.append(f"--max-connections-per-peer must be at least 1, got {limits.max_connections_per_peer}")
     for flag, value in (("--connection-idle-seconds", limits.idle_seconds),
                         ("--header-timeout", limits.header_seconds), ("--body-timeout", limits.body_seconds)):
         if not value > 0 or value != value or value == float("inf"):
@@ -98,9 +97,10 @@ def fd_plan(limits: ConnectionLimits, http: bool, soft: int, hard: int) -> tuple
 def limits_from_args(args: Any) -> ConnectionLimits:
     """The worker's connection flags (defaults where a caller's namespace lacks one)."""
     d = ConnectionLimits()
+    total = getattr(args, "max_connections", d.max_connections)
     return ConnectionLimits(
-        max_connections=getattr(args, "max_connections", d.max_connections),
-        max_connections_per_peer=getattr(args, "max_connections_per_peer", d.max_connections_per_peer),
+        max_connections=total,  # one peer's share is never more than the whole port
+        max_connections_per_peer=min(total, getattr(args, "max_connections_per_peer", d.max_connections_per_peer)),
         idle_seconds=getattr(args, "connection_idle_seconds", d.idle_seconds),
         header_seconds=getattr(args, "header_timeout", d.header_seconds),
         body_seconds=getattr(args, "body_timeout", d.body_seconds))
