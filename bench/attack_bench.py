@@ -24,7 +24,7 @@ that the figures measure the interpreter lock, not a CPU oversubscribed by torch
 
     python bench/attack_bench.py --out bench/results/attack-cpu.json
     python bench/attack_bench.py --table --seconds 8 --out bench/results/attack-table-cpu.json \
-        --markdown bench/results/attack-table-cpu.table.md        # issue 37's attack table
+        --markdown bench/results/attack-table-cpu.table.md --rss-floods 5   # issue 37's attack table
     python bench/attack_bench.py --modes apart --seconds 5          # the fixed worker alone
     git archive 5ca734f | tar -x -C /tmp/before && pip install --no-deps --target /tmp/beforepkg /tmp/before
     python bench/attack_bench.py --modes apart,inproc,before --before-pythonpath /tmp/beforepkg
@@ -379,6 +379,29 @@ def run_table(model: Path, args: argparse.Namespace, logs: Path) -> dict:
     return {"rows": rows, "exit_code": code, "attacker_cpu": cpu}
 
 
+def run_rss(model: Path, args: argparse.Namespace, logs: Path) -> dict:
+    """Repeated floods of the refused-prompt attack on one worker: its API process's RSS after
+    each (it grew 870 -> 1,122 MB over five 30 s floods in issue 37)."""
+    proc, _ = start_worker(model, "apart", logs / "worker-rss.log")
+    ctx = mp.get_context("spawn")
+    rss = {"start": rss_mb(proc.pid), "after_flood": [], "refusals": []}
+    try:
+        for _ in range(args.rss_floods):
+            out = ctx.Queue()
+            flood = ctx.Process(target=attack_client, args=("refused_prompts", dict(PORTS), args.seconds, None, out))
+            flood.start()
+            result = out.get(timeout=args.seconds + 120)[1]
+            flood.join(30)
+            time.sleep(2.0)
+            rss["after_flood"].append(rss_mb(proc.pid))
+            rss["refusals"].append(result["answers"])
+            print("rss", rss["after_flood"][-1], result["answers"], flush=True)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+    return rss
+
+
 def markdown_table(rows: list[dict]) -> str:
     """The attack table as Markdown."""
     lines = ["| attack | requests | answers | probes answered (/readyz, gRPC health) | others' tokens/s "
@@ -416,10 +439,12 @@ def main() -> None:
                         help="issue 37's attack table: each attack on the worker and on a trivial sink server")
     parser.add_argument("--attacks", default=",".join(ATTACK_NAMES), help="the table's attacks, in order")
     parser.add_argument("--markdown", default="", help="--table: also write the table as Markdown here")
+    parser.add_argument("--rss-floods", type=int, default=0,
+                        help="first, this many refused-prompt floods of --seconds (the API process's RSS after each)")
     args = parser.parse_args()
     logs = Path(tempfile.mkdtemp(prefix="attack-bench-"))
     model = text_model(logs / "model")
-    if args.table:
+    if args.table or args.rss_floods:
         main_table(args, model, logs)
         return
     result = {
@@ -451,14 +476,17 @@ def main_table(args: argparse.Namespace, model: Path, logs: Path) -> None:
         "workload": {"streams": args.streams, "max_new_tokens": 200, "worker_flags": list(WORKER_FLAGS),
                      "seconds": args.seconds},
         "load_average_before": os.getloadavg()[0],
-        **run_table(model, args, logs),
     }
+    if args.rss_floods:
+        result["rss_mb"] = run_rss(model, args, logs)
+    if args.table:
+        result |= run_table(model, args, logs)
     text = json.dumps(result, indent=2)
     if args.out:
         Path(args.out).write_text(text + "\n")
-    if args.markdown:
+    if args.markdown and args.table:
         Path(args.markdown).write_text(markdown_table(result["rows"]) + "\n")
-    print(markdown_table(result["rows"]))
+    print(markdown_table(result.get("rows", [])))
 
 
 if __name__ == "__main__":

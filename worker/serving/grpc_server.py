@@ -69,10 +69,10 @@ class InferenceServicer(pb_grpc.InferenceWorkerServicer):
             seq = engine.submit(request, stream)
         except AdmissionError as err:
             engine.metrics.requests.labels("oversize" if isinstance(err, Oversize) else "invalid").inc()
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+            return _refuse(context, grpc.StatusCode.INVALID_ARGUMENT, str(err))
         except Exception as err:  # noqa: BLE001 - refused by the engine (or a bug): answered by the table
             count_refusal(engine, err)
-            await _abort_for(context, err)
+            return _refuse(context, grpc.StatusCode[classify(err).grpc_code], error_message(err))
         detok = IncrementalDetokenizer(engine.tokenizer, list(request.prompt_token_ids)) if text else None
         hub = self.hub
         if hub is not None:
@@ -108,6 +108,16 @@ class InferenceServicer(pb_grpc.InferenceWorkerServicer):
         if info is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "model not loaded yet")
         return public_model_info(info)
+
+
+def _refuse(context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str) -> None:
+    """Ends a call that was refused before it began with ``code``, without raising: an abort's
+    exception would tie the handler's frame, and the request it holds (up to the message limit),
+    into a reference cycle with the call's state, freed only by a full garbage collection, which
+    a process holding torch's heap rarely runs; a flood of refused 1 MiB prompts grew the API
+    process by 25-40 MB every 15 s that way."""
+    context.set_code(code)
+    context.set_details(message)
 
 
 async def _abort_for(context: grpc.aio.ServicerContext, err: BaseException) -> None:
