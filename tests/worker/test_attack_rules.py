@@ -234,3 +234,23 @@ def test_a_prompt_that_fills_the_context_is_blamed_not_max_tokens():
     with pytest.raises(AdmissionError) as err:
         validate_prompt_length(100, 100, limits)  # room for some new tokens, not that many
     assert err.value.field == "stopping.max_new_tokens"
+
+
+@pytest.mark.parametrize(("body", "field"), [
+    ({"echo": {}}, "echo"),
+    ({"parallel_tool_calls": "yes"}, "parallel_tool_calls"),
+    ({"top_logprobs": True}, "top_logprobs"),
+    ({"logit_bias": []}, "logit_bias"),
+])
+def test_fields_accepted_only_at_their_neutral_value_still_need_their_type(body, field):
+    from graphkeeper.worker.serving.openai_types import type_error
+
+    err = type_error({"prompt": "x", **body})
+    assert err is not None and err.status == 400 and err.param == field
+
+
+def test_neutral_fields_of_the_right_type_or_null_pass():
+    from graphkeeper.worker.serving.openai_types import type_error
+
+    assert type_error({"echo": False, "parallel_tool_calls": True, "suffix": None, "top_logprobs": 0,
+                       "logit_bias": {}, "tools": []}) is None

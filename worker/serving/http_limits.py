@@ -237,18 +237,18 @@ async def read_body(request: web.Request, max_body: int, timeout: float) -> byte
         raise ApiError(408, f"the request body did not arrive within {timeout:g} s", code="body_timeout") from None
 
 
-def expect_handler(max_body: int, refused: Callable[[ApiError], web.Response]):
+def expect_handler(max_body: int, refused: Callable[[web.Request, ApiError], web.Response]):
     """aiohttp's ``expect_handler`` for the POST routes: 100 Continue only for a body that would be
     read; a refusal (its response from ``refused``, which counts it) otherwise."""
 
     async def handle(request: web.Request) -> web.StreamResponse | None:
         if request.headers.get("Expect", "").lower() != "100-continue":
-            return refused(ApiError(417, "Expect: only 100-continue is understood", "Expect"))
+            return refused(request, ApiError(417, "Expect: only 100-continue is understood", "Expect"))
         err = encoding_error(request.headers)
         if err is None and request.content_length is not None and request.content_length > max_body:
             err = too_large(max_body)
         if err is not None:
-            return refused(err)
+            return refused(request, err)
         await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
         request.writer.output_size = 0  # as aiohttp's own handler: the body has not begun
         return None

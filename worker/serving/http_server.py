@@ -60,6 +60,7 @@ from graphkeeper.worker.serving.openai_api import (
     parse_completion,
     usage,
 )
+from graphkeeper.worker.serving.openai_types import type_error
 from graphkeeper.worker.serving.streams import StreamHub, TokenStream, admitted, count_refusal, public_model_info
 
 log = logging.getLogger(__name__)
@@ -216,9 +217,11 @@ class OpenAIServer:
                            code="not_ready")
         return self.served_model_name or public_model_info(info).source
 
-    def _refused(self, err: ApiError) -> web.Response:
+    def _refused(self, request: web.Request, err: ApiError) -> web.Response:
         """A request refused before its handler ran (``Expect``), counted as the handler would."""
         self._count("oversize" if err.status == 413 else "invalid")
+        log.warning("HTTP %s from %s: %d %s", request.path, request.remote, err.status, err.message[:200],
+                    extra=rate_key("http-body", str(request.remote)))
         return error_response(err)
 
     async def _body(self, request: web.Request) -> Any:
@@ -258,6 +261,8 @@ class OpenAIServer:
         body = await self._body(request)
         tenant_header = request.headers.get(TENANT_HEADER)
         try:
+            if (wrong := type_error(body)) is not None:
+                raise wrong
             parsed = parse_chat(body, tenant_header) if chat else parse_completion(body, tenant_header)
         except ApiError:
             self._count("invalid")

@@ -26,8 +26,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from graphkeeper.proto.enums import lifecycle_name
 from graphkeeper.worker.engine import EngineFace
 from graphkeeper.worker.engine.watchdog import StepWatchdog, ready
+from graphkeeper.worker.serving.limits import METRICS_MAX_CONNECTIONS
 
-MAX_CONNECTIONS = 256
+MAX_CONNECTIONS = METRICS_MAX_CONNECTIONS
 TIMEOUT_SECONDS = 5.0
 #: A request head longer than this is refused (Prometheus sends a few hundred bytes).
 MAX_HEAD_BYTES = 8192
