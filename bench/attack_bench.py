@@ -83,7 +83,8 @@ def text_model(root: Path) -> Path:
 PORTS: dict[str, int] = {}
 
 
-def start_worker(model: Path, mode: str, log_path: Path, before: str = "") -> tuple[subprocess.Popen, str]:
+def start_worker(model: Path, mode: str, log_path: Path, before: str = "",
+                 extra: tuple[str, ...] = ()) -> tuple[subprocess.Popen, str]:
     """``apart`` and ``inproc``: this checkout's worker with and without ``--engine-process``;
     ``before``: an older checkout's worker, installed at ``before`` (it predates the flag)."""
     import grpc
@@ -93,7 +94,7 @@ def start_worker(model: Path, mode: str, log_path: Path, before: str = "") -> tu
     PORTS.update(grpc=port, control=free_port(), metrics=free_port(), http=free_port())
     cmd = [sys.executable, "-m", "graphkeeper.cli", "worker", "--model", str(model), "--device", "cpu",
            "--port", str(port), "--control-port", str(PORTS["control"]), "--metrics-port", str(PORTS["metrics"]),
-           "--http-port", str(PORTS["http"]), *WORKER_FLAGS]
+           "--http-port", str(PORTS["http"]), *WORKER_FLAGS, *extra]
     if mode != "before":
         cmd.append("--engine-process" if mode == "apart" else "--no-engine-process")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
@@ -341,7 +342,7 @@ def run_table(model: Path, args: argparse.Namespace, logs: Path) -> dict:
     the worker's RSS and the log it wrote."""
     import attacks
 
-    proc, target = start_worker(model, "apart", logs / "worker-table.log")
+    proc, target = start_worker(model, "apart", logs / "worker-table.log", extra=tuple(args.worker_flags.split()))
     ports = {**PORTS, "bomb": str(logs / "bomb.gz")}
     attacks.write_bomb(ports["bomb"])
     ctx = mp.get_context("spawn")
@@ -439,6 +440,8 @@ def main() -> None:
                         help="issue 37's attack table: each attack on the worker and on a trivial sink server")
     parser.add_argument("--attacks", default=",".join(ATTACK_NAMES), help="the table's attacks, in order")
     parser.add_argument("--markdown", default="", help="--table: also write the table as Markdown here")
+    parser.add_argument("--worker-flags", default="",
+                        help="--table: more worker flags, e.g. '--header-timeout 3 --connection-idle-seconds 5'")
     parser.add_argument("--rss-floods", type=int, default=0,
                         help="first, this many refused-prompt floods of --seconds (the API process's RSS after each)")
     args = parser.parse_args()
@@ -473,7 +476,8 @@ def main_table(args: argparse.Namespace, model: Path, logs: Path) -> None:
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), "commit": commit(),
         "machine": f"{platform.node()} {platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}",
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "workload": {"streams": args.streams, "max_new_tokens": 200, "worker_flags": list(WORKER_FLAGS),
+        "workload": {"streams": args.streams, "max_new_tokens": 200,
+                     "worker_flags": [*WORKER_FLAGS, *args.worker_flags.split()],
                      "seconds": args.seconds},
         "load_average_before": os.getloadavg()[0],
     }
