@@ -389,7 +389,7 @@ def make_engine(args: argparse.Namespace, settings: EngineSettings) -> Engine | 
 
 
 def make_watchdog(engine: Engine | EngineClient, args: argparse.Namespace) -> StepWatchdog:
-    """The step-loop watchdog over the work the engine holds (``engine.watchdog``)."""
+    """The step-loop watchdog (``engine/watchdog.py``) over the work the engine holds."""
     pending = engine.pending_streams if isinstance(engine, EngineClient) else (lambda: in_process_pending(engine))
     return StepWatchdog(pending, getattr(args, "stall_seconds", StepWatchdog.DEFAULT_STALL))
 
