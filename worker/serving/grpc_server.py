@@ -33,10 +33,11 @@ from graphkeeper.worker.engine import (
     NotServing,
     ReloadRefused,
     StalePolicy,
+    StepWatchdog,
     classify,
     error_message,
+    ready,
 )
-from graphkeeper.worker.engine.watchdog import StepWatchdog, ready
 from graphkeeper.worker.serving.admission import (
     AdmissionError,
     Oversize,

@@ -30,8 +30,14 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from graphkeeper.proto import worker_pb2 as pb
 from graphkeeper.proto.field_checks import clipped_repr
-from graphkeeper.worker.engine import EngineFace, IncrementalDetokenizer, classify, error_message
-from graphkeeper.worker.engine.watchdog import StepWatchdog, ready
+from graphkeeper.worker.engine import (
+    EngineFace,
+    IncrementalDetokenizer,
+    StepWatchdog,
+    classify,
+    error_message,
+    ready,
+)
 from graphkeeper.worker.log_limits import rate_key
 from graphkeeper.worker.serving.admission import MAX_PROMPT_TEXT_BYTES, AdmissionError, Oversize
 from graphkeeper.worker.serving.http_limits import (

@@ -24,8 +24,7 @@ from urllib.parse import urlsplit
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from graphkeeper.proto.enums import lifecycle_name
-from graphkeeper.worker.engine import EngineFace
-from graphkeeper.worker.engine.watchdog import StepWatchdog, ready
+from graphkeeper.worker.engine import EngineFace, StepWatchdog, ready
 from graphkeeper.worker.serving.limits import METRICS_MAX_CONNECTIONS
 
 MAX_CONNECTIONS = METRICS_MAX_CONNECTIONS
