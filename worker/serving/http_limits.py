@@ -111,7 +111,8 @@ class ConnectionGate:
             self._sweeper = None
 
     def admit(self, peer: str, transport: asyncio.Transport, handler: Any) -> Connection | None:
-        idlest = next((c for c in self.open if not c.busy), None)
+        full = len(self.open) >= self.limits.max_connections
+        idlest = next((c for c in self.open if not c.busy), None) if full else None  # oldest first
         verdict = admission(len(self.open), self.per_peer[peer], self.limits, idlest is not None)
         if verdict == "refuse":
             self.counts.refused += 1
