@@ -256,6 +256,15 @@ def test_bodies_that_made_500s_are_counted_400s(worker, case):
                what="the refusal counted")
 
 
+def test_a_request_aiohttp_cannot_parse_is_a_counted_400(worker):
+    before = worker.metric("graphkeeper_requests_total", outcome="invalid")
+    with socket.create_connection(("127.0.0.1", port_of(worker.http_url)), timeout=10) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nBad Header\r\n\r\n")
+        assert s.recv(65536).split(b" ", 2)[1] == b"400"
+    wait_until(lambda: worker.metric("graphkeeper_requests_total", outcome="invalid") >= before + 1,
+               what="the unparseable request counted")
+
+
 def test_an_unknown_field_of_megabytes_is_not_echoed(worker):
     key = "k" * (3 << 20)
     code, answer = http(worker, "/v1/completions", json.dumps({"prompt": [1], key: 1}).encode())
