@@ -254,3 +254,43 @@ def test_neutral_fields_of_the_right_type_or_null_pass():
 
     assert type_error({"echo": False, "parallel_tool_calls": True, "suffix": None, "top_logprobs": 0,
                        "logit_bias": {}, "tools": []}) is None
+
+
+# --- the metrics port --------------------------------------------------------------------------
+
+
+def test_a_scrape_that_waits_on_the_engine_core_never_holds_the_probes():
+    """/metrics asks the engine core (up to 5 s when it does not answer): it runs on a worker thread,
+    so /readyz on the same server is answered meanwhile."""
+    import urllib.request
+
+    from graphkeeper.worker.serving.metrics_server import MetricsServer
+
+    release = threading.Event()
+
+    def slow_metrics():
+        release.wait(10)
+        return 200, b"x 1\n", "text/plain"
+
+    server = MetricsServer({"/metrics": slow_metrics, "/healthz": lambda: (200, b"ok\n", "text/plain"),
+                            "/readyz": lambda: (200, b"READY\n", "text/plain")}, "127.0.0.1", 0, timeout=10)
+    server.start()
+    try:
+        scrape = threading.Thread(target=lambda: urllib.request.urlopen(
+            f"http://127.0.0.1:{server.port}/metrics", timeout=15).read())
+        scrape.start()
+        with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/readyz", timeout=3) as resp:
+            assert resp.status == 200
+        assert scrape.is_alive(), "the scrape is still waiting while the probe was answered"
+        release.set()
+        scrape.join(15)
+    finally:
+        release.set()
+        server.stop()
+
+
+def test_the_in_process_engine_s_work_is_its_running_waiting_and_submitted_sequences():
+    from graphkeeper.worker.engine.watchdog import in_process_pending
+
+    engine = SimpleNamespace(scheduler=SimpleNamespace(running=[1, 2], waiting=[3]), mailbox=[4, 5, 6])
+    assert in_process_pending(engine) == 6
