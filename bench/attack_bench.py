@@ -9,11 +9,22 @@ attacked phase on the same worker; the figures are the streams' tokens/s in each
 the longest gap between two token messages of a stream, the health checks answered and failed,
 and what a refusal cost the flood client.
 
+``--table`` (issue 37) runs each attack of ``bench/attacks.py`` (idle HTTP/2 connections, idle
+HTTP sockets, slowloris, bodies that made 500s, unparseable requests, an oversized ``Expect``, a
+gzip bomb, the refused-prompt flood) from a client pinned to the last CPU, once against the
+worker and once against a trivial sink server on the same machine, beside a quiet phase: the
+others' tokens/s ratio under the attack on the sink is what the machine itself loses to the
+attacking client, so the gap between the two ratios is the worker's own. Each row also has what
+the attack got (answers by code), the probes answered (``/readyz`` and gRPC health, new
+connections, 1 s deadlines), the log the worker wrote and its API process's RSS after it.
+
 Every client is a process of its own (streams: one process, a thread per stream; health; flood),
 never a thread inside the worker. The worker's torch runs one thread (``OMP_NUM_THREADS=1``) so
 that the figures measure the interpreter lock, not a CPU oversubscribed by torch's pool.
 
     python bench/attack_bench.py --out bench/results/attack-cpu.json
+    python bench/attack_bench.py --table --seconds 8 --out bench/results/attack-table-cpu.json \
+        --markdown bench/results/attack-table-cpu.table.md --rss-floods 5   # issue 37's attack table
     python bench/attack_bench.py --modes apart --seconds 5          # the fixed worker alone
     git archive 5ca734f | tar -x -C /tmp/before && pip install --no-deps --target /tmp/beforepkg /tmp/before
     python bench/attack_bench.py --modes apart,inproc,before --before-pythonpath /tmp/beforepkg
@@ -37,6 +48,9 @@ import time
 from pathlib import Path
 
 INFERENCE = "graphkeeper.worker.v1.InferenceWorker"
+#: ``--table``'s attacks (bench/attacks.py), in order.
+ATTACK_NAMES = ("idle_h2", "idle_http", "slowloris", "bad_bodies", "unparseable", "expect_oversize", "gzip_bomb",
+                "refused_prompts")
 WORKER_FLAGS = ("--max-num-seqs", "8", "--max-seq-len", "512", "--max-num-batched-tokens", "64",
                 "--max-queue", "64", "--log-level", "WARNING", "--drain-seconds", "5")
 CORPUS = ["the graphs replay every decode step", "kubernetes operator reconciles the policy",
@@ -65,16 +79,22 @@ def text_model(root: Path) -> Path:
     return root
 
 
-def start_worker(model: Path, mode: str, log_path: Path, before: str = "") -> tuple[subprocess.Popen, str]:
+#: The ports of the last worker started (``start_worker``): the table's attacks need all of them.
+PORTS: dict[str, int] = {}
+
+
+def start_worker(model: Path, mode: str, log_path: Path, before: str = "",
+                 extra: tuple[str, ...] = ()) -> tuple[subprocess.Popen, str]:
     """``apart`` and ``inproc``: this checkout's worker with and without ``--engine-process``;
     ``before``: an older checkout's worker, installed at ``before`` (it predates the flag)."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     port = free_port()
+    PORTS.update(grpc=port, control=free_port(), metrics=free_port(), http=free_port())
     cmd = [sys.executable, "-m", "graphkeeper.cli", "worker", "--model", str(model), "--device", "cpu",
-           "--port", str(port), "--control-port", str(free_port()), "--metrics-port", "0", "--http-port", "0",
-           *WORKER_FLAGS]
+           "--port", str(port), "--control-port", str(PORTS["control"]), "--metrics-port", str(PORTS["metrics"]),
+           "--http-port", str(PORTS["http"]), *WORKER_FLAGS, *extra]
     if mode != "before":
         cmd.append("--engine-process" if mode == "apart" else "--no-engine-process")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
@@ -246,6 +266,157 @@ def run_mode(model: Path, mode: str, args: argparse.Namespace, logs: Path) -> di
             "rounds": rounds}
 
 
+# --- the attack table (issue 37) ------------------------------------------------------------------
+
+
+def attack_client(name: str, ports: dict, seconds: float, cpu: int | None, out: mp.Queue) -> None:
+    """One attack of ``attacks.ATTACKS`` from a process pinned to ``cpu`` where the OS allows."""
+    import attacks
+
+    if cpu is not None and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, {cpu})
+    out.put(("attack", attacks.ATTACKS[name](ports, seconds)))
+
+
+def probe_client(ports: dict, seconds: float, out: mp.Queue) -> None:
+    """The kubelet's view, every 0.25 s with 1 s deadlines: /readyz on the metrics port on a new
+    connection, and gRPC health of the inference service on a new channel."""
+    import urllib.request
+
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    end = time.monotonic() + seconds
+    readyz = health = checks = 0
+    while time.monotonic() < end:
+        began = time.monotonic()
+        checks += 1
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{ports['metrics']}/readyz", timeout=1.0) as resp:
+                readyz += resp.status == 200
+        except OSError:
+            pass
+        try:
+            with grpc.insecure_channel(f"127.0.0.1:{ports['grpc']}") as channel:
+                health += health_pb2_grpc.HealthStub(channel).Check(
+                    health_pb2.HealthCheckRequest(service=INFERENCE), timeout=1.0).status == 1
+        except grpc.RpcError:
+            pass
+        time.sleep(max(0.0, 0.25 - (time.monotonic() - began)))
+    out.put(("probe", {"checks": checks, "readyz_ok": readyz, "health_ok": health}))
+
+
+def rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        kb = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+    return round(kb / 1024, 1)
+
+
+def table_phase(target: str, ports: dict, seconds: float, streams: int, attack: str = "",
+                attack_ports: dict | None = None, cpu: int | None = None) -> dict:
+    """Streams and probes on the worker for ``seconds`` (+2 s warm-up); with ``attack`` aimed at
+    ``attack_ports`` (the worker's, or the sink's)."""
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    warm = 2.0
+    procs = [ctx.Process(target=streams_client, args=(target, streams, seconds + warm, out)),
+             ctx.Process(target=probe_client, args=(ports, seconds + warm, out))]
+    if attack:
+        procs.append(ctx.Process(target=attack_client, args=(attack, attack_ports, seconds + warm, cpu, out)))
+    began = time.monotonic()
+    for p in procs:
+        p.start()
+    results = dict(out.get(timeout=seconds + 180) for _ in procs)
+    for p in procs:
+        p.join(30)
+    figures = stream_figures(results["streams"]["arrivals"], began + warm, began + warm + seconds)
+    figures |= {"stream_errors": len(results["streams"]["errors"]), **results["probe"]}
+    if attack:
+        figures |= results["attack"]
+    return figures
+
+
+def run_table(model: Path, args: argparse.Namespace, logs: Path) -> dict:
+    """Each attack against the worker and against a trivial sink server, beside a quiet phase,
+    on one worker: the others' tokens/s ratio under each, what the attack got, the probes answered,
+    the worker's RSS and the log it wrote."""
+    import attacks
+
+    proc, target = start_worker(model, "apart", logs / "worker-table.log", extra=tuple(args.worker_flags.split()))
+    ports = {**PORTS, "bomb": str(logs / "bomb.gz")}
+    attacks.write_bomb(ports["bomb"])
+    ctx = mp.get_context("spawn")
+    sink_ports = {"grpc": free_port(), "http": free_port(), "bomb": ports["bomb"]}
+    ready = ctx.Event()
+    sink = ctx.Process(target=attacks.sink_server, args=(sink_ports, ready), daemon=True)
+    sink.start()
+    ready.wait(60)
+    cpu = (os.cpu_count() or 1) - 1 if (os.cpu_count() or 1) > 1 else None
+    rows = []
+    log_file = logs / "worker-table.log"
+    try:
+        for name in args.attacks.split(","):
+            quiet = table_phase(target, ports, args.seconds, args.streams)
+            log_before = log_file.stat().st_size
+            worker = table_phase(target, ports, args.seconds, args.streams, name, ports, cpu)
+            log_bytes = log_file.stat().st_size - log_before
+            rss = rss_mb(proc.pid)
+            sunk = table_phase(target, ports, args.seconds, args.streams, name, sink_ports, cpu)
+            row = {"attack": name, "requests": worker["requests"], "answers": worker["answers"],
+                   "probes": worker["checks"], "readyz_ok": worker["readyz_ok"], "health_ok": worker["health_ok"],
+                   "quiet_tokens_per_s": quiet["tokens_per_s"], "attacked_tokens_per_s": worker["tokens_per_s"],
+                   "ratio": round(worker["tokens_per_s"] / quiet["tokens_per_s"], 3) if quiet["tokens_per_s"] else 0,
+                   "sink_tokens_per_s": sunk["tokens_per_s"],
+                   "sink_ratio": round(sunk["tokens_per_s"] / quiet["tokens_per_s"], 3) if quiet["tokens_per_s"] else 0,
+                   "sink_requests": sunk["requests"], "sink_answers": sunk["answers"],
+                   "max_gap_s": worker["max_gap_s"], "stream_errors": worker["stream_errors"],
+                   "worker_log_bytes": log_bytes, "api_rss_mb": rss, "load_average": os.getloadavg()[0]}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    finally:
+        sink.kill()
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(60)
+    return {"rows": rows, "exit_code": code, "attacker_cpu": cpu}
+
+
+def run_rss(model: Path, args: argparse.Namespace, logs: Path) -> dict:
+    """Repeated floods of the refused-prompt attack on one worker: its API process's RSS after
+    each (it grew 870 -> 1,122 MB over five 30 s floods in issue 37)."""
+    proc, _ = start_worker(model, "apart", logs / "worker-rss.log")
+    ctx = mp.get_context("spawn")
+    rss = {"start": rss_mb(proc.pid), "after_flood": [], "refusals": []}
+    try:
+        for _ in range(args.rss_floods):
+            out = ctx.Queue()
+            flood = ctx.Process(target=attack_client, args=("refused_prompts", dict(PORTS), args.seconds, None, out))
+            flood.start()
+            result = out.get(timeout=args.seconds + 120)[1]
+            flood.join(30)
+            time.sleep(2.0)
+            rss["after_flood"].append(rss_mb(proc.pid))
+            rss["refusals"].append(result["answers"])
+            print("rss", rss["after_flood"][-1], result["answers"], flush=True)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+    return rss
+
+
+def markdown_table(rows: list[dict]) -> str:
+    """The attack table as Markdown."""
+    lines = ["| attack | requests | answers | probes answered (/readyz, gRPC health) | others' tokens/s "
+             "(quiet -> attacked) | ratio | ratio, attack on the sink | log written | API RSS |",
+             "|---|---:|---|---|---|---:|---:|---:|---:|"]
+    for r in rows:
+        answers = ", ".join(f"{k}: {v}" for k, v in sorted(r["answers"].items()))
+        lines.append(f"| {r['attack']} | {r['requests']} | {answers} | {r['readyz_ok']}/{r['probes']}, "
+                     f"{r['health_ok']}/{r['probes']} | {r['quiet_tokens_per_s']:,.0f} -> "
+                     f"{r['attacked_tokens_per_s']:,.0f} | {r['ratio']:.2f} | {r['sink_ratio']:.2f} | "
+                     f"{r['worker_log_bytes'] / 1024:.1f} KB | {r['api_rss_mb']:.0f} MB |")
+    return "\n".join(lines)
+
+
 def commit() -> str:
     try:
         return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
@@ -265,9 +436,20 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="quiet/attacked phase pairs per mode")
     parser.add_argument("--attack-bytes", type=int, default=1 << 20, help="prompt_text length of each refused request")
     parser.add_argument("--out", default="")
+    parser.add_argument("--table", action="store_true",
+                        help="issue 37's attack table: each attack on the worker and on a trivial sink server")
+    parser.add_argument("--attacks", default=",".join(ATTACK_NAMES), help="the table's attacks, in order")
+    parser.add_argument("--markdown", default="", help="--table: also write the table as Markdown here")
+    parser.add_argument("--worker-flags", default="",
+                        help="--table: more worker flags, e.g. '--header-timeout 3 --connection-idle-seconds 5'")
+    parser.add_argument("--rss-floods", type=int, default=0,
+                        help="first, this many refused-prompt floods of --seconds (the API process's RSS after each)")
     args = parser.parse_args()
     logs = Path(tempfile.mkdtemp(prefix="attack-bench-"))
     model = text_model(logs / "model")
+    if args.table or args.rss_floods:
+        main_table(args, model, logs)
+        return
     result = {
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), "commit": commit(),
         "machine": f"{platform.node()} {platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}",
@@ -287,6 +469,28 @@ def main() -> None:
     if args.out:
         Path(args.out).write_text(text + "\n")
     print(text)
+
+
+def main_table(args: argparse.Namespace, model: Path, logs: Path) -> None:
+    result = {
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), "commit": commit(),
+        "machine": f"{platform.node()} {platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}",
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "workload": {"streams": args.streams, "max_new_tokens": 200,
+                     "worker_flags": [*WORKER_FLAGS, *args.worker_flags.split()],
+                     "seconds": args.seconds},
+        "load_average_before": os.getloadavg()[0],
+    }
+    if args.rss_floods:
+        result["rss_mb"] = run_rss(model, args, logs)
+    if args.table:
+        result |= run_table(model, args, logs)
+    text = json.dumps(result, indent=2)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    if args.markdown and args.table:
+        Path(args.markdown).write_text(markdown_table(result["rows"]) + "\n")
+    print(markdown_table(result.get("rows", [])))
 
 
 if __name__ == "__main__":

@@ -86,8 +86,10 @@ def test_workers_serve_control_on_its_own_port_and_probe_inference(helm):
     assert {"--http-port=8000", "--vllm-metric-names"} <= set(container["args"])
     assert "--control-port=50052" in container["args"]
     assert "--model-root=/models" in container["args"]
-    assert container["readinessProbe"]["grpc"] == {
-        "port": 50051, "service": "graphkeeper.worker.v1.InferenceWorker"}
+    # Probes ask the metrics port, which no inference client can fill (issue 37).
+    assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "metrics"}
+    assert container["startupProbe"]["httpGet"] == {"path": "/readyz", "port": "metrics"}
+    assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}
 
 
 def test_the_charts_default_ports_are_the_codes_defaults():

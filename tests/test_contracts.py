@@ -165,7 +165,7 @@ def test_ruff_check_passes():
 
 #: Rooms of ``worker/``, top first; ``main.py`` stands above them all, the leaves below them all.
 ROOMS = ("main", "serving", "engine", "executor", "model", "kernels")
-LEAVES = ("settings", "plan", "metrics")
+LEAVES = ("settings", "plan", "metrics", "log_limits")
 WORKER = "graphkeeper.worker"
 
 

@@ -27,12 +27,16 @@ from graphkeeper.proto import worker_pb2 as pb
 from graphkeeper.proto.enums import lifecycle_name
 from graphkeeper.proto.policy import MODE_BY_NAME, PolicyError, policy_from_json, validate_policy
 from graphkeeper.worker.engine.client import EngineClient
+from graphkeeper.worker.engine.cpu_quota import size_torch_threads
 from graphkeeper.worker.engine.sizing import SizingError, parse_bytes, utilization_error
 from graphkeeper.worker.engine.startup import ReadyReport, process_started_at
+from graphkeeper.worker.engine.watchdog import StepWatchdog, in_process_pending
+from graphkeeper.worker.log_limits import limit_logging
 from graphkeeper.worker.model.kv_cache import check_block_size
 from graphkeeper.worker.model.loader import ModelSourceError, check_source
 from graphkeeper.worker.model.presets import resolve as resolve_optimization
 from graphkeeper.worker.serving.grpc_server import build_servers, track_health
+from graphkeeper.worker.serving.limits import apply_fd_limit, limits_errors, limits_from_args
 from graphkeeper.worker.serving.metrics_server import serve_http
 from graphkeeper.worker.serving.streams import StreamHub
 from graphkeeper.worker.serving.vllm_metrics import exported_registry
@@ -202,6 +206,10 @@ def boot_errors(args: argparse.Namespace) -> list[str]:
     errors += [e for e in (dtype_error(args.dtype), drain_error(args.drain_seconds),
                            control_token_error(getattr(args, "control_token_file", ""))) if e]
     errors += model_root_errors(getattr(args, "model_root", None) or [])
+    errors += limits_errors(limits_from_args(args))
+    stall = getattr(args, "stall_seconds", 1.0)
+    if not (math.isfinite(stall) and stall > 0):
+        errors.append(f"--stall-seconds must be a positive number of seconds, got {stall}")
     errors += [e for e in (block_size_error(getattr(args, "kv_block_size", 16)),
                            itl_target_error(getattr(args, "itl_target_ms", 0.0)),
                            utilization_error(getattr(args, "gpu_memory_utilization", None), args.device,
@@ -278,6 +286,7 @@ def missing_bytecode(module) -> str:
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    limit_logging()  # no client can fill a disk through the log
     if missing := missing_bytecode(torch):
         log.warning("no compiled bytecode for torch (%s): every start compiles its modules from source; install "
                     "with bytecode (pip's default) or set PYTHONPYCACHEPREFIX to a writable directory", missing)
@@ -316,7 +325,9 @@ async def _serve(args: argparse.Namespace, settings: EngineSettings, token: str)
     loop = asyncio.get_running_loop()
     engine = make_engine(args, settings)
     hub = StreamHub(loop)
-    engine.publish = hub.publish
+    watchdog = make_watchdog(engine, args)
+    engine.publish = watchdog.wrap(hub.publish)
+    limits = apply_fd_limit(limits_from_args(args), bool(getattr(args, "http_port", 0)))
     engine.lifecycle.subscribe(lambda s: log.info("lifecycle: %s", lifecycle_name(s)))
     startup = ReadyReport(engine, engine.metrics)
     if isinstance(engine, EngineClient):
@@ -337,14 +348,14 @@ async def _serve(args: argparse.Namespace, settings: EngineSettings, token: str)
     served_name = getattr(args, "served_model_name", "")
     registry = exported_registry(engine, served_name, getattr(args, "vllm_metric_names", True))
     try:
-        servers = build_servers(engine, args.host, args.port, control_host, args.control_port, token, hub)
-        track_health(engine, servers.health, loop)
+        servers = build_servers(engine, args.host, args.port, control_host, args.control_port, token, hub, limits)
+        track_health(engine, servers.health, loop, watchdog)
         if args.metrics_port:
-            serve_http(engine, args.host, args.metrics_port, registry=registry)
+            serve_http(engine, args.host, args.metrics_port, registry=registry, watchdog=watchdog)
         if getattr(args, "http_port", 0):
             from graphkeeper.worker.serving.http_server import OpenAIServer  # aiohttp: only when served
 
-            http = OpenAIServer(engine, hub, served_name, metrics=registry)
+            http = OpenAIServer(engine, hub, served_name, metrics=registry, limits=limits, watchdog=watchdog)
             await http.start(http_host, args.http_port)
         await servers.inference.start()
         await servers.control.start()
@@ -362,9 +373,14 @@ async def _serve(args: argparse.Namespace, settings: EngineSettings, token: str)
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     code = 0
+    stalled = False
     while not stop.is_set():
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), 0.25)
+        if watchdog.poll() != stalled:
+            stalled = watchdog.stalled
+            log.warning("the engine %s", f"holds work and made no progress for {watchdog.stall_seconds:g} s: "
+                        "not ready until it does" if stalled else "progresses again: ready")
         if engine.failed is not None:
             log.error("engine failed: %s", engine.failed)
             code = 1
@@ -388,7 +404,14 @@ def make_engine(args: argparse.Namespace, settings: EngineSettings) -> Engine | 
         return EngineClient(settings, log_level=args.log_level.upper())
     from graphkeeper.worker.engine.core import Engine
 
+    size_torch_threads()
     return Engine(settings)
+
+
+def make_watchdog(engine: Engine | EngineClient, args: argparse.Namespace) -> StepWatchdog:
+    """The step-loop watchdog (``engine/watchdog.py``) over the work the engine holds."""
+    pending = engine.pending_streams if isinstance(engine, EngineClient) else (lambda: in_process_pending(engine))
+    return StepWatchdog(pending, getattr(args, "stall_seconds", StepWatchdog.DEFAULT_STALL))
 
 
 def _step_injection(value: str) -> tuple[int, bool] | None:

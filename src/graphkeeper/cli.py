@@ -94,6 +94,18 @@ def _worker(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--quantization", default="none", choices=d.QUANTIZATIONS,
                    help="fp8: decoder weights in float8 e4m3 with per-channel scales (fp8-tensor: one scale)")
     p.add_argument("--drain-seconds", type=float, default=30.0)
+    p.add_argument("--stall-seconds", type=float, default=30.0,
+                   help="not ready (health NOT_SERVING, /readyz 503) while the engine holds work and made no "
+                        "progress for this long")
+    p.add_argument("--max-connections", type=int, default=4096,
+                   help="connections the gRPC inference port and the HTTP port each hold at once")
+    p.add_argument("--max-connections-per-peer", type=int, default=1024,
+                   help="connections one client address may hold on the HTTP port")
+    p.add_argument("--connection-idle-seconds", type=float, default=60.0,
+                   help="a connection with no request in flight is closed after this long")
+    p.add_argument("--header-timeout", type=float, default=10.0,
+                   help="seconds a request head (HTTP) or the HTTP/2 handshake (gRPC) may take")
+    p.add_argument("--body-timeout", type=float, default=30.0, help="seconds an HTTP request body may take")
     p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                    help="run the engine core (device, scheduler, graphs) in a process of its own, apart from "
                         "the API layer (default); --no-engine-process runs both in one process")

@@ -120,8 +120,7 @@ def test_workers_turn_ready_only_after_their_capture_phase(release: Node):
         p := workers(release)) and len(p) == 2 and all(ready(x) for x in p) and p, timeout=600)
     for pod in pods:
         name = pod["metadata"]["name"]
-        assert pod["spec"]["containers"][0]["readinessProbe"]["grpc"]["service"] == (
-            "graphkeeper.worker.v1.InferenceWorker")
+        assert pod["spec"]["containers"][0]["readinessProbe"]["httpGet"]["path"] == "/readyz"
         log = release.kubectl("logs", "-n", NAMESPACE, name, "--timestamps")
         lines = [ln for ln in log.splitlines() if re.search(r"\bREADY\b", ln)]
         assert lines, f"{name} never logged READY:\n{log[-3000:]}"

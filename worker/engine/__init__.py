@@ -3,7 +3,8 @@
 This is the engine's face. The API layer (``serving/``) sees only what it exports: the
 ``EngineFace`` protocol it is written against, its settings, the limits requests are checked
 against, what the engine refuses or fails with and how each is answered (``classify``), and the
-detokenizer that turns its tokens into text. Two classes satisfy ``EngineFace``: ``Engine`` runs
+detokenizer that turns its tokens into text, the step-loop watchdog and the one readiness rule
+every probe answers (``ready``). Two classes satisfy ``EngineFace``: ``Engine`` runs
 in the process that builds it (tests, benchmarks); ``EngineClient`` runs an ``Engine`` in a
 process of its own (``engine.process``), which is how ``graphkeeper worker`` serves. Serving
 names neither; ``worker.main`` picks one.
@@ -27,6 +28,7 @@ from graphkeeper.worker.engine.lifecycle import SERVING_STATES
 from graphkeeper.worker.engine.model_roots import ReloadRefused
 from graphkeeper.worker.engine.sequence import Limits
 from graphkeeper.worker.engine.structured import constraint_error
+from graphkeeper.worker.engine.watchdog import StepWatchdog, ready
 from graphkeeper.worker.model.tokenizer import ChatError, IncrementalDetokenizer
 from graphkeeper.worker.settings import EngineSettings
 
@@ -53,5 +55,6 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "SERVING_STATES", "CannotFit", "ChatError", "Engine", "EngineClient", "EngineFace", "EngineSettings",
     "ErrorStatus", "IncrementalDetokenizer", "LifecycleView", "Limits", "NotServing", "QueueFull", "ReloadRefused",
-    "StalePolicy", "StepFailed", "UNKNOWN_ERROR", "classify", "constraint_error", "error_message",
+    "StalePolicy", "StepFailed", "StepWatchdog", "UNKNOWN_ERROR", "classify", "constraint_error", "error_message",
+    "ready",
 ]

@@ -279,6 +279,10 @@ class EngineClient:
             status.startup.CopyFrom(self.startup)
         return status
 
+    def pending_streams(self) -> int:
+        """Streams submitted to the engine core and not ended yet (the watchdog's work)."""
+        return len(self._streams)
+
     # --- the channel --------------------------------------------------------------------------
 
     def call(self, method: str, args: tuple = (), timeout: float = CALL_TIMEOUT_SECONDS) -> Any:

@@ -30,6 +30,7 @@ from graphkeeper.proto import worker_pb2 as pb
 from graphkeeper.proto.enums import lifecycle_name
 from graphkeeper.worker.engine.blocks import BlockManager, blocks_for
 from graphkeeper.worker.engine.control import Control, Reload, starting_policy
+from graphkeeper.worker.engine.drain import refuse_unstarted
 from graphkeeper.worker.engine.errors import CannotFit, NotServing, QueueFull, ReloadBusy, injected_failure
 from graphkeeper.worker.engine.isolation import fail_step, isolate
 from graphkeeper.worker.engine.kv_sizing import UtilizationSizing
@@ -199,10 +200,12 @@ class Engine:
         return self.thread.is_alive() and self.failed is None
 
     def drain_and_stop(self, timeout: float) -> None:
-        """Graceful shutdown within ``timeout`` seconds: refuse new requests, let running ones
-        finish, then end whatever is left (its streams get UNAVAILABLE) and stop the loop."""
+        """Graceful shutdown within ``timeout`` seconds: refuse new requests and, at once, those that
+        never started (``drain``); let running ones finish, then end whatever is left (its streams
+        get UNAVAILABLE) and stop the loop."""
         self._draining = True
         self.control.move(S.LIFECYCLE_STATE_DRAINING)
+        self.mailbox.post(lambda: refuse_unstarted(self))  # their clients retry elsewhere now
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline and (self.scheduler.running or self.scheduler.waiting or self.mailbox):
             time.sleep(0.05)

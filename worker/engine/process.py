@@ -27,6 +27,7 @@ from typing import Any
 
 from graphkeeper.proto import worker_pb2 as pb
 from graphkeeper.worker.engine.core import Engine
+from graphkeeper.worker.engine.cpu_quota import size_torch_threads
 from graphkeeper.worker.engine.errors import classify
 from graphkeeper.worker.engine.ipc import (
     Call,
@@ -44,6 +45,7 @@ from graphkeeper.worker.engine.ipc import (
 )
 from graphkeeper.worker.engine.sequence import Sequence
 from graphkeeper.worker.engine.sizing import SizingError
+from graphkeeper.worker.log_limits import limit_logging
 from graphkeeper.worker.model.loader import ModelSourceError
 from graphkeeper.worker.settings import EngineSettings
 
@@ -235,6 +237,8 @@ def main(conn: Connection, settings: EngineSettings, parent_pid: int, log_level:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     sys.setswitchinterval(switch_interval)  # the receiver and sender get the interpreter back quickly
+    limit_logging()
+    size_torch_threads()
     channel = Channel(conn)
     try:
         engine = Engine(settings)  # decides and checks the sizes, allocating nothing

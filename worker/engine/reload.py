@@ -2,14 +2,20 @@
 
 ``Engine.load_revision`` judges what it can without loading and offers the reload to ``Control``;
 the engine pauses admission, lets running sequences finish on the weights they started with, and
-then calls ``reload_model``: the new weights load beside the old ones, and only a complete load
-replaces anything. A failed load leaves the old model serving, graphs and all.
+then calls ``reload_model``: the new weights load beside the old ones (on a thread of their own,
+waited for with a timeout: ``load_bounded``), and only a complete load replaces anything. A
+failed load leaves the old model serving, graphs and all.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+import threading
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import TYPE_CHECKING, Any
+
+import torch
 
 from graphkeeper.proto import worker_pb2 as pb
 from graphkeeper.worker.engine.control import Reload
@@ -20,6 +26,34 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 L = pb.LedgerStage
+#: A load not finished in this long is abandoned and the reload fails (the old model serves on);
+#: under the gRPC reload deadline, so the caller reads why.
+LOAD_TIMEOUT_SECONDS = 540.0
+
+
+def load_bounded(engine: Engine, reload: Reload, timeout: float) -> Any:
+    """``engine.slot.load`` on a thread of its own, waited for at most ``timeout`` seconds.
+
+    The step loop waits for a reload's load (admission is paused for it), but never forever: a
+    read that blocks (a file that stops answering, on a network volume) fails the reload with
+    TimeoutError, and its thread is left behind blocked rather than the engine.
+    """
+    result: Future = Future()
+
+    def run() -> None:
+        try:
+            with torch.inference_mode():
+                if engine.device.type == "cuda":
+                    torch.cuda.set_device(engine.device.index or 0)
+                result.set_result(engine.slot.load(reload.source, reload.revision))
+        except BaseException as err:  # noqa: BLE001 - raised on the engine thread below
+            result.set_exception(err)
+
+    threading.Thread(target=run, name="model-load", daemon=True).start()
+    try:
+        return result.result(timeout)
+    except FutureTimeout:
+        raise TimeoutError(f"the weights did not load within {timeout:.0f} s (a read that blocks?)") from None
 
 
 def reload_model(engine: Engine, reload: Reload) -> None:
@@ -34,7 +68,7 @@ def reload_model(engine: Engine, reload: Reload) -> None:
         if again != reload.source:
             raise ReloadRefused("source", "changed since it was checked (a link was replaced)")
         e.ledger.begin_reload()  # the old generation, before the load's readings hold both models
-        fresh = e.slot.load(reload.source, reload.revision)
+        fresh = load_bounded(e, reload, LOAD_TIMEOUT_SECONDS)
     except Exception as err:  # noqa: BLE001 - the old model keeps serving, graphs and all
         message = f"model reload failed: {str(err)[:256]}"
         e.control.reload_failed(message)

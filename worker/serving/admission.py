@@ -133,11 +133,16 @@ def _validate_messages(messages, limits: Limits) -> None:
                              "prompt_token_ids")
 
 
-def validate_prompt_length(prompt_tokens: int, max_new_tokens: int, limits: Limits) -> None:
-    """The prompt plus the tokens to generate must fit the context.
+def validate_prompt_length(prompt_tokens: int, max_new_tokens: int, limits: Limits,
+                           prompt_field: str = "prompt_token_ids") -> None:
+    """The prompt plus the tokens to generate must fit the context. A prompt that leaves no room
+    for a single new token is the prompt's fault (``prompt_field``), whatever max_new_tokens says.
 
     Called again by the engine after it tokenizes a ``prompt_text``, when the count is known.
     """
+    if prompt_tokens >= limits.max_seq_len:
+        raise Oversize(prompt_field, f"{prompt_tokens} tokens leave no room for a new token in the context of "
+                       f"{limits.max_seq_len} tokens")
     if prompt_tokens + max_new_tokens > limits.max_seq_len:
         raise Oversize(
             "stopping.max_new_tokens",

@@ -24,19 +24,19 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from graphkeeper.proto import SERVER_OPTIONS
 from graphkeeper.proto import worker_pb2 as pb
 from graphkeeper.proto import worker_pb2_grpc as pb_grpc
 from graphkeeper.proto.policy import PolicyError
 from graphkeeper.worker.engine import (
-    SERVING_STATES,
     EngineFace,
     IncrementalDetokenizer,
     NotServing,
     ReloadRefused,
     StalePolicy,
+    StepWatchdog,
     classify,
     error_message,
+    ready,
 )
 from graphkeeper.worker.serving.admission import (
     AdmissionError,
@@ -44,6 +44,8 @@ from graphkeeper.worker.serving.admission import (
     max_request_bytes,
     validate_reload_request,
 )
+from graphkeeper.worker.serving.grpc_limits import server_options
+from graphkeeper.worker.serving.limits import CONTROL_MAX_CONNECTIONS, ConnectionLimits
 from graphkeeper.worker.serving.streams import (
     StreamHub,
     TokenStream,
@@ -59,11 +61,6 @@ log = logging.getLogger(__name__)
 INFERENCE_SERVICE = pb.DESCRIPTOR.services_by_name["InferenceWorker"].full_name
 CONTROL_SERVICE = pb.DESCRIPTOR.services_by_name["GraphControl"].full_name
 RELOAD_TIMEOUT_SECONDS = 600.0
-#: Connections each port holds at once; past them a new connection is closed at once. Idle
-#: connections cost memory each (3,000 held 37 MB): clients and the kubelet need far fewer, and
-#: the control port serves the operator and ``graphkeeper status`` only.
-INFERENCE_MAX_CONNECTIONS = 1024
-CONTROL_MAX_CONNECTIONS = 64
 
 
 class InferenceServicer(pb_grpc.InferenceWorkerServicer):
@@ -80,10 +77,10 @@ class InferenceServicer(pb_grpc.InferenceWorkerServicer):
             seq = engine.submit(request, stream)
         except AdmissionError as err:
             engine.metrics.requests.labels("oversize" if isinstance(err, Oversize) else "invalid").inc()
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+            return _refuse(context, grpc.StatusCode.INVALID_ARGUMENT, str(err))
         except Exception as err:  # noqa: BLE001 - refused by the engine (or a bug): answered by the table
             count_refusal(engine, err)
-            await _abort_for(context, err)
+            return _refuse(context, grpc.StatusCode[classify(err).grpc_code], error_message(err))
         detok = IncrementalDetokenizer(engine.tokenizer, list(request.prompt_token_ids)) if text else None
         hub = self.hub
         if hub is not None:
@@ -123,30 +120,49 @@ class InferenceServicer(pb_grpc.InferenceWorkerServicer):
         return public_model_info(info)
 
 
+def _refuse(context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str) -> None:
+    """Ends a call that was refused before it began with ``code``, without raising: an abort's
+    exception would tie the handler's frame, and the request it holds (up to the message limit),
+    into a reference cycle with the call's state, freed only by a full garbage collection, which
+    a process holding torch's heap rarely runs; a flood of refused 1 MiB prompts grew the API
+    process by 25-40 MB every 15 s that way."""
+    context.set_code(code)
+    context.set_details(message)
+
+
 async def _abort_for(context: grpc.aio.ServicerContext, err: BaseException) -> None:
     """Ends the call with the status code the engine's errors table gives ``err``."""
     await context.abort(grpc.StatusCode[classify(err).grpc_code], error_message(err))
 
 
 class GraphControlServicer(pb_grpc.GraphControlServicer):
+    """Each engine call runs off the event loop (an engine core that does not answer holds a
+    worker thread for its timeout, never the loop every port is served on) and a call it
+    cannot answer is UNAVAILABLE (retry), never UNKNOWN."""
+
     def __init__(self, engine: EngineFace) -> None:
         self.engine = engine
 
     async def ApplyGraphPolicy(self, request: pb.ApplyGraphPolicyRequest, context: grpc.aio.ServicerContext):  # noqa: N802
         try:
-            return self.engine.apply_policy(request.policy)
+            return await asyncio.to_thread(self.engine.apply_policy, request.policy)
         except PolicyError as err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"policy.{err}")
         except StalePolicy as err:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(err))
+        except NotServing as err:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(err))
 
     async def GetGraphStatus(self, request: pb.GetGraphStatusRequest, context: grpc.aio.ServicerContext):  # noqa: N802
-        return self.engine.status()
+        try:
+            return await asyncio.to_thread(self.engine.status)
+        except NotServing as err:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(err))
 
     async def LoadModelRevision(self, request: pb.LoadModelRevisionRequest, context: grpc.aio.ServicerContext):  # noqa: N802
         try:
             validate_reload_request(request)
-            future = self.engine.load_revision(request.source, request.revision)
+            future = await asyncio.to_thread(self.engine.load_revision, request.source, request.revision)
         except AdmissionError as err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
         except ReloadRefused as err:
@@ -202,13 +218,15 @@ class Servers:
 
 
 def build_servers(engine: EngineFace, host: str, port: int, control_host: str, control_port: int,
-                  token: str, hub: StreamHub | None = None) -> Servers:
-    """Both servers with their services registered, bound and unstarted.
+                  token: str, hub: StreamHub | None = None, limits: ConnectionLimits | None = None) -> Servers:
+    """Both servers with their services registered, bound and unstarted, each with its
+    connection limits (``grpc_limits``).
 
     Raises OSError naming the address when a port cannot be bound (in use, or not an address here).
     """
+    limits = limits or ConnectionLimits()
     inference = grpc.aio.server(options=(
-        *_capped(INFERENCE_MAX_CONNECTIONS),
+        *server_options(limits, limits.max_connections),
         ("grpc.max_receive_message_length", max_request_bytes(engine.settings.max_seq_len))))
     pb_grpc.add_InferenceWorkerServicer_to_server(InferenceServicer(engine, hub),
                                                   tolerant(inference, _undecodable_counter(engine)))
@@ -216,17 +234,12 @@ def build_servers(engine: EngineFace, host: str, port: int, control_host: str, c
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, inference)
     reflection.enable_server_reflection((INFERENCE_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), inference)
     interceptors = (BearerTokenInterceptor(token),) if token else ()
-    control = grpc.aio.server(options=_capped(CONTROL_MAX_CONNECTIONS), interceptors=interceptors)
+    control = grpc.aio.server(options=server_options(limits, CONTROL_MAX_CONNECTIONS), interceptors=interceptors)
     pb_grpc.add_GraphControlServicer_to_server(GraphControlServicer(engine), tolerant(control))
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, control)
     bound = _bind(inference, host, port)
     bound_control = _bind(control, control_host, control_port)
     return Servers(inference, control, bound, bound_control, health_servicer)
-
-
-def _capped(connections: int) -> tuple[tuple[str, int], ...]:
-    """The server options with a cap on the connections the server holds at once."""
-    return (*SERVER_OPTIONS, ("grpc.max_allowed_incoming_connections", connections))
 
 
 def _undecodable_counter(engine: EngineFace) -> Callable[[str], None]:
@@ -248,17 +261,21 @@ def _bind(server: grpc.aio.Server, host: str, port: int) -> int:
     return bound
 
 
-def track_health(engine: EngineFace, servicer: health.aio.HealthServicer, loop: asyncio.AbstractEventLoop) -> None:
-    """Inference is SERVING only while ready; the control plane answers from the start."""
+def track_health(engine: EngineFace, servicer: health.aio.HealthServicer, loop: asyncio.AbstractEventLoop,
+                 watchdog: StepWatchdog | None = None) -> None:
+    """Inference is SERVING only while ready (``watchdog.ready``: the lifecycle serves and the step
+    loop is not stalled); the control plane answers from the start."""
     serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
 
     async def set_all(status: int) -> None:
         await servicer.set(INFERENCE_SERVICE, status)
         await servicer.set("", status)
 
-    def on_state(state: int) -> None:
-        status = serving if state in SERVING_STATES and engine.failed is None else not_serving
+    def refresh(_: object = None) -> None:
+        status = serving if ready(engine, watchdog) else not_serving
         asyncio.run_coroutine_threadsafe(set_all(status), loop)
 
     asyncio.run_coroutine_threadsafe(servicer.set(CONTROL_SERVICE, serving), loop)
-    engine.lifecycle.subscribe(on_state)
+    engine.lifecycle.subscribe(refresh)
+    if watchdog is not None:
+        watchdog.subscribe(refresh)

@@ -31,8 +31,26 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from graphkeeper.proto import worker_pb2 as pb
 from graphkeeper.proto.field_checks import clipped_repr
-from graphkeeper.worker.engine import EngineFace, IncrementalDetokenizer, classify, error_message
+from graphkeeper.worker.engine import (
+    EngineFace,
+    IncrementalDetokenizer,
+    StepWatchdog,
+    classify,
+    error_message,
+    ready,
+)
+from graphkeeper.worker.log_limits import rate_key
 from graphkeeper.worker.serving.admission import MAX_PROMPT_TEXT_BYTES, AdmissionError, Oversize
+from graphkeeper.worker.serving.http_limits import (
+    ConnectionGate,
+    HandlerLog,
+    clipped,
+    expect_handler,
+    parse_json,
+    read_body,
+    runner_options,
+)
+from graphkeeper.worker.serving.limits import ConnectionLimits
 from graphkeeper.worker.serving.openai_api import (
     EXECUTION_HEADER,
     TENANT_HEADER,
@@ -50,6 +68,7 @@ from graphkeeper.worker.serving.openai_api import (
     usage,
 )
 from graphkeeper.worker.serving.openai_sampling import chat_logprobs, completion_logprobs, echoed_entries
+from graphkeeper.worker.serving.openai_types import type_error
 from graphkeeper.worker.serving.streams import StreamHub, TokenStream, admitted, count_refusal, public_model_info
 
 log = logging.getLogger(__name__)
@@ -109,7 +128,7 @@ class TextEvents:
 
 
 def error_response(err: ApiError) -> web.Response:
-    return web.Response(body=dumps(err.body()), status=err.status, content_type="application/json")
+    return web.Response(body=dumps(clipped(err).body()), status=err.status, content_type="application/json")
 
 
 #: gRPC admission names proto fields; the OpenAI client sent these.
@@ -135,8 +154,12 @@ class OpenAIServer:
     """The HTTP API for one engine; ``start`` binds it on the running loop."""
 
     def __init__(self, engine: EngineFace, hub: StreamHub, served_model_name: str = "",
-                 metrics: Any = None) -> None:
+                 metrics: Any = None, limits: ConnectionLimits | None = None,
+                 watchdog: StepWatchdog | None = None) -> None:
         self.engine = engine
+        self.limits = limits or ConnectionLimits()
+        self.watchdog = watchdog
+        self.gate = ConnectionGate(self.limits)
         self.hub = hub
         self.served_model_name = served_model_name
         self.metrics_registry = metrics
@@ -146,8 +169,9 @@ class OpenAIServer:
         self.max_body = max_body_bytes(engine.settings.max_seq_len)
         self.app = web.Application(client_max_size=self.max_body,
                                    middlewares=[self._errors])
-        self.app.router.add_post("/v1/completions", self.completions)
-        self.app.router.add_post("/v1/chat/completions", self.chat_completions)
+        expect = expect_handler(self.max_body, self._refused)
+        self.app.router.add_post("/v1/completions", self.completions, expect_handler=expect)
+        self.app.router.add_post("/v1/chat/completions", self.chat_completions, expect_handler=expect)
         self.app.router.add_get("/v1/models", self.models)
         self.app.router.add_get("/health", self.health)
         if metrics is not None:
@@ -158,19 +182,23 @@ class OpenAIServer:
         self.created = int(time.time())
         # handler_cancellation: a client that disconnects cancels its handler, which frees the slot.
         self.runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None,
-                                    shutdown_timeout=SHUTDOWN_SECONDS)
+                                    shutdown_timeout=SHUTDOWN_SECONDS,
+                                    **runner_options(self.limits, HandlerLog(lambda: self._count("invalid"))))
         await self.runner.setup()
-        site = web.TCPSite(self.runner, host, port, backlog=BACKLOG)
+        # The connection gate stands between the socket and aiohttp (``http_limits``).
+        site = _GatedSite(self.runner, self.gate, host, port, backlog=BACKLOG)
         try:
             await site.start()
         except OSError as err:
             await self.runner.cleanup()
             raise OSError(f"cannot bind the HTTP port {host}:{port}: {err.strerror or err}") from None
+        self.gate.start(asyncio.get_running_loop())
         server = site._server  # aiohttp keeps the asyncio server here; its socket knows an ephemeral port
         self.port = server.sockets[0].getsockname()[1] if server is not None and server.sockets else port
         return self.port
 
     async def stop(self) -> None:
+        self.gate.stop()
         if self.runner is not None:
             await self.runner.cleanup()
 
@@ -181,7 +209,7 @@ class OpenAIServer:
         try:
             return await handler(request)
         except ApiError as err:
-            log.debug("%s %s: %d %s", request.method, request.path, err.status, err.message)
+            log.debug("%s %s: %d %s", request.method, request.path, err.status, err.message[:200])
             return error_response(err)
         except web.HTTPException as err:  # unknown path (404), wrong method (405)
             if err.status < 400:
@@ -201,37 +229,29 @@ class OpenAIServer:
                            code="not_ready")
         return self.served_model_name or public_model_info(info).source
 
+    def _refused(self, request: web.Request, err: ApiError) -> web.Response:
+        """A request refused before its handler ran (``Expect``), counted as the handler would."""
+        self._count("oversize" if err.status == 413 else "invalid")
+        log.warning("HTTP %s from %s: %d %s", request.path, request.remote, err.status, err.message[:200],
+                    extra=rate_key("http-body", str(request.remote)))
+        return error_response(err)
+
     async def _body(self, request: web.Request) -> Any:
-        too_large = ApiError(413, f"the request body is larger than {self.max_body} bytes", code="body_too_large")
-        if request.content_length is not None and request.content_length > self.max_body:
-            self._count("oversize")  # refused from its header, before a byte of it is read
-            raise too_large
+        """The body's JSON; an ApiError (counted, and logged once per client per interval) for a
+        body that is encoded, too large, too slow or not JSON (``http_limits``)."""
         try:
-            raw = await request.read()
-        except web.HTTPRequestEntityTooLarge:
-            self._count("oversize")
-            raise too_large from None
-        try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError as err:
-            self._count("invalid")
-            raise ApiError(400, f"the request body is not UTF-8 ({err.reason} at byte {err.start})") from None
-        try:
-            return json.loads(text)
-        except json.JSONDecodeError as err:
-            self._count("invalid")
-            raise ApiError(400, f"the request body is not valid JSON: {err.msg} at line {err.lineno} column "
-                           f"{err.colno}") from None
-        except RecursionError:
-            self._count("invalid")
-            raise ApiError(400, "the request body is not valid JSON here: it nests too deeply") from None
+            return parse_json(await read_body(request, self.max_body, self.limits.body_seconds))
+        except ApiError as err:
+            self._count("oversize" if err.status == 413 else "invalid")
+            log.warning("HTTP %s from %s: %d %s", request.path, request.remote, err.status, err.message[:200],
+                        extra=rate_key("http-body", str(request.remote)))
+            raise
 
     # --- endpoints -------------------------------------------------------------------------
 
     async def health(self, request: web.Request) -> web.Response:
-        engine = self.engine
-        ready = engine.lifecycle.serving and engine.failed is None and engine.limits() is not None
-        return web.Response(status=200 if ready else 503, text="ok\n" if ready else "not ready\n")
+        serving = ready(self.engine, self.watchdog)
+        return web.Response(status=200 if serving else 503, text="ok\n" if serving else "not ready\n")
 
     async def metrics(self, request: web.Request) -> web.Response:
         # Off the loop: the split worker asks the engine core for its families.
@@ -253,6 +273,8 @@ class OpenAIServer:
         body = await self._body(request)
         tenant_header = request.headers.get(TENANT_HEADER)
         try:
+            if (wrong := type_error(body)) is not None:
+                raise wrong
             parsed = parse_chat(body, tenant_header) if chat else parse_completion(body, tenant_header)
         except ApiError:
             self._count("invalid")
@@ -504,3 +526,18 @@ class _Run:
                 break
             await self.pace()
             delta = await self.next_delta()
+
+
+class _GatedSite(web.TCPSite):
+    """aiohttp's TCP site with the connection gate in front of its protocol factory."""
+
+    def __init__(self, runner: web.AppRunner, gate: ConnectionGate, host: str, port: int, backlog: int) -> None:
+        super().__init__(runner, host, port, backlog=backlog)
+        self.gate = gate
+
+    async def start(self) -> None:
+        await web.BaseSite.start(self)
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(
+            self.gate.factory(self._runner.server), self._host, self._port, backlog=self._backlog,
+            reuse_address=self._reuse_address, reuse_port=self._reuse_port)

@@ -24,13 +24,16 @@ from urllib.parse import urlsplit
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from graphkeeper.proto.enums import lifecycle_name
-from graphkeeper.worker.engine import EngineFace
+from graphkeeper.worker.engine import EngineFace, StepWatchdog, ready
+from graphkeeper.worker.serving.limits import METRICS_MAX_CONNECTIONS
 
-MAX_CONNECTIONS = 256
+MAX_CONNECTIONS = METRICS_MAX_CONNECTIONS
 TIMEOUT_SECONDS = 5.0
 #: A request head longer than this is refused (Prometheus sends a few hundred bytes).
 MAX_HEAD_BYTES = 8192
 PATHS = ("/metrics", "/healthz", "/readyz")
+#: Paths answered on a worker thread: a scrape asks the engine core (up to its timeout).
+SLOW_PATHS = frozenset({"/metrics"})
 TEXT = "text/plain; charset=utf-8"
 @dataclass(frozen=True)
 class Request:
@@ -70,20 +73,27 @@ def render_response(status: int, body: bytes, content_type: str, head_only: bool
     return header if head_only else header + body
 
 
-def engine_endpoints(engine: EngineFace, registry: Any = None) -> dict[str, Callable[[], tuple[int, bytes, str]]]:
+def engine_endpoints(engine: EngineFace, registry: Any = None,
+                     watchdog: StepWatchdog | None = None) -> dict[str, Callable[[], tuple[int, bytes, str]]]:
     """The answer of each path for this engine: (status, body, content type). ``registry``: what
-    ``/metrics`` exports (anything with ``collect()``), the engine's own registry by default."""
+    ``/metrics`` exports (anything with ``collect()``), the engine's own registry by default;
+    ``watchdog``: the step loop's, which ``/readyz`` and ``/healthz`` consult."""
 
     def metrics() -> tuple[int, bytes, str]:
         return 200, generate_latest(registry if registry is not None else engine.metrics.registry), CONTENT_TYPE_LATEST
 
     def healthz() -> tuple[int, bytes, str]:
-        alive = engine.alive()
-        return (200, b"ok\n", TEXT) if alive else (503, b"engine stopped\n", TEXT)
+        if not engine.alive():
+            return 503, b"engine stopped\n", TEXT
+        if watchdog is not None and watchdog.wedged():
+            return 503, f"engine stalled for {watchdog.stall_seconds_now():.0f} s\n".encode(), TEXT
+        return 200, b"ok\n", TEXT
 
     def readyz() -> tuple[int, bytes, str]:
-        ready = engine.lifecycle.serving
-        return 200 if ready else 503, f"{lifecycle_name(engine.lifecycle.state)}\n".encode(), TEXT
+        state = lifecycle_name(engine.lifecycle.state)
+        if watchdog is not None and watchdog.stalled:
+            return 503, f"{state}, engine stalled for {watchdog.stall_seconds_now():.0f} s\n".encode(), TEXT
+        return 200 if ready(engine, None) else 503, f"{state}\n".encode(), TEXT
 
     return {"/metrics": metrics, "/healthz": healthz, "/readyz": readyz}
 
@@ -162,6 +172,9 @@ class MetricsServer:
             status, endpoint = route(request)
             if endpoint is None:
                 body, content_type = f"{HTTPStatus(status).phrase.lower()}\n".encode(), TEXT
+            elif endpoint in SLOW_PATHS:  # may wait on the engine core: never on this loop, which answers probes
+                status, body, content_type = await asyncio.get_running_loop().run_in_executor(
+                    None, self.endpoints[endpoint])
             else:
                 status, body, content_type = self.endpoints[endpoint]()
             writer.write(render_response(status, body, content_type, request is not None and request.method == "HEAD"))
@@ -186,9 +199,10 @@ def _end_tasks(loop: asyncio.AbstractEventLoop) -> None:
 
 
 def serve_http(engine: EngineFace, host: str, port: int, *, max_connections: int = MAX_CONNECTIONS,
-               timeout: float = TIMEOUT_SECONDS, registry: Any = None) -> MetricsServer:
+               timeout: float = TIMEOUT_SECONDS, registry: Any = None,
+               watchdog: StepWatchdog | None = None) -> MetricsServer:
     """Starts the metrics and probe server in a daemon thread and returns it (OSError if unbound)."""
-    server = MetricsServer(engine_endpoints(engine, registry), host, port, max_connections=max_connections,
-                           timeout=timeout)
+    server = MetricsServer(engine_endpoints(engine, registry, watchdog), host, port,
+                           max_connections=max_connections, timeout=timeout)
     server.start()
     return server

@@ -24,6 +24,7 @@ import asyncio
 import logging
 import os
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import PurePosixPath
@@ -31,6 +32,7 @@ from typing import Any
 
 from graphkeeper.proto import worker_pb2 as pb
 from graphkeeper.worker.engine import UNKNOWN_ERROR, ChatError, EngineFace, NotServing, classify
+from graphkeeper.worker.serving import heap
 from graphkeeper.worker.serving.admission import AdmissionError, validate_request, validate_tokenized
 
 log = logging.getLogger(__name__)
@@ -61,6 +63,14 @@ def _background_priority() -> None:
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # 0: this thread, on Linux
     except (OSError, AttributeError):  # not Linux: the thread keeps the process's priority
         log.debug("cannot lower the tokenizer threads' priority here")
+
+
+def _trimmed(encode: Callable[[], list[int]]) -> list[int]:
+    """``encode()``, then the heap it freed back to the system (``heap.trim``), even when it raised."""
+    try:
+        return encode()
+    finally:
+        heap.trim()
 
 
 TOKENIZE_POOL = ThreadPoolExecutor(max_workers=4, thread_name_prefix="tokenize", initializer=_background_priority)
@@ -149,7 +159,7 @@ async def admitted(engine: EngineFace, request: pb.GenerateRequest, fill_context
     else:
         encode, size = (lambda: tokenizer.encode_ids(request.prompt_text)), len(request.prompt_text)
     try:
-        ids = await asyncio.get_running_loop().run_in_executor(TOKENIZE_POOL, encode) \
+        ids = await asyncio.get_running_loop().run_in_executor(TOKENIZE_POOL, _trimmed, encode) \
             if size > INLINE_TOKENIZE_CHARS else encode()
     except ChatError as err:
         raise AdmissionError(err.field, str(err).removeprefix(f"{err.field}: ")) from None

@@ -1,0 +1,344 @@
+"""What a client may hold of the OpenAI HTTP port, and how a body is read: the limits aiohttp
+does not enforce by itself.
+
+- ``ConnectionGate`` wraps aiohttp's protocol factory: at most ``max_connections`` connections
+  and ``max_connections_per_peer`` from one address. At the cap a new connection evicts the one
+  that has been idle (no request in flight) longest, so idle sockets cannot lock out a new client;
+  when every connection is busy, or the peer holds its share, the new one is closed at once. A
+  request head that has not arrived whole ``header_seconds`` after its first byte is cut off
+  (slowloris); a socket that never sends a byte, or a kept-alive one with no next request, is
+  closed after ``idle_seconds`` by aiohttp's keep-alive timeout (``runner_options``).
+- ``read_body`` refuses a ``Content-Encoding`` (no OpenAI client compresses a request, and a
+  1 MB gzip body of 1 GiB cost 15-30 MB each), a body over the size limit from its header, and a
+  body that does not arrive within ``body_seconds``.
+- ``expect_handler`` answers ``Expect: 100-continue`` with 413 when the announced body is over
+  the limit, and 100 only when it could be read.
+- ``parse_json`` turns the bytes into JSON or a 400 naming the body: never a 500 (an integer of
+  5,000 digits raised ``ValueError``), ``NaN`` and ``Infinity`` refused as the JSON they are not.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+from graphkeeper.worker.log_limits import rate_key
+from graphkeeper.worker.serving.limits import ConnectionLimits
+from graphkeeper.worker.serving.openai_api import ApiError
+
+log = logging.getLogger(__name__)
+#: How often the gate looks for request heads past their deadline.
+SWEEP_SECONDS = 0.5
+#: Digits of the longest integer a request may hold (token ids and counts fit in 10).
+MAX_INT_DIGITS = 64
+#: The longest ``param`` and message an error echoes (a 3 MiB unknown key was echoed twice).
+MAX_PARAM_CHARS = 128
+MAX_MESSAGE_CHARS = 2048
+
+
+# --- connections -----------------------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class Connection:
+    """One accepted connection as the gate sees it."""
+
+    peer: str
+    transport: asyncio.Transport
+    handler: Any  # aiohttp's RequestHandler
+    #: When the bytes of a request head began arriving (None: none pending).
+    head_since: float | None = None
+
+    @property
+    def busy(self) -> bool:
+        """A request is being handled (or parsed and about to be): never evicted."""
+        return bool(self.handler._request_in_progress or self.handler._messages)
+
+
+def admission(open_count: int, peer_count: int, limits: ConnectionLimits, evictable: bool) -> str:
+    """``admit``, ``evict`` (admit after closing the idlest connection) or ``refuse``."""
+    if peer_count >= limits.max_connections_per_peer:
+        return "refuse"
+    if open_count < limits.max_connections:
+        return "admit"
+    return "evict" if evictable else "refuse"
+
+
+def head_overdue(conn: Connection, now: float, header_seconds: float) -> bool:
+    return conn.head_since is not None and not conn.busy and now - conn.head_since > header_seconds
+
+
+@dataclass
+class GateCounts:
+    """What the gate refused, for the attack bench and the tests (read through ``/metrics``
+    would need new families; the log says it, rate-limited)."""
+
+    refused: int = 0
+    evicted: int = 0
+    slow_heads: int = 0
+
+
+class ConnectionGate:
+    """The HTTP port's connection cap, per-peer cap, eviction and request-head deadline."""
+
+    def __init__(self, limits: ConnectionLimits, clock: Callable[[], float] = time.monotonic) -> None:
+        self.limits = limits
+        self.clock = clock
+        #: Open connections, oldest first (dicts keep insertion order).
+        self.open: dict[Connection, None] = {}
+        self.per_peer: Counter[str] = Counter()
+        self.counts = GateCounts()
+        self._sweeper: asyncio.TimerHandle | None = None
+
+    def factory(self, make_handler: Callable[[], Any]) -> Callable[[], asyncio.Protocol]:
+        """The protocol factory to serve with: aiohttp's, behind the gate."""
+        return lambda: _GatedProtocol(self, make_handler)
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._sweeper = loop.call_later(SWEEP_SECONDS, self._sweep, loop)
+
+    def stop(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            self._sweeper = None
+
+    def admit(self, peer: str, transport: asyncio.Transport, handler: Any) -> Connection | None:
+        full = len(self.open) >= self.limits.max_connections
+        idlest = next((c for c in self.open if not c.busy), None) if full else None  # oldest first
+        verdict = admission(len(self.open), self.per_peer[peer], self.limits, idlest is not None)
+        if verdict == "refuse":
+            self.counts.refused += 1
+            log.warning("HTTP: refused a connection from %s (%d open, %d from it)", peer, len(self.open),
+                        self.per_peer[peer], extra=rate_key("http-refused"))
+            return None
+        if verdict == "evict" and idlest is not None:
+            self.counts.evicted += 1
+            self._drop(idlest)
+        conn = Connection(peer, transport, handler)
+        self.open[conn] = None
+        self.per_peer[peer] += 1
+        return conn
+
+    def received(self, conn: Connection, completed_head: bool) -> None:
+        """Bytes arrived: a request head's clock starts at its first byte and stops when it is whole."""
+        if completed_head or conn.busy:
+            conn.head_since = None
+        elif conn.head_since is None:
+            conn.head_since = self.clock()
+
+    def release(self, conn: Connection) -> None:
+        if conn in self.open:
+            del self.open[conn]
+            self.per_peer[conn.peer] -= 1
+            if self.per_peer[conn.peer] <= 0:
+                del self.per_peer[conn.peer]
+
+    def _drop(self, conn: Connection) -> None:
+        self.release(conn)
+        conn.transport.abort()
+
+    def _sweep(self, loop: asyncio.AbstractEventLoop) -> None:
+        now = self.clock()
+        late = [c for c in self.open if head_overdue(c, now, self.limits.header_seconds)]
+        for conn in late:
+            self.counts.slow_heads += 1
+            self._drop(conn)
+        if late:
+            log.warning("HTTP: closed %d connection(s) whose request head did not arrive within %.0f s",
+                        len(late), self.limits.header_seconds, extra=rate_key("http-slow-head"))
+        self._sweeper = loop.call_later(SWEEP_SECONDS, self._sweep, loop)
+
+
+class _GatedProtocol(asyncio.Protocol):
+    """aiohttp's request handler behind the gate: every callback passes through once admitted."""
+
+    def __init__(self, gate: ConnectionGate, make_handler: Callable[[], Any]) -> None:
+        self.gate = gate
+        self.make_handler = make_handler
+        self.conn: Connection | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        peername = transport.get_extra_info("peername")
+        peer = str(peername[0]) if isinstance(peername, tuple) and peername else "?"
+        handler = self.make_handler()
+        self.conn = self.gate.admit(peer, transport, handler)
+        if self.conn is None:
+            transport.abort()
+            return
+        handler.connection_made(transport)
+
+    def data_received(self, data: bytes) -> None:
+        conn = self.conn
+        if conn is None:
+            return
+        before = conn.handler._request_count
+        conn.handler.data_received(data)
+        self.gate.received(conn, conn.handler._request_count != before)
+
+    def eof_received(self) -> bool | None:
+        return self.conn.handler.eof_received() if self.conn is not None else None
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        conn, self.conn = self.conn, None
+        if conn is not None:
+            self.gate.release(conn)
+            conn.handler.connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        if self.conn is not None:
+            self.conn.handler.pause_writing()
+
+    def resume_writing(self) -> None:
+        if self.conn is not None:
+            self.conn.handler.resume_writing()
+
+
+def runner_options(limits: ConnectionLimits, logger: logging.Logger | logging.LoggerAdapter) -> dict[str, Any]:
+    """aiohttp request handler options: nothing is inflated (``read_body`` refuses an encoding),
+    idle connections close after ``idle_seconds``, and its error log is ours (counted, rate-limited)."""
+    return {"auto_decompress": False, "keepalive_timeout": limits.idle_seconds, "logger": logger}
+
+
+# --- bodies ----------------------------------------------------------------------------------
+
+
+def encoding_error(headers: Any) -> ApiError | None:
+    """A 400 for a request body with a ``Content-Encoding`` (identity excepted)."""
+    encoding = headers.get("Content-Encoding", "").strip().lower()
+    if encoding in ("", "identity"):
+        return None
+    return ApiError(400, f"the request body is {clip(encoding, 32)}-encoded: this server reads uncompressed "
+                    "bodies only (send it without Content-Encoding)", "Content-Encoding",
+                    code="unsupported_content_encoding")
+
+
+def too_large(max_body: int) -> ApiError:
+    return ApiError(413, f"the request body is larger than {max_body} bytes", code="body_too_large")
+
+
+async def read_body(request: web.Request, max_body: int, timeout: float) -> bytes:
+    """The raw body, or ApiError: an encoding (400), over ``max_body`` (413), too slow (408)."""
+    if (err := encoding_error(request.headers)) is not None:
+        raise err
+    if request.content_length is not None and request.content_length > max_body:
+        raise too_large(max_body)  # refused from its header, before a byte of it is read
+    try:
+        return await asyncio.wait_for(request.read(), timeout)
+    except web.HTTPRequestEntityTooLarge:
+        raise too_large(max_body) from None
+    except TimeoutError:
+        raise ApiError(408, f"the request body did not arrive within {timeout:g} s", code="body_timeout") from None
+
+
+def expect_handler(max_body: int, refused: Callable[[web.Request, ApiError], web.Response]):
+    """aiohttp's ``expect_handler`` for the POST routes: 100 Continue only for a body that would be
+    read; a refusal (its response from ``refused``, which counts it) otherwise."""
+
+    async def handle(request: web.Request) -> web.StreamResponse | None:
+        if request.headers.get("Expect", "").lower() != "100-continue":
+            return refused(request, ApiError(417, "Expect: only 100-continue is understood", "Expect"))
+        err = encoding_error(request.headers)
+        if err is None and request.content_length is not None and request.content_length > max_body:
+            err = too_large(max_body)
+        if err is not None:
+            return refused(request, err)
+        await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        request.writer.output_size = 0  # as aiohttp's own handler: the body has not begun
+        return None
+
+    return handle
+
+
+def _bounded_int(text: str) -> int:
+    if len(text.lstrip("-")) > MAX_INT_DIGITS:
+        raise ValueError(f"an integer of {len(text.lstrip('-'))} digits (at most {MAX_INT_DIGITS})")
+    return int(text)
+
+
+class _NotJson:
+    """Where the body held ``NaN``, ``Infinity`` or ``-Infinity`` (Python's JSON reads them; JSON
+    has no such numbers): kept as a marker so the refusal can name the field that held it."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
+def _marker_path(value: Any, path: str = "") -> tuple[str, str] | None:
+    """(the field's path, the constant) of the first ``_NotJson`` in ``value``, if any."""
+    if isinstance(value, _NotJson):
+        return path, value.name
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        sub = f"{path}[{key}]" if isinstance(key, int) else (f"{path}.{key}" if path else str(key))
+        if (found := _marker_path(item, sub)) is not None:
+            return found
+    return None
+
+
+def parse_json(raw: bytes) -> Any:
+    """The body as JSON, or a 400 ApiError naming what is wrong with it (never another error):
+    ``NaN`` or ``Infinity`` is refused naming the field that held it."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ApiError(400, f"the request body is not UTF-8 ({err.reason} at byte {err.start})") from None
+    try:
+        value = json.loads(text, parse_int=_bounded_int, parse_constant=_NotJson)
+    except json.JSONDecodeError as err:
+        raise ApiError(400, f"the request body is not valid JSON: {err.msg} at line {err.lineno} column "
+                       f"{err.colno}") from None
+    except RecursionError:
+        raise ApiError(400, "the request body is not valid JSON here: it nests too deeply") from None
+    except ValueError as err:
+        raise ApiError(400, f"the request body is not valid JSON here: {clip(str(err), 200)}") from None
+    if (found := _marker_path(value)) is not None:
+        field, name = found
+        param = clip(field, MAX_PARAM_CHARS) or None
+        raise ApiError(400, f"{param or 'the request body'}: {name} is not a JSON number (the request body "
+                       "must be JSON)", param)
+    return value
+
+
+def clip(text: str, limit: int) -> str:
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
+def clipped(err: ApiError) -> ApiError:
+    """``err`` with its ``param`` and message no longer than an error should echo."""
+    if (err.param is None or len(err.param) <= MAX_PARAM_CHARS) and len(err.message) <= MAX_MESSAGE_CHARS:
+        return err
+    param = None if err.param is None else clip(err.param, MAX_PARAM_CHARS)
+    return ApiError(err.status, clip(err.message, MAX_MESSAGE_CHARS), param, err.type, err.code)
+
+
+# --- aiohttp's own error log -----------------------------------------------------------------
+
+
+class HandlerLog(logging.LoggerAdapter):
+    """The logger aiohttp's request handler reports with: a request it could not parse (a bad
+    request line or header; aiohttp answers it 400) is counted (``on_parse_failure``) and logged
+    once per client per interval; anything else it reports is logged rate-limited as well."""
+
+    def __init__(self, on_parse_failure: Callable[[], None], logger: logging.Logger | None = None) -> None:
+        super().__init__(logger or logging.getLogger("graphkeeper.worker.http"), {})
+        self.on_parse_failure = on_parse_failure
+
+    def exception(self, msg: Any, *args: Any, exc_info: Any = True, **kwargs: Any) -> None:
+        from aiohttp.http_exceptions import HttpProcessingError
+
+        err = exc_info if isinstance(exc_info, BaseException) else None
+        peer = str(args[0]) if args else "?"
+        if isinstance(err, HttpProcessingError):
+            self.on_parse_failure()
+            self.logger.warning("HTTP: unparseable request from %s: %s", peer, clip(str(err), 200),
+                                extra=rate_key("http-unparseable", peer))
+            return
+        self.logger.error(msg, *args, exc_info=exc_info, extra=rate_key("http-error", peer), **kwargs)
