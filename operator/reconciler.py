@@ -17,8 +17,8 @@ that needs one (``sync.needs_read``: nothing known, a failed read, a changed pod
 settling, or the slow resync; an idle fleet is not polled), each on its own deadline, waits at
 most ``READ_WAIT_SECONDS`` for them, and uses the last known status of any worker that has not
 answered yet (its late answer wakes the loop). Then, without awaiting anything, it settles who
-owns each worker (``selection.owner`` over ``WorkerCalls.holders``, one entry per worker address
-shared by all loops), looks at the traffic (``traffic.recommend``), what each worker lacks, and
+owns each worker (``ownership.split_owned``: the senior policy owns every worker it selects),
+looks at the traffic (``traffic.recommend``), what each worker lacks, and
 what to push: every loop decides from the same snapshot, so two policies never both push to a
 worker nor both defer to each other. Pushes and model reloads run as tasks of their own
 (``worker_calls``), handed out by the rollout planner (``rollout.plan_rollout``) at most
@@ -49,14 +49,13 @@ from graphkeeper.operator.desired import Desired, desired_policy
 from graphkeeper.operator.events import Told, run_events
 from graphkeeper.operator.kube import Kube, api_unreachable
 from graphkeeper.operator.outage import OUTAGE
+from graphkeeper.operator.ownership import split_owned
 from graphkeeper.operator.render import build_configmap, build_status_patch, configmap_differs
 from graphkeeper.operator.rollout import RecaptureKeys, RolloutPlan, RolloutWorker, plan_rollout, rollout_status
 from graphkeeper.operator.selection import (
     PolicyRef,
     WorkerPod,
-    claims,
     live_targets,
-    owner,
     pods_by_target,
     selected_workers,
 )
@@ -348,7 +347,8 @@ class Reconciler:
         await self.calls.read(pods, wait=self.read_wait, resync=self.resync)
         # From here to the hand-out nothing awaits: who owns each worker, what it lacks and what
         # is pushed to it come from one snapshot, the same one every other loop sees.
-        mine, observations = self._claimed(ref, pods)
+        mine, observations = split_owned(ref, pods, [p for refs in self.policies.values() for p in refs],
+                                         pods_by_target(self.pods))
         if desired.traffic is not None and not loop.canary.busy:
             desired = self._from_traffic(loop, ref, mine, desired)
         desired = self._canary(loop, ref, mine, desired)
@@ -364,28 +364,6 @@ class Reconciler:
         updated = sum(1 for o in observations if o.state == WorkerState.CAPTURED)
         rollout = rollout_status(plan, updated=updated, total=len(mine))
         return RunOutcome(observations, desired, plan, rollout, fired)
-
-    def _claimed(self, ref: PolicyRef, pods: list[WorkerPod]) -> tuple[list[WorkerPod], list[WorkerObservation]]:
-        """The pods this policy owns, and a CONFLICT observation for each that another policy
-        keeps (it selects the pod, or the worker behind it, too, and holds it or is older)."""
-        everyone = [p for refs in self.policies.values() for p in refs]
-        at_target = pods_by_target(self.pods)
-        mine: list[WorkerPod] = []
-        conflicts: list[WorkerObservation] = []
-        for pod in pods:
-            holder = self.calls.holder(pod)
-            others = at_target.get(pod.control_target, ()) if pod.address else ()
-            won = owner(claims(pod, everyone, others), holder)
-            if won is None or won[0].uid == ref.uid:
-                mine.append(pod)
-                continue
-            other, via = won
-            where = "" if via.uid == pod.uid else f" through pod {via.key} at {pod.control_target}"
-            why = "it holds the worker" if other.uid == holder else "it is older"
-            conflicts.append(WorkerObservation(
-                pod.key, WorkerState.CONFLICT,
-                f"also claimed by the policy {other.key}{where}, which keeps it ({why}); not pushed"))
-        return mine, conflicts
 
     def _from_traffic(self, loop: PolicyLoop, ref: PolicyRef, mine: list[WorkerPod], desired: Desired) -> Desired:
         """Looks at the owned workers' traffic (this run's snapshot) when it is due, and carries out

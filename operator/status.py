@@ -10,6 +10,7 @@ condition's status flips.
 from __future__ import annotations
 
 import enum
+from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -62,6 +63,8 @@ class WorkerObservation:
     captured_sizes: tuple[int, ...] = ()
     graph_memory_bytes: int = 0
     fallback_rate: float | None = None
+    #: For a CONFLICT: the policy (``namespace/name``) that owns the worker.
+    owner: str = ""
 
     @property
     def failed(self) -> bool:
@@ -181,7 +184,8 @@ def _conditions(
         more = len(failed) - MAX_NAMED_IN_MESSAGE
         if more > 0:
             details += f"; and {more} more"
-        degraded = cond("Degraded", True, reason, f"{len(failed)} failing: {details}")
+        summary = f"{conflict_summary(failed)}: " if reason == "Conflict" else ""
+        degraded = cond("Degraded", True, reason, f"{summary}{len(failed)} failing: {details}")
     else:
         degraded = cond("Degraded", False, "AsExpected", "no worker is failing")
     return [ready, progressing, degraded]
@@ -225,6 +229,13 @@ def _summary(o: WorkerObservation) -> dict[str, Any]:
     if o.message:
         out["message"] = _clip(o.message)
     return out
+
+
+def conflict_summary(observations: Iterable[WorkerObservation]) -> str:
+    """Each policy that owns some of this policy's selected workers, and how many."""
+    counts = Counter(o.owner for o in observations if o.state == WorkerState.CONFLICT and o.owner)
+    return "; ".join(f"{n} selected pod(s) owned by the older policy {who}"
+                     for who, n in sorted(counts.items()))
 
 
 def _names(observations: list[WorkerObservation]) -> str:

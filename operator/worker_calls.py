@@ -4,7 +4,8 @@ A call never holds up a reconcile run: each runs as an asyncio task with the cli
 its outcome lands in the worker's ``sync.Track`` (one per pod uid), and its end wakes the loops
 that select the pod (``wake``). ``WorkerCalls`` also keeps ``holders``: what the operator knows
 of the policy each worker holds or is capturing, one entry per GraphControl address, shared by
-every policy's loop, so that all of them decide ownership from the same fact.
+every policy's loop, so that a worker another policy just pushed to is read again before a run
+decides what it lacks.
 """
 
 from __future__ import annotations
@@ -42,11 +43,6 @@ class WorkerCalls:
         if track is None:
             track = self.tracks[pod.uid] = Track()
         return track
-
-    def holder(self, pod: WorkerPod) -> str:
-        """The policy uid the worker behind ``pod`` holds, as far as the operator knows."""
-        known = self.holders.get(pod.control_target) if pod.address else None
-        return known[0] if known is not None else ""
 
     def statuses(self, pods: Iterable[WorkerPod]) -> list[pb.GraphStatus]:
         """The last status of each of ``pods`` whose last read answered."""
