@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from graphkeeper.operator.rollout import RolloutPlan
+from graphkeeper.operator.rollout import RolloutPlan, Wait
 from graphkeeper.operator.status import FAILURE_REASONS, WorkerObservation, WorkerState
 from graphkeeper.operator.sync import PUSH, RELOAD
 
@@ -35,15 +35,18 @@ class Told:
     worker_states: Mapping[str, WorkerState] = field(default_factory=dict)
     paused: tuple[str, ...] = ()
     invalid: str | None = None
+    #: The key of the last wait told (with its generation), so that each wait is told once.
+    wait: tuple = ()
 
 
 def run_events(told: Told, *, generation: int, observations: Sequence[WorkerObservation],
                fired: Mapping[str, Sequence[str]], invalid: str | None,
-               plan: RolloutPlan | None) -> tuple[list[Event], Told]:
+               plan: RolloutPlan | None, wait: Wait | None = None) -> tuple[list[Event], Told]:
     """The Events of one run, and what has been told after it.
 
     ``fired``: the pushes and reloads the run started, by kind; ``plan``: the run's rollout plan
-    (None when nothing was planned, as for an invalid spec).
+    (None when nothing was planned, as for an invalid spec); ``wait``: what the rollout waits
+    on, told once per generation and kind of wait (a deleted worker is a kind of its own).
     """
     events: list[Event] = []
     if fired[PUSH]:
@@ -70,7 +73,11 @@ def run_events(told: Told, *, generation: int, observations: Sequence[WorkerObse
         events.append(Event("Normal", "RolloutResumed", f"generation {generation}"))
     if invalid is not None and told.invalid != invalid:
         events.append(Event("Warning", "InvalidPolicy", invalid))
-    return events, Told(states, paused, invalid)
+    waited = told.wait
+    if wait is not None and (generation, *wait.key) != told.wait:
+        waited = (generation, *wait.key)
+        events.append(Event("Normal", wait.reason, f"generation {generation}: {wait.message}"))
+    return events, Told(states, paused, invalid, waited)
 
 
 def names(workers: Sequence[str]) -> str:

@@ -45,13 +45,22 @@ import kopf
 from graphkeeper.operator import metrics
 from graphkeeper.operator.canary import PHASES
 from graphkeeper.operator.canary_rollout import CanaryRollout, canary_status
+from graphkeeper.operator.departures import Departures
 from graphkeeper.operator.desired import Desired, desired_policy
 from graphkeeper.operator.events import Told, run_events
 from graphkeeper.operator.kube import Kube, api_unreachable
 from graphkeeper.operator.outage import OUTAGE
 from graphkeeper.operator.ownership import split_owned
 from graphkeeper.operator.render import build_configmap, build_status_patch, configmap_differs
-from graphkeeper.operator.rollout import RecaptureKeys, RolloutPlan, RolloutWorker, plan_rollout, rollout_status
+from graphkeeper.operator.rollout import (
+    RecaptureKeys,
+    RolloutPlan,
+    RolloutWorker,
+    Wait,
+    plan_rollout,
+    rollout_status,
+    rollout_wait,
+)
 from graphkeeper.operator.selection import (
     PolicyRef,
     WorkerPod,
@@ -105,20 +114,9 @@ class RunOutcome:
     desired: Desired | None = None
     plan: RolloutPlan | None = None
     rollout: dict[str, Any] | None = None
+    #: What the rollout waits on, if anything (``rollout.rollout_wait``).
+    wait: Wait | None = None
     fired: dict[str, list[str]] = field(default_factory=lambda: {PUSH: [], RELOAD: []})
-
-
-def holding_slots(departed: dict[str, tuple[float, frozenset[str]]], views: Views, now: float,
-                  deadline: float) -> list[str]:
-    """The deleted pods that still hold a rollout slot; forgets the others (``departed`` is the
-    loop's). A force-deleted pod's worker may go on recapturing for a while: its slot is free
-    once a pod this policy did not select at the deletion is available (its replacement is
-    READY), or once the change's progress deadline passed."""
-    for key, (started, known) in list(departed.items()):
-        replaced = any(view.available for pod, _, view in views.values() if pod.uid not in known)
-        if replaced or now - started > deadline:
-            del departed[key]
-    return sorted(departed)
 
 
 def mark_waiting(observations: list[WorkerObservation], waiting: set[str]) -> list[WorkerObservation]:
@@ -135,8 +133,9 @@ def policy_status(generation: int, outcome: RunOutcome, previous: Mapping[str, A
     sizes from traffic (``traffic.sizes_status``) and their canary (``canary_rollout``). An invalid
     spec keeps the sizes as the last status showed them: the workers keep their last policy."""
     running = canary.progressing() if canary is not None else None
+    wait = (outcome.wait.reason, outcome.wait.message) if outcome.wait is not None else None
     status = build_status(generation=generation, observations=outcome.observations, previous=previous,
-                          now=now, invalid=invalid, rollout=outcome.rollout, canary=running)
+                          now=now, invalid=invalid, rollout=outcome.rollout, canary=running, wait=wait)
     if outcome.desired is None:
         status.update({key: previous[key] for key in SIZES_KEYS if key in previous})
     else:
@@ -166,11 +165,6 @@ class PolicyLoop:
         #: The pods the last run selected, and their GraphControl addresses.
         self.seen_pods: set[str] = set()
         self.seen_targets: set[str] = set()
-        #: Pods deleted while a change of ours was under way on their worker: key -> (when that
-        #: change started, the pod uids this policy selected then). Each keeps its rollout slot
-        #: (the process may still be recapturing) until a replacement is READY or the progress
-        #: deadline passes.
-        self.departed: dict[str, tuple[float, frozenset[str]]] = {}
         #: Capture sizes from traffic: the set applied last (read back from status, so a restarted
         #: operator keeps it), the last recommendation, and what and when it was computed from.
         #: The canary of a new set (``fromTraffic.canary``); one left running by a restarted
@@ -240,6 +234,7 @@ class Reconciler:
         self.read_wait = read_wait
         self.resync = resync
         self.calls = WorkerCalls(client, self._wake_pod)
+        self.departures = Departures(client, self.wake_all)
         self.keys = RecaptureKeys()
         self.loops: dict[str, PolicyLoop] = {}
         self._fingerprints: dict[str, tuple] = {}
@@ -275,9 +270,9 @@ class Reconciler:
             self._fingerprints.pop(pod.uid, None)
             track = self.calls.tracks.get(pod.uid)
             if track is not None and (track.busy() or not track.settled):
-                for loop in self.loops.values():
-                    if pod.uid in loop.seen_pods:
-                        loop.departed[pod.key] = (track.action_started, frozenset(loop.seen_pods))
+                selecting = [lp for lp in self.loops.values() if pod.uid in lp.seen_pods]
+                self.departures.add(pod, track.action_started, frozenset().union(*(lp.seen_pods for lp in selecting)),
+                                    frozenset(lp.uid for lp in selecting))
             self.calls.forget(pod)
         else:
             self._fingerprints[pod.uid] = fingerprint
@@ -310,6 +305,7 @@ class Reconciler:
             loop.task.cancel()
         await asyncio.gather(*(lp.task for lp in self.loops.values()), return_exceptions=True)
         self.loops.clear()
+        await self.departures.close()
         await self.calls.close()
 
     # --- one run -------------------------------------------------------------------------------
@@ -354,16 +350,15 @@ class Reconciler:
         desired = self._canary(loop, ref, mine, desired)
         worker_observations, views = self._classify(mine, desired)
         observations += worker_observations
-        departed = holding_slots(loop.departed, views, time.monotonic(), desired.deadline)
+        departed = self.departures.holding(loop.uid, views, time.monotonic(), desired.deadline)
         plan = plan_rollout([view for _, _, view in views.values()]
-                            + [RolloutWorker(f"{key} (deleted, may still be recapturing)",
-                                             available=False, blocked=True) for key in departed],
+                            + [RolloutWorker(key, available=False, blocked=True, departed=True) for key in departed],
                             desired.max_unavailable)
         fired = self.calls.hand_out(plan, views, desired.wire_for)
         observations = mark_waiting(observations, set(plan.waiting))
         updated = sum(1 for o in observations if o.state == WorkerState.CAPTURED)
         rollout = rollout_status(plan, updated=updated, total=len(mine))
-        return RunOutcome(observations, desired, plan, rollout, fired)
+        return RunOutcome(observations, desired, plan, rollout, rollout_wait(plan), fired)
 
     def _from_traffic(self, loop: PolicyLoop, ref: PolicyRef, mine: list[WorkerPod], desired: Desired) -> Desired:
         """Looks at the owned workers' traffic (this run's snapshot) when it is due, and carries out
@@ -456,7 +451,7 @@ class Reconciler:
             metrics.STATUS_WRITES.inc()
             loop.last_status = status
         events, loop.told = run_events(loop.told, generation=ref.generation, observations=outcome.observations,
-                                       fired=outcome.fired, invalid=invalid, plan=outcome.plan)
+                                       fired=outcome.fired, invalid=invalid, plan=outcome.plan, wait=outcome.wait)
         for event in events:
             self._event(ref.body(), event.kind, event.reason, event.message)
         await self.calls.prune(live_targets(self.pods))

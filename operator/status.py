@@ -84,13 +84,15 @@ def build_status(
     invalid: str | None = None,
     rollout: Mapping[str, Any] | None = None,
     canary: str | None = None,
+    wait: tuple[str, str] | None = None,
 ) -> dict[str, Any]:
     """The whole ``.status`` for a policy at ``generation``.
 
     ``previous`` is the status as last written (for transition times and the last failure);
     ``invalid`` is the operator's own validation message when the spec cannot be pushed;
     ``rollout`` is ``rollout.rollout_status`` (counts, and whether a failure paused it);
-    ``canary``: how a running canary stands (Progressing says it, reason CanaryRunning).
+    ``canary``: how a running canary stands (Progressing says it, reason CanaryRunning);
+    ``wait``: (reason, message) of what the rollout waits on (``rollout.rollout_wait``).
     """
     previous = previous or {}
     workers = sorted(observations, key=lambda o: (not o.failed, o.state != WorkerState.PENDING,
@@ -100,7 +102,7 @@ def build_status(
     waiting = [o for o in workers if o.state in (WorkerState.PENDING, WorkerState.STARTING)]
     selected = len(workers)
 
-    conditions = _conditions(generation, selected, captured, waiting, failed, invalid, rollout, canary)
+    conditions = _conditions(generation, selected, captured, waiting, failed, invalid, rollout, canary, wait)
     old = {c.get("type"): c for c in previous.get("conditions") or []}
     stamp = rfc3339(now)
     for cond in conditions:
@@ -136,6 +138,7 @@ def _conditions(
     invalid: str | None,
     rollout: Mapping[str, Any] | None = None,
     canary: str | None = None,
+    wait: tuple[str, str] | None = None,
 ) -> list[dict[str, Any]]:
     def cond(kind: str, ok: bool, reason: str, message: str) -> dict[str, Any]:
         return {"type": kind, "status": "True" if ok else "False", "reason": reason,
@@ -167,6 +170,8 @@ def _conditions(
                            f"({done})")
     elif canary is not None:
         progressing = cond("Progressing", True, "CanaryRunning", f"{canary} ({done})")
+    elif waiting and wait is not None:
+        progressing = cond("Progressing", True, wait[0], f"{wait[1]} ({done})")
     elif waiting:
         unavailable = f", at most {rollout['maxUnavailable']} at a time" if rollout else ""
         progressing = cond("Progressing", True, "WaitingForWorkers",
