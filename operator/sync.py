@@ -63,6 +63,8 @@ class Track:
     load_attempt: tuple[str, float] | None = None
     load_failure: tuple[str, str] | None = None
     notes: list[str] = field(default_factory=list)
+    #: A WatchGraphStatus stream to the worker is open and has answered (``status_watch``).
+    streaming: bool = False
 
     def busy(self) -> bool:
         return self.action is not None and not self.action.done()
@@ -75,7 +77,14 @@ def needs_read(track: Track, now: float, resync: float) -> bool:
     its last read failed, its pod changed (readiness, restarts, annotations: ``stale``), a
     change of ours is still settling on it, or ``resync`` seconds passed since its last read
     (the slow resync that catches what no pod event shows).
+
+    A worker with an open status stream sends every change itself (``status_watch``): it is read
+    only when nothing is known, its pod changed, or a change of ours ended after its last message
+    (an adoption that needed no recapture changes nothing more for the stream to send).
     """
+    if track.streaming:
+        return (track.status is None or track.stale
+                or (not track.settled and not track.busy() and track.read_at < track.action_done_at))
     return (track.status is None or track.error is not None or track.stale
             or not track.settled or track.busy() or now - track.read_at >= resync)
 

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable, Mapping
 from graphkeeper.operator import metrics
 from graphkeeper.operator.rollout import RolloutPlan, RolloutWorker
 from graphkeeper.operator.selection import WorkerPod
+from graphkeeper.operator.status_watch import StatusWatches
 from graphkeeper.operator.sync import PUSH, RELOAD, Track, finish_action, goal_of, needs_read, record_action
 from graphkeeper.operator.workerclient import GraphControlClient, WorkerError
 from graphkeeper.proto import worker_pb2 as pb
@@ -37,6 +38,8 @@ class WorkerCalls:
         #: GraphControl address -> (policy uid the worker holds or is capturing, monotonic time
         #: that became known). ``math.inf`` while a push of ours is under way.
         self.holders: dict[str, tuple[str, float]] = {}
+        #: The status stream of each running worker (its heartbeat: the resync interval).
+        self.watches = StatusWatches(client, self.track, self._learn_holder, wake)
 
     def track(self, pod: WorkerPod) -> Track:
         track = self.tracks.get(pod.uid)
@@ -63,6 +66,7 @@ class WorkerCalls:
 
     def forget(self, pod: WorkerPod) -> None:
         """A deleted pod: its track goes, and the calls to it are cancelled."""
+        self.watches.forget(pod.uid)
         track = self.tracks.pop(pod.uid, None)
         if track is not None:
             for task in (track.read, track.action):
@@ -70,9 +74,11 @@ class WorkerCalls:
                     task.cancel()
 
     async def read(self, pods: list[WorkerPod], *, wait: float, resync: float) -> None:
-        """Starts a status read per running pod that needs one (``sync.needs_read``, or the
+        """Keeps a status stream open to each running pod (``status_watch``), starts a status read
+        per running pod that needs one (``sync.needs_read``, or the
         worker's holder changed since this pod's last read) and waits at most ``wait`` seconds
         for them; a read still under way is marked orphaned, so that its end wakes the loops."""
+        self.watches.follow(pods, heartbeat=resync)
         now = time.monotonic()
         reads = [self._start_read(p) for p in pods if p.running and self._wants_read(p, now, resync)]
         if not reads:
@@ -105,6 +111,7 @@ class WorkerCalls:
             del self.holders[target]
 
     async def close(self) -> None:
+        await self.watches.close()
         tasks = [t for tr in self.tracks.values() for t in (tr.read, tr.action) if t is not None]
         for task in tasks:
             task.cancel()

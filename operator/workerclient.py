@@ -12,8 +12,10 @@ changes, so a rotated Secret needs no restart.
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import os
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
@@ -116,6 +118,32 @@ class GraphControlClient:
 
     async def get_status(self, target: str) -> pb.GraphStatus:
         return await self._call(target, "GetGraphStatus", pb.GetGraphStatusRequest(), self.timeout)
+
+    async def watch_status(self, target: str, heartbeat: float) -> AsyncIterator[pb.GraphStatus]:
+        """The worker's WatchGraphStatus stream: its status now and on every change. Raises a
+        ``WorkerError`` when the stream breaks, ends, or stays silent past two heartbeats (a worker
+        that cannot send is as good as gone); UNIMPLEMENTED (an older worker) is kind ERROR with
+        that code, so the caller polls it instead."""
+        request = pb.WatchGraphStatusRequest(heartbeat_seconds=max(1, round(heartbeat)))
+        call = self._stub(target).WatchGraphStatus(request, metadata=self.token.metadata())
+        silent = 2 * heartbeat + self.timeout
+        try:
+            while True:
+                async with asyncio.timeout(silent):
+                    status = await call.read()
+                if status is grpc.aio.EOF:
+                    raise WorkerError(ErrorKind.UNREACHABLE, "WatchGraphStatus: the worker ended the stream")
+                yield status
+        except grpc.aio.AioRpcError as err:
+            kind = _KIND_BY_CODE.get(err.code(), ErrorKind.ERROR)
+            if kind is ErrorKind.UNREACHABLE:
+                await self.forget(target)
+            detail = err.details() or err.code().name
+            raise WorkerError(kind, f"WatchGraphStatus: {err.code().name}: {detail}", err.code()) from None
+        except TimeoutError:
+            raise WorkerError(ErrorKind.UNREACHABLE, f"WatchGraphStatus: nothing for {silent:g}s") from None
+        finally:
+            call.cancel()
 
     async def apply_policy(
         self, target: str, policy: pb.GraphPolicy

@@ -407,3 +407,32 @@ def test_only_pending_workers_the_plan_left_out_say_they_wait_for_their_turn():
     assert marked[0].message == "waiting for its turn in the rollout (READY, holds generation 1)"
     assert marked[0].state == WorkerState.PENDING
     assert marked[1:] == observations[1:]
+
+
+def test_a_streamed_worker_that_loses_its_policy_or_stops_is_seen_at_once_not_at_the_resync():
+    """With the resync at its default (60 s), only the workers' WatchGraphStatus streams can tell
+    the operator within seconds; an older worker without the call is still read as before."""
+    async def scenario(fleet: Fleet):
+        fleet.servers[2].state.watch = False  # an older worker: UNIMPLEMENTED, polled
+        fleet.apply(spec([1, 2]), 1)
+        await fleet.until("generation 1 everywhere", lambda: fleet.holding(1) == 3)
+        await fleet.until("Ready", lambda: fleet.kube.status.get("capturedWorkers") == 3)
+        assert fleet.servers[0].state.calls["WatchGraphStatus"] == 1
+        assert fleet.servers[2].state.calls["WatchGraphStatus"] == 0
+        reads = fleet.servers[0].state.calls["GetGraphStatus"]
+        await asyncio.sleep(2.0)
+        assert fleet.servers[0].state.calls["GetGraphStatus"] == reads, "an idle streamed worker is not read"
+        lost = fleet.servers[0].state
+        lost.policy = None  # as a worker restarted behind the same pod would
+        lost.notify()
+        started = time.monotonic()
+        await fleet.until("the lost policy pushed again", lambda: fleet.holding(1) == 3, timeout=10)
+        repushed = time.monotonic() - started
+        await fleet.servers[1].stop()
+        started = time.monotonic()
+        await fleet.until("unreachable", lambda: any(
+            c["reason"] == "WorkerUnreachable" for c in fleet.kube.status.get("conditions", [])), timeout=10)
+        return repushed, time.monotonic() - started
+    repushed, unreachable = run(scenario, 3)
+    assert repushed < 2.0, f"re-pushed {repushed:.2f}s after losing its policy"
+    assert unreachable < 5.0, f"reported unreachable {unreachable:.2f}s after it stopped"

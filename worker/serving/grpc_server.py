@@ -28,6 +28,7 @@ from graphkeeper.proto import SERVER_OPTIONS
 from graphkeeper.proto import worker_pb2 as pb
 from graphkeeper.proto import worker_pb2_grpc as pb_grpc
 from graphkeeper.proto.policy import PolicyError
+from graphkeeper.proto.watch import heartbeat_seconds, watch_status
 from graphkeeper.worker.engine import (
     SERVING_STATES,
     EngineFace,
@@ -57,6 +58,9 @@ RELOAD_TIMEOUT_SECONDS = 600.0
 #: the control port serves the operator and ``graphkeeper status`` only.
 INFERENCE_MAX_CONNECTIONS = 1024
 CONTROL_MAX_CONNECTIONS = 64
+#: How often a WatchGraphStatus stream reads the engine's status for a change (a cheap read under
+#: the control lock; a stream per operator replica).
+WATCH_POLL_SECONDS = 0.2
 
 
 class InferenceServicer(pb_grpc.InferenceWorkerServicer):
@@ -119,6 +123,10 @@ async def _abort_for(context: grpc.aio.ServicerContext, err: BaseException) -> N
     await context.abort(grpc.StatusCode[classify(err).grpc_code], error_message(err))
 
 
+async def _watch_tick(timeout: float) -> None:
+    await asyncio.sleep(min(timeout, WATCH_POLL_SECONDS))
+
+
 class GraphControlServicer(pb_grpc.GraphControlServicer):
     def __init__(self, engine: EngineFace) -> None:
         self.engine = engine
@@ -133,6 +141,15 @@ class GraphControlServicer(pb_grpc.GraphControlServicer):
 
     async def GetGraphStatus(self, request: pb.GetGraphStatusRequest, context: grpc.aio.ServicerContext):  # noqa: N802
         return self.engine.status()
+
+    async def WatchGraphStatus(self, request: pb.WatchGraphStatusRequest, context: grpc.aio.ServicerContext):  # noqa: N802
+        """The status now, then on every change (``proto/watch.py``): the engine is read every
+        ``WATCH_POLL_SECONDS``, so a change reaches the operator within that, without its polling."""
+        try:
+            async for status in watch_status(self.engine.status, heartbeat_seconds(request), _watch_tick):
+                yield status
+        except NotServing as err:  # the engine core stopped: the stream ends, the operator sees it
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(err))
 
     async def LoadModelRevision(self, request: pb.LoadModelRevisionRequest, context: grpc.aio.ServicerContext):  # noqa: N802
         try:
