@@ -17,7 +17,7 @@ Everything here is pure.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from graphkeeper.operator.selection import PolicyRef, WorkerPod, claims
 from graphkeeper.operator.status import WorkerObservation, WorkerState
@@ -31,19 +31,18 @@ def owner(claimed: Iterable[tuple[PolicyRef, WorkerPod]]) -> tuple[PolicyRef, Wo
 def split_owned(
     ref: PolicyRef,
     pods: Sequence[WorkerPod],
-    everyone: Sequence[PolicyRef],
-    at_target: Mapping[str, Sequence[WorkerPod]],
+    claims_on: Callable[[WorkerPod], Iterable[tuple[PolicyRef, WorkerPod]]],
 ) -> tuple[list[WorkerPod], list[WorkerObservation]]:
     """The pods ``ref`` owns among those it selects, and a CONFLICT observation for each that a
     more senior policy owns (it selects the pod, or another pod at the same worker address).
 
-    ``everyone``: every live policy (all namespaces); ``at_target``: pods by GraphControl address.
+    ``claims_on(pod)``: every live policy that claims the worker behind ``pod``, with the pod it
+    claims it through (``pod_index.SelectionIndex.claims``, or ``claims_from`` below).
     """
     mine: list[WorkerPod] = []
     conflicts: list[WorkerObservation] = []
     for pod in pods:
-        others = at_target.get(pod.control_target, ()) if pod.address else ()
-        won = owner(claims(pod, everyone, others))
+        won = owner(claims_on(pod))
         if won is None or won[0].uid == ref.uid:
             mine.append(pod)
             continue
@@ -54,3 +53,9 @@ def split_owned(
             f"owned by the policy {other.key}{where}, which is older ({other.created or 'same age'}, "
             "older policies own every worker they select); not pushed", owner=other.key))
     return mine, conflicts
+
+
+def claims_from(everyone: Sequence[PolicyRef], at_target: Mapping[str, Sequence[WorkerPod]]
+                ) -> Callable[[WorkerPod], list[tuple[PolicyRef, WorkerPod]]]:
+    """``claims_on`` for ``split_owned`` from plain lists: every policy, and pods by control address."""
+    return lambda pod: claims(pod, everyone, at_target.get(pod.control_target, ()) if pod.address else ())

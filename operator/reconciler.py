@@ -51,6 +51,7 @@ from graphkeeper.operator.events import Told, run_events
 from graphkeeper.operator.kube import Kube, api_unreachable
 from graphkeeper.operator.outage import OUTAGE
 from graphkeeper.operator.ownership import split_owned
+from graphkeeper.operator.pod_index import SelectionIndex
 from graphkeeper.operator.render import build_configmap, build_status_patch, configmap_differs
 from graphkeeper.operator.rollout import (
     RecaptureKeys,
@@ -61,13 +62,7 @@ from graphkeeper.operator.rollout import (
     rollout_status,
     rollout_wait,
 )
-from graphkeeper.operator.selection import (
-    PolicyRef,
-    WorkerPod,
-    live_targets,
-    pods_by_target,
-    selected_workers,
-)
+from graphkeeper.operator.selection import PolicyRef, WorkerPod
 from graphkeeper.operator.status import WorkerObservation, WorkerState, build_status
 from graphkeeper.operator.sync import PUSH, RELOAD, Track, classify, settle
 from graphkeeper.operator.traffic import (
@@ -237,6 +232,9 @@ class Reconciler:
         self.departures = Departures(client, self.wake_all)
         self.keys = RecaptureKeys()
         self.loops: dict[str, PolicyLoop] = {}
+        #: Who selects what, kept current by the watch events (a run touches only its own pods).
+        self.index = SelectionIndex()
+        self.index.seed(pods, policies)
         self._fingerprints: dict[str, tuple] = {}
         self._post_event = post_event
         self.runs = 0
@@ -247,6 +245,10 @@ class Reconciler:
         """A GraphPolicy watch event: start, wake or stop its loop."""
         OUTAGE.ok()
         loop = self.loops.get(ref.uid)
+        if deleted:
+            self.index.drop_policy(ref.uid)
+        else:
+            self.index.put_policy(ref)
         if deleted or ref.deleting:
             if loop is not None:
                 loop.task.cancel()
@@ -274,11 +276,13 @@ class Reconciler:
                 self.departures.add(pod, track.action_started, frozenset().union(*(lp.seen_pods for lp in selecting)),
                                     frozenset(lp.uid for lp in selecting))
             self.calls.forget(pod)
+            self.index.drop_pod(pod.uid)
         else:
             self._fingerprints[pod.uid] = fingerprint
             self.calls.pod_changed(pod)
+            self.index.put_pod(pod)
         for loop in self.loops.values():
-            if loop.watches(pod) or ((ref := self._ref(loop)) is not None and ref.selects(pod)):
+            if loop.watches(pod) or self.index.selects(loop.uid, pod.uid):
                 loop.wake()
 
     def wake(self, uid: str) -> None:
@@ -319,7 +323,7 @@ class Reconciler:
             return self.interval
         started = time.monotonic()
         self.runs += 1
-        pods = selected_workers(ref, self.pods.get(ref.namespace, ()))
+        pods = self.index.selected(ref.uid)
         loop.seen_pods = {p.uid for p in pods}
         loop.seen_targets = {p.control_target for p in pods if p.address}
         desired, invalid = desired_policy(ref, len(pods), loop.applied)
@@ -333,7 +337,7 @@ class Reconciler:
         return next_delay(self.calls.busy(pods), outcome.observations, invalid, self.interval)
 
     def _ref(self, loop: PolicyLoop) -> PolicyRef | None:
-        return next((p for p in self.policies.get(loop.namespace, ()) if p.uid == loop.uid), None)
+        return self.index.policies.get(loop.uid)
 
     async def _roll_out(self, loop: PolicyLoop, ref: PolicyRef, pods: list[WorkerPod],
                         desired: Desired) -> RunOutcome:
@@ -343,8 +347,7 @@ class Reconciler:
         await self.calls.read(pods, wait=self.read_wait, resync=self.resync)
         # From here to the hand-out nothing awaits: who owns each worker, what it lacks and what
         # is pushed to it come from one snapshot, the same one every other loop sees.
-        mine, observations = split_owned(ref, pods, [p for refs in self.policies.values() for p in refs],
-                                         pods_by_target(self.pods))
+        mine, observations = split_owned(ref, pods, self.index.claims)
         if desired.traffic is not None and not loop.canary.busy:
             desired = self._from_traffic(loop, ref, mine, desired)
         desired = self._canary(loop, ref, mine, desired)
@@ -454,7 +457,7 @@ class Reconciler:
                                        fired=outcome.fired, invalid=invalid, plan=outcome.plan, wait=outcome.wait)
         for event in events:
             self._event(ref.body(), event.kind, event.reason, event.message)
-        await self.calls.prune(live_targets(self.pods))
+        await self.calls.prune(self.index.live)
         counts = Counter(str(o.state) for o in outcome.observations)
         metrics.set_worker_states(ref.namespace, ref.name, dict(counts), _STATES)
 

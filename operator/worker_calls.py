@@ -38,6 +38,8 @@ class WorkerCalls:
         #: GraphControl address -> (policy uid the worker holds or is capturing, monotonic time
         #: that became known). ``math.inf`` while a push of ours is under way.
         self.holders: dict[str, tuple[str, float]] = {}
+        #: Pods forgotten so far, and that count at the last prune.
+        self._forgotten = self._pruned = 0
         #: The status stream of each running worker (its heartbeat: the resync interval).
         self.watches = StatusWatches(client, self.track, self._learn_holder, wake)
 
@@ -67,6 +69,7 @@ class WorkerCalls:
     def forget(self, pod: WorkerPod) -> None:
         """A deleted pod: its track goes, and the calls to it are cancelled."""
         self.watches.forget(pod.uid)
+        self._forgotten += 1
         track = self.tracks.pop(pod.uid, None)
         if track is not None:
             for task in (track.read, track.action):
@@ -104,10 +107,14 @@ class WorkerCalls:
             fired[RELOAD].append(f"{name} ({pod.model_revision})")
         return fired
 
-    async def prune(self, live: set[str]) -> None:
-        """Drops the connections to, and what is known of, workers at addresses no pod runs at."""
+    async def prune(self, live: Callable[[str], bool]) -> None:
+        """Drops the connections to, and what is known of, workers at addresses no pod runs at
+        (``live``); only after a pod went or moved, so an idle run walks nothing."""
+        if self._pruned == self._forgotten:
+            return
+        self._pruned = self._forgotten
         await self.client.prune(live)
-        for target in [t for t in self.holders if t not in live]:
+        for target in [t for t in self.holders if not live(t)]:
             del self.holders[target]
 
     async def close(self) -> None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import grpc
@@ -175,9 +175,9 @@ class GraphControlClient:
         if channel is not None:
             await channel.close()
 
-    async def prune(self, keep: set[str]) -> None:
-        """Closes channels to addresses no selected worker has any more."""
-        for target in [t for t in self._channels if t not in keep]:
+    async def prune(self, keep: Callable[[str], bool]) -> None:
+        """Closes channels to addresses no selected worker has any more (``keep`` says which stay)."""
+        for target in [t for t in self._channels if not keep(t)]:
             await self.forget(target)
 
     async def close(self) -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from graphkeeper.operator.ownership import owner, split_owned
+from graphkeeper.operator.ownership import claims_from, owner, split_owned
 from graphkeeper.operator.selection import PolicyRef, WorkerPod, claims, pods_by_target
 from graphkeeper.operator.status import WorkerObservation, WorkerState, build_status
 
@@ -68,7 +68,7 @@ class Model:
         ref = self.policies[name][1]
         pods = sorted((p for _, p in self.pods.values() if ref.selects(p)), key=lambda p: p.name)
         index = {"ns": [p for _, p in self.pods.values()]}
-        mine, conflicts = split_owned(ref, pods, self.refs(), pods_by_target(index))
+        mine, conflicts = split_owned(ref, pods, claims_from(self.refs(), pods_by_target(index)))
         lacking = [p for p in mine if self.held.get(p.control_target) != ref.uid]
         if lacking:
             target = lacking[0].control_target
@@ -128,7 +128,7 @@ def test_the_losers_degraded_condition_names_the_owner_and_how_many_pods():
     junior = policy("b", "2026-12-01T10:00:05Z", {"group": "x"})
     pods = [pod(i, GROUPS[i % 2]) for i in range(PODS)]
     selected = [p for p in pods if junior.selects(p)]
-    mine, conflicts = split_owned(junior, selected, [senior, junior], pods_by_target({"ns": pods}))
+    mine, conflicts = split_owned(junior, selected, claims_from([senior, junior], pods_by_target({"ns": pods})))
     assert mine == [] and len(conflicts) == 3
     from datetime import UTC, datetime
 
@@ -146,4 +146,4 @@ def test_the_senior_keeps_its_workers_when_a_junior_holds_them_first():
     p = pod(0, "x")
     assert owner(claims(p, [junior, senior]))[0] is senior
     assert owner(claims(p, [junior]))[0] is junior
-    assert WorkerState.CONFLICT in {o.state for o in split_owned(junior, [p], [junior, senior], {})[1]}
+    assert WorkerState.CONFLICT in {o.state for o in split_owned(junior, [p], claims_from([junior, senior], {}))[1]}

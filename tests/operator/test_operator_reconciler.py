@@ -158,8 +158,7 @@ def test_a_force_deleted_pod_keeps_its_slot_while_its_worker_may_still_recapture
     READY, so no third worker recaptures under a limit of 2."""
     async def scenario(fleet: Fleet):
         spare = fleet.pods["ns"].pop()  # server 4 becomes the replacement later
-        for pod in fleet.pods["ns"]:
-            fleet.reconciler.on_pod(pod, deleted=False)  # as the pod watch would have
+        fleet.reconciler.on_pod(spare, deleted=True)  # as the pod watch would have
         rollout = {"rollout": {"maxUnavailable": 2}}
         fleet.apply(spec([1, 2], **rollout), 1)
         await fleet.until("generation 1 on the four", lambda: fleet.holding(1) == 4)
