@@ -266,7 +266,7 @@ class Reconciler:
         """A Pod watch event: wake the loops of policies that select (or selected) it."""
         OUTAGE.ok()
         fingerprint = None if deleted else pod.fingerprint()
-        if self._fingerprints.get(pod.uid) == fingerprint:
+        if self._fingerprints.get(pod.uid) == fingerprint and (not deleted or pod.uid not in self.index.pods):
             return
         if deleted:
             self._fingerprints.pop(pod.uid, None)
