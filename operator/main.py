@@ -99,14 +99,11 @@ def register(registry: kopf.OperatorRegistry | None = None) -> kopf.OperatorRegi
     kopf.on.event("pods", id="pod_event", registry=registry)(pod_handlers.on_pod_event)
 
     kopf.index(*POLICIES, id="graph_policies", registry=registry)(policy_handlers.index_policy)
+    # Every watch event (the initial listing included) starts, wakes or stops a policy's loop.
+    # No create/update/resume handlers: kopf would patch its bookkeeping annotations onto the
+    # policy on every spec change (one API request per edit) for nothing the loop needs.
     kopf.on.event(*POLICIES, id="policy_event", registry=registry)(
         policy_handlers.on_policy_event)
-    # The id is kopf's key for its progress annotations on existing objects: kept from when this
-    # handler rendered the ConfigMap (the reconcile run does now).
-    changed = policy_handlers.on_policy_change
-    kopf.on.resume(*POLICIES, id="render", registry=registry)(changed)
-    kopf.on.create(*POLICIES, id="render", registry=registry)(changed)
-    kopf.on.update(*POLICIES, id="render", field="spec", registry=registry)(changed)
     return registry
 
 

@@ -61,26 +61,44 @@ class SelectionIndex:
         for policy in self._selectors_of.pop(uid, set()):
             self._selected.get(policy, set()).discard(uid)
 
-    def put_policy(self, ref: PolicyRef) -> None:
+    def put_policy(self, ref: PolicyRef) -> set[str]:
+        """Adds or updates a policy; returns the pods whose claims changed (none for an edit
+        that leaves the selector as it was)."""
         old = self.policies.get(ref.uid)
         self.policies[ref.uid] = ref
         self._policies_in.setdefault(ref.namespace, set()).add(ref.uid)
+        before = self._selected.get(ref.uid, set())
         if old is not None and old.spec.get("selector") == ref.spec.get("selector"):
-            return
+            return set(before) if old.deleting != ref.deleting else set()
         now = {uid for uid in self._in_namespace.get(ref.namespace, ()) if ref.selects(self.pods[uid])}
-        for uid in self._selected.get(ref.uid, set()) - now:
+        for uid in before - now:
             self._selectors_of[uid].discard(ref.uid)
         for uid in now:
             self._selectors_of.setdefault(uid, set()).add(ref.uid)
         self._selected[ref.uid] = now
+        return before | now
 
-    def drop_policy(self, uid: str) -> None:
+    def drop_policy(self, uid: str) -> set[str]:
+        """Forgets a policy; returns the pods it selected."""
         ref = self.policies.pop(uid, None)
         if ref is None:
-            return
+            return set()
         self._policies_in.get(ref.namespace, set()).discard(uid)
-        for pod in self._selected.pop(uid, set()):
+        pods = self._selected.pop(uid, set())
+        for pod in pods:
             self._selectors_of.get(pod, set()).discard(uid)
+        return pods
+
+    def claimants(self, pod_uids: Iterable[str]) -> set[str]:
+        """The policies that claim any worker behind ``pod_uids`` (through any pod at its address):
+        the ones whose ownership a change to those pods' claims may move."""
+        out: set[str] = set()
+        for uid in pod_uids:
+            pod = self.pods.get(uid)
+            if pod is None:
+                continue
+            out.update(ref.uid for ref, _ in self.claims(pod))
+        return out
 
     def seed(self, pods: Mapping[str, Iterable[WorkerPod]], policies: Mapping[str, Iterable[PolicyRef]]) -> None:
         """Everything in kopf-shaped indexes (namespace -> values), e.g. at start."""

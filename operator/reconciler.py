@@ -51,6 +51,7 @@ from graphkeeper.operator.events import Told, run_events
 from graphkeeper.operator.kube import Kube, api_unreachable
 from graphkeeper.operator.outage import OUTAGE
 from graphkeeper.operator.ownership import split_owned
+from graphkeeper.operator.pacing import RENDER_EVERY_SECONDS, STATUS_EVERY_SECONDS, Pacer
 from graphkeeper.operator.pod_index import SelectionIndex
 from graphkeeper.operator.render import build_configmap, build_status_patch, configmap_differs
 from graphkeeper.operator.rollout import (
@@ -173,6 +174,9 @@ class PolicyLoop:
         self.rendered: pb.GraphPolicy | None = None
         #: What this policy's Events told so far.
         self.told = Told()
+        #: Status patches and ConfigMap writes, each at most once per interval (``pacing``).
+        self.status_pace = Pacer(STATUS_EVERY_SECONDS)
+        self.render_pace = Pacer(RENDER_EVERY_SECONDS)
         self._reconciler = reconciler
         self._woken = asyncio.Event()
         self._woken.set()
@@ -245,22 +249,22 @@ class Reconciler:
         """A GraphPolicy watch event: start, wake or stop its loop."""
         OUTAGE.ok()
         loop = self.loops.get(ref.uid)
-        if deleted:
-            self.index.drop_policy(ref.uid)
-        else:
-            self.index.put_policy(ref)
+        moved = self.index.drop_policy(ref.uid) if deleted else self.index.put_policy(ref)
+        # Rivals whose ownership may have moved (a selector edit, a new senior, one letting go);
+        # a change that leaves the selection as it was wakes no one else.
+        for uid in self.index.claimants(moved) - {ref.uid}:
+            self.wake(uid)
         if deleted or ref.deleting:
             if loop is not None:
                 loop.task.cancel()
                 del self.loops[ref.uid]
                 metrics.forget_policy(ref.namespace, ref.name, _STATES)
-                self.wake_all()  # a younger rival (here or at the same address) may own its pods
             return
         if loop is None:
             self.loops[ref.uid] = PolicyLoop(self, ref)
         elif loop.generation != ref.generation:
             loop.generation = ref.generation
-            self.wake_all()  # its selector may have moved
+            loop.wake()
 
     def on_pod(self, pod: WorkerPod, deleted: bool) -> None:
         """A Pod watch event: wake the loops of policies that select (or selected) it."""
@@ -327,14 +331,15 @@ class Reconciler:
         loop.seen_pods = {p.uid for p in pods}
         loop.seen_targets = {p.control_target for p in pods if p.address}
         desired, invalid = desired_policy(ref, len(pods), loop.applied)
+        put_off = math.inf  # seconds until a write this run put off is due
         if desired is None:
             outcome = RunOutcome([WorkerObservation(p.key, WorkerState.PENDING, "not pushed") for p in pods])
         else:
             outcome = await self._roll_out(loop, ref, pods, desired)
-            await self._render(loop, ref, outcome.desired or desired)  # with the sizes it applied
-        await self._report(loop, ref, outcome, invalid)
+            put_off = await self._render(loop, ref, outcome.desired or desired)  # with the sizes it applied
+        put_off = min(put_off, await self._report(loop, ref, outcome, invalid))
         metrics.RECONCILE_SECONDS.observe(time.monotonic() - started)
-        return next_delay(self.calls.busy(pods), outcome.observations, invalid, self.interval)
+        return min(put_off, next_delay(self.calls.busy(pods), outcome.observations, invalid, self.interval))
 
     def _ref(self, loop: PolicyLoop) -> PolicyRef | None:
         return self.index.policies.get(loop.uid)
@@ -427,32 +432,43 @@ class Reconciler:
             views[pod.key] = (pod, track, view)
         return observations, views
 
-    async def _render(self, loop: PolicyLoop, ref: PolicyRef, desired: Desired) -> None:
+    async def _render(self, loop: PolicyLoop, ref: PolicyRef, desired: Desired) -> float:
         """Writes the ConfigMap worker pods boot from (nothing else writes it) when the policy to
         push changed since the last run found or wrote it (a spec edit, sizes applied from
         traffic), so that a pod started later captures it before it is ready and is not pushed
-        again. An invalid spec is never rendered: the last good ConfigMap stays."""
+        again; at most once a second under an edit burst (returns how long it put a write off).
+        It is read only the first time (after that it holds what this loop wrote). An invalid
+        spec is never rendered: the last good ConfigMap stays."""
         wire = desired.wire
         if loop.rendered is not None and loop.rendered == wire:
-            return
+            return math.inf
+        if wait := loop.render_pace.wait(time.monotonic()):
+            return wait
         body = build_configmap(ref, wire)
         name = body["metadata"]["name"]
-        current = await self.kube.read_configmap(ref.namespace, name)
+        current = None if loop.rendered is None else build_configmap(ref, loop.rendered)
+        if loop.rendered is None:
+            current = await self.kube.read_configmap(ref.namespace, name)
         if configmap_differs(current, body):
             await self.kube.write_configmap(body, exists=current is not None)
+            loop.render_pace.wrote(time.monotonic())
             logger.info("%s: wrote ConfigMap %s for generation %d", ref.key, name, ref.generation)
         loop.rendered = wire
+        return math.inf
 
-    async def _report(self, loop: PolicyLoop, ref: PolicyRef, outcome: RunOutcome, invalid: str | None) -> None:
-        """Writes status (nothing else writes it), posts the run's Events, drops connections to gone
-        workers and sets the gauges."""
+    async def _report(self, loop: PolicyLoop, ref: PolicyRef, outcome: RunOutcome, invalid: str | None) -> float:
+        """Writes status (nothing else writes it; at most once a second, returning how long it put
+        a write off), posts the run's Events, drops connections to gone workers and sets the gauges."""
         previous = loop.last_status if loop.last_status is not None else dict(ref.status)
         status = policy_status(ref.generation, outcome, previous, invalid, loop.applied, loop.recommendation,
                                datetime.now(UTC), loop.canary)
-        if status != previous:
+        put_off = loop.status_pace.wait(time.monotonic()) if status != previous else math.inf
+        if not put_off:
             await self.kube.patch_policy_status(ref.namespace, ref.name, build_status_patch(status, previous))
+            loop.status_pace.wrote(time.monotonic())
             metrics.STATUS_WRITES.inc()
             loop.last_status = status
+            put_off = math.inf
         events, loop.told = run_events(loop.told, generation=ref.generation, observations=outcome.observations,
                                        fired=outcome.fired, invalid=invalid, plan=outcome.plan, wait=outcome.wait)
         for event in events:
@@ -460,6 +476,7 @@ class Reconciler:
         await self.calls.prune(self.index.live)
         counts = Counter(str(o.state) for o in outcome.observations)
         metrics.set_worker_states(ref.namespace, ref.name, dict(counts), _STATES)
+        return put_off
 
     def _event(self, body: dict[str, Any], kind: str, reason: str, message: str) -> None:
         log = logger.warning if kind == "Warning" else logger.info
