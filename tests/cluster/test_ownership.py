@@ -12,6 +12,7 @@ never changes hands between the two, exactly one of them is Ready and the other 
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 
 import pytest
@@ -161,6 +162,9 @@ def test_same_second_pairs_across_namespaces_never_alternate_or_deadlock(
 # --- one selection, one owner: the three ways Operator III split it ------------------------------
 
 SPLIT = {"app": "split"}
+#: Trials of each split repro (``bench/operator_splits.py`` runs 20; the suite runs one).
+SPLIT_TRIALS = int(os.environ.get("GRAPHKEEPER_SPLIT_TRIALS", "1"))
+trials = pytest.mark.parametrize("trial", range(SPLIT_TRIALS))
 
 
 def split_spec(sizes: list[int], selector: dict | None = None) -> dict:
@@ -202,8 +206,9 @@ def _cond(obj: dict, kind: str) -> dict:
     return next((c for c in (obj.get("status") or {}).get("conditions") or [] if c["type"] == kind), {})
 
 
+@trials
 def test_a_selector_edit_mid_rollout_moves_the_whole_overlap_to_the_older_policy(
-        running_operator: Operator, kubelet: Kubelet, policies: Policies):
+        trial: int, running_operator: Operator, kubelet: Kubelet, policies: Policies):
     workers = split_fleet(kubelet, policies.namespace, 4)
     policies.create("older", split_spec([1, 2], selector={"app": "nothing-yet"}))
     time.sleep(1.1)  # a later creationTimestamp for the younger
@@ -221,8 +226,9 @@ def test_a_selector_edit_mid_rollout_moves_the_whole_overlap_to_the_older_policy
     assert one_owner(policies, ["older", "younger"], workers) == "older"
 
 
+@trials
 def test_a_policy_created_right_after_the_first_push_lands_never_splits_the_selection(
-        running_operator: Operator, kubelet: Kubelet, policies: Policies):
+        trial: int, running_operator: Operator, kubelet: Kubelet, policies: Policies):
     workers = split_fleet(kubelet, policies.namespace, 4)
     pushes = running_operator.metric(PUSHES)
     # "b-first" is created first; "a-second" right after its first push lands. Within one second
@@ -237,8 +243,9 @@ def test_a_policy_created_right_after_the_first_push_lands_never_splits_the_sele
     assert running_operator.metric(PUSHES) - pushes <= 8, owner
 
 
+@trials
 def test_twenty_policies_in_one_apply_end_with_one_owner(
-        running_operator: Operator, kubelet: Kubelet, policies: Policies, cluster: Cluster):
+        trial: int, running_operator: Operator, kubelet: Kubelet, policies: Policies, cluster: Cluster):
     workers = split_fleet(kubelet, policies.namespace, 4)
     names = [f"p{i:02d}" for i in range(20)]
     manifest = "\n---\n".join(
