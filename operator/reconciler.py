@@ -470,7 +470,8 @@ class Reconciler:
             loop.last_status = status
             put_off = math.inf
         events, loop.told = run_events(loop.told, generation=ref.generation, observations=outcome.observations,
-                                       fired=outcome.fired, invalid=invalid, plan=outcome.plan, wait=outcome.wait)
+                                       fired=outcome.fired, invalid=invalid, plan=outcome.plan, wait=outcome.wait,
+                                       now=time.monotonic())
         for event in events:
             self._event(ref.body(), event.kind, event.reason, event.message)
         await self.calls.prune(self.index.live)

@@ -162,3 +162,19 @@ def test_a_rollout_under_way_says_how_many_at_a_time():
                                                       obs("b", WorkerState.PENDING)],
                           previous=None, now=T0, rollout=rollout)
     assert "at most 2 at a time" in condition(status, "Progressing")["message"]
+
+
+def test_normal_events_are_rate_limited_per_reason_and_warnings_are_not():
+    from graphkeeper.operator.events import NORMAL_BURST, NORMAL_EVERY_SECONDS, Told, run_events
+    from graphkeeper.operator.sync import PUSH, RELOAD
+
+    told, posted = Told(), []
+    for second in range(20):  # an edit a second, each pushed
+        events, told = run_events(told, generation=second + 1, observations=[], invalid=None, plan=None,
+                                  fired={PUSH: ["ns/w0"], RELOAD: []}, now=float(second))
+        posted += [e.reason for e in events]
+    assert posted.count("PolicyPushed") == NORMAL_BURST + int((20 - NORMAL_BURST) / NORMAL_EVERY_SECONDS)
+    failing = [WorkerObservation("ns/w0", WorkerState.UNREACHABLE, "gone")]
+    events, _ = run_events(told, generation=21, observations=failing, invalid=None, plan=None,
+                           fired={PUSH: [], RELOAD: []}, now=20.0)
+    assert [e.reason for e in events] == ["WorkerUnreachable"], "a failure is always told"
