@@ -10,6 +10,7 @@ and an Event per generation and batch would be most of the operator's API reques
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -21,9 +22,11 @@ from graphkeeper.operator.sync import PUSH, RELOAD
 NAMED = 5
 #: Failing workers a Warning details.
 DETAILED = 3
-#: Normal Events of one reason a policy may post at once, and how often one more is allowed.
+#: Normal Events of one reason a policy may post at once, and how often one more is allowed;
+#: the first of a new generation is allowed anyway when the last was this long ago.
 NORMAL_BURST = 3
 NORMAL_EVERY_SECONDS = 5.0
+NEW_GENERATION_SECONDS = 1.0
 
 
 @dataclass(frozen=True)
@@ -43,8 +46,9 @@ class Told:
     invalid: str | None = None
     #: The key of the last wait told (with its generation), so that each wait is told once.
     wait: tuple = ()
-    #: Normal Events' allowance by reason: (Events left, when it was last counted).
-    allowance: Mapping[str, tuple[float, float]] = field(default_factory=dict)
+    #: Normal Events' allowance by reason: (Events left, when it was last counted, the generation
+    #: and the time of the last one posted).
+    allowance: Mapping[str, tuple[float, float, int, float]] = field(default_factory=dict)
 
 
 def run_events(told: Told, *, generation: int, observations: Sequence[WorkerObservation],
@@ -87,16 +91,21 @@ def run_events(told: Told, *, generation: int, observations: Sequence[WorkerObse
         waited = (generation, *wait.key)
         events.append(Event("Normal", wait.reason, f"generation {generation}: {wait.message}"))
     allowance = dict(told.allowance)
-    events = [e for e in events if e.kind != "Normal" or _allowed(allowance, e.reason, now)]
+    events = [e for e in events if e.kind != "Normal" or _allowed(allowance, e.reason, now, generation)]
     return events, Told(states, paused, invalid, waited, allowance)
 
 
-def _allowed(allowance: dict[str, tuple[float, float]], reason: str, now: float) -> bool:
-    """Takes one Event of ``reason`` from its allowance (a token bucket), if one is left."""
-    left, at = allowance.get(reason, (float(NORMAL_BURST), now))
+def _allowed(allowance: dict[str, tuple[float, float, int, float]], reason: str, now: float,
+             generation: int) -> bool:
+    """Takes one Event of ``reason`` from its allowance (a token bucket) if one is left, or lets
+    the first of a new generation through when the last one posted is a second old."""
+    left, at, told_generation, posted = allowance.get(reason, (float(NORMAL_BURST), now, 0, -math.inf))
     left = min(float(NORMAL_BURST), left + (now - at) / NORMAL_EVERY_SECONDS)
-    allowed = left >= 1.0
-    allowance[reason] = (left - 1.0 if allowed else left, now)
+    fresh = generation != told_generation and now - posted >= NEW_GENERATION_SECONDS
+    allowed = left >= 1.0 or fresh
+    if allowed:
+        left, told_generation, posted = max(0.0, left - 1.0), generation, now
+    allowance[reason] = (left, now, told_generation, posted)
     return allowed
 
 
