@@ -11,20 +11,23 @@ worker call that ended. Each run is level-triggered (it compares what each worke
 what the policy says), so a missed event costs at most one interval, and a restarted operator
 repeats no push.
 
-One run (``Reconciler.reconcile``) parses the spec once (``desired.desired_policy``) and hands
-the parsed value down. It never waits on a worker for long: it starts a status read per worker
-that needs one (``sync.needs_read``: nothing known, a failed read, a changed pod, a change
-settling, or the slow resync; an idle fleet is not polled), each on its own deadline, waits at
-most ``READ_WAIT_SECONDS`` for them, and uses the last known status of any worker that has not
+One run (``Reconciler.reconcile``) takes its own pods from the selection index
+(``pod_index``, kept by the watch events), parses the spec once (``desired.desired_policy``) and
+hands the parsed value down. It never waits on a worker for long: each worker's status stream
+(``status_watch``) keeps its status current and wakes the loop on a change; a run starts a status
+read only for a worker that needs one (``sync.needs_read``: nothing known, a changed pod, a change
+of ours that ended after its last message, and for a worker without the stream a failed read, a
+change settling or the slow resync), each on its own deadline, waits at most
+``READ_WAIT_SECONDS`` for them, and uses the last known status of any worker that has not
 answered yet (its late answer wakes the loop). Then, without awaiting anything, it settles who
 owns each worker (``ownership.split_owned``: the senior policy owns every worker it selects),
 looks at the traffic (``traffic.recommend``), what each worker lacks, and
 what to push: every loop decides from the same snapshot, so two policies never both push to a
 worker nor both defer to each other. Pushes and model reloads run as tasks of their own
 (``worker_calls``), handed out by the rollout planner (``rollout.plan_rollout``) at most
-``maxUnavailable`` at a time; their end wakes the loop. The run writes the ConfigMap when the
-policy to push changed, and the status on every run with what is known; both have no other
-writer.
+``maxUnavailable`` at a time (a departed worker's slot: ``departures``); their end wakes the loop.
+The run writes the ConfigMap when the policy to push changed, and the status when it changed,
+each at most once a second (``pacing``); both have no other writer.
 """
 
 from __future__ import annotations

@@ -61,6 +61,7 @@ class WorkerCalls:
     def pod_changed(self, pod: WorkerPod) -> None:
         """A changed pod (restarted, re-annotated) is offered a refused generation again, and read
         again (readiness is how an idle fleet is watched)."""
+        self.watches.unsupported.discard(pod.control_target)  # perhaps a newer worker now
         track = self.tracks.get(pod.uid)
         if track is not None:
             track.rejected = None
