@@ -84,7 +84,8 @@ def needs_read(track: Track, now: float, resync: float) -> bool:
     """
     if track.streaming:
         return (track.status is None or track.stale
-                or (not track.settled and not track.busy() and track.read_at < track.action_done_at))
+                or (not track.settled and not track.busy() and track.read_at < track.action_done_at
+                    and not shows_goal(track)))
     return (track.status is None or track.error is not None or track.stale
             or not track.settled or track.busy() or now - track.read_at >= resync)
 
@@ -104,13 +105,25 @@ def has_pending(status: pb.GraphStatus, policy: pb.GraphPolicy) -> bool:
 
 
 def settle(track: Track) -> None:
-    """Marks an action settled once a read started after it ended shows nothing under way."""
+    """Marks an action settled once a read started after it ended, or a streamed status that
+    shows its goal adopted, shows nothing under way."""
     if track.settled or track.busy() or track.status is None:
         return
     s = track.status
-    if (track.read_at >= track.action_done_at and s.state == pb.LIFECYCLE_STATE_READY
+    if ((track.read_at >= track.action_done_at or shows_goal(track)) and s.state == pb.LIFECYCLE_STATE_READY
             and not s.pending_policy_uid and not s.pending_model_revision):
         track.settled = True
+
+
+def shows_goal(track: Track) -> bool:
+    """Whether the worker's streamed status already shows the last action's goal adopted (the
+    stream sent it before the call's answer came back): no read is needed to know it settled."""
+    s = track.status
+    if not track.streaming or s is None:
+        return False
+    if track.action_kind == PUSH:
+        return f"{s.policy_uid}/{s.policy_generation}" == track.action_goal
+    return track.action_kind == RELOAD and s.model_revision == track.action_goal
 
 
 def observe(pod: WorkerPod, status: pb.GraphStatus, policy: pb.GraphPolicy,
