@@ -77,6 +77,7 @@ def test_a_dead_worker_behind_a_ready_pod_and_a_lost_policy_are_seen_in_seconds_
         wait_until("the lost policy pushed again", lambda: lost.graph_status().policy_uid == uid,
                    timeout=10, interval=0.05)
         repushed = time.monotonic() - back
+        print(f"lost policy re-pushed {repushed:.2f}s after the worker served again")
         assert repushed < 2.0, f"re-pushed {repushed:.2f}s after the worker lost its policy"
         policies.wait_condition("p", "Ready", "True", timeout=15)
 
@@ -86,6 +87,7 @@ def test_a_dead_worker_behind_a_ready_pod_and_a_lost_policy_are_seen_in_seconds_
         wait_until("Degraded=WorkerUnreachable", lambda: policies.condition("p", "Degraded").get("reason")
                    == "WorkerUnreachable", timeout=15, interval=0.05)
         seen = time.monotonic() - died
+        print(f"WorkerUnreachable {seen:.2f}s after the worker died")
         assert seen < 5.0, f"reported WorkerUnreachable {seen:.2f}s after the worker died"
         assert "w1" in policies.condition("p", "Degraded")["message"]
     finally:

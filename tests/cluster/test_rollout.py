@@ -246,5 +246,6 @@ def test_a_pod_deleted_mid_recapture_frees_its_slot_and_the_others_get_the_chang
     wait_until("the other five pushed generation 2", lambda: all(changed(w) for w in others), timeout=30,
                interval=0.05)
     took = time.monotonic() - deleted
+    print(f"the other five had generation 2 {took:.2f}s after the pod went")
     assert took < 10.0, f"the other workers got the change {took:.1f}s after the pod went"
     policies.wait_condition("p", "Ready", "True", generation=2, timeout=60)
