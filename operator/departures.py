@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -22,6 +23,8 @@ from graphkeeper.operator.selection import WorkerPod
 from graphkeeper.operator.worker_calls import Views
 from graphkeeper.operator.workerclient import ErrorKind, GraphControlClient, WorkerError
 from graphkeeper.proto import worker_pb2 as pb
+
+logger = logging.getLogger("graphkeeper.operator")
 
 #: How often a departed worker's address is asked whether it still runs.
 PROBE_SECONDS = 0.5
@@ -105,6 +108,8 @@ class Departures:
                 except WorkerError as err:
                     if err.kind is ErrorKind.UNREACHABLE:
                         d.freed = "its address no longer answers"
+                except Exception:  # anything else: ask again; a probe that died would hold the slot
+                    logger.debug("probing departed %s failed", d.pod.key, exc_info=True)
                 else:
                     if not still_recapturing(status):
                         d.freed = "its worker finished"

@@ -148,9 +148,11 @@ class RolloutPlan:
     max_unavailable: int = 1
     #: Workers that still need a recapture or reload and were not handed one this run.
     waiting: tuple[str, ...] = field(default=())
-    #: The unavailable workers (what the waiting ones wait on), and which of them are departed.
+    #: The unavailable workers (what the waiting ones wait on), and which of them are departed;
+    #: ``taken``: the workers this plan takes out of service (a recapture or reload now).
     unavailable_names: tuple[str, ...] = ()
     departed: tuple[str, ...] = ()
+    taken: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -175,10 +177,11 @@ def rollout_wait(plan: RolloutPlan) -> Wait | None:
                     f"{waiting}: held by {held}, deleted while recapturing; a slot frees when the "
                     "worker's address stops answering, it reports READY, a replacement is READY or "
                     "the progress deadline passes", ("WaitingForDeletedWorker", *plan.departed))
-    names = ", ".join(plan.unavailable_names[:5])
-    more = len(plan.unavailable_names) - 5
+    busy = plan.unavailable_names + plan.taken
+    names = ", ".join(busy[:5])
+    more = len(busy) - 5
     return Wait("WaitingForUnavailableWorkers",
-                f"{waiting}: {plan.unavailable} unavailable ({names}{f' and {more} more' if more > 0 else ''})",
+                f"{waiting}: {len(busy)} unavailable ({names}{f' and {more} more' if more > 0 else ''})",
                 ("WaitingForUnavailableWorkers",))
 
 
@@ -190,6 +193,7 @@ def plan_rollout(workers: Iterable[RolloutWorker], max_unavailable: int) -> Roll
     push: list[str] = []
     reload: list[str] = []
     waiting: list[str] = []
+    taken: list[str] = []
     budget = max(0, max_unavailable - unavailable)
     for w in ordered:
         if w.blocked:
@@ -211,12 +215,13 @@ def plan_rollout(workers: Iterable[RolloutWorker], max_unavailable: int) -> Roll
             waiting.append(w.name)
             continue
         budget -= 1
+        taken.append(w.name)
         (push if w.needs_push else reload).append(w.name)
     return RolloutPlan(push=tuple(push), reload=tuple(reload), paused=bool(failed),
                        failed=failed, unavailable=unavailable, max_unavailable=max_unavailable,
                        waiting=tuple(waiting),
                        unavailable_names=tuple(w.name for w in ordered if not w.available),
-                       departed=tuple(w.name for w in ordered if w.departed))
+                       departed=tuple(w.name for w in ordered if w.departed), taken=tuple(taken))
 
 
 def rollout_status(plan: RolloutPlan, *, updated: int, total: int) -> dict[str, Any]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import Callable, Iterable
 
@@ -26,6 +27,8 @@ from graphkeeper.operator.selection import WorkerPod
 from graphkeeper.operator.sync import Track
 from graphkeeper.operator.workerclient import GraphControlClient, WorkerError
 from graphkeeper.proto.watch import change_key
+
+logger = logging.getLogger("graphkeeper.operator")
 
 #: Seconds between attempts to open a stream to a worker that does not answer.
 RETRY_SECONDS = 0.5
@@ -81,6 +84,8 @@ class StatusWatches:
                     if track.streaming or track.error is None:
                         track.error = err  # unreachable at once, not at the next resync
                         self._wake(uid)
+                except Exception:  # a stream must never end its follower: open another
+                    logger.warning("status stream to %s failed", pod.key, exc_info=True)
                 finally:
                     track.streaming = False
                 await asyncio.sleep(RETRY_SECONDS)

@@ -80,6 +80,12 @@ class TokenFile:
         return (("authorization", f"Bearer {self._token}"),) if self._token else ()
 
 
+def _cancelled_here() -> bool:
+    """Whether the running task itself is being cancelled (not just a gRPC call it awaited)."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
+
+
 class GraphControlClient:
     """Calls ``GraphControl`` on workers by ``host:port``; channels are cached per address.
 
@@ -108,6 +114,15 @@ class GraphControlClient:
         try:
             return await getattr(self._stub(target), method)(
                 request, timeout=timeout, metadata=self.token.metadata())
+        except grpc.aio.UsageError as err:  # its channel was closed before it started (the pod went)
+            await self.forget(target)
+            raise WorkerError(ErrorKind.UNREACHABLE, f"{method}: {err}") from None
+        except asyncio.CancelledError:
+            if _cancelled_here():
+                raise
+            # grpc cancels the calls in flight on a channel that is closed (``forget``, ``prune``):
+            # to the caller that is a worker it cannot reach, never a silent end of its task.
+            raise WorkerError(ErrorKind.UNREACHABLE, f"{method}: its channel was closed") from None
         except grpc.aio.AioRpcError as err:
             kind = _KIND_BY_CODE.get(err.code(), ErrorKind.ERROR)
             if kind is ErrorKind.UNREACHABLE:
@@ -125,8 +140,12 @@ class GraphControlClient:
         that cannot send is as good as gone); UNIMPLEMENTED (an older worker) is kind ERROR with
         that code, so the caller polls it instead."""
         request = pb.WatchGraphStatusRequest(heartbeat_seconds=max(1, round(heartbeat)))
-        call = self._stub(target).WatchGraphStatus(request, metadata=self.token.metadata())
         silent = 2 * heartbeat + self.timeout
+        try:
+            call = self._stub(target).WatchGraphStatus(request, metadata=self.token.metadata())
+        except grpc.aio.UsageError as err:
+            await self.forget(target)
+            raise WorkerError(ErrorKind.UNREACHABLE, f"WatchGraphStatus: {err}") from None
         try:
             while True:
                 async with asyncio.timeout(silent):
@@ -142,6 +161,12 @@ class GraphControlClient:
             raise WorkerError(kind, f"WatchGraphStatus: {err.code().name}: {detail}", err.code()) from None
         except TimeoutError:
             raise WorkerError(ErrorKind.UNREACHABLE, f"WatchGraphStatus: nothing for {silent:g}s") from None
+        except grpc.aio.UsageError as err:
+            raise WorkerError(ErrorKind.UNREACHABLE, f"WatchGraphStatus: {err}") from None
+        except asyncio.CancelledError:
+            if _cancelled_here():
+                raise
+            raise WorkerError(ErrorKind.UNREACHABLE, "WatchGraphStatus: its channel was closed") from None
         finally:
             call.cancel()
 

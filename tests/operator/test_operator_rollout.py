@@ -152,3 +152,6 @@ def test_a_waiting_rollout_says_what_it_waits_on():
     wait = rollout_wait(plan_rollout([gone, lacking], 1))
     assert wait.reason == "WaitingForDeletedWorker" and "ns/gone" in wait.message
     assert rollout_wait(plan_rollout([lacking], 1)) is None, "nothing waits: the push goes out"
+    other = RolloutWorker("ns/c", available=True, needs_push=True)
+    wait = rollout_wait(plan_rollout([lacking, other], 1))
+    assert "1 unavailable (ns/b)" in wait.message, "the worker this run takes out counts"
