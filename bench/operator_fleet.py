@@ -52,6 +52,7 @@ from tests.cluster.conftest import (  # noqa: E402
 
 SIZES = [[1, 2, 4, 8], [1, 2, 4, 8, 16], [2, 4, 8, 16, 32], [1, 4, 16], [8, 16, 32, 64]]
 READS = "graphkeeper_operator_status_reads_total"
+STREAMS = "graphkeeper_operator_status_streams"
 TICKS = os.sysconf("SC_CLK_TCK")
 
 
@@ -141,7 +142,7 @@ def change(cluster: Cluster, operator: Operator, fleet: Fleet, policies: Policie
     """Changes ``names`` at once; returns time to every worker's ack and to status Ready, the
     operator's CPU seconds and API requests over the window."""
     pid = operator.process.pid
-    cpu0, t0 = cpu_seconds(pid), time.time()
+    cpu0, fleet0, t0 = cpu_seconds(pid), cpu_seconds(fleet.proc.pid), time.time()
 
     def patch(name: str) -> None:
         group = int(name[1:])
@@ -158,10 +159,31 @@ def change(cluster: Cluster, operator: Operator, fleet: Fleet, policies: Policie
                timeout=600, interval=0.1)
     ready = time.time() - t0
     cpu = cpu_seconds(pid) - cpu0
+    fleet_cpu = cpu_seconds(fleet.proc.pid) - fleet0
     time.sleep(2.0)  # follow-up writes land inside the counting window
     requests = audit_count(cluster, t0 - 0.001, time.time())
-    return {"policies": len(names), "ack": ack, "ready": ready, "cpu": cpu,
+    return {"policies": len(names), "ack": ack, "ready": ready, "cpu": cpu, "fleet_cpu": fleet_cpu,
             "rss": rss_mib(pid), "requests": sum(requests.values()), "by_verb": dict(requests)}
+
+
+def edit_burst(cluster: Cluster, operator: Operator, policies: Policies, name: str, edits: int, rate: float,
+               generations: dict[str, int], per: int) -> dict:
+    """``edits`` capture-size edits to one policy at ``rate`` a second; the operator's API requests
+    from the first edit until 2 s after the status is Ready at the last generation."""
+    t0 = time.time()
+    for i in range(edits):
+        due = t0 + i / rate
+        time.sleep(max(0.0, due - time.time()))
+        obj = policies.patch_spec(name, {"captureSizes": {"sizes": SIZES[i % len(SIZES)][: 2 + i % 3]}})
+        generations[name] = obj["metadata"]["generation"]
+    sent = time.time() - t0
+    wait_until("the last edit Ready", lambda: all_ready(policies, [name], generations, per), timeout=300,
+               interval=0.1)
+    ready = time.time() - t0
+    time.sleep(2.0)
+    requests = audit_count(cluster, t0 - 0.001, time.time())
+    return {"edits": edits, "rate": rate, "seconds": sent, "ready": ready, "requests": sum(requests.values()),
+            "per_edit": sum(requests.values()) / edits, "by_verb": dict(requests)}
 
 
 def fmt(values: list[float], unit: str = "s") -> str:
@@ -175,7 +197,10 @@ def main() -> int:
     parser.add_argument("--policies", type=int, default=50)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--idle-seconds", type=float, default=120.0)
+    parser.add_argument("--edits", type=int, default=200, help="spec edits to one policy (0: none)")
+    parser.add_argument("--edit-rate", type=float, default=5.0, help="edits a second")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "operator-fleet.md"))
+    parser.add_argument("--json", default="", help="also write the figures as JSON here")
     args = parser.parse_args()
     per = args.workers // args.policies
 
@@ -212,7 +237,8 @@ def main() -> int:
         idle_s = time.time() - i0
         idle = {"seconds": idle_s, "reads_per_worker_s": (operator.metric(READS) - reads0)
                 / args.workers / idle_s, "cpu_share": (cpu_seconds(pid) - cpu0) / idle_s,
-                "rss": rss_mib(pid), "requests": sum(audit_count(cluster, i0, time.time()).values())}
+                "rss": rss_mib(pid), "requests": sum(audit_count(cluster, i0, time.time()).values()),
+                "streams": operator.metric(STREAMS)}
         print("idle", idle, flush=True)
 
         one, every = [], []
@@ -226,20 +252,29 @@ def main() -> int:
                                 per))
             print("all", every[-1], flush=True)
             time.sleep(5.0)
+        burst = None
+        if args.edits:
+            burst = edit_burst(cluster, operator, policies, names[0], args.edits, args.edit_rate, generations, per)
+            print("edits", burst, flush=True)
     finally:
         operator.stop()
         if fleet is not None:
             fleet.close()
         stop_cluster(cluster)
 
-    text = report(args, per, created, idle, one, every)
+    text = report(args, per, created, idle, one, every, burst)
     Path(args.out).write_text(text)
+    if args.json:
+        Path(args.json).write_text(json.dumps({
+            "date": datetime.now(UTC).isoformat(), "commit": head_commit(), "workers": args.workers,
+            "policies": args.policies, "created_s": created, "idle": idle, "one": one, "all": every,
+            "edits": burst}, indent=1) + "\n")
     print(text)
     return 0
 
 
 def report(args: argparse.Namespace, per: int, created: float, idle: dict, one: list[dict],
-           every: list[dict]) -> str:
+           every: list[dict], burst: dict | None) -> str:
     cpu = platform.processor() or platform.machine()
     lines = [
         f"# The operator with {args.workers} workers under {args.policies} policies (SIMULATION)",
@@ -266,14 +301,14 @@ def report(args: argparse.Namespace, per: int, created: float, idle: dict, one: 
         "process's user+system seconds over the same window. API requests: the audit log, by "
         "the operator's user agents, from the call until 2 s after Ready.",
         "",
-        "| Change | ack | status Ready | operator CPU | API requests | operator RSS |",
-        "|---|---|---|---|---|---|",
+        "| Change | ack | status Ready | operator CPU | stand-ins' CPU | API requests | operator RSS |",
+        "|---|---|---|---|---|---|---|",
     ]
     for label, rows in ((f"one policy ({per} workers)", one),
                         (f"all {args.policies} policies ({args.workers} workers)", every)):
         lines.append(
             f"| {label} | {fmt([r['ack'] for r in rows])} | {fmt([r['ready'] for r in rows])} | "
-            f"{fmt([r['cpu'] for r in rows], 'CPU s')} | "
+            f"{fmt([r['cpu'] for r in rows], 'CPU s')} | {fmt([r['fleet_cpu'] for r in rows], 'CPU s')} | "
             f"median {statistics.median([r['requests'] for r in rows]):.0f} "
             f"(max {max(r['requests'] for r in rows)}) | "
             f"{max(r['rss'] for r in rows):.0f} MiB |")
@@ -286,11 +321,21 @@ def report(args: argparse.Namespace, per: int, created: float, idle: dict, one: 
         "## Idle",
         "",
         f"Nothing changing, {idle['seconds']:.0f} s: **{idle['reads_per_worker_s']:.4f} "
-        f"GetGraphStatus calls per worker per second** (the reconcile-every-5-s polling before "
-        f"this change read every worker every run: 0.2), the operator at "
-        f"{100 * idle['cpu_share']:.1f}% of one core for {args.workers} workers, "
+        f"GetGraphStatus calls per worker per second** ({idle['streams']:.0f} WatchGraphStatus "
+        f"streams open: each worker sends a heartbeat a minute instead), the operator at "
+        f"**{100 * idle['cpu_share']:.1f}% of one core** for {args.workers} workers, "
         f"{idle['rss']:.0f} MiB resident, {idle['requests']} API requests.",
     ]
+    if burst is not None:
+        lines += [
+            "",
+            "## An edit burst",
+            "",
+            f"{burst['edits']} capture-size edits to one policy ({per} workers) at {burst['rate']:g} a second "
+            f"(sent over {burst['seconds']:.1f} s; Ready at the last generation {burst['ready']:.1f} s after the "
+            f"first): **{burst['requests']} operator API requests, {burst['per_edit']:.2f} per edit** ("
+            + ", ".join(f"{k}: {v}" for k, v in sorted(burst["by_verb"].items())) + ").",
+        ]
     return "\n".join(lines) + "\n"
 
 

@@ -7,13 +7,17 @@ This module only wires things together; what each handler does lives in ``policy
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
+import os
+import socket
 from typing import Any
 
 import kopf
 
 from graphkeeper.operator import metrics, naming, pod_handlers, policy_handlers
 from graphkeeper.operator.kube import Kube, load_client_config
+from graphkeeper.operator.leadership import LeaseElector
 from graphkeeper.operator.outage import OUTAGE
 from graphkeeper.operator.reconciler import Reconciler
 from graphkeeper.operator.selection import PolicyRef, WorkerPod
@@ -63,15 +67,25 @@ async def startup(
         interval=memo.status_interval,
         resync=memo.resync_interval,
     )
-    memo.http = None
-    if memo.metrics_port:
+    if memo.metrics_port and memo.get("http") is None:
         memo.http = await metrics.serve(memo.metrics_port, memo.reconciler.health)
+    if memo.get("elector") is not None:
+        memo.lease = asyncio.create_task(memo.elector.keep(_lost_lease), name="lease")
+
+
+def _lost_lease(why: str) -> None:
+    """Another replica leads now (or may): this one stops at once, so that never two push."""
+    logging.getLogger("graphkeeper.operator").critical("lost the Lease (%s): exiting", why)
+    os._exit(3)
 
 
 async def cleanup(memo: kopf.Memo, **_: Any) -> None:
-    """Stops the loops and the worker client, then the metrics server."""
+    """Stops the loops and the worker client, hands the Lease back, then stops the metrics server."""
     await memo.reconciler.shutdown()
-    if memo.http is not None:
+    if memo.get("lease") is not None:
+        memo.lease.cancel()
+        await memo.elector.release()
+    if memo.get("http") is not None:
         await memo.http.cleanup()
 
 
@@ -85,19 +99,17 @@ def register(registry: kopf.OperatorRegistry | None = None) -> kopf.OperatorRegi
     kopf.on.event("pods", id="pod_event", registry=registry)(pod_handlers.on_pod_event)
 
     kopf.index(*POLICIES, id="graph_policies", registry=registry)(policy_handlers.index_policy)
+    # Every watch event (the initial listing included) starts, wakes or stops a policy's loop.
+    # No create/update/resume handlers: kopf would patch its bookkeeping annotations onto the
+    # policy on every spec change (one API request per edit) for nothing the loop needs.
     kopf.on.event(*POLICIES, id="policy_event", registry=registry)(
         policy_handlers.on_policy_event)
-    # The id is kopf's key for its progress annotations on existing objects: kept from when this
-    # handler rendered the ConfigMap (the reconcile run does now).
-    changed = policy_handlers.on_policy_change
-    kopf.on.resume(*POLICIES, id="render", registry=registry)(changed)
-    kopf.on.create(*POLICIES, id="render", registry=registry)(changed)
-    kopf.on.update(*POLICIES, id="render", field="spec", registry=registry)(changed)
     return registry
 
 
 def run(args: argparse.Namespace) -> int:
-    """``graphkeeper operator``: kopf's ``run`` with our handlers, standalone (no peering)."""
+    """``graphkeeper operator``: kopf with our handlers, standalone (no kopf peering); with
+    ``--leader-election-namespace``, one of several replicas acting at a time (``leadership``)."""
     level = str(args.log_level).upper()
     kopf.configure(verbose=level == "DEBUG")
     logging.getLogger().setLevel(level)
@@ -111,11 +123,25 @@ def run(args: argparse.Namespace) -> int:
         rpc_timeout=float(getattr(args, "rpc_timeout", 5.0)),
         control_token_file=str(getattr(args, "control_token_file", "") or ""),
     )
-    kopf.run(
-        registry=register(),
-        standalone=True,
-        clusterwide=not args.namespace,
-        namespaces=list(args.namespace),
-        memo=memo,
-    )
+    where = {"clusterwide": not args.namespace, "namespaces": list(args.namespace)}
+    lease_namespace = str(getattr(args, "leader_election_namespace", "") or "")
+    if not lease_namespace:
+        kopf.run(registry=register(), standalone=True, memo=memo, **where)
+        return 0
+    identity = str(getattr(args, "identity", "") or "") or f"{socket.gethostname()}-{os.getpid()}"
+    elector = LeaseElector(load_client_config(), lease_namespace, args.leader_election_name, identity)
+    asyncio.run(_run_elected(elector, memo, where))
     return 0
+
+
+async def _run_elected(elector: LeaseElector, memo: kopf.Memo, where: dict[str, Any]) -> None:
+    """As the standby until this replica holds the Lease (its /healthz answers meanwhile), then
+    kopf and the reconcile loops, as the one replica that acts."""
+    def health() -> dict[str, Any]:
+        reconciler = memo.get("reconciler")
+        return {"leading": True, **reconciler.health()} if reconciler is not None else {"leading": False}
+
+    memo.http = await metrics.serve(memo.metrics_port, health) if memo.metrics_port else None
+    await elector.acquire()
+    memo.elector = elector
+    await kopf.operator(registry=register(), standalone=True, memo=memo, **where)

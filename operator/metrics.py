@@ -43,6 +43,14 @@ STATUS_READS = Counter(
     "GetGraphStatus calls, by outcome (ok, or the kind of failure).",
     ["outcome"],
 )
+STATUS_STREAMS = Gauge(
+    "graphkeeper_operator_status_streams",
+    "WatchGraphStatus streams open to workers (workers without the call are read instead).",
+)
+STATUS_STREAM_BREAKS = Counter(
+    "graphkeeper_operator_status_stream_breaks_total",
+    "WatchGraphStatus streams that broke, ended or fell silent (each marks its worker unreachable).",
+)
 WORKERS = Gauge(
     "graphkeeper_operator_workers",
     "Selected workers by state (Captured, Pending, Starting, Unreachable, ...), per policy.",

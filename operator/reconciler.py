@@ -11,20 +11,23 @@ worker call that ended. Each run is level-triggered (it compares what each worke
 what the policy says), so a missed event costs at most one interval, and a restarted operator
 repeats no push.
 
-One run (``Reconciler.reconcile``) parses the spec once (``desired.desired_policy``) and hands
-the parsed value down. It never waits on a worker for long: it starts a status read per worker
-that needs one (``sync.needs_read``: nothing known, a failed read, a changed pod, a change
-settling, or the slow resync; an idle fleet is not polled), each on its own deadline, waits at
-most ``READ_WAIT_SECONDS`` for them, and uses the last known status of any worker that has not
+One run (``Reconciler.reconcile``) takes its own pods from the selection index
+(``pod_index``, kept by the watch events), parses the spec once (``desired.desired_policy``) and
+hands the parsed value down. It never waits on a worker for long: each worker's status stream
+(``status_watch``) keeps its status current and wakes the loop on a change; a run starts a status
+read only for a worker that needs one (``sync.needs_read``: nothing known, a changed pod, a change
+of ours that ended after its last message, and for a worker without the stream a failed read, a
+change settling or the slow resync), each on its own deadline, waits at most
+``READ_WAIT_SECONDS`` for them, and uses the last known status of any worker that has not
 answered yet (its late answer wakes the loop). Then, without awaiting anything, it settles who
-owns each worker (``selection.owner`` over ``WorkerCalls.holders``, one entry per worker address
-shared by all loops), looks at the traffic (``traffic.recommend``), what each worker lacks, and
+owns each worker (``ownership.split_owned``: the senior policy owns every worker it selects),
+looks at the traffic (``traffic.recommend``), what each worker lacks, and
 what to push: every loop decides from the same snapshot, so two policies never both push to a
 worker nor both defer to each other. Pushes and model reloads run as tasks of their own
 (``worker_calls``), handed out by the rollout planner (``rollout.plan_rollout``) at most
-``maxUnavailable`` at a time; their end wakes the loop. The run writes the ConfigMap when the
-policy to push changed, and the status on every run with what is known; both have no other
-writer.
+``maxUnavailable`` at a time (a departed worker's slot: ``departures``); their end wakes the loop.
+The run writes the ConfigMap when the policy to push changed, and the status when it changed,
+each at most once a second (``pacing``); both have no other writer.
 """
 
 from __future__ import annotations
@@ -45,21 +48,25 @@ import kopf
 from graphkeeper.operator import metrics
 from graphkeeper.operator.canary import PHASES
 from graphkeeper.operator.canary_rollout import CanaryRollout, canary_status
+from graphkeeper.operator.departures import Departures
 from graphkeeper.operator.desired import Desired, desired_policy
 from graphkeeper.operator.events import Told, run_events
 from graphkeeper.operator.kube import Kube, api_unreachable
 from graphkeeper.operator.outage import OUTAGE
+from graphkeeper.operator.ownership import split_owned
+from graphkeeper.operator.pacing import RENDER_EVERY_SECONDS, STATUS_EVERY_SECONDS, Pacer
+from graphkeeper.operator.pod_index import SelectionIndex
 from graphkeeper.operator.render import build_configmap, build_status_patch, configmap_differs
-from graphkeeper.operator.rollout import RecaptureKeys, RolloutPlan, RolloutWorker, plan_rollout, rollout_status
-from graphkeeper.operator.selection import (
-    PolicyRef,
-    WorkerPod,
-    claims,
-    live_targets,
-    owner,
-    pods_by_target,
-    selected_workers,
+from graphkeeper.operator.rollout import (
+    RecaptureKeys,
+    RolloutPlan,
+    RolloutWorker,
+    Wait,
+    plan_rollout,
+    rollout_status,
+    rollout_wait,
 )
+from graphkeeper.operator.selection import PolicyRef, WorkerPod
 from graphkeeper.operator.status import WorkerObservation, WorkerState, build_status
 from graphkeeper.operator.sync import PUSH, RELOAD, Track, classify, settle
 from graphkeeper.operator.traffic import (
@@ -106,20 +113,9 @@ class RunOutcome:
     desired: Desired | None = None
     plan: RolloutPlan | None = None
     rollout: dict[str, Any] | None = None
+    #: What the rollout waits on, if anything (``rollout.rollout_wait``).
+    wait: Wait | None = None
     fired: dict[str, list[str]] = field(default_factory=lambda: {PUSH: [], RELOAD: []})
-
-
-def holding_slots(departed: dict[str, tuple[float, frozenset[str]]], views: Views, now: float,
-                  deadline: float) -> list[str]:
-    """The deleted pods that still hold a rollout slot; forgets the others (``departed`` is the
-    loop's). A force-deleted pod's worker may go on recapturing for a while: its slot is free
-    once a pod this policy did not select at the deletion is available (its replacement is
-    READY), or once the change's progress deadline passed."""
-    for key, (started, known) in list(departed.items()):
-        replaced = any(view.available for pod, _, view in views.values() if pod.uid not in known)
-        if replaced or now - started > deadline:
-            del departed[key]
-    return sorted(departed)
 
 
 def mark_waiting(observations: list[WorkerObservation], waiting: set[str]) -> list[WorkerObservation]:
@@ -136,8 +132,9 @@ def policy_status(generation: int, outcome: RunOutcome, previous: Mapping[str, A
     sizes from traffic (``traffic.sizes_status``) and their canary (``canary_rollout``). An invalid
     spec keeps the sizes as the last status showed them: the workers keep their last policy."""
     running = canary.progressing() if canary is not None else None
+    wait = (outcome.wait.reason, outcome.wait.message) if outcome.wait is not None else None
     status = build_status(generation=generation, observations=outcome.observations, previous=previous,
-                          now=now, invalid=invalid, rollout=outcome.rollout, canary=running)
+                          now=now, invalid=invalid, rollout=outcome.rollout, canary=running, wait=wait)
     if outcome.desired is None:
         status.update({key: previous[key] for key in SIZES_KEYS if key in previous})
     else:
@@ -167,11 +164,6 @@ class PolicyLoop:
         #: The pods the last run selected, and their GraphControl addresses.
         self.seen_pods: set[str] = set()
         self.seen_targets: set[str] = set()
-        #: Pods deleted while a change of ours was under way on their worker: key -> (when that
-        #: change started, the pod uids this policy selected then). Each keeps its rollout slot
-        #: (the process may still be recapturing) until a replacement is READY or the progress
-        #: deadline passes.
-        self.departed: dict[str, tuple[float, frozenset[str]]] = {}
         #: Capture sizes from traffic: the set applied last (read back from status, so a restarted
         #: operator keeps it), the last recommendation, and what and when it was computed from.
         #: The canary of a new set (``fromTraffic.canary``); one left running by a restarted
@@ -185,6 +177,9 @@ class PolicyLoop:
         self.rendered: pb.GraphPolicy | None = None
         #: What this policy's Events told so far.
         self.told = Told()
+        #: Status patches and ConfigMap writes, each at most once per interval (``pacing``).
+        self.status_pace = Pacer(STATUS_EVERY_SECONDS)
+        self.render_pace = Pacer(RENDER_EVERY_SECONDS)
         self._reconciler = reconciler
         self._woken = asyncio.Event()
         self._woken.set()
@@ -241,8 +236,12 @@ class Reconciler:
         self.read_wait = read_wait
         self.resync = resync
         self.calls = WorkerCalls(client, self._wake_pod)
+        self.departures = Departures(client, self.wake_all)
         self.keys = RecaptureKeys()
         self.loops: dict[str, PolicyLoop] = {}
+        #: Who selects what, kept current by the watch events (a run touches only its own pods).
+        self.index = SelectionIndex()
+        self.index.seed(pods, policies)
         self._fingerprints: dict[str, tuple] = {}
         self._post_event = post_event
         self.runs = 0
@@ -253,38 +252,44 @@ class Reconciler:
         """A GraphPolicy watch event: start, wake or stop its loop."""
         OUTAGE.ok()
         loop = self.loops.get(ref.uid)
+        moved = self.index.drop_policy(ref.uid) if deleted else self.index.put_policy(ref)
+        # Rivals whose ownership may have moved (a selector edit, a new senior, one letting go);
+        # a change that leaves the selection as it was wakes no one else.
+        for uid in self.index.claimants(moved) - {ref.uid}:
+            self.wake(uid)
         if deleted or ref.deleting:
             if loop is not None:
                 loop.task.cancel()
                 del self.loops[ref.uid]
                 metrics.forget_policy(ref.namespace, ref.name, _STATES)
-                self.wake_all()  # a younger rival (here or at the same address) may own its pods
             return
         if loop is None:
             self.loops[ref.uid] = PolicyLoop(self, ref)
         elif loop.generation != ref.generation:
             loop.generation = ref.generation
-            self.wake_all()  # its selector may have moved
+            loop.wake()
 
     def on_pod(self, pod: WorkerPod, deleted: bool) -> None:
         """A Pod watch event: wake the loops of policies that select (or selected) it."""
         OUTAGE.ok()
         fingerprint = None if deleted else pod.fingerprint()
-        if self._fingerprints.get(pod.uid) == fingerprint:
+        if self._fingerprints.get(pod.uid) == fingerprint and (not deleted or pod.uid not in self.index.pods):
             return
         if deleted:
             self._fingerprints.pop(pod.uid, None)
             track = self.calls.tracks.get(pod.uid)
             if track is not None and (track.busy() or not track.settled):
-                for loop in self.loops.values():
-                    if pod.uid in loop.seen_pods:
-                        loop.departed[pod.key] = (track.action_started, frozenset(loop.seen_pods))
+                selecting = [lp for lp in self.loops.values() if pod.uid in lp.seen_pods]
+                self.departures.add(pod, track.action_started, frozenset().union(*(lp.seen_pods for lp in selecting)),
+                                    frozenset(lp.uid for lp in selecting))
             self.calls.forget(pod)
+            self.index.drop_pod(pod.uid)
         else:
             self._fingerprints[pod.uid] = fingerprint
             self.calls.pod_changed(pod)
+            self.index.put_pod(pod)
         for loop in self.loops.values():
-            if loop.watches(pod) or ((ref := self._ref(loop)) is not None and ref.selects(pod)):
+            if loop.watches(pod) or self.index.selects(loop.uid, pod.uid):
                 loop.wake()
 
     def wake(self, uid: str) -> None:
@@ -311,6 +316,7 @@ class Reconciler:
             loop.task.cancel()
         await asyncio.gather(*(lp.task for lp in self.loops.values()), return_exceptions=True)
         self.loops.clear()
+        await self.departures.close()
         await self.calls.close()
 
     # --- one run -------------------------------------------------------------------------------
@@ -324,21 +330,22 @@ class Reconciler:
             return self.interval
         started = time.monotonic()
         self.runs += 1
-        pods = selected_workers(ref, self.pods.get(ref.namespace, ()))
+        pods = self.index.selected(ref.uid)
         loop.seen_pods = {p.uid for p in pods}
         loop.seen_targets = {p.control_target for p in pods if p.address}
         desired, invalid = desired_policy(ref, len(pods), loop.applied)
+        put_off = math.inf  # seconds until a write this run put off is due
         if desired is None:
             outcome = RunOutcome([WorkerObservation(p.key, WorkerState.PENDING, "not pushed") for p in pods])
         else:
             outcome = await self._roll_out(loop, ref, pods, desired)
-            await self._render(loop, ref, outcome.desired or desired)  # with the sizes it applied
-        await self._report(loop, ref, outcome, invalid)
+            put_off = await self._render(loop, ref, outcome.desired or desired)  # with the sizes it applied
+        put_off = min(put_off, await self._report(loop, ref, outcome, invalid))
         metrics.RECONCILE_SECONDS.observe(time.monotonic() - started)
-        return next_delay(self.calls.busy(pods), outcome.observations, invalid, self.interval)
+        return min(put_off, next_delay(self.calls.busy(pods), outcome.observations, invalid, self.interval))
 
     def _ref(self, loop: PolicyLoop) -> PolicyRef | None:
-        return next((p for p in self.policies.get(loop.namespace, ()) if p.uid == loop.uid), None)
+        return self.index.policies.get(loop.uid)
 
     async def _roll_out(self, loop: PolicyLoop, ref: PolicyRef, pods: list[WorkerPod],
                         desired: Desired) -> RunOutcome:
@@ -348,44 +355,21 @@ class Reconciler:
         await self.calls.read(pods, wait=self.read_wait, resync=self.resync)
         # From here to the hand-out nothing awaits: who owns each worker, what it lacks and what
         # is pushed to it come from one snapshot, the same one every other loop sees.
-        mine, observations = self._claimed(ref, pods)
+        mine, observations = split_owned(ref, pods, self.index.claims)
         if desired.traffic is not None and not loop.canary.busy:
             desired = self._from_traffic(loop, ref, mine, desired)
         desired = self._canary(loop, ref, mine, desired)
         worker_observations, views = self._classify(mine, desired)
         observations += worker_observations
-        departed = holding_slots(loop.departed, views, time.monotonic(), desired.deadline)
+        departed = self.departures.holding(loop.uid, views, time.monotonic(), desired.deadline)
         plan = plan_rollout([view for _, _, view in views.values()]
-                            + [RolloutWorker(f"{key} (deleted, may still be recapturing)",
-                                             available=False, blocked=True) for key in departed],
+                            + [RolloutWorker(key, available=False, blocked=True, departed=True) for key in departed],
                             desired.max_unavailable)
         fired = self.calls.hand_out(plan, views, desired.wire_for)
         observations = mark_waiting(observations, set(plan.waiting))
         updated = sum(1 for o in observations if o.state == WorkerState.CAPTURED)
         rollout = rollout_status(plan, updated=updated, total=len(mine))
-        return RunOutcome(observations, desired, plan, rollout, fired)
-
-    def _claimed(self, ref: PolicyRef, pods: list[WorkerPod]) -> tuple[list[WorkerPod], list[WorkerObservation]]:
-        """The pods this policy owns, and a CONFLICT observation for each that another policy
-        keeps (it selects the pod, or the worker behind it, too, and holds it or is older)."""
-        everyone = [p for refs in self.policies.values() for p in refs]
-        at_target = pods_by_target(self.pods)
-        mine: list[WorkerPod] = []
-        conflicts: list[WorkerObservation] = []
-        for pod in pods:
-            holder = self.calls.holder(pod)
-            others = at_target.get(pod.control_target, ()) if pod.address else ()
-            won = owner(claims(pod, everyone, others), holder)
-            if won is None or won[0].uid == ref.uid:
-                mine.append(pod)
-                continue
-            other, via = won
-            where = "" if via.uid == pod.uid else f" through pod {via.key} at {pod.control_target}"
-            why = "it holds the worker" if other.uid == holder else "it is older"
-            conflicts.append(WorkerObservation(
-                pod.key, WorkerState.CONFLICT,
-                f"also claimed by the policy {other.key}{where}, which keeps it ({why}); not pushed"))
-        return mine, conflicts
+        return RunOutcome(observations, desired, plan, rollout, rollout_wait(plan), fired)
 
     def _from_traffic(self, loop: PolicyLoop, ref: PolicyRef, mine: list[WorkerPod], desired: Desired) -> Desired:
         """Looks at the owned workers' traffic (this run's snapshot) when it is due, and carries out
@@ -451,39 +435,52 @@ class Reconciler:
             views[pod.key] = (pod, track, view)
         return observations, views
 
-    async def _render(self, loop: PolicyLoop, ref: PolicyRef, desired: Desired) -> None:
+    async def _render(self, loop: PolicyLoop, ref: PolicyRef, desired: Desired) -> float:
         """Writes the ConfigMap worker pods boot from (nothing else writes it) when the policy to
         push changed since the last run found or wrote it (a spec edit, sizes applied from
         traffic), so that a pod started later captures it before it is ready and is not pushed
-        again. An invalid spec is never rendered: the last good ConfigMap stays."""
+        again; at most once a second under an edit burst (returns how long it put a write off).
+        It is read only the first time (after that it holds what this loop wrote). An invalid
+        spec is never rendered: the last good ConfigMap stays."""
         wire = desired.wire
         if loop.rendered is not None and loop.rendered == wire:
-            return
+            return math.inf
+        if wait := loop.render_pace.wait(time.monotonic()):
+            return wait
         body = build_configmap(ref, wire)
         name = body["metadata"]["name"]
-        current = await self.kube.read_configmap(ref.namespace, name)
+        current = None if loop.rendered is None else build_configmap(ref, loop.rendered)
+        if loop.rendered is None:
+            current = await self.kube.read_configmap(ref.namespace, name)
         if configmap_differs(current, body):
             await self.kube.write_configmap(body, exists=current is not None)
+            loop.render_pace.wrote(time.monotonic())
             logger.info("%s: wrote ConfigMap %s for generation %d", ref.key, name, ref.generation)
         loop.rendered = wire
+        return math.inf
 
-    async def _report(self, loop: PolicyLoop, ref: PolicyRef, outcome: RunOutcome, invalid: str | None) -> None:
-        """Writes status (nothing else writes it), posts the run's Events, drops connections to gone
-        workers and sets the gauges."""
+    async def _report(self, loop: PolicyLoop, ref: PolicyRef, outcome: RunOutcome, invalid: str | None) -> float:
+        """Writes status (nothing else writes it; at most once a second, returning how long it put
+        a write off), posts the run's Events, drops connections to gone workers and sets the gauges."""
         previous = loop.last_status if loop.last_status is not None else dict(ref.status)
         status = policy_status(ref.generation, outcome, previous, invalid, loop.applied, loop.recommendation,
                                datetime.now(UTC), loop.canary)
-        if status != previous:
+        put_off = loop.status_pace.wait(time.monotonic()) if status != previous else math.inf
+        if not put_off:
             await self.kube.patch_policy_status(ref.namespace, ref.name, build_status_patch(status, previous))
+            loop.status_pace.wrote(time.monotonic())
             metrics.STATUS_WRITES.inc()
             loop.last_status = status
+            put_off = math.inf
         events, loop.told = run_events(loop.told, generation=ref.generation, observations=outcome.observations,
-                                       fired=outcome.fired, invalid=invalid, plan=outcome.plan)
+                                       fired=outcome.fired, invalid=invalid, plan=outcome.plan, wait=outcome.wait,
+                                       now=time.monotonic())
         for event in events:
             self._event(ref.body(), event.kind, event.reason, event.message)
-        await self.calls.prune(live_targets(self.pods))
+        await self.calls.prune(self.index.live)
         counts = Counter(str(o.state) for o in outcome.observations)
         metrics.set_worker_states(ref.namespace, ref.name, dict(counts), _STATES)
+        return put_off
 
     def _event(self, body: dict[str, Any], kind: str, reason: str, message: str) -> None:
         log = logger.warning if kind == "Warning" else logger.info

@@ -132,6 +132,9 @@ class RolloutWorker:
     #: Still busy with an earlier push or reload of ours: it gets the latest generation once it
     #: is READY, not every generation of an edit burst meanwhile.
     settling: bool = False
+    #: Its pod was deleted while it recaptured; it holds a slot until it can no longer be
+    #: recapturing (``departures``).
+    departed: bool = False
 
 
 @dataclass(frozen=True)
@@ -145,6 +148,41 @@ class RolloutPlan:
     max_unavailable: int = 1
     #: Workers that still need a recapture or reload and were not handed one this run.
     waiting: tuple[str, ...] = field(default=())
+    #: The unavailable workers (what the waiting ones wait on), and which of them are departed;
+    #: ``taken``: the workers this plan takes out of service (a recapture or reload now).
+    unavailable_names: tuple[str, ...] = ()
+    departed: tuple[str, ...] = ()
+    taken: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Wait:
+    """What a rollout waits on: the Progressing condition's reason and message, and the key its
+    one Event is posted under (a new key, a new Event)."""
+
+    reason: str
+    message: str
+    key: tuple[str, ...]
+
+
+def rollout_wait(plan: RolloutPlan) -> Wait | None:
+    """What the workers the plan left waiting wait on (pure); None when none waits, or the rollout
+    is paused (``RolloutPaused`` says why)."""
+    if plan.paused or not plan.waiting:
+        return None
+    waiting = f"{len(plan.waiting)} worker(s) wait for a slot (maxUnavailable {plan.max_unavailable})"
+    if plan.departed:
+        held = ", ".join(plan.departed[:5])
+        return Wait("WaitingForDeletedWorker",
+                    f"{waiting}: held by {held}, deleted while recapturing; a slot frees when the "
+                    "worker's address stops answering, it reports READY, a replacement is READY or "
+                    "the progress deadline passes", ("WaitingForDeletedWorker", *plan.departed))
+    busy = plan.unavailable_names + plan.taken
+    names = ", ".join(busy[:5])
+    more = len(busy) - 5
+    return Wait("WaitingForUnavailableWorkers",
+                f"{waiting}: {len(busy)} unavailable ({names}{f' and {more} more' if more > 0 else ''})",
+                ("WaitingForUnavailableWorkers",))
 
 
 def plan_rollout(workers: Iterable[RolloutWorker], max_unavailable: int) -> RolloutPlan:
@@ -155,6 +193,7 @@ def plan_rollout(workers: Iterable[RolloutWorker], max_unavailable: int) -> Roll
     push: list[str] = []
     reload: list[str] = []
     waiting: list[str] = []
+    taken: list[str] = []
     budget = max(0, max_unavailable - unavailable)
     for w in ordered:
         if w.blocked:
@@ -176,10 +215,13 @@ def plan_rollout(workers: Iterable[RolloutWorker], max_unavailable: int) -> Roll
             waiting.append(w.name)
             continue
         budget -= 1
+        taken.append(w.name)
         (push if w.needs_push else reload).append(w.name)
     return RolloutPlan(push=tuple(push), reload=tuple(reload), paused=bool(failed),
                        failed=failed, unavailable=unavailable, max_unavailable=max_unavailable,
-                       waiting=tuple(waiting))
+                       waiting=tuple(waiting),
+                       unavailable_names=tuple(w.name for w in ordered if not w.available),
+                       departed=tuple(w.name for w in ordered if w.departed), taken=tuple(taken))
 
 
 def rollout_status(plan: RolloutPlan, *, updated: int, total: int) -> dict[str, Any]:

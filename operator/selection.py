@@ -159,10 +159,11 @@ class PolicyRef:
         return f"{self.namespace}/{self.name}"
 
     @property
-    def seniority(self) -> tuple[str, str]:
-        """Older policies win contested workers. ``creationTimestamp`` has one-second resolution,
-        so the uid breaks ties: arbitrary, but the same answer for both rivals, every time."""
-        return (self.created, self.uid)
+    def seniority(self) -> tuple[str, str, str, str]:
+        """Older policies own contested workers (``ownership``). ``creationTimestamp`` has
+        one-second resolution, so the name breaks ties (then the namespace and the uid): the
+        same answer for both rivals, every time, and one a person can predict."""
+        return (self.created, self.name, self.namespace, self.uid)
 
     def selects(self, pod: WorkerPod) -> bool:
         return pod.namespace == self.namespace and selector_matches(
@@ -242,20 +243,6 @@ def claims(
         if via is not None:
             found[policy.uid] = (policy, via)
     return list(found.values())
-
-
-def owner(claimed: Iterable[tuple[PolicyRef, WorkerPod]], holder: str) -> tuple[PolicyRef, WorkerPod] | None:
-    """The one policy that may push to a worker, from its claims and the policy it holds (pure).
-
-    A worker keeps its holder (``holder``: the policy uid it reports holding or capturing, or
-    that the operator just pushed to it) for as long as that policy claims it; only when the
-    holder lets go (deleted, or its selector moved) does the most senior claimant take it.
-    Every policy's loop asks this one question of the same state, so two policies can never
-    both own a worker, and never both defer to each other.
-    """
-    claimed = list(claimed)
-    held = next((c for c in claimed if c[0].uid == holder), None) if holder else None
-    return held or min(claimed, key=lambda c: c[0].seniority, default=None)
 
 
 # --- selector validation ----------------------------------------------------------------------

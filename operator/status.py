@@ -10,6 +10,7 @@ condition's status flips.
 from __future__ import annotations
 
 import enum
+from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -64,6 +65,8 @@ class WorkerObservation:
     captured_sizes: tuple[int, ...] = ()
     graph_memory_bytes: int = 0
     fallback_rate: float | None = None
+    #: For a CONFLICT: the policy (``namespace/name``) that owns the worker.
+    owner: str = ""
 
     @property
     def failed(self) -> bool:
@@ -83,13 +86,15 @@ def build_status(
     invalid: str | None = None,
     rollout: Mapping[str, Any] | None = None,
     canary: str | None = None,
+    wait: tuple[str, str] | None = None,
 ) -> dict[str, Any]:
     """The whole ``.status`` for a policy at ``generation``.
 
     ``previous`` is the status as last written (for transition times and the last failure);
     ``invalid`` is the operator's own validation message when the spec cannot be pushed;
     ``rollout`` is ``rollout.rollout_status`` (counts, and whether a failure paused it);
-    ``canary``: how a running canary stands (Progressing says it, reason CanaryRunning).
+    ``canary``: how a running canary stands (Progressing says it, reason CanaryRunning);
+    ``wait``: (reason, message) of what the rollout waits on (``rollout.rollout_wait``).
     """
     previous = previous or {}
     workers = sorted(observations, key=lambda o: (not o.failed, o.state != WorkerState.PENDING,
@@ -99,7 +104,7 @@ def build_status(
     waiting = [o for o in workers if o.state in (WorkerState.PENDING, WorkerState.STARTING)]
     selected = len(workers)
 
-    conditions = _conditions(generation, selected, captured, waiting, failed, invalid, rollout, canary)
+    conditions = _conditions(generation, selected, captured, waiting, failed, invalid, rollout, canary, wait)
     old = {c.get("type"): c for c in previous.get("conditions") or []}
     stamp = rfc3339(now)
     for cond in conditions:
@@ -135,6 +140,7 @@ def _conditions(
     invalid: str | None,
     rollout: Mapping[str, Any] | None = None,
     canary: str | None = None,
+    wait: tuple[str, str] | None = None,
 ) -> list[dict[str, Any]]:
     def cond(kind: str, ok: bool, reason: str, message: str) -> dict[str, Any]:
         return {"type": kind, "status": "True" if ok else "False", "reason": reason,
@@ -166,6 +172,8 @@ def _conditions(
                            f"({done})")
     elif canary is not None:
         progressing = cond("Progressing", True, "CanaryRunning", f"{canary} ({done})")
+    elif waiting and wait is not None:
+        progressing = cond("Progressing", True, wait[0], f"{wait[1]} ({done})")
     elif waiting:
         unavailable = f", at most {rollout['maxUnavailable']} at a time" if rollout else ""
         progressing = cond("Progressing", True, "WaitingForWorkers",
@@ -183,7 +191,8 @@ def _conditions(
         more = len(failed) - MAX_NAMED_IN_MESSAGE
         if more > 0:
             details += f"; and {more} more"
-        degraded = cond("Degraded", True, reason, f"{len(failed)} failing: {details}")
+        summary = f"{conflict_summary(failed)}: " if reason == "Conflict" else ""
+        degraded = cond("Degraded", True, reason, f"{summary}{len(failed)} failing: {details}")
     else:
         degraded = cond("Degraded", False, "AsExpected", "no worker is failing")
     return [ready, progressing, degraded]
@@ -229,6 +238,13 @@ def _summary(o: WorkerObservation) -> dict[str, Any]:
     if o.message:
         out["message"] = _clip(o.message)
     return out
+
+
+def conflict_summary(observations: Iterable[WorkerObservation]) -> str:
+    """Each policy that owns some of this policy's selected workers, and how many."""
+    counts = Counter(o.owner for o in observations if o.state == WorkerState.CONFLICT and o.owner)
+    return "; ".join(f"{n} selected pod(s) owned by the older policy {who}"
+                     for who, n in sorted(counts.items()))
 
 
 def _names(observations: list[WorkerObservation]) -> str:

@@ -63,6 +63,8 @@ class Track:
     load_attempt: tuple[str, float] | None = None
     load_failure: tuple[str, str] | None = None
     notes: list[str] = field(default_factory=list)
+    #: A WatchGraphStatus stream to the worker is open and has answered (``status_watch``).
+    streaming: bool = False
 
     def busy(self) -> bool:
         return self.action is not None and not self.action.done()
@@ -75,7 +77,15 @@ def needs_read(track: Track, now: float, resync: float) -> bool:
     its last read failed, its pod changed (readiness, restarts, annotations: ``stale``), a
     change of ours is still settling on it, or ``resync`` seconds passed since its last read
     (the slow resync that catches what no pod event shows).
+
+    A worker with an open status stream sends every change itself (``status_watch``): it is read
+    only when nothing is known, its pod changed, or a change of ours ended after its last message
+    (an adoption that needed no recapture changes nothing more for the stream to send).
     """
+    if track.streaming:
+        return (track.status is None or track.stale
+                or (not track.settled and not track.busy() and track.read_at < track.action_done_at
+                    and not shows_goal(track)))
     return (track.status is None or track.error is not None or track.stale
             or not track.settled or track.busy() or now - track.read_at >= resync)
 
@@ -95,13 +105,25 @@ def has_pending(status: pb.GraphStatus, policy: pb.GraphPolicy) -> bool:
 
 
 def settle(track: Track) -> None:
-    """Marks an action settled once a read started after it ended shows nothing under way."""
+    """Marks an action settled once a read started after it ended, or a streamed status that
+    shows its goal adopted, shows nothing under way."""
     if track.settled or track.busy() or track.status is None:
         return
     s = track.status
-    if (track.read_at >= track.action_done_at and s.state == pb.LIFECYCLE_STATE_READY
+    if ((track.read_at >= track.action_done_at or shows_goal(track)) and s.state == pb.LIFECYCLE_STATE_READY
             and not s.pending_policy_uid and not s.pending_model_revision):
         track.settled = True
+
+
+def shows_goal(track: Track) -> bool:
+    """Whether the worker's streamed status already shows the last action's goal adopted (the
+    stream sent it before the call's answer came back): no read is needed to know it settled."""
+    s = track.status
+    if not track.streaming or s is None:
+        return False
+    if track.action_kind == PUSH:
+        return f"{s.policy_uid}/{s.policy_generation}" == track.action_goal
+    return track.action_kind == RELOAD and s.model_revision == track.action_goal
 
 
 def observe(pod: WorkerPod, status: pb.GraphStatus, policy: pb.GraphPolicy,

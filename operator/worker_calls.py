@@ -4,7 +4,8 @@ A call never holds up a reconcile run: each runs as an asyncio task with the cli
 its outcome lands in the worker's ``sync.Track`` (one per pod uid), and its end wakes the loops
 that select the pod (``wake``). ``WorkerCalls`` also keeps ``holders``: what the operator knows
 of the policy each worker holds or is capturing, one entry per GraphControl address, shared by
-every policy's loop, so that all of them decide ownership from the same fact.
+every policy's loop, so that a worker another policy just pushed to is read again before a run
+decides what it lacks.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from collections.abc import Callable, Iterable, Mapping
 from graphkeeper.operator import metrics
 from graphkeeper.operator.rollout import RolloutPlan, RolloutWorker
 from graphkeeper.operator.selection import WorkerPod
+from graphkeeper.operator.status_watch import StatusWatches
 from graphkeeper.operator.sync import PUSH, RELOAD, Track, finish_action, goal_of, needs_read, record_action
 from graphkeeper.operator.workerclient import GraphControlClient, WorkerError
 from graphkeeper.proto import worker_pb2 as pb
@@ -36,17 +38,16 @@ class WorkerCalls:
         #: GraphControl address -> (policy uid the worker holds or is capturing, monotonic time
         #: that became known). ``math.inf`` while a push of ours is under way.
         self.holders: dict[str, tuple[str, float]] = {}
+        #: Pods forgotten so far, and that count at the last prune.
+        self._forgotten = self._pruned = 0
+        #: The status stream of each running worker (its heartbeat: the resync interval).
+        self.watches = StatusWatches(client, self.track, self._learn_holder, wake)
 
     def track(self, pod: WorkerPod) -> Track:
         track = self.tracks.get(pod.uid)
         if track is None:
             track = self.tracks[pod.uid] = Track()
         return track
-
-    def holder(self, pod: WorkerPod) -> str:
-        """The policy uid the worker behind ``pod`` holds, as far as the operator knows."""
-        known = self.holders.get(pod.control_target) if pod.address else None
-        return known[0] if known is not None else ""
 
     def statuses(self, pods: Iterable[WorkerPod]) -> list[pb.GraphStatus]:
         """The last status of each of ``pods`` whose last read answered."""
@@ -60,6 +61,7 @@ class WorkerCalls:
     def pod_changed(self, pod: WorkerPod) -> None:
         """A changed pod (restarted, re-annotated) is offered a refused generation again, and read
         again (readiness is how an idle fleet is watched)."""
+        self.watches.unsupported.discard(pod.control_target)  # perhaps a newer worker now
         track = self.tracks.get(pod.uid)
         if track is not None:
             track.rejected = None
@@ -67,6 +69,8 @@ class WorkerCalls:
 
     def forget(self, pod: WorkerPod) -> None:
         """A deleted pod: its track goes, and the calls to it are cancelled."""
+        self.watches.forget(pod.uid)
+        self._forgotten += 1
         track = self.tracks.pop(pod.uid, None)
         if track is not None:
             for task in (track.read, track.action):
@@ -74,9 +78,11 @@ class WorkerCalls:
                     task.cancel()
 
     async def read(self, pods: list[WorkerPod], *, wait: float, resync: float) -> None:
-        """Starts a status read per running pod that needs one (``sync.needs_read``, or the
+        """Keeps a status stream open to each running pod (``status_watch``), starts a status read
+        per running pod that needs one (``sync.needs_read``, or the
         worker's holder changed since this pod's last read) and waits at most ``wait`` seconds
         for them; a read still under way is marked orphaned, so that its end wakes the loops."""
+        self.watches.follow(pods, heartbeat=resync)
         now = time.monotonic()
         reads = [self._start_read(p) for p in pods if p.running and self._wants_read(p, now, resync)]
         if not reads:
@@ -102,13 +108,18 @@ class WorkerCalls:
             fired[RELOAD].append(f"{name} ({pod.model_revision})")
         return fired
 
-    async def prune(self, live: set[str]) -> None:
-        """Drops the connections to, and what is known of, workers at addresses no pod runs at."""
+    async def prune(self, live: Callable[[str], bool]) -> None:
+        """Drops the connections to, and what is known of, workers at addresses no pod runs at
+        (``live``); only after a pod went or moved, so an idle run walks nothing."""
+        if self._pruned == self._forgotten:
+            return
+        self._pruned = self._forgotten
         await self.client.prune(live)
-        for target in [t for t in self.holders if t not in live]:
+        for target in [t for t in self.holders if not live(t)]:
             del self.holders[target]
 
     async def close(self) -> None:
+        await self.watches.close()
         tasks = [t for tr in self.tracks.values() for t in (tr.read, tr.action) if t is not None]
         for task in tasks:
             task.cancel()

@@ -12,8 +12,10 @@ changes, so a rotated Secret needs no restart.
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import os
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import grpc
@@ -78,6 +80,12 @@ class TokenFile:
         return (("authorization", f"Bearer {self._token}"),) if self._token else ()
 
 
+def _cancelled_here() -> bool:
+    """Whether the running task itself is being cancelled (not just a gRPC call it awaited)."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
+
+
 class GraphControlClient:
     """Calls ``GraphControl`` on workers by ``host:port``; channels are cached per address.
 
@@ -106,6 +114,15 @@ class GraphControlClient:
         try:
             return await getattr(self._stub(target), method)(
                 request, timeout=timeout, metadata=self.token.metadata())
+        except grpc.aio.UsageError as err:  # its channel was closed before it started (the pod went)
+            await self.forget(target)
+            raise WorkerError(ErrorKind.UNREACHABLE, f"{method}: {err}") from None
+        except asyncio.CancelledError:
+            if _cancelled_here():
+                raise
+            # grpc cancels the calls in flight on a channel that is closed (``forget``, ``prune``):
+            # to the caller that is a worker it cannot reach, never a silent end of its task.
+            raise WorkerError(ErrorKind.UNREACHABLE, f"{method}: its channel was closed") from None
         except grpc.aio.AioRpcError as err:
             kind = _KIND_BY_CODE.get(err.code(), ErrorKind.ERROR)
             if kind is ErrorKind.UNREACHABLE:
@@ -116,6 +133,42 @@ class GraphControlClient:
 
     async def get_status(self, target: str) -> pb.GraphStatus:
         return await self._call(target, "GetGraphStatus", pb.GetGraphStatusRequest(), self.timeout)
+
+    async def watch_status(self, target: str, heartbeat: float) -> AsyncIterator[pb.GraphStatus]:
+        """The worker's WatchGraphStatus stream: its status now and on every change. Raises a
+        ``WorkerError`` when the stream breaks, ends, or stays silent past two heartbeats (a worker
+        that cannot send is as good as gone); UNIMPLEMENTED (an older worker) is kind ERROR with
+        that code, so the caller polls it instead."""
+        request = pb.WatchGraphStatusRequest(heartbeat_seconds=max(1, round(heartbeat)))
+        silent = 2 * heartbeat + self.timeout
+        try:
+            call = self._stub(target).WatchGraphStatus(request, metadata=self.token.metadata())
+        except grpc.aio.UsageError as err:
+            await self.forget(target)
+            raise WorkerError(ErrorKind.UNREACHABLE, f"WatchGraphStatus: {err}") from None
+        try:
+            while True:
+                async with asyncio.timeout(silent):
+                    status = await call.read()
+                if status is grpc.aio.EOF:
+                    raise WorkerError(ErrorKind.UNREACHABLE, "WatchGraphStatus: the worker ended the stream")
+                yield status
+        except grpc.aio.AioRpcError as err:
+            kind = _KIND_BY_CODE.get(err.code(), ErrorKind.ERROR)
+            if kind is ErrorKind.UNREACHABLE:
+                await self.forget(target)
+            detail = err.details() or err.code().name
+            raise WorkerError(kind, f"WatchGraphStatus: {err.code().name}: {detail}", err.code()) from None
+        except TimeoutError:
+            raise WorkerError(ErrorKind.UNREACHABLE, f"WatchGraphStatus: nothing for {silent:g}s") from None
+        except grpc.aio.UsageError as err:
+            raise WorkerError(ErrorKind.UNREACHABLE, f"WatchGraphStatus: {err}") from None
+        except asyncio.CancelledError:
+            if _cancelled_here():
+                raise
+            raise WorkerError(ErrorKind.UNREACHABLE, "WatchGraphStatus: its channel was closed") from None
+        finally:
+            call.cancel()
 
     async def apply_policy(
         self, target: str, policy: pb.GraphPolicy
@@ -147,9 +200,9 @@ class GraphControlClient:
         if channel is not None:
             await channel.close()
 
-    async def prune(self, keep: set[str]) -> None:
-        """Closes channels to addresses no selected worker has any more."""
-        for target in [t for t in self._channels if t not in keep]:
+    async def prune(self, keep: Callable[[str], bool]) -> None:
+        """Closes channels to addresses no selected worker has any more (``keep`` says which stay)."""
+        for target in [t for t in self._channels if not keep(t)]:
             await self.forget(target)
 
     async def close(self) -> None:

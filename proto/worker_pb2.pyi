@@ -325,6 +325,12 @@ class GetModelInfoResponse(_message.Message):
     step_budget: StepBudgetStatus
     def __init__(self, source: _Optional[str] = ..., revision: _Optional[str] = ..., architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_attention_heads: _Optional[int] = ..., num_key_value_heads: _Optional[int] = ..., max_seq_len: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., eos_token_id: _Optional[int] = ..., device: _Optional[str] = ..., parameter_count: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., model_context_length: _Optional[int] = ..., tokenizer: _Optional[bool] = ..., chat_template: _Optional[bool] = ..., step_budget: _Optional[_Union[StepBudgetStatus, _Mapping]] = ...) -> None: ...
 
+class WatchGraphStatusRequest(_message.Message):
+    __slots__ = ("heartbeat_seconds",)
+    HEARTBEAT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    heartbeat_seconds: int
+    def __init__(self, heartbeat_seconds: _Optional[int] = ...) -> None: ...
+
 class CaptureSizes(_message.Message):
     __slots__ = ("explicit", "ladder", "max_capture_size")
     EXPLICIT_FIELD_NUMBER: _ClassVar[int]

@@ -183,6 +183,11 @@ class GraphControlStub:
                 request_serializer=graphkeeper_dot_proto_dot_worker__pb2.LoadModelRevisionRequest.SerializeToString,
                 response_deserializer=graphkeeper_dot_proto_dot_worker__pb2.LoadModelRevisionResponse.FromString,
                 _registered_method=True)
+        self.WatchGraphStatus = channel.unary_stream(
+                '/graphkeeper.worker.v1.GraphControl/WatchGraphStatus',
+                request_serializer=graphkeeper_dot_proto_dot_worker__pb2.WatchGraphStatusRequest.SerializeToString,
+                response_deserializer=graphkeeper_dot_proto_dot_worker__pb2.GraphStatus.FromString,
+                _registered_method=True)
 
 
 class GraphControlServicer:
@@ -214,6 +219,17 @@ class GraphControlServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WatchGraphStatus(self, request, context):
+        """Streams the worker's status: once at once, then on every change of what it holds or reports
+        as failing (lifecycle state, adopted and pending policy, model revision and pending revision,
+        last error, captured and skipped sizes), and at least every heartbeat_seconds otherwise.
+        Counters that move on every step (steps, traffic) never start a message by themselves. The
+        operator keeps one stream per worker: a stream that breaks is a worker it cannot reach.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GraphControlServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -231,6 +247,11 @@ def add_GraphControlServicer_to_server(servicer, server):
                     servicer.LoadModelRevision,
                     request_deserializer=graphkeeper_dot_proto_dot_worker__pb2.LoadModelRevisionRequest.FromString,
                     response_serializer=graphkeeper_dot_proto_dot_worker__pb2.LoadModelRevisionResponse.SerializeToString,
+            ),
+            'WatchGraphStatus': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchGraphStatus,
+                    request_deserializer=graphkeeper_dot_proto_dot_worker__pb2.WatchGraphStatusRequest.FromString,
+                    response_serializer=graphkeeper_dot_proto_dot_worker__pb2.GraphStatus.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -318,6 +339,33 @@ class GraphControl:
             '/graphkeeper.worker.v1.GraphControl/LoadModelRevision',
             graphkeeper_dot_proto_dot_worker__pb2.LoadModelRevisionRequest.SerializeToString,
             graphkeeper_dot_proto_dot_worker__pb2.LoadModelRevisionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchGraphStatus(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/graphkeeper.worker.v1.GraphControl/WatchGraphStatus',
+            graphkeeper_dot_proto_dot_worker__pb2.WatchGraphStatusRequest.SerializeToString,
+            graphkeeper_dot_proto_dot_worker__pb2.GraphStatus.FromString,
             options,
             channel_credentials,
             insecure,

@@ -335,3 +335,24 @@ def test_values_comments_name_only_keys_the_schema_has():
     keys = {n for n in named if n.split(".")[0] in schema["properties"]}
     assert "networkPolicy.allowFrom" in keys, "the comment that narrows the worker ports names it"
     assert [k for k in sorted(keys) if not exists(k.split("."))] == []
+
+
+def test_two_operator_replicas_by_default_one_acting_through_a_lease(helm):
+    docs = render(helm)
+    deployment = one(docs, "Deployment", "gk-graphkeeper-operator")["spec"]
+    assert deployment["replicas"] == 2
+    container = deployment["template"]["spec"]["containers"][0]
+    env = {e["name"]: e for e in container["env"]}
+    assert env["GRAPHKEEPER_LEADER_ELECTION_NAMESPACE"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.namespace"
+    assert env["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    spread = deployment["template"]["spec"]["affinity"]["podAntiAffinity"]
+    assert spread["preferredDuringSchedulingIgnoredDuringExecution"][0]["podAffinityTerm"]["topologyKey"] == \
+        "kubernetes.io/hostname"
+    role = one(docs, "Role", "gk-graphkeeper-operator-lease")
+    assert role["metadata"]["namespace"] == "llm"
+    assert role["rules"] == [{"apiGroups": ["coordination.k8s.io"], "resources": ["leases"],
+                              "verbs": ["get", "create", "update"]}]
+    binding = one(docs, "RoleBinding", "gk-graphkeeper-operator-lease")
+    assert binding["subjects"][0]["name"] == deployment["template"]["spec"]["serviceAccountName"]
+    assert one(render(helm, "--set", "operator.replicas=1"), "Deployment", "gk-graphkeeper-operator")[
+        "spec"]["replicas"] == 1

@@ -167,6 +167,12 @@ def _operator(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--control-token-file", default=os.environ.get("GRAPHKEEPER_CONTROL_TOKEN_FILE", ""),
                    help="bearer token sent on every GraphControl call "
                         "(default: $GRAPHKEEPER_CONTROL_TOKEN_FILE)")
+    p.add_argument("--leader-election-namespace", default=os.environ.get("GRAPHKEEPER_LEADER_ELECTION_NAMESPACE", ""),
+                   help="run as one of several replicas: the one holding the Lease in this namespace acts, "
+                        "the others stand by (default: $GRAPHKEEPER_LEADER_ELECTION_NAMESPACE; empty: the only one)")
+    p.add_argument("--leader-election-name", default="graphkeeper-operator", help="the Lease's name")
+    p.add_argument("--identity", default=os.environ.get("POD_NAME", ""),
+                   help="this replica's name in the Lease (default: $POD_NAME, else host and pid)")
     p.add_argument("--log-level", default="INFO")
     p.set_defaults(func=_run_operator)
 

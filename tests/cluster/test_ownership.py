@@ -12,6 +12,7 @@ never changes hands between the two, exactly one of them is Ready and the other 
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 
 import pytest
@@ -156,3 +157,103 @@ def test_same_second_pairs_across_namespaces_never_alternate_or_deadlock(
     finally:
         with contextlib.suppress(kubernetes.client.ApiException):
             cluster.core.delete_namespace(other_ns)
+
+
+# --- one selection, one owner: the three ways Operator III split it ------------------------------
+
+SPLIT = {"app": "split"}
+#: Trials of each split repro (``bench/operator_splits.py`` runs 20; the suite runs one).
+SPLIT_TRIALS = int(os.environ.get("GRAPHKEEPER_SPLIT_TRIALS", "1"))
+trials = pytest.mark.parametrize("trial", range(SPLIT_TRIALS))
+
+
+def split_spec(sizes: list[int], selector: dict | None = None) -> dict:
+    return {"selector": {"matchLabels": selector or SPLIT}, "mode": "Full", "captureSizes": {"sizes": sizes},
+            "rollout": {"maxUnavailable": 1}}
+
+
+def split_fleet(kubelet: Kubelet, ns: str, count: int) -> list[Worker]:
+    workers = [kubelet.create_worker(ns, f"s{i}", SPLIT, standin=StandIn(capture_seconds=1.0), wait=False)
+               for i in range(count)]
+    for w in workers:
+        kubelet.wait_ready(w)
+    return workers
+
+
+def one_owner(pols: Policies, names: list[str], workers: list[Worker], timeout: float = 90) -> str:
+    """Waits until exactly one of ``names`` is Ready, every other is Degraded=Conflict naming it
+    with the number of pods, and every worker holds the Ready one's policy; returns its name."""
+    def settled() -> str | None:
+        objs = {n: pols.get(n) for n in names}
+        ready = [n for n, o in objs.items() if _cond(o, "Ready").get("status") == "True"]
+        if len(ready) != 1:
+            return None
+        uid = objs[ready[0]]["metadata"]["uid"]
+        if any(held_by(w) != uid or w.graph_status().state != 5 for w in workers):
+            return None
+        for n, o in objs.items():
+            degraded = _cond(o, "Degraded")
+            if n != ready[0] and not (degraded.get("reason") == "Conflict"
+                                      and f"owned by the older policy {pols.namespace}/{ready[0]}"
+                                      in degraded.get("message", "")):
+                return None
+        return ready[0]
+
+    return wait_until(f"one owner among {names}", settled, timeout=timeout, interval=0.5)
+
+
+def _cond(obj: dict, kind: str) -> dict:
+    return next((c for c in (obj.get("status") or {}).get("conditions") or [] if c["type"] == kind), {})
+
+
+@trials
+def test_a_selector_edit_mid_rollout_moves_the_whole_overlap_to_the_older_policy(
+        trial: int, running_operator: Operator, kubelet: Kubelet, policies: Policies):
+    workers = split_fleet(kubelet, policies.namespace, 4)
+    policies.create("older", split_spec([1, 2], selector={"app": "nothing-yet"}))
+    time.sleep(1.1)  # a later creationTimestamp for the younger
+    young = policies.create("younger", split_spec([4]))["metadata"]["uid"]
+    wait_until("the younger's rollout part-way", lambda: 1 <= sum(held_by(w) == young for w in workers) < 4,
+               timeout=30, interval=0.05)
+    policies.patch_spec("older", {"selector": {"matchLabels": SPLIT}})
+    assert one_owner(policies, ["older", "younger"], workers) == "older"
+    message = policies.condition("younger", "Degraded")["message"]
+    assert message.startswith(f"4 selected pod(s) owned by the older policy {policies.namespace}/older"), message
+    # A restart changes nothing, and the owner's next change still reaches every worker.
+    running_operator.restart()
+    policies.patch_spec("older", {"captureSizes": {"sizes": [1, 2, 8]}})
+    policies.wait_condition("older", "Ready", "True", generation=3, timeout=90)
+    assert one_owner(policies, ["older", "younger"], workers) == "older"
+
+
+@trials
+def test_a_policy_created_right_after_the_first_push_lands_never_splits_the_selection(
+        trial: int, running_operator: Operator, kubelet: Kubelet, policies: Policies):
+    workers = split_fleet(kubelet, policies.namespace, 4)
+    pushes = running_operator.metric(PUSHES)
+    # "b-first" is created first; "a-second" right after its first push lands. Within one second
+    # the name decides (a-second is senior), a second later the time does (b-first is): either
+    # way one of them ends with all four.
+    first = policies.create("b-first", split_spec([1, 2]))["metadata"]["uid"]
+    wait_until("the first push landed", lambda: any(held_by(w) == first for w in workers), timeout=30,
+               interval=0.02)
+    policies.create("a-second", split_spec([4]))
+    owner = one_owner(policies, ["b-first", "a-second"], workers)
+    # Each worker changed hands at most once: at most two pushes per worker.
+    assert running_operator.metric(PUSHES) - pushes <= 8, owner
+
+
+@trials
+def test_twenty_policies_in_one_apply_end_with_one_owner(
+        trial: int, running_operator: Operator, kubelet: Kubelet, policies: Policies, cluster: Cluster):
+    workers = split_fleet(kubelet, policies.namespace, 4)
+    names = [f"p{i:02d}" for i in range(20)]
+    manifest = "\n---\n".join(
+        f"apiVersion: graphkeeper.io/v1alpha1\nkind: GraphPolicy\nmetadata: {{name: {n}, namespace: "
+        f"{policies.namespace}}}\nspec:\n  selector: {{matchLabels: {{app: split}}}}\n  mode: Full\n"
+        f"  captureSizes: {{sizes: [{i % 4 + 1}]}}\n  rollout: {{maxUnavailable: 1}}"
+        for i, n in enumerate(names))
+    cluster.kubectl("apply", "-f", "-", input=manifest)
+    objs = [policies.get(n) for n in names]
+    senior = min(objs, key=lambda o: (o["metadata"]["creationTimestamp"], o["metadata"]["name"]))
+    assert one_owner(policies, names, workers, timeout=120) == senior["metadata"]["name"]

@@ -221,3 +221,31 @@ def test_a_spec_change_after_a_20s_api_outage_is_seen_within_5s_of_its_return(
     assert log.count("Kubernetes API unreachable") == 1, log[-3000:]
     assert "Traceback" not in log, log[-3000:]
     assert running_operator.running
+
+
+def test_a_pod_deleted_mid_recapture_frees_its_slot_and_the_others_get_the_change_within_10s(
+        running_operator: Operator, kubelet: Kubelet, policies: Policies, cluster: Cluster):
+    """A scale-down mid-rollout: the pod goes and its process with it, no replacement comes. Its
+    slot is free once its address stops answering, not at the progress deadline (600 s)."""
+    workers = fleet(kubelet, policies.namespace, 6, StandIn(capture_seconds=0.5))
+    uid = policies.create("p", spec([1, 2], max_unavailable=1))["metadata"]["uid"]
+    wait_until("generation 1 everywhere", lambda: all(holds(w, uid, 1) for w in workers), timeout=120)
+    policies.patch_spec("p", {"captureSizes": {"sizes": [1, 2, 4]}})
+    gone = wait_until("a worker recapturing generation 2", lambda: next(
+        (w for w in workers if w.graph_status().pending_policy_generation == 2), None), timeout=30,
+        interval=0.02)
+    cluster.core.delete_namespaced_pod(gone.name, gone.namespace, grace_period_seconds=0)
+    kubelet.kill(gone)  # the kubelet stops the container; no replacement (scaled down)
+    deleted = time.monotonic()
+    others = [w for w in workers if w is not gone]
+
+    def changed(w: Worker) -> bool:
+        s = w.graph_status()
+        return s.policy_generation == 2 or s.pending_policy_generation == 2
+
+    wait_until("the other five pushed generation 2", lambda: all(changed(w) for w in others), timeout=30,
+               interval=0.05)
+    took = time.monotonic() - deleted
+    print(f"the other five had generation 2 {took:.2f}s after the pod went")
+    assert took < 10.0, f"the other workers got the change {took:.1f}s after the pod went"
+    policies.wait_condition("p", "Ready", "True", generation=2, timeout=60)

@@ -12,6 +12,7 @@ substitute for the real worker in a claim about the worker.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -25,6 +26,7 @@ from graphkeeper.proto import worker_pb2_grpc as pb_grpc
 from graphkeeper.proto.enums import lifecycle_name
 from graphkeeper.proto.policy import PolicyError, recapture_key, validate_policy
 from graphkeeper.proto.serving_counters import ITL_BOUNDS_SECONDS, itl_bucket
+from graphkeeper.proto.watch import heartbeat_seconds, watch_status
 
 #: The simulated step time: a fixed part and a part per real token (seconds), at speed 1.
 STEP_SECONDS, TOKEN_SECONDS = 0.002, 0.00002
@@ -63,7 +65,16 @@ class FakeWorkerState:
     #: speed while it holds exactly some explicit sizes (a test makes the canary's set slower).
     speed: float = 1.0
     speed_with_sizes: dict[tuple[int, ...], float] = field(default_factory=dict)
+    #: Whether it serves WatchGraphStatus (False: an older worker, UNIMPLEMENTED, polled instead).
+    watch: bool = True
+    #: One event per open WatchGraphStatus stream, set on every change.
+    watchers: set = field(default_factory=set)
     _traffic_mtime: float = 0.0
+
+    def notify(self) -> None:
+        """Wakes every WatchGraphStatus stream: something it reports may have changed."""
+        for event in self.watchers:
+            event.set()
 
     def current_speed(self) -> float:
         held = tuple(sorted(set(self.policy.capture_sizes.explicit.sizes))) if self.policy else ()
@@ -130,6 +141,7 @@ class FakeWorkerState:
         if state == self.state:
             return
         self.state = state
+        self.notify()
         stamp, name = time.time(), lifecycle_name(state)
         self.transitions.append((stamp, name))
         if self.on_transition is not None:
@@ -167,6 +179,7 @@ class FakeGraphControl(pb_grpc.GraphControlServicer, pb_grpc.InferenceWorkerServ
                                              message="simulated capture failure")
                               for s in failed]
         self.state.last_error = f"capture failed for sizes {failed}" if failed else ""
+        self.state.notify()
 
     async def _recapture(self) -> None:
         if self.state.capture_seconds > 0:
@@ -199,6 +212,7 @@ class FakeGraphControl(pb_grpc.GraphControlServicer, pb_grpc.InferenceWorkerServ
             self._adopt(copy)  # tenant toggles or an equivalent rewrite: nothing to recapture
             return pb.ApplyGraphPolicyResponse(applied_generation=policy.generation)
         self.state.pending_policy = copy
+        self.state.notify()
         if self._capture is None or self._capture.done():
             self._capture = asyncio.create_task(self._recapture())
         return pb.ApplyGraphPolicyResponse(applied_generation=policy.generation,
@@ -207,6 +221,31 @@ class FakeGraphControl(pb_grpc.GraphControlServicer, pb_grpc.InferenceWorkerServ
     async def GetGraphStatus(self, request, context):  # noqa: N802
         await self._authorize(context)
         self.state.calls["GetGraphStatus"] += 1
+        return self._status()
+
+    async def WatchGraphStatus(self, request, context):  # noqa: N802
+        """The worker's stream (``proto/watch.py``), woken by the stand-in's own changes."""
+        await self._authorize(context)
+        if not self.state.watch:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Method not found!")
+        self.state.calls["WatchGraphStatus"] += 1
+        event = asyncio.Event()
+
+        async def changed(timeout: float) -> None:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(timeout):
+                    await event.wait()
+            event.clear()
+
+        self.state.watchers.add(event)
+        try:
+            async for status in watch_status(self._status, heartbeat_seconds(request), changed):
+                self.state.calls["WatchGraphStatus messages"] += 1
+                yield status
+        finally:
+            self.state.watchers.discard(event)
+
+    def _status(self) -> pb.GraphStatus:
         held, pending = self.state.policy, self.state.pending_policy
         return pb.GraphStatus(
             state=self.state.state,
@@ -231,12 +270,14 @@ class FakeGraphControl(pb_grpc.GraphControlServicer, pb_grpc.InferenceWorkerServ
         self.state.calls["LoadModelRevision"] += 1
         revision = request.revision or "derived"
         self.state.pending_revision = revision
+        self.state.notify()
         self.state.set_state(pb.LIFECYCLE_STATE_LOADING)
         if self.state.load_seconds > 0:
             await asyncio.sleep(self.state.load_seconds)
         self.state.model_source = request.source or self.state.model_source
         self.state.model_revision = revision
         self.state.pending_revision = ""
+        self.state.notify()
         await self._recapture()
         return pb.LoadModelRevisionResponse(revision=self.state.model_revision,
                                             recapture_started=True)
@@ -332,7 +373,7 @@ async def serve_forever(args) -> None:
         fail_sizes=frozenset(int(s) for s in args.fail_sizes.split(",") if s.strip()),
         token=token, traffic=parse_traffic(args.traffic), traffic_file=args.traffic_file,
         on_transition=(lambda t, name: log.write(f"{t:.6f} {name}\n")) if log else None,
-        speed=args.speed, speed_with_sizes=parse_speeds(args.speed_with_sizes))
+        speed=args.speed, speed_with_sizes=parse_speeds(args.speed_with_sizes), watch=not args.no_watch)
     server = FakeWorkerServer(state, port=args.port, separate_control=bool(args.control_port),
                               control_port=args.control_port)
     checker = health.aio.HealthServicer()
@@ -361,6 +402,7 @@ def main() -> None:
     parser.add_argument("--traffic-file", default="", help="the same, read again when it changes")
     parser.add_argument("--speed", type=float, default=1.0, help="step speed (1: the simulated step time)")
     parser.add_argument("--speed-with-sizes", default="", help="e.g. 1,8,40=0.9: the speed holding those sizes")
+    parser.add_argument("--no-watch", action="store_true", help="no WatchGraphStatus (an older worker)")
     asyncio.run(serve_forever(parser.parse_args()))
 
 

@@ -108,7 +108,10 @@ def test_the_chart_runs_the_operator_with_flags_the_cli_accepts():
     container = deployment["spec"]["template"]["spec"]["containers"][0]
     args = build_parser().parse_args([*container["command"][1:], *container["args"]])
     assert args.namespace == ["team-a"]
-    assert deployment["spec"]["strategy"]["type"] == "Recreate"
+    # Replicas may overlap (two by default, and a rolling update): the Lease lets one act.
+    assert deployment["spec"]["replicas"] == 2 and deployment["spec"]["strategy"]["type"] == "RollingUpdate"
+    env = {e["name"] for e in container["env"]}
+    assert "GRAPHKEEPER_LEADER_ELECTION_NAMESPACE" in env
     roles = {(d["kind"], d["metadata"].get("namespace")) for d in docs if "Role" in d["kind"]}
     assert ("Role", "team-a") in roles and ("RoleBinding", "team-a") in roles
 

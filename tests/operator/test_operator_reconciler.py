@@ -158,8 +158,7 @@ def test_a_force_deleted_pod_keeps_its_slot_while_its_worker_may_still_recapture
     READY, so no third worker recaptures under a limit of 2."""
     async def scenario(fleet: Fleet):
         spare = fleet.pods["ns"].pop()  # server 4 becomes the replacement later
-        for pod in fleet.pods["ns"]:
-            fleet.reconciler.on_pod(pod, deleted=False)  # as the pod watch would have
+        fleet.reconciler.on_pod(spare, deleted=True)  # as the pod watch would have
         rollout = {"rollout": {"maxUnavailable": 2}}
         fleet.apply(spec([1, 2], **rollout), 1)
         await fleet.until("generation 1 on the four", lambda: fleet.holding(1) == 4)
@@ -174,9 +173,34 @@ def test_a_force_deleted_pod_keeps_its_slot_while_its_worker_may_still_recapture
         fleet.pods["ns"].append(replacement)
         fleet.reconciler.on_pod(replacement, deleted=False)
         await fleet.until("generation 2 on every worker", lambda: fleet.holding(2) == 5)
-        return max_concurrently_busy(fleet.servers, t0)
-    most = run(scenario, 5, capture_seconds=1.5)
+        return max_concurrently_busy(fleet.servers, t0), fleet.kube.events
+    most, events = run(scenario, 5, capture_seconds=1.5)
     assert most == 2, f"at most 2 recapturing at once, the deleted pod's worker counted: {most}"
+    waits = [e for e in events if e[1] == "WaitingForDeletedWorker"]
+    assert len(waits) == 1 and "ns/w00" in waits[0][2], events
+
+
+def test_a_deleted_pod_whose_worker_is_gone_frees_its_slot_at_once():
+    """Scaled down mid-rollout: the pod and its process are gone, no replacement comes. Its slot
+    is free as soon as its address stops answering, not at the progress deadline (600 s)."""
+    async def scenario(fleet: Fleet):
+        rollout = {"rollout": {"maxUnavailable": 1}}
+        fleet.apply(spec([1, 2], **rollout), 1)
+        await fleet.until("generation 1 everywhere", lambda: fleet.holding(1) == 4)
+        fleet.apply(spec([1, 2, 4], **rollout), 2)
+        await fleet.until("the first worker recapturing", lambda: fleet.servers[0].state.state != 5)
+        await fleet.servers[0].stop()
+        gone = fleet.pods["ns"].pop(0)
+        fleet.reconciler.on_pod(gone, deleted=True)
+        started = time.monotonic()
+        others = fleet.servers[1:]
+        await fleet.until("generation 2 on the other three", lambda: sum(
+            1 for s in others if s.state.policy.generation == 2 and s.state.state == 5) == 3, timeout=20)
+        await fleet.until("status Ready", lambda: fleet.kube.status.get("capturedWorkers") == 3
+                          and fleet.kube.status.get("observedGeneration") == 2)
+        return time.monotonic() - started
+    # Three recaptures of 1 s, one at a time: about 3 s; a slot held to the deadline never ends.
+    assert run(scenario, 4, capture_seconds=1.0) < 10
 
 
 def test_without_a_rollout_section_a_quarter_of_the_fleet_recaptures_at_once():
@@ -382,3 +406,32 @@ def test_only_pending_workers_the_plan_left_out_say_they_wait_for_their_turn():
     assert marked[0].message == "waiting for its turn in the rollout (READY, holds generation 1)"
     assert marked[0].state == WorkerState.PENDING
     assert marked[1:] == observations[1:]
+
+
+def test_a_streamed_worker_that_loses_its_policy_or_stops_is_seen_at_once_not_at_the_resync():
+    """With the resync at its default (60 s), only the workers' WatchGraphStatus streams can tell
+    the operator within seconds; an older worker without the call is still read as before."""
+    async def scenario(fleet: Fleet):
+        fleet.servers[2].state.watch = False  # an older worker: UNIMPLEMENTED, polled
+        fleet.apply(spec([1, 2]), 1)
+        await fleet.until("generation 1 everywhere", lambda: fleet.holding(1) == 3)
+        await fleet.until("Ready", lambda: fleet.kube.status.get("capturedWorkers") == 3)
+        assert fleet.servers[0].state.calls["WatchGraphStatus"] == 1
+        assert fleet.servers[2].state.calls["WatchGraphStatus"] == 0
+        reads = fleet.servers[0].state.calls["GetGraphStatus"]
+        await asyncio.sleep(2.0)
+        assert fleet.servers[0].state.calls["GetGraphStatus"] == reads, "an idle streamed worker is not read"
+        lost = fleet.servers[0].state
+        lost.policy = None  # as a worker restarted behind the same pod would
+        lost.notify()
+        started = time.monotonic()
+        await fleet.until("the lost policy pushed again", lambda: fleet.holding(1) == 3, timeout=10)
+        repushed = time.monotonic() - started
+        await fleet.servers[1].stop()
+        started = time.monotonic()
+        await fleet.until("unreachable", lambda: any(
+            c["reason"] == "WorkerUnreachable" for c in fleet.kube.status.get("conditions", [])), timeout=10)
+        return repushed, time.monotonic() - started
+    repushed, unreachable = run(scenario, 3)
+    assert repushed < 2.0, f"re-pushed {repushed:.2f}s after losing its policy"
+    assert unreachable < 5.0, f"reported unreachable {unreachable:.2f}s after it stopped"

@@ -137,3 +137,21 @@ def test_an_equivalent_rewrite_is_no_recapture_and_goes_everywhere_at_once(befor
 def test_a_real_capture_change_or_an_unknown_held_generation_recaptures():
     assert push_recaptures(recapture_key(wire()), wire(2, captureSizes={"sizes": [1, 2, 8]}))
     assert push_recaptures(None, wire(2)), "a generation the operator never built: the safe answer"
+
+
+def test_a_waiting_rollout_says_what_it_waits_on():
+    from graphkeeper.operator.rollout import rollout_wait
+
+    busy = RolloutWorker("ns/a", available=False, settling=True)
+    gone = RolloutWorker("ns/gone", available=False, blocked=True, departed=True)
+    lacking = RolloutWorker("ns/b", available=True, needs_push=True)
+    plan = plan_rollout([busy, lacking], 1)
+    wait = rollout_wait(plan)
+    assert plan.waiting == ("ns/b",) and wait.reason == "WaitingForUnavailableWorkers"
+    assert "ns/a" in wait.message and "maxUnavailable 1" in wait.message
+    wait = rollout_wait(plan_rollout([gone, lacking], 1))
+    assert wait.reason == "WaitingForDeletedWorker" and "ns/gone" in wait.message
+    assert rollout_wait(plan_rollout([lacking], 1)) is None, "nothing waits: the push goes out"
+    other = RolloutWorker("ns/c", available=True, needs_push=True)
+    wait = rollout_wait(plan_rollout([lacking, other], 1))
+    assert "1 unavailable (ns/b)" in wait.message, "the worker this run takes out counts"

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
+from graphkeeper.operator.ownership import owner
 from graphkeeper.operator.selection import (
     PolicyRef,
     WorkerPod,
     claims,
     grpc_port,
-    owner,
     policy_ref_from_body,
     selected_workers,
     selector_error,
@@ -76,8 +76,8 @@ def policy(name, created, labels, uid=None, namespace="ns"):
                      spec={"selector": {"matchLabels": labels}})
 
 
-def winner(pod, everyone, holder="", pods=()):
-    won = owner(claims(pod, everyone, pods), holder)
+def winner(pod, everyone, pods=()):
+    won = owner(claims(pod, everyone, pods))
     return None if won is None else (won[0].name, won[1].name)
 
 
@@ -90,25 +90,22 @@ def test_the_older_policy_keeps_a_contested_pod():
     assert winner(pod, [unrelated]) is None
 
 
-def test_within_one_second_the_uid_breaks_the_tie_the_same_way_for_both_rivals():
+def test_within_one_second_the_name_breaks_the_tie_the_same_way_for_both_rivals():
     pod = worker_from_pod(pod_body())
-    # "zzz" was named later in the alphabet but has the smaller uid: the uid decides, not the name.
-    first = policy("zzz", "2026-11-29T11:00:00Z", {"app": "worker"}, uid="0a")
-    second = policy("aaa", "2026-11-29T11:00:00Z", {"app": "worker"}, uid="9f")
-    assert winner(pod, [first, second]) == winner(pod, [second, first]) == ("zzz", pod.name)
+    first = policy("aaa", "2026-11-29T11:00:00Z", {"app": "worker"}, uid="9f")
+    second = policy("zzz", "2026-11-29T11:00:00Z", {"app": "worker"}, uid="0a")
+    assert winner(pod, [first, second]) == winner(pod, [second, first]) == ("aaa", pod.name)
 
 
-def test_a_held_worker_keeps_its_holder_until_it_lets_go():
+def test_the_senior_owns_a_worker_whoever_holds_it_until_it_lets_go():
     pod = worker_from_pod(pod_body())
     younger = policy("young", "2026-11-29T11:00:00Z", {"app": "worker"}, uid="9f")
     older = policy("old", "2026-11-29T10:59:59Z", {"app": "worker"}, uid="ff")
-    assert winner(pod, [older, younger], holder="9f") == ("young", pod.name), (
-        "whatever its age, the policy the worker holds keeps it: no takeover, no tug of war")
-    gone = PolicyRef(**{**younger.__dict__, "deleting": True})
-    assert winner(pod, [older, gone], holder="9f") == ("old", pod.name), "let go: deleted"
-    moved = policy("young", "2026-11-29T11:00:00Z", {"app": "elsewhere"}, uid="9f")
-    assert winner(pod, [older, moved], holder="9f") == ("old", pod.name), "let go: selector moved"
-    assert winner(pod, [older, younger], holder="a-deleted-uid") == ("old", pod.name)
+    assert winner(pod, [older, younger]) == winner(pod, [younger, older]) == ("old", pod.name)
+    gone = PolicyRef(**{**older.__dict__, "deleting": True})
+    assert winner(pod, [gone, younger]) == ("young", pod.name), "let go: deleted"
+    moved = policy("old", "2026-11-29T10:59:59Z", {"app": "elsewhere"}, uid="ff")
+    assert winner(pod, [moved, younger]) == ("young", pod.name), "let go: selector moved"
 
 
 def test_pods_in_two_namespaces_that_point_at_one_worker_address_conflict():
@@ -122,8 +119,6 @@ def test_pods_in_two_namespaces_that_point_at_one_worker_address_conflict():
     # Seen from either pod, the answer is the same worker owner.
     assert winner(ours, [mine, older], pods=[theirs]) == ("older", "b")
     assert winner(theirs, [mine, older], pods=[ours]) == ("older", "b")
-    assert winner(ours, [mine, older], holder=mine.uid, pods=[theirs]) == ("mine", "a")
-    assert winner(theirs, [mine, older], holder=mine.uid, pods=[ours]) == ("mine", "a")
     assert winner(ours, [mine, older]) == ("mine", "a"), "without the alias only mine claims it"
 
 

@@ -162,3 +162,32 @@ def test_a_rollout_under_way_says_how_many_at_a_time():
                                                       obs("b", WorkerState.PENDING)],
                           previous=None, now=T0, rollout=rollout)
     assert "at most 2 at a time" in condition(status, "Progressing")["message"]
+
+
+def test_normal_events_are_rate_limited_per_reason_and_warnings_are_not():
+    from graphkeeper.operator.events import (
+        NEW_GENERATION_SECONDS,
+        NORMAL_BURST,
+        NORMAL_EVERY_SECONDS,
+        Told,
+        run_events,
+    )
+    from graphkeeper.operator.sync import PUSH, RELOAD
+
+    told, posted = Told(), []
+    for edit in range(50):  # five edits a second for ten seconds, each pushed
+        events, told = run_events(told, generation=edit + 1, observations=[], invalid=None, plan=None,
+                                  fired={PUSH: ["ns/w0"], RELOAD: []}, now=edit / 5)
+        posted += [e.reason for e in events]
+    # The burst, then about one a second (a new generation, a second after the last one).
+    assert NORMAL_BURST <= posted.count("PolicyPushed") <= NORMAL_BURST + 10 / NEW_GENERATION_SECONDS + 1, posted
+    batches = []
+    for batch in range(10):  # one generation's batches, a second apart: the bucket alone
+        events, told = run_events(told, generation=51, observations=[], invalid=None, plan=None,
+                                  fired={PUSH: ["ns/w0"], RELOAD: []}, now=20.0 + batch)
+        batches += [e.reason for e in events]
+    assert NORMAL_BURST <= len(batches) <= NORMAL_BURST + 10 / NORMAL_EVERY_SECONDS, batches
+    failing = [WorkerObservation("ns/w0", WorkerState.UNREACHABLE, "gone")]
+    events, _ = run_events(told, generation=52, observations=failing, invalid=None, plan=None,
+                           fired={PUSH: [], RELOAD: []}, now=30.0)
+    assert [e.reason for e in events] == ["WorkerUnreachable"], "a failure is always told"

@@ -8,6 +8,7 @@ import pytest
 from worker_harness import eager_reasons, generate, make_request, wait_until
 
 from graphkeeper.proto import worker_pb2 as pb
+from graphkeeper.proto import worker_pb2_grpc as pb_grpc
 from graphkeeper.proto.policy import policy_to_json
 from graphkeeper.worker.model.loader import load_model, save_hf_directory
 
@@ -287,3 +288,31 @@ def test_a_second_reload_while_one_is_pending_is_told_to_retry(fresh_workers):
     long_call.cancel()
     assert first.result(timeout=300).revision
     assert worker.status().state == pb.LIFECYCLE_STATE_READY
+
+
+def test_watch_graph_status_sends_the_status_at_once_then_each_change_and_nothing_else(worker):
+    """The operator's stream: the first message at once, the next only when what the worker
+    holds changes (a day's heartbeat, so any other message would be a change sent by mistake, and a
+    change not sent would end the call at its deadline instead)."""
+    stream = worker.control.WatchGraphStatus(pb.WatchGraphStatusRequest(heartbeat_seconds=86400), timeout=60)
+    try:
+        first = next(stream)
+        held = (first.policy_uid, first.policy_generation)
+        generation = worker.status().policy_generation + 1 if first.policy_uid == "uid-watch" else 1
+        apply(worker, policy("uid-watch", generation, sizes=(1, 2)))
+        seen = [held]
+        while seen[-1] != ("uid-watch", generation):
+            status = next(stream)
+            seen.append((status.pending_policy_uid or status.policy_uid,
+                         status.pending_policy_generation or status.policy_generation))
+        assert len(seen) <= 4, f"one message per change: {seen}"
+    finally:
+        stream.cancel()
+
+
+def test_watch_graph_status_needs_the_bearer_token(worker):
+    with grpc.insecure_channel(worker.control_target) as channel:
+        stream = pb_grpc.GraphControlStub(channel).WatchGraphStatus(pb.WatchGraphStatusRequest(), timeout=10)
+        with pytest.raises(grpc.RpcError) as err:
+            next(stream)
+    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED

@@ -27,6 +27,7 @@ from grpc_reflection.v1alpha import reflection
 from graphkeeper.proto import worker_pb2 as pb
 from graphkeeper.proto import worker_pb2_grpc as pb_grpc
 from graphkeeper.proto.policy import PolicyError
+from graphkeeper.proto.watch import heartbeat_seconds, watch_status
 from graphkeeper.worker.engine import (
     EngineFace,
     IncrementalDetokenizer,
@@ -61,6 +62,9 @@ log = logging.getLogger(__name__)
 INFERENCE_SERVICE = pb.DESCRIPTOR.services_by_name["InferenceWorker"].full_name
 CONTROL_SERVICE = pb.DESCRIPTOR.services_by_name["GraphControl"].full_name
 RELOAD_TIMEOUT_SECONDS = 600.0
+#: How often a WatchGraphStatus stream reads the engine's status for a change (a cheap read under
+#: the control lock; a stream per operator replica).
+WATCH_POLL_SECONDS = 0.2
 
 
 class InferenceServicer(pb_grpc.InferenceWorkerServicer):
@@ -135,6 +139,10 @@ async def _abort_for(context: grpc.aio.ServicerContext, err: BaseException) -> N
     await context.abort(grpc.StatusCode[classify(err).grpc_code], error_message(err))
 
 
+async def _watch_tick(timeout: float) -> None:
+    await asyncio.sleep(min(timeout, WATCH_POLL_SECONDS))
+
+
 class GraphControlServicer(pb_grpc.GraphControlServicer):
     """Each engine call runs off the event loop (an engine core that does not answer holds a
     worker thread for its timeout, never the loop every port is served on) and a call it
@@ -157,6 +165,15 @@ class GraphControlServicer(pb_grpc.GraphControlServicer):
         try:
             return await asyncio.to_thread(self.engine.status)
         except NotServing as err:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(err))
+
+    async def WatchGraphStatus(self, request: pb.WatchGraphStatusRequest, context: grpc.aio.ServicerContext):  # noqa: N802
+        """The status now, then on every change (``proto/watch.py``): the engine is read every
+        ``WATCH_POLL_SECONDS``, so a change reaches the operator within that, without its polling."""
+        try:
+            async for status in watch_status(self.engine.status, heartbeat_seconds(request), _watch_tick):
+                yield status
+        except NotServing as err:  # the engine core stopped: the stream ends, the operator sees it
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(err))
 
     async def LoadModelRevision(self, request: pb.LoadModelRevisionRequest, context: grpc.aio.ServicerContext):  # noqa: N802
