@@ -27,11 +27,40 @@ import json
 import multiprocessing as mp
 import os
 import random
+import socket
+import subprocess
 import sys
 import time
+import urllib.request
+from pathlib import Path
 
 #: A client process busier than this share of one core may be what limits the figure.
 BUSY = 0.9
+
+
+def free_port() -> int:
+    """A free loopback port (for a worker a benchmark starts)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_ready(proc: subprocess.Popen, url: str, log: Path, timeout: float = 900.0) -> None:
+    """Waits until the worker at ``url`` answers ``/health`` 200; raises with the log's tail if it
+    exits first, or once ``timeout`` passes (killing it)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"worker exited during startup:\n{log.read_text()[-3000:]}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as resp:
+                if resp.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise RuntimeError("worker did not become ready")
 
 
 def prompt_for(rng: random.Random, tokens: int, vocab: int, words: bool) -> str | list[int]:

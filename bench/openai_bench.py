@@ -47,28 +47,21 @@ import datetime as dt
 import json
 import os
 import resource
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 
 import http_client  # noqa: E402  (bench/http_client.py, beside this file)
+from http_client import free_port, wait_ready  # noqa: E402
 
 #: load_bench.py's token budget per step (its worker's --max-num-batched-tokens): the HTTP worker
 #: gets the same, and the same --max-num-seqs, so the two paths differ only in the API.
 GRPC_BENCH_BUDGET = 512
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def install_client(wheels: Path, site: Path) -> None:
@@ -125,19 +118,8 @@ def start_worker(model: Path, args: argparse.Namespace, max_num_seqs: int, log: 
            "--log-level", "WARNING", *args.worker_args.split()]
     proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{http}"
-    deadline = time.time() + 900
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"worker exited during startup:\n{log.read_text()[-3000:]}")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=2) as resp:
-                if resp.status == 200:
-                    return proc, url
-        except OSError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError("worker did not become ready")
+    wait_ready(proc, url, log)
+    return proc, url
 
 
 def run_guidellm(url: str, model: Path, args: argparse.Namespace, site: Path, out: Path) -> tuple[dict, float]:

@@ -29,12 +29,13 @@ import os
 import platform
 import random
 import resource
-import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from http_client import free_port, wait_ready  # noqa: E402  (bench/http_client.py, beside this file)
 
 SCHEMA = {"type": "array", "items": {"type": "string"}}
 #: What the parameterised half of the streams asks for, in turn.
@@ -43,12 +44,6 @@ KINDS = {
     "penalties": {"frequency_penalty": 0.5, "presence_penalty": 0.5, "repetition_penalty": 1.1},
     "json_schema": {"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA}}},
 }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def prepare_model(preset: str, device: str, dtype: str, root: Path) -> Path:
@@ -83,19 +78,8 @@ def start_worker(model: Path, args: argparse.Namespace, log: Path) -> tuple[subp
            "--max-num-batched-tokens", "512", "--log-level", "WARNING", *args.worker_args.split()]
     proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{http}"
-    deadline = time.time() + 900
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"worker exited during startup:\n{log.read_text()[-3000:]}")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=2) as resp:
-                if resp.status == 200:
-                    return proc, url
-        except OSError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError("worker did not become ready")
+    wait_ready(proc, url, log)
+    return proc, url
 
 
 async def drive(url: str, args: argparse.Namespace, mixed: bool, vocab: int) -> dict:
