@@ -116,7 +116,7 @@ def test_the_chart_runs_the_operator_with_flags_the_cli_accepts():
     assert ("Role", "team-a") in roles and ("RoleBinding", "team-a") in roles
 
 
-def test_the_chart_workers_mount_the_rendered_policy_and_probe_grpc_health():
+def test_the_chart_workers_mount_the_rendered_policy_and_probe_the_metrics_port():
     docs = render("--set", "workers.enabled=true")
     policy = next(d for d in docs if d["kind"] == "GraphPolicy")
     policy_from_spec(policy["spec"], uid="u", name="ns/x", generation=1)
@@ -130,9 +130,10 @@ def test_the_chart_workers_mount_the_rendered_policy_and_probe_grpc_health():
     assert args.policy_file == "/etc/graphkeeper/policy/policy.json"
     volume = pod["spec"]["volumes"][0]["configMap"]["name"]
     assert volume == f"{policy['metadata']['name']}-graphpolicy"
-    assert container["readinessProbe"]["grpc"]["service"] == "graphkeeper.worker.v1.InferenceWorker"
-    grpc_port = next(p for p in container["ports"] if p["name"] == "grpc")["containerPort"]
-    assert container["readinessProbe"]["grpc"]["port"] == grpc_port == args.port
+    # Probes ask the port the worker serves /readyz on, never an inference port a client can fill.
+    assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "metrics"}
+    metrics_port = next(p for p in container["ports"] if p["name"] == "metrics")["containerPort"]
+    assert metrics_port == args.metrics_port and metrics_port not in (args.port, args.http_port)
 
 
 def test_the_chart_policy_takes_sizes_or_a_ladder_without_null_tricks():
