@@ -19,6 +19,8 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import grpc
+
 from graphkeeper.operator.selection import WorkerPod
 from graphkeeper.operator.worker_calls import Views
 from graphkeeper.operator.workerclient import ErrorKind, GraphControlClient, WorkerError
@@ -50,6 +52,14 @@ def still_recapturing(status: pb.GraphStatus) -> bool:
     """Whether a worker that answers may still be busy with a change (pure)."""
     return (status.state != pb.LIFECYCLE_STATE_READY or bool(status.pending_policy_uid)
             or bool(status.pending_model_revision))
+
+
+def process_gone(err: WorkerError) -> bool:
+    """Whether a failed probe shows the departed worker's process gone (pure): only a refused
+    connection (UNAVAILABLE) does. A call that timed out (a loaded or stalled process may still
+    be recapturing) or whose channel the operator closed under it (pruning the departed pod's
+    connection) says nothing of the process: the next probe asks again on a fresh channel."""
+    return err.kind is ErrorKind.UNREACHABLE and err.code == grpc.StatusCode.UNAVAILABLE
 
 
 class Departures:
@@ -106,7 +116,7 @@ class Departures:
                 try:
                     status = await self.client.get_status(d.pod.control_target)
                 except WorkerError as err:
-                    if err.kind is ErrorKind.UNREACHABLE:
+                    if process_gone(err):
                         d.freed = "its address no longer answers"
                 except Exception:  # anything else: ask again; a probe that died would hold the slot
                     logger.debug("probing departed %s failed", d.pod.key, exc_info=True)
