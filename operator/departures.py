@@ -82,6 +82,10 @@ class Departures:
             departure.probe = asyncio.create_task(self._probe(departure), name=f"departed {pod.key}")
         self.entries[pod.key] = departure
 
+    def probing(self, target: str) -> bool:
+        """Whether a departed worker at ``target`` is still probed (its channel must stay open)."""
+        return any(not d.freed and d.pod.control_target == target for d in self.entries.values())
+
     def holding(self, policy: str, views: Views, now: float, deadline: float) -> list[str]:
         """The departed pods that still hold a slot in the rollout of ``policy`` (a uid; ``views``:
         its owned workers this run); forgets the ones freed."""

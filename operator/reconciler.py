@@ -477,7 +477,7 @@ class Reconciler:
                                        now=time.monotonic())
         for event in events:
             self._event(ref.body(), event.kind, event.reason, event.message)
-        await self.calls.prune(self.index.live)
+        await self.calls.prune(lambda target: self.index.live(target) or self.departures.probing(target))
         counts = Counter(str(o.state) for o in outcome.observations)
         metrics.set_worker_states(ref.namespace, ref.name, dict(counts), _STATES)
         return put_off

@@ -58,9 +58,11 @@ def test_the_slot_is_kept_through_doubt_and_freed_by_proof(monkeypatch, script, 
         table.add(pod, started=0.0, known=frozenset({"pod-0"}), policies=frozenset({"p"}))
         await asyncio.sleep(0.025)  # the doubtful answers come first: still holding its slot
         held = table.holding("p", {}, now=1.0, deadline=600.0)
+        assert table.probing(pod.control_target)  # its channel is not pruned while it is probed
         await asyncio.wait_for(woken.wait(), 5)
         why = table.entries[pod.key].freed
         assert table.holding("p", {}, now=1.0, deadline=600.0) == []
+        assert not table.probing(pod.control_target)
         await table.close()
         return held, why
 
