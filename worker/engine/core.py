@@ -283,9 +283,7 @@ class Engine:
             forbid_recompiles()
         self._captured()
         self._export_gauges()
-        clock.lap("after_capture")
-        report = self.slot.compile_report
-        self.startup = clock.status(report.cache, report.tuning.cache if report.tuning else "off")
+        self.startup = clock.finish(self.slot.compile_report)
         self.control.move(S.LIFECYCLE_STATE_CAPTURED)
         self.control.move(S.LIFECYCLE_STATE_READY)
         log.info("READY: %s", self.capture.summary())

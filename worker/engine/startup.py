@@ -95,6 +95,11 @@ class StartupClock:
         self.stages.append((rest, left))
         self._last = max(self._last, now)
 
+    def finish(self, report: CompileReport) -> pb.StartupStatus:
+        """Ends the engine's last stage and returns the stages with ``report``'s cache outcomes."""
+        self.lap("after_capture")
+        return self.status(report.cache, report.tuning.cache if report.tuning else "off")
+
     def status(self, compile_cache: str, tuning_cache: str) -> pb.StartupStatus:
         """The stages so far (the engine's READY), for the API process to finish."""
         return pb.StartupStatus(
