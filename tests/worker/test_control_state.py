@@ -4,6 +4,7 @@ recapture_key), without an engine: offers, adoption, snapshots, reloads and life
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import Future
 
 import pytest
@@ -140,7 +141,11 @@ def test_a_snapshot_never_shows_an_adoption_half_done():
 
     thread = threading.Thread(target=reader)
     thread.start()
-    for generation in range(1, 300):
+    # Write until the reader has read across many adoptions: on a loaded 2-core machine the
+    # reader thread may not be scheduled at all during a fixed count of writes.
+    deadline, generation = time.monotonic() + 30, 0
+    while time.monotonic() < deadline and (generation < 300 or not any(a > 0 for a, _ in seen[-50:])):
+        generation += 1
         p = explicit(1, 2 + generation % 2, generation=generation)
         control.offer(p)
         control.adopt(p, recapture=True)
