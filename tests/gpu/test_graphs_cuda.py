@@ -477,3 +477,39 @@ def test_token_streams_under_64_way_concurrency_equal_each_request_alone():
         assert status.graph_steps > 0
     finally:
         engine.drain_and_stop(5)
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_graphs_replay_the_same_tokens_after_sleep_and_wake(level):
+    """Sleep mode: the weights and the KV cache give their memory back and take it again at the same
+    addresses, so the graphs captured before sleep replay after wake, with no recapture, and greedy
+    decoding gives exactly the tokens it gave before (level 2 reloads the weights from the source)."""
+    from graphkeeper.worker.engine.blocks import BlockManager
+    from graphkeeper.worker.engine.ledger import Ledger
+    from graphkeeper.worker.engine.model_slot import ModelSlot
+    from graphkeeper.worker.engine.sleep import sleep_model, wake_model
+    from graphkeeper.worker.metrics import WorkerMetrics
+
+    settings = EngineSettings(model="random:llama-1b@3", device="cuda", dtype="float32", max_num_seqs=8,
+                              max_seq_len=MAX_LEN, max_num_batched_tokens=64, sleep_mode=True)
+    slot = ModelSlot(settings, torch.device("cuda"), Ledger(), WorkerMetrics())
+    slot.install(slot.load(settings.model, ""))
+    runner = slot.runner
+    weights = runner.loaded.weights_region
+    assert weights is not None and runner.cache.region is not None
+    assert all(weights.ptr <= p.data_ptr() < weights.ptr + weights.size for p in runner.model.parameters())
+    graphs = capture(runner, [(FULL, 4)], tolerance=1e-3)
+    prompts = prompts_for(4, seed=level)
+    before, _ = decode(runner, graphs, FULL, prompts, 12)
+    blocks = BlockManager(runner.cache.num_blocks, runner.cache.block_size)
+
+    asleep = sleep_model(slot, blocks, level)
+    held = weights.size + runner.cache.region.size
+    assert asleep.released_bytes >= 0.9 * held, (asleep, held)
+    assert not weights.mapped and not runner.cache.region.mapped
+    woke = wake_model(slot, blocks)
+    assert woke.level == level and weights.mapped and runner.cache.region.mapped
+
+    after, _ = decode(runner, graphs, FULL, prompts, 12)
+    assert after == before
+    assert not graphs.skipped

@@ -21,6 +21,7 @@ from graphkeeper.worker.metrics import WorkerMetrics
 from graphkeeper.worker.model.kv_cache import KVCache
 from graphkeeper.worker.model.loader import LoadedModel, load_model
 from graphkeeper.worker.model.presets import resolve
+from graphkeeper.worker.model.sleep_memory import move_into_region
 from graphkeeper.worker.model.step import CompileReport, prepare_step
 from graphkeeper.worker.model.tokenizer import Tokenizer, load_tokenizer
 from graphkeeper.worker.settings import EngineSettings
@@ -52,6 +53,9 @@ class ModelSlot:
         self.compile_report = CompileReport(level=self.optimization.level, reason=self.optimization.reason)
         #: Seconds the last ``load`` spent on the weights (the rest of it was the KV cache).
         self.weights_seconds = 0.0
+        #: Weights and KV cache in sleepable memory (engine/sleep.py), and the level slept at (0: awake).
+        self.sleepable = settings.sleep_mode and device.type == "cuda"
+        self.sleep_level = 0
 
     def load(self, source: str, revision: str) -> tuple[LoadedModel, KVCache]:
         """New weights (and a KV cache for their shapes); nothing the engine serves is touched."""
@@ -61,6 +65,9 @@ class ModelSlot:
         started = time.perf_counter()
         loaded = load_model(source, device=self.device, dtype=s.dtype, max_positions=cache_len, revision=revision,
                             quantization=s.quantization)
+        if self.sleepable:
+            loaded.weights_region = move_into_region(loaded.model, self.device)
+            torch.cuda.empty_cache()  # the weights' first home goes back before the KV cache is made
         # Settled as Ledger.restart measures after a reload: the stage is comparable across loads.
         self.ledger.record(L.LEDGER_STAGE_WEIGHTS, self.device, settle=True)
         self.weights_seconds = time.perf_counter() - started
@@ -73,7 +80,8 @@ class ModelSlot:
             if blocks is None:
                 blocks = s.max_num_seqs * -(-cache_len // s.kv_block_size)
             cache = KVCache(loaded.config, s.max_num_seqs, cache_len, device=self.device, dtype=loaded.dtype,
-                            scratch_slots=scratch, block_size=s.kv_block_size, num_blocks=blocks)
+                            scratch_slots=scratch, block_size=s.kv_block_size, num_blocks=blocks,
+                            sleepable=self.sleepable)
         self.ledger.record(L.LEDGER_STAGE_KV_CACHE, self.device)
         log.info("KV cache: %d blocks of %d tokens for up to %d sequences of %d tokens, %s", cache.num_blocks,
                  cache.block_size, s.max_num_seqs, cache_len, gib(cache.nbytes()))
@@ -93,7 +101,8 @@ class ModelSlot:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         cache = KVCache(loaded.config, s.max_num_seqs, cache_len, device=self.device, dtype=loaded.dtype,
-                        scratch_slots=scratch, block_size=s.kv_block_size, num_blocks=num_blocks)
+                        scratch_slots=scratch, block_size=s.kv_block_size, num_blocks=num_blocks,
+                        sleepable=self.sleepable)
         self.kv_blocks = num_blocks
         self.runner = ModelRunner(loaded, cache, s.max_num_batched_tokens)
         self.ledger.record(L.LEDGER_STAGE_KV_CACHE, self.device)

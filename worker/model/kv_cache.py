@@ -28,6 +28,7 @@ from torch import Tensor
 
 from graphkeeper.worker.kernels import kv_write_kernel
 from graphkeeper.worker.model.config import ModelConfig
+from graphkeeper.worker.model.sleep_memory import ALIGNMENT, SleepableRegion
 
 #: Tokens per block when nothing else is asked (``--kv-block-size``).
 DEFAULT_BLOCK_SIZE = 16
@@ -44,8 +45,10 @@ class KVCache:
     def __init__(
         self, config: ModelConfig, num_slots: int, max_seq_len: int, *,
         device: torch.device, dtype: torch.dtype, scratch_slots: int = 1,
-        block_size: int = DEFAULT_BLOCK_SIZE, num_blocks: int | None = None,
+        block_size: int = DEFAULT_BLOCK_SIZE, num_blocks: int | None = None, sleepable: bool = False,
     ) -> None:
+        """``sleepable``: keys and values in a sleepable region (sleep mode on CUDA), whose memory
+        Sleep gives back at unchanged addresses."""
         self.num_slots = num_slots
         self.scratch_slots = max(1, scratch_slots)
         self.max_seq_len = max_seq_len
@@ -61,8 +64,14 @@ class KVCache:
         # so a step's keys land with a single write per layer at block * block_size + offset.
         shape = (config.n_layers, total, block_size, config.n_kv_heads, config.head_dim)
         # Zeros, not empty: the dummy slot's blocks are read by padded rows and must hold finite values.
-        self.k = torch.zeros(shape, device=device, dtype=dtype)
-        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.region: SleepableRegion | None = None
+        if sleepable and torch.device(device).type == "cuda":
+            half = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+            self.region = SleepableRegion(2 * half + 2 * ALIGNMENT, "kv-cache", torch.device(device))
+            self.k, self.v = (self.region.take(shape, dtype).zero_() for _ in range(2))
+        else:
+            self.k = torch.zeros(shape, device=device, dtype=dtype)
+            self.v = torch.zeros(shape, device=device, dtype=dtype)
         # Each layer's view, made once: a step indexes them per layer on the host's hot path.
         self.k_layers, self.v_layers = list(self.k.unbind(0)), list(self.v.unbind(0))
         # The table, on the host (the runner computes slot mappings from it) and on the device

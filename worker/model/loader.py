@@ -29,6 +29,7 @@ from graphkeeper.worker.model.catalog import BuiltinModelError, resolve_builtin
 from graphkeeper.worker.model.config import PRESETS, ModelConfig
 from graphkeeper.worker.model.llama import Transformer, rope_tables
 from graphkeeper.worker.model.quantization import quantize_model
+from graphkeeper.worker.model.sleep_memory import SleepableRegion
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_SEED = 0
@@ -59,6 +60,8 @@ class LoadedModel:
     dtype: torch.dtype
     device: torch.device
     quantization: str = "none"
+    #: The sleepable region holding the weights (sleep mode on CUDA; None otherwise).
+    weights_region: SleepableRegion | None = None
 
     @property
     def parameter_count(self) -> int:

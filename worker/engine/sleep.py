@@ -1,0 +1,119 @@
+"""Sleep and wake: the served model's device memory given back and taken again, graphs kept.
+
+A worker started with ``--enable-sleep-mode`` on a CUDA device keeps its weights and KV cache in
+sleepable regions (``model/sleep_memory.py``): fixed device addresses whose physical memory can
+go and come back. Sleep gives it back; wake maps memory at the same addresses, so every captured
+graph replays as it was, with no recapture.
+
+- Level 1: the weights wait in pinned host memory; wake copies them back (host to device speed).
+- Level 2: the weights are dropped; wake loads them again from the model's source (disk speed),
+  into the same tensors.
+
+At both levels the KV cache's contents are dropped: wake zeroes it (padded rows read the dummy
+slot's blocks, which must hold finite values) and the prefix cache forgets every block, since the
+keys and values it named are gone. The engine calls these between steps, with nothing running.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from graphkeeper.worker.engine.blocks import BlockManager
+from graphkeeper.worker.engine.model_slot import ModelSlot
+from graphkeeper.worker.engine.sizing import aligned
+from graphkeeper.worker.model.loader import load_model
+
+log = logging.getLogger(__name__)
+LEVELS = (1, 2)
+
+
+def sleep_refusal(device_type: str, sleep_mode: bool, level: int) -> str | None:
+    """None when a sleep at ``level`` may go ahead; else why not, for the caller to answer with."""
+    if level not in LEVELS:
+        return f"level must be 1 (weights kept in host memory) or 2 (weights dropped), not {level}"
+    if device_type != "cuda":
+        return f"sleep needs a CUDA device: this worker runs on {device_type}"
+    if not sleep_mode:
+        return "this worker started without --enable-sleep-mode: its memory cannot be given back and kept addressable"
+    return None
+
+
+@dataclass(frozen=True)
+class SleepOutcome:
+    level: int
+    #: Device memory given back, as the driver reports free memory before and after.
+    released_bytes: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class WakeOutcome:
+    level: int
+    #: Device memory taken again, as the driver reports free memory before and after.
+    restored_bytes: int
+    seconds: float
+
+
+def sleep_model(slot: ModelSlot, blocks: BlockManager, level: int) -> SleepOutcome:
+    """Gives the weights' and the KV cache's memory back (engine thread, nothing running)."""
+    refusal = sleep_refusal(slot.device.type, slot.sleepable, level)
+    if refusal:
+        raise ValueError(refusal)
+    if slot.sleep_level:
+        return SleepOutcome(slot.sleep_level, 0, 0.0)
+    started = time.perf_counter()
+    runner = slot.runner
+    torch.cuda.synchronize()
+    free_before = torch.cuda.mem_get_info()[0]
+    runner.loaded.weights_region.release(keep=level == 1)
+    runner.cache.region.release(keep=False)
+    blocks.reset_prefix_cache(runner.loaded.revision)
+    gc.collect()
+    torch.cuda.empty_cache()  # blocks torch's allocator keeps cached go back as well
+    slot.sleep_level = level
+    released = torch.cuda.mem_get_info()[0] - free_before
+    outcome = SleepOutcome(level, released, time.perf_counter() - started)
+    log.info("asleep at level %d: %.2f GiB given back in %.2f s", level, released / 2**30, outcome.seconds)
+    return outcome
+
+
+def wake_model(slot: ModelSlot, blocks: BlockManager) -> WakeOutcome:
+    """Takes the memory again at the same addresses and refills it (engine thread)."""
+    level = slot.sleep_level
+    if not level:
+        return WakeOutcome(0, 0, 0.0)
+    started = time.perf_counter()
+    runner = slot.runner
+    free_before = torch.cuda.mem_get_info()[0]
+    if not runner.loaded.weights_region.restore():
+        _reload_weights(slot)
+    runner.cache.region.restore()
+    runner.cache.k.zero_()
+    runner.cache.v.zero_()
+    torch.cuda.synchronize()
+    slot.sleep_level = 0
+    taken = free_before - torch.cuda.mem_get_info()[0]
+    outcome = WakeOutcome(level, taken, time.perf_counter() - started)
+    log.info("awake from level %d: %.2f GiB taken in %.2f s", level, taken / 2**30, outcome.seconds)
+    return outcome
+
+
+@torch.no_grad()
+def _reload_weights(slot: ModelSlot) -> None:
+    """Level 2: the weights loaded again from their source (the same loader, dtype and
+    quantization as at start) and copied into the tensors the graphs read."""
+    loaded = slot.runner.loaded
+    s = slot.settings
+    fresh = load_model(loaded.source, device=slot.device, dtype=s.dtype, max_positions=aligned(s.max_seq_len),
+                       revision=loaded.revision, quantization=loaded.quantization)
+    new = dict(fresh.model.named_parameters())
+    for name, param in loaded.model.named_parameters():
+        param.copy_(new[name])
+    del fresh, new
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
