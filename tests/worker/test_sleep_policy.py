@@ -139,3 +139,16 @@ def test_a_worker_offered_only_a_new_sleep_time_takes_it_without_a_recapture():
     with pytest.raises(PolicyError, match="sleep_after_idle_seconds"):
         control.offer(pb.GraphPolicy(policy_uid="u", generation=3, sleep_after_idle_seconds=-5))
     assert control.snapshot().pending is sleepy  # the refused offer changed nothing
+
+
+def test_a_policy_file_with_a_bad_sleep_time_is_refused_at_boot_naming_the_field(tmp_path):
+    from graphkeeper.worker.main import read_policy_file
+
+    path = tmp_path / "policy.json"
+    path.write_text('{"policyUid": "file", "generation": 2, "sleepAfterIdleSeconds": "-60"}')
+    policy, error = read_policy_file(str(path), 64)
+    assert policy is None and error == (f"--policy-file {path}: sleep_after_idle_seconds: must be in "
+                                        "[0, 2592000] (0: never), got -60")
+    path.write_text('{"policyUid": "file", "generation": 2, "sleepAfterIdleSeconds": "60", "sleepLevel": 2}')
+    policy, error = read_policy_file(str(path), 64)
+    assert error is None and (policy.sleep_after_idle_seconds, policy.sleep_level) == (60, 2)
