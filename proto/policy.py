@@ -29,6 +29,11 @@ MAX_TENANTS = 256
 MAX_GRAPHS_LIMIT = 2 * MAX_EXPLICIT_SIZES
 #: The longest idle-release time: 30 days (longer is never, which is 0).
 MAX_IDLE_RELEASE_SECONDS = 30 * 24 * 3600
+#: The longest idle time before a worker sleeps: 30 days, as for idle release (0: never).
+MAX_SLEEP_AFTER_IDLE_SECONDS = 30 * 24 * 3600
+#: The Sleep levels a policy may ask for (0 on the wire is the default, 1).
+SLEEP_LEVELS = (1, 2)
+DEFAULT_SLEEP_LEVEL = 1
 #: Kubernetes object UIDs are 36-character UUIDs; 128 bytes leaves room and nothing more.
 MAX_POLICY_UID_BYTES = 128
 #: ``namespace/name``: a namespace label (63) + ``/`` + an object name (253).
@@ -195,6 +200,7 @@ def validate_policy(
     if not 0 <= policy.idle_release_seconds <= MAX_IDLE_RELEASE_SECONDS:
         raise PolicyError("idle_release_seconds", f"must be in [0, {MAX_IDLE_RELEASE_SECONDS}] (0: never), "
                                                   f"got {policy.idle_release_seconds}")
+    _validate_sleep(policy)
     _validate_tenants(policy)
     if policy.default_tenant_graphs not in (pb.TENANT_GRAPHS_UNSPECIFIED, *TENANT_GRAPHS_BY_NAME.values()):
         raise PolicyError("default_tenant_graphs",
@@ -239,6 +245,20 @@ def _validate_sizes(sizes: pb.CaptureSizes, max_num_batched_tokens: int | None) 
                 field,
                 f"{size} exceeds this worker's token budget per step ({max_num_batched_tokens})",
             )
+
+
+def _validate_sleep(policy: pb.GraphPolicy) -> None:
+    if not 0 <= policy.sleep_after_idle_seconds <= MAX_SLEEP_AFTER_IDLE_SECONDS:
+        raise PolicyError("sleep_after_idle_seconds", f"must be in [0, {MAX_SLEEP_AFTER_IDLE_SECONDS}] (0: never), "
+                                                      f"got {policy.sleep_after_idle_seconds}")
+    if policy.sleep_level not in (0, *SLEEP_LEVELS):
+        raise PolicyError("sleep_level",
+                          f"must be 1 or 2 (0 or unset: {DEFAULT_SLEEP_LEVEL}), got {policy.sleep_level}")
+
+
+def sleep_level(policy: pb.GraphPolicy) -> int:
+    """The Sleep level the policy's idle sleep uses (unset on the wire is the default, 1)."""
+    return policy.sleep_level or DEFAULT_SLEEP_LEVEL
 
 
 def _validate_tenants(policy: pb.GraphPolicy) -> None:
@@ -344,6 +364,8 @@ def policy_from_spec(
             raise PolicyError("spec.memoryBudget", err.message) from None
     policy.max_graphs = _spec_int(spec, "maxGraphs", MAX_GRAPHS_LIMIT)
     policy.idle_release_seconds = _spec_int(spec, "idleReleaseSeconds", MAX_IDLE_RELEASE_SECONDS)
+    policy.sleep_after_idle_seconds = _spec_int(spec, "sleepAfterIdleSeconds", MAX_SLEEP_AFTER_IDLE_SECONDS)
+    policy.sleep_level = _spec_sleep_level(spec)
     default = spec.get("defaultTenantGraphs", "Enabled")
     if default not in TENANT_GRAPHS_BY_NAME:
         raise PolicyError("spec.defaultTenantGraphs", f"{default!r} is not Enabled or Disabled")
@@ -370,6 +392,21 @@ def _spec_int(spec: Mapping[str, Any], key: str, high: int) -> int:
     return value
 
 
+def _spec_sleep_level(spec: Mapping[str, Any]) -> int:
+    """``spec.sleepLevel`` as the wire carries it: 2, or 0 for the default 1 (omitted or 1).
+
+    The default stays unset on the wire so that a policy which leaves sleep alone is byte for
+    byte what an operator without the field pushed: a worker refuses a generation it holds sent
+    again with other content.
+    """
+    value = spec.get("sleepLevel", DEFAULT_SLEEP_LEVEL)
+    if value is None:
+        return 0
+    if isinstance(value, bool) or not isinstance(value, int) or value not in SLEEP_LEVELS:
+        raise PolicyError("spec.sleepLevel", f"must be 1 or 2, got {clipped_repr(str(value))}")
+    return 0 if value == DEFAULT_SLEEP_LEVEL else value
+
+
 def _sizes_from_spec(spec: Mapping[str, Any], out: pb.CaptureSizes) -> None:
     if "sizes" in spec and "ladder" in spec:
         raise PolicyError("spec.captureSizes", "set either sizes or ladder, not both")
@@ -392,6 +429,8 @@ def _spec_field(field: str) -> str:
         "memory_budget_bytes": "spec.memoryBudget",
         "max_graphs": "spec.maxGraphs",
         "idle_release_seconds": "spec.idleReleaseSeconds",
+        "sleep_after_idle_seconds": "spec.sleepAfterIdleSeconds",
+        "sleep_level": "spec.sleepLevel",
         "tenants": "spec.tenants",
         "mode": "spec.mode",
     }

@@ -356,7 +356,7 @@ class TenantToggle(_message.Message):
     def __init__(self, tenant: _Optional[str] = ..., graphs: _Optional[_Union[TenantGraphs, str]] = ...) -> None: ...
 
 class GraphPolicy(_message.Message):
-    __slots__ = ("policy_uid", "policy_name", "generation", "mode", "capture_sizes", "memory_budget_bytes", "tenants", "default_tenant_graphs", "max_graphs", "idle_release_seconds")
+    __slots__ = ("policy_uid", "policy_name", "generation", "mode", "capture_sizes", "memory_budget_bytes", "tenants", "default_tenant_graphs", "max_graphs", "idle_release_seconds", "sleep_after_idle_seconds", "sleep_level")
     POLICY_UID_FIELD_NUMBER: _ClassVar[int]
     POLICY_NAME_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
@@ -367,6 +367,8 @@ class GraphPolicy(_message.Message):
     DEFAULT_TENANT_GRAPHS_FIELD_NUMBER: _ClassVar[int]
     MAX_GRAPHS_FIELD_NUMBER: _ClassVar[int]
     IDLE_RELEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SLEEP_AFTER_IDLE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SLEEP_LEVEL_FIELD_NUMBER: _ClassVar[int]
     policy_uid: str
     policy_name: str
     generation: int
@@ -377,7 +379,9 @@ class GraphPolicy(_message.Message):
     default_tenant_graphs: TenantGraphs
     max_graphs: int
     idle_release_seconds: int
-    def __init__(self, policy_uid: _Optional[str] = ..., policy_name: _Optional[str] = ..., generation: _Optional[int] = ..., mode: _Optional[_Union[GraphMode, str]] = ..., capture_sizes: _Optional[_Union[CaptureSizes, _Mapping]] = ..., memory_budget_bytes: _Optional[int] = ..., tenants: _Optional[_Iterable[_Union[TenantToggle, _Mapping]]] = ..., default_tenant_graphs: _Optional[_Union[TenantGraphs, str]] = ..., max_graphs: _Optional[int] = ..., idle_release_seconds: _Optional[int] = ...) -> None: ...
+    sleep_after_idle_seconds: int
+    sleep_level: int
+    def __init__(self, policy_uid: _Optional[str] = ..., policy_name: _Optional[str] = ..., generation: _Optional[int] = ..., mode: _Optional[_Union[GraphMode, str]] = ..., capture_sizes: _Optional[_Union[CaptureSizes, _Mapping]] = ..., memory_budget_bytes: _Optional[int] = ..., tenants: _Optional[_Iterable[_Union[TenantToggle, _Mapping]]] = ..., default_tenant_graphs: _Optional[_Union[TenantGraphs, str]] = ..., max_graphs: _Optional[int] = ..., idle_release_seconds: _Optional[int] = ..., sleep_after_idle_seconds: _Optional[int] = ..., sleep_level: _Optional[int] = ...) -> None: ...
 
 class ApplyGraphPolicyRequest(_message.Message):
     __slots__ = ("policy",)

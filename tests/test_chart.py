@@ -210,6 +210,18 @@ def test_workers_can_follow_a_policy_applied_outside_the_chart(helm):
     assert pod["containers"][0]["imagePullPolicy"] == "Never"
 
 
+def test_the_charts_policy_leaves_sleep_off_and_refuses_a_negative_idle_time(helm):
+    docs = render(helm, "--set", "workers.enabled=true")
+    spec = [d for d in docs if d["kind"] == "GraphPolicy"][0]["spec"]
+    assert spec["sleepAfterIdleSeconds"] == 0
+    on = render(helm, "--set", "workers.enabled=true", "--set", "workers.policy.sleepAfterIdleSeconds=900")
+    assert [d for d in on if d["kind"] == "GraphPolicy"][0]["spec"]["sleepAfterIdleSeconds"] == 900
+    bad = subprocess.run([str(helm), "template", "gk", str(CHART), "--set", "workers.enabled=true",
+                          "--set", "workers.policy.sleepAfterIdleSeconds=-1"], capture_output=True, text=True,
+                         timeout=120)
+    assert bad.returncode != 0 and "sleepAfterIdleSeconds" in bad.stderr
+
+
 # ------------------------------------------------------------------ the workers' Service and GPU ----
 
 GPU = "nvidia.com/gpu"

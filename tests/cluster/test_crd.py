@@ -97,6 +97,15 @@ INVALID = {
     "negative maxGraphs": ({"selector": SELECTOR, "maxGraphs": -1}, "should be greater than or equal to 0"),
     "idleReleaseSeconds as a duration string": ({"selector": SELECTOR, "idleReleaseSeconds": "5m"},
                                                 "spec.idleReleaseSeconds: Invalid value"),
+    "negative sleepAfterIdleSeconds": ({"selector": SELECTOR, "sleepAfterIdleSeconds": -1},
+                                       "spec.sleepAfterIdleSeconds in body should be greater than or equal to 0"),
+    "sleepAfterIdleSeconds above 30 days": (
+        {"selector": SELECTOR, "sleepAfterIdleSeconds": 2592001},
+        "spec.sleepAfterIdleSeconds in body should be less than or equal to 2592000"),
+    "sleepAfterIdleSeconds as a duration string": ({"selector": SELECTOR, "sleepAfterIdleSeconds": "15m"},
+                                                   "spec.sleepAfterIdleSeconds: Invalid value"),
+    "sleepLevel not 1 or 2": ({"selector": SELECTOR, "sleepLevel": 3},
+                              "spec.sleepLevel: Unsupported value: 3"),
     "unknown revision policy": ({"selector": SELECTOR, "onModelRevisionChange": "Sometimes"},
                                 "Unsupported value: \"Sometimes\""),
 }
@@ -120,12 +129,15 @@ def test_a_valid_policy_gets_its_defaults(policies: Policies):
     assert spec["defaultTenantGraphs"] == "Enabled"
     assert spec["onModelRevisionChange"] == "Recapture"
     assert spec["tenants"] == [{"name": "batch", "graphs": "Enabled"}]
+    assert "sleepAfterIdleSeconds" not in spec and spec["sleepLevel"] == 1  # no sleep; level 1 if set
+    assert policy_from_spec(spec, uid="u", name="ns/p", generation=1).sleep_after_idle_seconds == 0
     more = [policies.create("bytes", {"selector": SELECTOR, "memoryBudget": 1048576,
                                       "mode": "None"}),
             policies.create("decimal", {"selector": SELECTOR, "memoryBudget": "1G"}),
             policies.create("count", {"selector": SELECTOR, "rollout": {"maxUnavailable": 3}}),
             policies.create("percent", {"selector": SELECTOR,
                                         "rollout": {"maxUnavailable": "100%"}}),
+            policies.create("sleepy", {"selector": SELECTOR, "sleepAfterIdleSeconds": 900, "sleepLevel": 2}),
             policies.create("traffic", {"selector": SELECTOR, "maxGraphs": 16, "idleReleaseSeconds": 600,
                                         "captureSizes": {"fromTraffic": {"mode": "Recommend",
                                                                          "memoryBudget": "256Mi"}}})]

@@ -11,7 +11,12 @@ import contextlib
 import json
 import time
 
+import grpc
 import pytest
+
+from graphkeeper.proto import worker_pb2 as pb
+from graphkeeper.proto import worker_pb2_grpc as pb_grpc
+from graphkeeper.proto.policy import policy_from_spec
 
 from .conftest import Cluster, Kubelet, Operator, Policies, kubernetes, wait_until
 
@@ -76,6 +81,48 @@ def test_changed_sizes_are_recaptured_and_status_follows(
     rendered = json.loads(cm.data["policy.json"])
     assert (rendered["generation"], rendered["capture_sizes"]["explicit"]["sizes"]) == (
         "2", [1, 16, 32]), "the ConfigMap follows the spec for workers that boot later"
+
+
+def _apply_as_the_operator(worker, policy: pb.GraphPolicy) -> pb.ApplyGraphPolicyResponse:
+    with grpc.insecure_channel(worker.control_target) as channel:
+        return pb_grpc.GraphControlStub(channel).ApplyGraphPolicy(
+            pb.ApplyGraphPolicyRequest(policy=policy), timeout=10,
+            metadata=(("authorization", f"Bearer {worker.token}"),))
+
+
+def held_exactly(worker, policy: pb.GraphPolicy) -> bool:
+    """Whether the worker holds ``policy``'s generation with exactly this content: it answers the
+    same generation again as unchanged, and refuses it with any other content."""
+    try:
+        return _apply_as_the_operator(worker, policy).unchanged
+    except grpc.RpcError as err:
+        assert err.code() == grpc.StatusCode.FAILED_PRECONDITION, err.details()
+        assert "other content" in err.details()
+        return False
+
+
+def test_the_sleep_setting_reaches_the_worker_and_follows_the_spec(
+        running_operator: Operator, kubelet: Kubelet, policies: Policies, cluster: Cluster):
+    ns = policies.namespace
+    worker = kubelet.create_worker(ns, "w", LABELS)
+    policy = policies.create("p", {**SPEC, "sleepAfterIdleSeconds": 300})
+    policies.wait_condition("p", "Ready", "True")
+    assert holds(worker, policy)
+    uid = policy["metadata"]["uid"]
+
+    def wire(generation: int, **sleep) -> pb.GraphPolicy:
+        return policy_from_spec({**SPEC, **sleep}, uid=uid, name=f"{ns}/p", generation=generation)
+
+    assert held_exactly(worker, wire(1, sleepAfterIdleSeconds=300))
+    assert not held_exactly(worker, wire(1))  # what the worker would hold had the field been lost
+    rendered = json.loads(cluster.core.read_namespaced_config_map("p-graphpolicy", ns).data["policy.json"])
+    assert rendered["sleep_after_idle_seconds"] == "300", "workers that boot later read it too"
+
+    updated = policies.patch_spec("p", {"sleepAfterIdleSeconds": 60, "sleepLevel": 2})
+    assert updated["metadata"]["generation"] == 2
+    policies.wait_condition("p", "Ready", "True", generation=2)
+    assert holds(worker, updated, 2)
+    assert held_exactly(worker, wire(2, sleepAfterIdleSeconds=60, sleepLevel=2))
 
 
 def test_a_worker_added_later_gets_the_policy(

@@ -106,11 +106,12 @@ def wire(generation: int = 1, **spec) -> pb.GraphPolicy:
     return policy_from_spec({**BASE, **spec}, uid="u", name="n", generation=generation)
 
 
-def test_the_recapture_key_ignores_tenants_but_not_sizes_mode_or_budget():
+def test_the_recapture_key_ignores_tenants_and_sleep_but_not_sizes_mode_or_budget():
     def key(**spec):
         return recapture_key(wire(**spec))
     assert key() == key(tenants=[{"name": "t", "graphs": "Disabled"}])
     assert key() == key(defaultTenantGraphs="Disabled")
+    assert key() == key(sleepAfterIdleSeconds=900, sleepLevel=2)
     assert key() != key(captureSizes={"sizes": [1, 2, 4]})
     assert key() != key(mode="Full")
     assert key() != key(memoryBudget="1Gi")
@@ -121,11 +122,12 @@ def test_the_recapture_key_ignores_tenants_but_not_sizes_mode_or_budget():
     ({"captureSizes": {"sizes": [1, 2, 4]}}, {"captureSizes": {"sizes": [1, 2], "maxCaptureSize": 4}}),
     ({}, {"mode": "FullAndPiecewise"}),
     ({"captureSizes": {}}, {"captureSizes": {"ladder": "Default"}}),
+    ({}, {"sleepAfterIdleSeconds": 900, "sleepLevel": 2}),
 ])
 def test_an_equivalent_rewrite_is_no_recapture_and_goes_everywhere_at_once(before, after):
     """Spelling the same captured set another way (sizes reordered, the maximum listed, the default
-    mode or ladder written out) costs no rollout slot: every worker gets it in one plan, as a
-    tenant toggle does, even with a budget of one."""
+    mode or ladder written out), or changing only the sleep settings, costs no rollout slot: every
+    worker gets it in one plan, as a tenant toggle does, even with a budget of one."""
     held, new = recapture_key(wire(1, **before)), wire(2, **after)
     recaptures = push_recaptures(held, new)
     assert not recaptures

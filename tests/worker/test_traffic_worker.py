@@ -1,7 +1,8 @@
 """The worker observes its traffic, end to end on real worker processes (CPU, the engine core in a
 process of its own): the step-shape histogram in GraphStatus and in /metrics, reset and stamped at
-a policy adoption; the new policy fields over gRPC; ``graphkeeper graphs`` against the worker; one
-coherent memory ledger after a model reload. (Graphs themselves need a GPU: tests/gpu.)"""
+a policy adoption; the new policy fields (graph economics, sleep after idle) over gRPC;
+``graphkeeper graphs`` against the worker; one coherent memory ledger after a model reload.
+(Graphs themselves need a GPU: tests/gpu.)"""
 
 from __future__ import annotations
 
@@ -79,11 +80,35 @@ def test_adopting_a_policy_resets_the_histogram_and_takes_the_new_fields(traffic
     assert traffic.steps == 4  # one prefill step of 2 tokens, then 3 decode steps
     assert {(s.num_tokens, s.num_seqs, s.uniform_decode, s.steps) for s in traffic.shapes} == {
         (2, 1, False, 1), (1, 1, True, 3)}
-    for fields, name in (({"max_graphs": -1}, "max_graphs"), ({"idle_release_seconds": -1}, "idle_release_seconds")):
+    for fields, name in (({"max_graphs": -1}, "max_graphs"), ({"idle_release_seconds": -1}, "idle_release_seconds"),
+                         ({"sleep_after_idle_seconds": -1}, "sleep_after_idle_seconds"),
+                         ({"sleep_level": 3}, "sleep_level")):
         with pytest.raises(grpc.RpcError) as err:
             _apply(worker, generation=2, **fields)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert name in err.value.details()
+    assert generate(worker, make_request(PROMPTS[0], 2))[1].generated_tokens == 2  # still serving
+
+
+def test_the_worker_holds_a_sleep_setting_pushed_over_grpc(traffic_worker):
+    worker = traffic_worker
+    sleepy = {"generation": 5, "sleep_after_idle_seconds": 300, "sleep_level": 2}
+    response = _apply(worker, **sleepy)
+    assert not response.unchanged and not response.recapture_started
+    wait_until(lambda: worker.status().policy_generation == 5, what="the sleep setting adopted")
+    # The worker keeps what each generation held: the same content again is unchanged, other
+    # content under the same generation is refused. So it holds exactly 300 s at level 2.
+    assert _apply(worker, **sleepy).unchanged
+    for other in ({"sleep_after_idle_seconds": 0}, {"sleep_level": 1}):
+        with pytest.raises(grpc.RpcError) as err:
+            _apply(worker, **(sleepy | other))
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "other content" in err.value.details()
+    with pytest.raises(grpc.RpcError) as err:
+        _apply(worker, generation=6, sleep_after_idle_seconds=-300)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details().startswith("policy.sleep_after_idle_seconds: must be in [0, 2592000]")
+    assert worker.status().policy_generation == 5
     assert generate(worker, make_request(PROMPTS[0], 2))[1].generated_tokens == 2  # still serving
 
 
