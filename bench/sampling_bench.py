@@ -1,10 +1,12 @@
 """What the sampling parameters cost under load: a batch of ``--streams`` (64) OpenAI completions
 streams where every request is plain, against the same batch where half the streams ask for log
 probabilities (5 alternatives), penalties (frequency, presence, repetition) or a JSON schema, a
-third of that half each. Plain requests are greedy with ``ignore_eos``; a JSON-schema request's
-grammar (an array of strings) does not end before ``--output-tokens``, so both runs generate the
-same number of tokens. Tokens/s over ``--seconds`` per run, and the share of each request's steps
-that replayed graphs (its ``graphkeeper.execution`` summary), which must stay 1.0.
+third of that half each (``--attribute``: also half the streams with each kind alone, to see which
+kind costs what). Every request is greedy with ``ignore_eos``; a JSON-schema request still ends
+when its grammar does (an array of strings the model may close at any token: on the H200 they
+averaged 63 of 128 tokens), so that kind starts more requests per token. Tokens/s over
+``--seconds`` per run, and the share of each request's steps that replayed graphs (its
+``graphkeeper.execution`` summary), which must stay 1.0.
 
 The client is one asyncio process of plain HTTP (aiohttp, the worker's own dependency), one
 connection per stream and one non-streaming response per request, so its work per token is nil;
@@ -14,7 +16,7 @@ The model is ``random:<preset>`` saved with a byte-level tokenizer of the model'
 256 byte symbols, then placeholder words), so JSON can be spelt and every id decodes; prompts are
 token ids.
 
-    python bench/sampling_bench.py --out bench/results/sampling-h200.json                      # H200
+    python bench/sampling_bench.py --attribute --out bench/results/sampling-h200.json          # H200
     python bench/sampling_bench.py --device cpu --dtype float32 --preset tiny --streams 8 \\
         --prompt-tokens 16 --output-tokens 16 --seconds 10 --out /tmp/sampling.json             # CPU check
 """
@@ -82,15 +84,16 @@ def start_worker(model: Path, args: argparse.Namespace, log: Path) -> tuple[subp
     return proc, url
 
 
-async def drive(url: str, args: argparse.Namespace, mixed: bool, vocab: int) -> dict:
-    """``--streams`` loops of requests for ``--seconds``; counts tokens and graph steps by kind."""
+async def drive(url: str, args: argparse.Namespace, mix: tuple[str, ...], vocab: int) -> dict:
+    """``--streams`` loops of requests for ``--seconds``, every other one asking for a kind of
+    ``mix`` in turn (none: all plain); counts tokens and graph steps by kind."""
     import aiohttp
 
     rng = random.Random(7)
     kinds = ["plain"] * args.streams
-    if mixed:
+    if mix:
         for i in range(args.streams // 2):
-            kinds[2 * i + 1] = list(KINDS)[i % len(KINDS)]
+            kinds[2 * i + 1] = mix[i % len(mix)]
     stats = {k: {"requests": 0, "tokens": 0, "graph_steps": 0, "steps": 0, "errors": 0} for k in ("plain", *KINDS)}
     deadline = time.perf_counter() + args.seconds
 
@@ -119,7 +122,8 @@ async def drive(url: str, args: argparse.Namespace, mixed: bool, vocab: int) -> 
     cpu1 = resource.getrusage(resource.RUSAGE_SELF)
     tokens = sum(r["tokens"] for r in stats.values())
     steps = sum(r["steps"] for r in stats.values())
-    return {"mix": "half parameterised" if mixed else "plain", "seconds": wall, "tokens": tokens,
+    name = "plain" if not mix else "half parameterised" if len(mix) > 1 else f"half {mix[0]}"
+    return {"mix": name, "seconds": wall, "tokens": tokens,
             "tokens_per_s": tokens / wall, "graph_step_share": sum(r["graph_steps"] for r in stats.values()) / steps
             if steps else None, "client_cpu_share": (cpu1.ru_utime + cpu1.ru_stime - cpu0.ru_utime - cpu0.ru_stime)
             / wall, "by_kind": {k: v for k, v in stats.items() if v["requests"] or v["errors"]}}
@@ -137,6 +141,8 @@ def main() -> int:
     parser.add_argument("--max-seq-len", type=int, default=2048)
     parser.add_argument("--worker-args", default="")
     parser.add_argument("--models", default="/tmp/sampling-bench-models")
+    parser.add_argument("--attribute", action="store_true",
+                        help="also run half the streams with each kind alone (which kind costs what)")
     parser.add_argument("--out", default=os.environ.get("OUT", "sampling-bench.json"))
     args = parser.parse_args()
     out = Path(args.out)
@@ -145,8 +151,10 @@ def main() -> int:
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
     proc, url = start_worker(model, args, out.with_suffix(".worker.log"))
     try:
-        asyncio.run(drive(url, argparse.Namespace(**{**vars(args), "seconds": min(5.0, args.seconds)}), True, vocab))
-        runs = [asyncio.run(drive(url, args, mixed, vocab)) for mixed in (False, True)]
+        asyncio.run(drive(url, argparse.Namespace(**{**vars(args), "seconds": min(5.0, args.seconds)}), tuple(KINDS),
+                          vocab))
+        mixes = [(), tuple(KINDS)] + ([(k,) for k in KINDS] if args.attribute else [])
+        runs = [asyncio.run(drive(url, args, mix, vocab)) for mix in mixes]
     finally:
         proc.terminate()
         proc.wait(120)
@@ -155,11 +163,13 @@ def main() -> int:
         "commit": os.environ.get("GRAPHKEEPER_COMMIT", ""), "host": platform.node(), "preset": args.preset,
         "device": args.device, "dtype": args.dtype, "streams": args.streams, "prompt_tokens": args.prompt_tokens,
         "output_tokens": args.output_tokens, "runs": runs,
+        "over_plain": {run["mix"]: run["tokens_per_s"] / runs[0]["tokens_per_s"] if runs[0]["tokens_per_s"] else None
+                       for run in runs[1:]},
         "mixed_over_plain": runs[1]["tokens_per_s"] / runs[0]["tokens_per_s"] if runs[0]["tokens_per_s"] else None,
     }
     out.write_text(json.dumps(result, indent=2) + "\n")
     for run in runs:
-        print(f"{run['mix']:>20}: {run['tokens_per_s']:9.1f} tokens/s, graph steps {run['graph_step_share']}, "
+        print(f"{run['mix']:>22}: {run['tokens_per_s']:9.1f} tokens/s, graph steps {run['graph_step_share']}, "
               f"client CPU {run['client_cpu_share']:.2f}", flush=True)
     print(f"half parameterised / plain: {result['mixed_over_plain']:.3f} (acceptance: >= 0.90)", flush=True)
     return 0
