@@ -98,3 +98,4 @@ def test_a_runner_step_mixing_plain_and_processed_rows_keeps_the_plain_tokens(ru
     assert tokens[2] == 11
     logprobs = launched.token_logprobs()
     assert len(logprobs) == 4 and len(logprobs[3].top) == 3 and logprobs[3].token == tokens[3]
+    assert logprobs[:3] == [None, None, None]  # computed only for the row that asked

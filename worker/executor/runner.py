@@ -44,7 +44,8 @@ class Launched:
     host: Tensor
     done: torch.cuda.Event | None
     count: int
-    logprobs: tuple[Tensor, Tensor, Tensor] | None = None
+    #: The sample rows that asked for log probabilities, and their (chosen, top values, top ids).
+    logprobs: tuple[np.ndarray, tuple[Tensor, Tensor, Tensor]] | None = None
     #: Per prefill chunk that computes its prompt's log probabilities: (chunk index, targets,
     #: (chosen, top values, top ids)).
     prompt: list[tuple[int, np.ndarray, tuple[Tensor, Tensor, Tensor]]] | None = None
@@ -55,14 +56,18 @@ class Launched:
             self.done.synchronize()
         return self.host[: self.count].numpy()
 
-    def token_logprobs(self) -> list[TokenLogprob] | None:
-        """Each sample row's ``TokenLogprob`` (after ``tokens``); None when no row asked."""
+    def token_logprobs(self) -> list[TokenLogprob | None] | None:
+        """Each sample row's ``TokenLogprob``, None for a row that did not ask (after ``tokens``);
+        None when no row asked."""
         if self.logprobs is None:
             return None
-        chosen, values, ids = (t.tolist() for t in self.logprobs)
+        rows, tensors = self.logprobs
+        chosen, values, ids = (t.tolist() for t in tensors)
         tokens = self.host[: self.count].tolist()
-        return [TokenLogprob(t, c, tuple(zip(i, v, strict=True)))
-                for t, c, v, i in zip(tokens, chosen, values, ids, strict=True)]
+        out: list[TokenLogprob | None] = [None] * self.count
+        for k, row in enumerate(rows.tolist()):
+            out[row] = TokenLogprob(tokens[row], chosen[k], tuple(zip(ids[k], values[k], strict=True)))
+        return out
 
     def prompt_logprobs(self) -> list[tuple[int, list[TokenLogprob]]]:
         """(chunk index, the log probability of each prompt token the chunk's rows predict)."""
@@ -253,17 +258,21 @@ class ModelRunner:
         """Samples on the device, records each slot's new token, and starts the copy back."""
         ns = plan.num_samples
         logits = self.model.head(self.sample_rows(hidden, plan))
-        extra, logprobs = plan.logits, None
+        extra, logprobs, raw = plan.logits, None, None
         if extra is not None:  # the rows that ask for nothing keep their logits bit for bit
-            raw = raw_logprobs(logits) if extra.top_logprobs >= 0 else None
+            wanted = np.flatnonzero(extra.logprobs >= 0)
+            if len(wanted):  # only the rows that asked: a [rows, vocab] softmax and top-k each
+                at = torch.from_numpy(wanted).to(self.device, non_blocking=True)
+                raw = raw_logprobs(logits.index_select(0, at))
             logits = process(logits, extra, plan.sampling)
         tokens = sample(logits, plan.sampling)
         self.last_tokens.index_copy_(0, self._row(self.SAMPLE_SLOTS, ns), tokens)
         host, done = self._host[self._turn], self._sent[self._turn]
         self._turn ^= 1
         host[:ns].copy_(tokens, non_blocking=True)
-        if extra is not None and raw is not None:
-            logprobs = tuple(t.to("cpu", non_blocking=True) for t in pick_logprobs(raw, tokens, extra.top_logprobs))
+        if raw is not None:
+            picked = pick_logprobs(raw, tokens.index_select(0, at), extra.top_logprobs)
+            logprobs = (wanted, tuple(t.to("cpu", non_blocking=True) for t in picked))
         prompt = [self._prompt_logprobs(hidden, plan, p) for p in plan.prompt_logprobs] or None
         if done is not None:
             done.record()
