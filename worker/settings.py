@@ -52,6 +52,8 @@ class EngineSettings:
     #: weights, the measured activation peak and the measured graph memory (0: off; the KV cache is
     #: sized by kv_cache_memory or a share of free memory before anything is captured).
     gpu_memory_utilization: float = 0.0
+    #: --enable-sleep-mode: GraphControl Sleep is accepted (CUDA only; engine/sleep_control.py).
+    sleep_mode: bool = False
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     max_queue: int = DEFAULT_MAX_QUEUE
     #: Longest prefill chunk (0: the token budget).
