@@ -259,3 +259,13 @@ def test_a_sleep_the_device_side_fails_leaves_the_engine_awake_and_serving(sleep
         engine.sleep_control.sleep(1).result(30)
     assert engine.lifecycle.state == READY and engine.status().sleep.pending_level == 0
     assert len(_generate(engine, 3)) == 3
+
+
+def test_falling_asleep_and_a_pending_sleep_each_start_a_watch_message():
+    from graphkeeper.proto.watch import change_key
+
+    awake = pb.GraphStatus(state=READY)
+    pending = pb.GraphStatus(state=READY, sleep=pb.SleepStatus(pending_level=1))
+    asleep = pb.GraphStatus(state=SLEEPING, sleep=pb.SleepStatus(level=1))
+    assert len({change_key(awake), change_key(pending), change_key(asleep)}) == 3
+    assert change_key(asleep) == change_key(pb.GraphStatus(state=SLEEPING, sleep=pb.SleepStatus(level=1, wakes=4)))
