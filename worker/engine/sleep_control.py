@@ -174,6 +174,8 @@ class SleepControl:
 
     def between_steps(self, engine: Engine, inflight: InFlight | None) -> bool:
         """Carries out what is due; True when the engine sleeps and the pass has nothing more to do."""
+        if not (self.level or self.pending):  # every step passes here: no lock while nothing is ordered
+            return False
         with self._lock:
             asleep, pending, ordered = self.level, self.pending, bool(self._wakers)
         draining = engine.lifecycle.state == S.LIFECYCLE_STATE_DRAINING

@@ -194,7 +194,7 @@ class GraphControlServicer(pb_grpc.GraphControlServicer):
         except NotServing as err:  # another reload is pending: retry later
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(err))
         try:
-            revision = await asyncio.wait_for(asyncio.wrap_future(future), RELOAD_TIMEOUT_SECONDS)
+            revision = await _outcome(future, RELOAD_TIMEOUT_SECONDS)
         except TimeoutError:
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "model reload did not finish in time")
         except ReloadRefused as err:  # relinked outside the roots between the request and the load
@@ -241,10 +241,12 @@ class GraphControlServicer(pb_grpc.GraphControlServicer):
             await context.abort(grpc.StatusCode.INTERNAL, f"wake failed: {type(err).__name__}: {err}")
 
 
-async def _outcome(future: Future) -> Any:
-    """The engine's answer to an order, waited for at most ``SLEEP_TIMEOUT_SECONDS``. Shielded: a
-    caller that goes away must not cancel the future the engine thread will resolve."""
-    return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), SLEEP_TIMEOUT_SECONDS)
+async def _outcome(future: Future, timeout: float = SLEEP_TIMEOUT_SECONDS) -> Any:
+    """The engine's answer to an order (a reload, a sleep, a wake), waited for at most ``timeout``.
+    Shielded: a caller that gives up or goes away must not cancel the future, which the engine
+    (or, across the channel, the client's receiver thread) resolves later; resolving a cancelled
+    future raises InvalidStateError in that thread."""
+    return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), timeout)
 
 
 class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
