@@ -252,7 +252,7 @@ def test_reflection_lists_the_services(worker):
     methods = {m.name for m in pool.FindServiceByName(INFERENCE_SERVICE).methods}
     assert methods == {"Generate", "GetModelInfo"}
     control = {m.name for m in pool.FindFileContainingSymbol(CONTROL_SERVICE).services_by_name["GraphControl"].methods}
-    assert control == {"ApplyGraphPolicy", "GetGraphStatus", "LoadModelRevision", "WatchGraphStatus"}
+    assert control == {"ApplyGraphPolicy", "GetGraphStatus", "LoadModelRevision", "WatchGraphStatus", "Sleep", "Wake"}
     reason = pool.FindEnumTypeByName("graphkeeper.worker.v1.FallbackReason")
     assert "FALLBACK_REASON_BACKEND_UNSUPPORTED" in reason.values_by_name
 
