@@ -269,3 +269,15 @@ def test_falling_asleep_and_a_pending_sleep_each_start_a_watch_message():
     asleep = pb.GraphStatus(state=SLEEPING, sleep=pb.SleepStatus(level=1))
     assert len({change_key(awake), change_key(pending), change_key(asleep)}) == 3
     assert change_key(asleep) == change_key(pb.GraphStatus(state=SLEEPING, sleep=pb.SleepStatus(level=1, wakes=4)))
+
+
+def test_graphkeeper_status_prints_whether_the_worker_sleeps_or_why_it_cannot():
+    from graphkeeper.client import sleep_line
+
+    assert sleep_line(pb.SleepStatus(unavailable_reason="sleep needs a CUDA device: this worker runs on cpu")) == (
+        "sleep     unavailable: sleep needs a CUDA device: this worker runs on cpu")
+    assert sleep_line(pb.SleepStatus(level=1, since_unix_seconds=0, released_bytes=3 << 30, sleeps=2, wakes=1,
+                                     last_wake_seconds=0.5)) == (
+        "sleep     level 1 since 1970-01-01 00:00:00 UTC, 3.0 GiB released; 2 sleeps, 1 wakes (last 0.50 s)")
+    assert sleep_line(pb.SleepStatus(pending_level=2)) == (
+        "sleep     awake (a level 2 sleep waits for running sequences); 0 sleeps, 0 wakes")
