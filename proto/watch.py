@@ -24,7 +24,7 @@ def change_key(status: pb.GraphStatus) -> tuple:
     """What, when it differs between two statuses, is a change the operator acts on."""
     return (status.state, status.requested_mode, status.effective_mode, status.policy_uid,
             status.policy_generation, status.pending_policy_uid, status.pending_policy_generation,
-            status.model_revision, status.pending_model_revision, status.last_error,
+            status.model_revision, status.pending_model_revision, status.last_error, status.sleep.pending_level,
             tuple((c.size, c.mode) for c in status.captured),
             tuple((s.size, s.reason) for s in status.skipped))
 

@@ -39,6 +39,7 @@ class LifecycleState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     LIFECYCLE_STATE_READY: _ClassVar[LifecycleState]
     LIFECYCLE_STATE_RECAPTURING: _ClassVar[LifecycleState]
     LIFECYCLE_STATE_DRAINING: _ClassVar[LifecycleState]
+    LIFECYCLE_STATE_SLEEPING: _ClassVar[LifecycleState]
 
 class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -94,6 +95,7 @@ LIFECYCLE_STATE_CAPTURED: LifecycleState
 LIFECYCLE_STATE_READY: LifecycleState
 LIFECYCLE_STATE_RECAPTURING: LifecycleState
 LIFECYCLE_STATE_DRAINING: LifecycleState
+LIFECYCLE_STATE_SLEEPING: LifecycleState
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_STOP: FinishReason
@@ -456,7 +458,7 @@ class LedgerEntry(_message.Message):
     def __init__(self, stage: _Optional[_Union[LedgerStage, str]] = ..., device_used_bytes: _Optional[int] = ..., torch_allocated_bytes: _Optional[int] = ..., torch_reserved_bytes: _Optional[int] = ..., residual_bytes: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class GraphStatus(_message.Message):
-    __slots__ = ("state", "requested_mode", "effective_mode", "mode_downgrade_reason", "policy_uid", "policy_generation", "model_revision", "captured", "skipped", "fallbacks", "graph_steps", "eager_steps", "graph_memory_bytes", "total_capture_seconds", "ledger", "running_sequences", "queued_requests", "last_error", "pending_policy_uid", "pending_policy_generation", "pending_model_revision", "compile", "traffic", "kv_cache", "capture_parts", "previous_ledger", "serving", "step_budget", "startup")
+    __slots__ = ("state", "requested_mode", "effective_mode", "mode_downgrade_reason", "policy_uid", "policy_generation", "model_revision", "captured", "skipped", "fallbacks", "graph_steps", "eager_steps", "graph_memory_bytes", "total_capture_seconds", "ledger", "running_sequences", "queued_requests", "last_error", "pending_policy_uid", "pending_policy_generation", "pending_model_revision", "compile", "traffic", "kv_cache", "capture_parts", "previous_ledger", "serving", "step_budget", "startup", "sleep")
     STATE_FIELD_NUMBER: _ClassVar[int]
     REQUESTED_MODE_FIELD_NUMBER: _ClassVar[int]
     EFFECTIVE_MODE_FIELD_NUMBER: _ClassVar[int]
@@ -486,6 +488,7 @@ class GraphStatus(_message.Message):
     SERVING_FIELD_NUMBER: _ClassVar[int]
     STEP_BUDGET_FIELD_NUMBER: _ClassVar[int]
     STARTUP_FIELD_NUMBER: _ClassVar[int]
+    SLEEP_FIELD_NUMBER: _ClassVar[int]
     state: LifecycleState
     requested_mode: GraphMode
     effective_mode: GraphMode
@@ -515,7 +518,28 @@ class GraphStatus(_message.Message):
     serving: ServingCounters
     step_budget: StepBudgetStatus
     startup: StartupStatus
-    def __init__(self, state: _Optional[_Union[LifecycleState, str]] = ..., requested_mode: _Optional[_Union[GraphMode, str]] = ..., effective_mode: _Optional[_Union[GraphMode, str]] = ..., mode_downgrade_reason: _Optional[str] = ..., policy_uid: _Optional[str] = ..., policy_generation: _Optional[int] = ..., model_revision: _Optional[str] = ..., captured: _Optional[_Iterable[_Union[CapturedSize, _Mapping]]] = ..., skipped: _Optional[_Iterable[_Union[SkippedSize, _Mapping]]] = ..., fallbacks: _Optional[_Iterable[_Union[FallbackCount, _Mapping]]] = ..., graph_steps: _Optional[int] = ..., eager_steps: _Optional[int] = ..., graph_memory_bytes: _Optional[int] = ..., total_capture_seconds: _Optional[float] = ..., ledger: _Optional[_Iterable[_Union[LedgerEntry, _Mapping]]] = ..., running_sequences: _Optional[int] = ..., queued_requests: _Optional[int] = ..., last_error: _Optional[str] = ..., pending_policy_uid: _Optional[str] = ..., pending_policy_generation: _Optional[int] = ..., pending_model_revision: _Optional[str] = ..., compile: _Optional[_Union[CompileStatus, _Mapping]] = ..., traffic: _Optional[_Union[StepHistogram, _Mapping]] = ..., kv_cache: _Optional[_Union[KVCacheStatus, _Mapping]] = ..., capture_parts: _Optional[_Iterable[_Union[CapturePart, _Mapping]]] = ..., previous_ledger: _Optional[_Iterable[_Union[LedgerEntry, _Mapping]]] = ..., serving: _Optional[_Union[ServingCounters, _Mapping]] = ..., step_budget: _Optional[_Union[StepBudgetStatus, _Mapping]] = ..., startup: _Optional[_Union[StartupStatus, _Mapping]] = ...) -> None: ...
+    sleep: SleepStatus
+    def __init__(self, state: _Optional[_Union[LifecycleState, str]] = ..., requested_mode: _Optional[_Union[GraphMode, str]] = ..., effective_mode: _Optional[_Union[GraphMode, str]] = ..., mode_downgrade_reason: _Optional[str] = ..., policy_uid: _Optional[str] = ..., policy_generation: _Optional[int] = ..., model_revision: _Optional[str] = ..., captured: _Optional[_Iterable[_Union[CapturedSize, _Mapping]]] = ..., skipped: _Optional[_Iterable[_Union[SkippedSize, _Mapping]]] = ..., fallbacks: _Optional[_Iterable[_Union[FallbackCount, _Mapping]]] = ..., graph_steps: _Optional[int] = ..., eager_steps: _Optional[int] = ..., graph_memory_bytes: _Optional[int] = ..., total_capture_seconds: _Optional[float] = ..., ledger: _Optional[_Iterable[_Union[LedgerEntry, _Mapping]]] = ..., running_sequences: _Optional[int] = ..., queued_requests: _Optional[int] = ..., last_error: _Optional[str] = ..., pending_policy_uid: _Optional[str] = ..., pending_policy_generation: _Optional[int] = ..., pending_model_revision: _Optional[str] = ..., compile: _Optional[_Union[CompileStatus, _Mapping]] = ..., traffic: _Optional[_Union[StepHistogram, _Mapping]] = ..., kv_cache: _Optional[_Union[KVCacheStatus, _Mapping]] = ..., capture_parts: _Optional[_Iterable[_Union[CapturePart, _Mapping]]] = ..., previous_ledger: _Optional[_Iterable[_Union[LedgerEntry, _Mapping]]] = ..., serving: _Optional[_Union[ServingCounters, _Mapping]] = ..., step_budget: _Optional[_Union[StepBudgetStatus, _Mapping]] = ..., startup: _Optional[_Union[StartupStatus, _Mapping]] = ..., sleep: _Optional[_Union[SleepStatus, _Mapping]] = ...) -> None: ...
+
+class SleepStatus(_message.Message):
+    __slots__ = ("level", "pending_level", "since_unix_seconds", "released_bytes", "sleeps", "wakes", "last_wake_seconds", "unavailable_reason")
+    LEVEL_FIELD_NUMBER: _ClassVar[int]
+    PENDING_LEVEL_FIELD_NUMBER: _ClassVar[int]
+    SINCE_UNIX_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    RELEASED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SLEEPS_FIELD_NUMBER: _ClassVar[int]
+    WAKES_FIELD_NUMBER: _ClassVar[int]
+    LAST_WAKE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    UNAVAILABLE_REASON_FIELD_NUMBER: _ClassVar[int]
+    level: int
+    pending_level: int
+    since_unix_seconds: float
+    released_bytes: int
+    sleeps: int
+    wakes: int
+    last_wake_seconds: float
+    unavailable_reason: str
+    def __init__(self, level: _Optional[int] = ..., pending_level: _Optional[int] = ..., since_unix_seconds: _Optional[float] = ..., released_bytes: _Optional[int] = ..., sleeps: _Optional[int] = ..., wakes: _Optional[int] = ..., last_wake_seconds: _Optional[float] = ..., unavailable_reason: _Optional[str] = ...) -> None: ...
 
 class StepBudgetStatus(_message.Message):
     __slots__ = ("tokens", "tokens_with_decode", "itl_target_seconds", "source")
@@ -676,3 +700,39 @@ class LoadModelRevisionResponse(_message.Message):
     revision: str
     recapture_started: bool
     def __init__(self, revision: _Optional[str] = ..., recapture_started: _Optional[bool] = ...) -> None: ...
+
+class SleepRequest(_message.Message):
+    __slots__ = ("level",)
+    LEVEL_FIELD_NUMBER: _ClassVar[int]
+    level: int
+    def __init__(self, level: _Optional[int] = ...) -> None: ...
+
+class SleepResponse(_message.Message):
+    __slots__ = ("level", "released_bytes", "seconds", "already_asleep")
+    LEVEL_FIELD_NUMBER: _ClassVar[int]
+    RELEASED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ALREADY_ASLEEP_FIELD_NUMBER: _ClassVar[int]
+    level: int
+    released_bytes: int
+    seconds: float
+    already_asleep: bool
+    def __init__(self, level: _Optional[int] = ..., released_bytes: _Optional[int] = ..., seconds: _Optional[float] = ..., already_asleep: _Optional[bool] = ...) -> None: ...
+
+class WakeRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class WakeResponse(_message.Message):
+    __slots__ = ("level", "restored_bytes", "seconds", "was_asleep", "withdrew_sleep")
+    LEVEL_FIELD_NUMBER: _ClassVar[int]
+    RESTORED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    WAS_ASLEEP_FIELD_NUMBER: _ClassVar[int]
+    WITHDREW_SLEEP_FIELD_NUMBER: _ClassVar[int]
+    level: int
+    restored_bytes: int
+    seconds: float
+    was_asleep: bool
+    withdrew_sleep: bool
+    def __init__(self, level: _Optional[int] = ..., restored_bytes: _Optional[int] = ..., seconds: _Optional[float] = ..., was_asleep: _Optional[bool] = ..., withdrew_sleep: _Optional[bool] = ...) -> None: ...

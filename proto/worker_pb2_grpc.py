@@ -188,6 +188,16 @@ class GraphControlStub:
                 request_serializer=graphkeeper_dot_proto_dot_worker__pb2.WatchGraphStatusRequest.SerializeToString,
                 response_deserializer=graphkeeper_dot_proto_dot_worker__pb2.GraphStatus.FromString,
                 _registered_method=True)
+        self.Sleep = channel.unary_unary(
+                '/graphkeeper.worker.v1.GraphControl/Sleep',
+                request_serializer=graphkeeper_dot_proto_dot_worker__pb2.SleepRequest.SerializeToString,
+                response_deserializer=graphkeeper_dot_proto_dot_worker__pb2.SleepResponse.FromString,
+                _registered_method=True)
+        self.Wake = channel.unary_unary(
+                '/graphkeeper.worker.v1.GraphControl/Wake',
+                request_serializer=graphkeeper_dot_proto_dot_worker__pb2.WakeRequest.SerializeToString,
+                response_deserializer=graphkeeper_dot_proto_dot_worker__pb2.WakeResponse.FromString,
+                _registered_method=True)
 
 
 class GraphControlServicer:
@@ -230,6 +240,27 @@ class GraphControlServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Sleep(self, request, context):
+        """Puts the worker to sleep once no sequence runs (running ones finish; new ones wait, then
+        wake it): the device memory of the weights and KV cache is released, the captured graphs are
+        kept, so a wake replays them without a recapture. A level other than 1 or 2 is
+        INVALID_ARGUMENT naming level; a worker that cannot sleep (not CUDA, started without
+        --enable-sleep-mode, not serving yet, asleep at another level) is FAILED_PRECONDITION with
+        the reason, and serves on. Asleep at the same level already: OK, nothing done.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Wake(self, request, context):
+        """Wakes a sleeping worker (a request sent to it wakes it too). Idempotent: on a worker that
+        is awake it does nothing and says so (was_asleep false); it withdraws a Sleep still waiting
+        for running sequences, whose caller gets ABORTED.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GraphControlServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -252,6 +283,16 @@ def add_GraphControlServicer_to_server(servicer, server):
                     servicer.WatchGraphStatus,
                     request_deserializer=graphkeeper_dot_proto_dot_worker__pb2.WatchGraphStatusRequest.FromString,
                     response_serializer=graphkeeper_dot_proto_dot_worker__pb2.GraphStatus.SerializeToString,
+            ),
+            'Sleep': grpc.unary_unary_rpc_method_handler(
+                    servicer.Sleep,
+                    request_deserializer=graphkeeper_dot_proto_dot_worker__pb2.SleepRequest.FromString,
+                    response_serializer=graphkeeper_dot_proto_dot_worker__pb2.SleepResponse.SerializeToString,
+            ),
+            'Wake': grpc.unary_unary_rpc_method_handler(
+                    servicer.Wake,
+                    request_deserializer=graphkeeper_dot_proto_dot_worker__pb2.WakeRequest.FromString,
+                    response_serializer=graphkeeper_dot_proto_dot_worker__pb2.WakeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -366,6 +407,60 @@ class GraphControl:
             '/graphkeeper.worker.v1.GraphControl/WatchGraphStatus',
             graphkeeper_dot_proto_dot_worker__pb2.WatchGraphStatusRequest.SerializeToString,
             graphkeeper_dot_proto_dot_worker__pb2.GraphStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Sleep(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/graphkeeper.worker.v1.GraphControl/Sleep',
+            graphkeeper_dot_proto_dot_worker__pb2.SleepRequest.SerializeToString,
+            graphkeeper_dot_proto_dot_worker__pb2.SleepResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Wake(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/graphkeeper.worker.v1.GraphControl/Wake',
+            graphkeeper_dot_proto_dot_worker__pb2.WakeRequest.SerializeToString,
+            graphkeeper_dot_proto_dot_worker__pb2.WakeResponse.FromString,
             options,
             channel_credentials,
             insecure,

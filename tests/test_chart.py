@@ -140,6 +140,14 @@ def test_workers_get_the_preset_quantization_and_a_compile_cache_dir(helm):
     assert bad.returncode != 0 and "optimizationLevel" in bad.stderr
 
 
+def test_sleep_mode_is_off_unless_asked_and_then_passes_the_flag(helm):
+    assert "--enable-sleep-mode" not in worker_pod(helm)["containers"][0]["args"]
+    assert "--enable-sleep-mode" in worker_pod(helm, "workers.sleepMode=true")["containers"][0]["args"]
+    bad = subprocess.run([str(helm), "template", "gk", str(CHART), "--set", "workers.enabled=true",
+                          "--set-string", "workers.sleepMode=yes"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "sleepMode" in bad.stderr
+
+
 def test_gpu_workers_share_a_node_local_compile_cache_owned_by_the_worker(helm):
     pod = worker_pod(helm)  # device: cuda by default
     assert cache_volume(pod)["hostPath"] == {"path": "/var/cache/graphkeeper/compile", "type": "DirectoryOrCreate"}

@@ -270,6 +270,7 @@ def settings_from_args(args: argparse.Namespace) -> EngineSettings:
         compile_cache_dir=args.compile_cache_dir, quantization=args.quantization,
         kv_block_size=getattr(args, "kv_block_size", 16), prefix_caching=getattr(args, "prefix_caching", True),
         gpu_memory_utilization=getattr(args, "gpu_memory_utilization", None) or 0.0,
+        sleep_mode=getattr(args, "enable_sleep_mode", False),
         process_started_at=process_started_at(),
     )
 

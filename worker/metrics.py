@@ -49,6 +49,11 @@ STARTUP_STAGES = ("before_engine", "engine_process", "engine_setup", "device_con
                   "capture_other", "after_capture", "ready")
 #: Label values of graphkeeper_startup_cache{outcome}; {cache} is "compile" or "tuning".
 CACHE_OUTCOMES = ("off", "hit", "miss", "partial")
+#: Label values of graphkeeper_sleeps_total{level}.
+SLEEP_LEVELS = ("1", "2")
+#: Label values of graphkeeper_wakes_total{cause}: a Wake call, a request sent to the sleeping
+#: worker, or other work that needs the device (a policy to adopt, a model reload).
+WAKE_CAUSES = ("wake", "request", "control")
 #: Label values of graphkeeper_tenant_steps_total{execution}.
 TENANT_EXECUTIONS = ("graph", "eager")
 
@@ -144,6 +149,12 @@ class WorkerMetrics:
             "kernels, weight quantization.", registry=r)
         self.compile_duration = Gauge("graphkeeper_compile_duration_seconds",
                                       "Time to compile (or load from the cache) and warm up the step.", registry=r)
+        # Sleep and wake (engine/sleep_control.py).
+        self.sleeping = Gauge("graphkeeper_sleeping", "The level the worker sleeps at (1 or 2); 0 while it is awake.",
+                              registry=r)
+        self.sleeps = Counter("graphkeeper_sleeps", "Sleeps carried out, by level.", ["level"], registry=r)
+        self.wakes = Counter("graphkeeper_wakes", "Wakes, by what woke the worker.", ["cause"], registry=r)
+        self.wake_duration = Gauge("graphkeeper_wake_duration_seconds", "How long the last wake took.", registry=r)
         # The start (set once, at the first READY the API process sees).
         self.startup_stage = Gauge("graphkeeper_startup_stage_seconds",
                                    "Seconds of each startup stage, from the worker process's start to READY.",
@@ -175,6 +186,10 @@ class WorkerMetrics:
             self.requests.labels(outcome)
         for cause in RECAPTURE_CAUSES:
             self.recaptures.labels(cause)
+        for level in SLEEP_LEVELS:
+            self.sleeps.labels(level)
+        for cause in WAKE_CAUSES:
+            self.wakes.labels(cause)
         for reason in FALLBACK_REASONS:
             self.eager_steps.labels(reason)
 
@@ -311,6 +326,10 @@ METRIC_NAMES = frozenset({
     "graphkeeper_memory_ledger_bytes",
     "graphkeeper_model_info",
     "graphkeeper_recaptures_total",
+    "graphkeeper_sleeping",
+    "graphkeeper_sleeps_total",
+    "graphkeeper_wakes_total",
+    "graphkeeper_wake_duration_seconds",
     "graphkeeper_tenant_steps_total",
     "graphkeeper_compile_info",
     "graphkeeper_compile_duration_seconds",

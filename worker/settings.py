@@ -68,8 +68,9 @@ class EngineSettings:
     compile: bool | None = None
     compile_cache_dir: str = DEFAULT_COMPILE_CACHE_DIR
     quantization: str = "none"
-    #: Weights and KV cache in sleepable device memory (worker/model/sleep_memory.py), so that
-    #: Sleep can give the memory back and Wake replays the same graphs (CUDA only).
+    #: --enable-sleep-mode: weights and KV cache in sleepable device memory (model/sleep_memory.py),
+    #: so GraphControl Sleep can give it back and Wake replays the same graphs (CUDA only;
+    #: engine/sleep_control.py carries the orders out).
     sleep_mode: bool = False
     #: When the worker process started and when it spawned the engine core (seconds since the
     #: epoch; 0: unknown, or no engine process): the startup stages count from the first.

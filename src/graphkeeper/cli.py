@@ -93,6 +93,9 @@ def _worker(sub: argparse._SubParsersAction) -> None:
                    help="on-disk cache of compiled steps, keyed by model, dtype, versions and source")
     p.add_argument("--quantization", default="none", choices=d.QUANTIZATIONS,
                    help="fp8: decoder weights in float8 e4m3 with per-channel scales (fp8-tensor: one scale)")
+    p.add_argument("--enable-sleep-mode", action="store_true",
+                   help="CUDA: accept GraphControl Sleep (the weights' and KV cache's device memory given back, "
+                        "the graphs kept; the next request wakes the worker); off, Sleep is refused")
     p.add_argument("--drain-seconds", type=float, default=30.0)
     p.add_argument("--stall-seconds", type=float, default=30.0,
                    help="not ready (health NOT_SERVING, /readyz 503) while the engine holds work and made no "

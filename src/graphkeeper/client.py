@@ -9,6 +9,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from typing import Any
 
 import grpc
@@ -179,6 +180,8 @@ def status_cmd(args: argparse.Namespace) -> int:
         print(kv_cache_line(status.kv_cache))
     if status.HasField("step_budget"):
         print(step_budget_line(status.step_budget))
+    if status.HasField("sleep"):
+        print(sleep_line(status.sleep))
     if status.last_error:
         print(f"error     {status.last_error}")
     return 0
@@ -191,6 +194,21 @@ def startup_line(startup: pb.StartupStatus) -> str:
     return (f"startup   READY {startup.ready_seconds:.1f} s after the process started, caches {startup.caches} "
             f"(compile {startup.compile_cache}, tuning {startup.tuning_cache}); "
             + (", ".join(f"{s.stage} {s.seconds:.1f} s" for s in stages) or "every stage under 0.05 s"))
+
+
+def sleep_line(sleep: pb.SleepStatus) -> str:
+    """``sleep     level 1 since 2026-12-04 21:40:00 UTC, 24.0 GiB released; 2 sleeps, 1 wake (last
+    0.42 s)`` (pure): whether the worker sleeps, or why it cannot."""
+    if sleep.unavailable_reason:
+        return f"sleep     unavailable: {sleep.unavailable_reason}"
+    if sleep.level:
+        since = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(sleep.since_unix_seconds))
+        state = f"level {sleep.level} since {since}, {sleep.released_bytes / (1 << 30):.1f} GiB released"
+    else:
+        state = "awake" + (f" (a level {sleep.pending_level} sleep waits for running sequences)"
+                           if sleep.pending_level else "")
+    last = f" (last {sleep.last_wake_seconds:.2f} s)" if sleep.wakes else ""
+    return f"sleep     {state}; {sleep.sleeps} sleeps, {sleep.wakes} wakes{last}"
 
 
 MIB = float(1 << 20)

@@ -117,6 +117,11 @@ def test_policy_file(tmp_path):
     assert error is None and policy.generation == 2
 
 
+def test_sleep_mode_is_off_unless_the_flag_asks_for_it():
+    assert settings_from_args(worker_args("--model", "random:tiny")).sleep_mode is False
+    assert settings_from_args(worker_args("--model", "random:tiny", "--enable-sleep-mode")).sleep_mode is True
+
+
 def test_boot_errors_collects_flags_and_settings_exit_with_one_line(tmp_path):
     args = worker_args("--max-num-seqs", "0", "--port", "-5", "--dtype", "fp8", "--drain-seconds", "-1")
     errors = boot_errors(args)

@@ -206,6 +206,17 @@ def test_load_model_revision_refuses_what_cannot_load(fuzz_worker, source, revis
     assert isinstance(result, grpc.RpcError), "a source that cannot load was accepted"
 
 
+@FEW
+@given(level=st.one_of(EDGE_INTS, INT32, st.sampled_from([1, 2])))
+def test_sleep_at_any_level_is_refused_on_a_cpu_worker_and_wake_changes_nothing(fuzz_worker, level):
+    SENT["sleep"] += 1
+    result = check_outcome(lambda: fuzz_worker.control.Sleep(pb.SleepRequest(level=level), timeout=CALL_TIMEOUT))
+    assert isinstance(result, grpc.RpcError), "a CPU worker accepted a sleep"
+    wanted = grpc.StatusCode.FAILED_PRECONDITION if level in (1, 2) else grpc.StatusCode.INVALID_ARGUMENT
+    assert result.code() == wanted, (level, result.details())
+    assert not fuzz_worker.control.Wake(pb.WakeRequest(), timeout=CALL_TIMEOUT).was_asleep
+
+
 def loadable(payload: bytes) -> bool:
     """Whether ``payload`` decodes to a LoadModelRevision request whose source would really load."""
     try:
@@ -221,6 +232,8 @@ METHODS = {
     f"/{CONTROL_SERVICE}/ApplyGraphPolicy": "unary_unary",
     f"/{CONTROL_SERVICE}/GetGraphStatus": "unary_unary",
     f"/{CONTROL_SERVICE}/LoadModelRevision": "unary_unary",
+    f"/{CONTROL_SERVICE}/Sleep": "unary_unary",
+    f"/{CONTROL_SERVICE}/Wake": "unary_unary",
 }
 
 
@@ -255,7 +268,7 @@ def test_worker_is_still_serving_after_the_fuzzing(fuzz_worker):
     """Runs last in this module (pytest keeps file order): every property above ran its whole budget
     against this worker, the worker counted the Generate requests it saw, and it is still healthy."""
     budgets = {"generate": FUZZ.max_examples, "policy": FUZZ.max_examples, "load": FEW.max_examples,
-               "raw": FUZZ.max_examples}
+               "sleep": FEW.max_examples, "raw": FUZZ.max_examples}
     assert {name: SENT[name] for name in budgets} == budgets, "the fuzzing did not run (in full) before this test"
     assert GENERATE_ANSWERS["accepted"] > 0, "no fuzzed Generate request reached the engine"
     counted = sum(v for (name, _), v in fuzz_worker.metrics().items() if name == "graphkeeper_requests_total")

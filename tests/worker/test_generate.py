@@ -252,7 +252,7 @@ def test_reflection_lists_the_services(worker):
     methods = {m.name for m in pool.FindServiceByName(INFERENCE_SERVICE).methods}
     assert methods == {"Generate", "GetModelInfo"}
     control = {m.name for m in pool.FindFileContainingSymbol(CONTROL_SERVICE).services_by_name["GraphControl"].methods}
-    assert control == {"ApplyGraphPolicy", "GetGraphStatus", "LoadModelRevision", "WatchGraphStatus"}
+    assert control == {"ApplyGraphPolicy", "GetGraphStatus", "LoadModelRevision", "WatchGraphStatus", "Sleep", "Wake"}
     reason = pool.FindEnumTypeByName("graphkeeper.worker.v1.FallbackReason")
     assert "FALLBACK_REASON_BACKEND_UNSUPPORTED" in reason.values_by_name
 
@@ -347,6 +347,8 @@ def test_cli_status(worker):
     kv = graphs["kv_cache"]
     assert kv["block_size"] == 16 and int(kv["blocks_total"]) == 4 * 128 // 16 and kv["prefix_caching"]
     assert f"0/{kv['blocks_total']} blocks of 16 tokens used (0%)" in plain and "prefix cache " in plain
+    assert graphs["sleep"]["unavailable_reason"] == "sleep needs a CUDA device: this worker runs on cpu"
+    assert "sleep     unavailable: sleep needs a CUDA device: this worker runs on cpu" in plain
 
 
 def test_graph_control_is_only_on_its_port_and_only_with_the_token(worker):

@@ -18,7 +18,8 @@ S = pb.LifecycleState
 
 HAPPY_PATH = [S.LIFECYCLE_STATE_LOADING, S.LIFECYCLE_STATE_MODEL_LOADED, S.LIFECYCLE_STATE_WARMED,
               S.LIFECYCLE_STATE_CAPTURED, S.LIFECYCLE_STATE_READY, S.LIFECYCLE_STATE_RECAPTURING,
-              S.LIFECYCLE_STATE_READY, S.LIFECYCLE_STATE_RECAPTURING, S.LIFECYCLE_STATE_DRAINING]
+              S.LIFECYCLE_STATE_READY, S.LIFECYCLE_STATE_SLEEPING, S.LIFECYCLE_STATE_READY,
+              S.LIFECYCLE_STATE_RECAPTURING, S.LIFECYCLE_STATE_DRAINING]
 STATES = [s for s in S.values() if s != S.LIFECYCLE_STATE_UNSPECIFIED]
 LEGAL = {(a, b) for a, b in zip(HAPPY_PATH, HAPPY_PATH[1:], strict=False)} | {
     (s, S.LIFECYCLE_STATE_DRAINING) for s in STATES if s != S.LIFECYCLE_STATE_DRAINING}
@@ -53,8 +54,9 @@ def test_illegal_move_leaves_the_state_alone():
     assert lifecycle.state == S.LIFECYCLE_STATE_LOADING
 
 
-def test_only_ready_and_recapturing_serve():
-    assert {S.LIFECYCLE_STATE_READY, S.LIFECYCLE_STATE_RECAPTURING} == SERVING_STATES
+def test_only_ready_recapturing_and_sleeping_serve():
+    # A sleeping worker takes requests (they wake it), so it stays in its Service.
+    assert {S.LIFECYCLE_STATE_READY, S.LIFECYCLE_STATE_RECAPTURING, S.LIFECYCLE_STATE_SLEEPING} == SERVING_STATES
 
 
 def test_moves_after_draining_began_are_ignored():

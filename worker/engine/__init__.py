@@ -18,6 +18,8 @@ from graphkeeper.worker.engine.errors import (
     ErrorStatus,
     NotServing,
     QueueFull,
+    SleepRefused,
+    SleepWithdrawn,
     StalePolicy,
     StepFailed,
     classify,
@@ -55,6 +57,6 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "SERVING_STATES", "CannotFit", "ChatError", "Engine", "EngineClient", "EngineFace", "EngineSettings",
     "ErrorStatus", "IncrementalDetokenizer", "LifecycleView", "Limits", "NotServing", "QueueFull", "ReloadRefused",
-    "StalePolicy", "StepFailed", "StepWatchdog", "UNKNOWN_ERROR", "classify", "constraint_error", "error_message",
-    "ready",
+    "SleepRefused", "SleepWithdrawn", "StalePolicy", "StepFailed", "StepWatchdog", "UNKNOWN_ERROR", "classify",
+    "constraint_error", "error_message", "ready",
 ]

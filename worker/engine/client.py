@@ -1,9 +1,9 @@
 """The engine as the API process sees it when the engine core runs in a process of its own.
 
 ``EngineClient`` has the public surface the servers use (``submit``, ``cancel``,
-``apply_policy``, ``load_revision``, ``status``, ``model_info``, ``limits``, ``tokenizer``,
-``metrics``, ``lifecycle``, ``alive``, ``captures_graphs``, ``failed``, ``publish``, ``start``,
-``drain_and_stop``), so the gRPC layer serves either. Tokenization, detokenization, validation
+``apply_policy``, ``load_revision``, ``sleep_control``, ``status``, ``model_info``, ``limits``,
+``tokenizer``, ``metrics``, ``lifecycle``, ``alive``, ``captures_graphs``, ``failed``, ``publish``,
+``start``, ``drain_and_stop``), so the gRPC layer serves either. Tokenization, detokenization, validation
 and streaming stay in this process; the device, the scheduler and the graphs live in the child
 (``engine.process``), so no amount of CPU work here can hold the interpreter lock the step loop
 needs.
@@ -11,8 +11,9 @@ needs.
 What is asked often is kept here, pushed by the engine core when it changes: the lifecycle state
 (health and readiness read it), the served model's limits and info, and the tokenizer (loaded in
 this process from the model's directory). What must be exact is asked: ``status``,
-``apply_policy``, ``load_revision`` and the metrics are calls over the channel, answered by the
-child's receiver thread in well under a millisecond of its time.
+``apply_policy``, ``load_revision``, Sleep and Wake and the metrics are calls over the channel,
+answered by the child's receiver thread in well under a millisecond of its time (a reload's, a
+sleep's or a wake's outcome follows as a second reply when it is done).
 
 Either process dying ends the worker: the child dies with its parent (``PR_SET_PDEATHSIG`` and
 the channel's EOF), and when the child dies this side marks the engine failed, which
@@ -143,6 +144,19 @@ class MergedRegistry:
         return merge_families(core, list(self.local.collect()))
 
 
+class RemoteSleep:
+    """Sleep and Wake carried to the engine core's ``SleepControl`` (``face.SleepOrders``)."""
+
+    def __init__(self, client: EngineClient) -> None:
+        self.client = client
+
+    def sleep(self, level: int) -> Future:
+        return self.client.deferred_call("sleep", (level,))
+
+    def wake(self) -> Future:
+        return self.client.deferred_call("wake")
+
+
 def engine_core_main(*args: Any) -> None:
     """The engine-core process's entry point: imports the device side there, never here."""
     from graphkeeper.worker.engine import process
@@ -162,6 +176,7 @@ class EngineClient:
         self.captures_graphs = settings.device.split(":")[0] == "cuda"
         self.publish: Callable[[list[tuple[Any, list[int], Any]]], None] = direct_publish
         self.failed: BaseException | None = None
+        self.sleep_control = RemoteSleep(self)
         #: The start's stages as the engine core reported them at READY (empty before), finished
         #: here with the last stage by ``startup.ReadyReport``.
         self.startup = pb.StartupStatus()
@@ -263,11 +278,16 @@ class EngineClient:
 
     def load_revision(self, source: str, revision: str) -> Future:
         """Raises ReloadRefused at once; the future resolves when the new model serves."""
+        return self.deferred_call("load_revision", (source, revision))
+
+    def deferred_call(self, method: str, args: tuple = ()) -> Future:
+        """A call the engine core answers twice: at once (accepted, or the refusal raised here) and
+        with its outcome, which resolves the future returned."""
         reply_id = next(self._ids)
         future: Future = Future()
         self._calls[reply_id] = future
         try:
-            self.call("load_revision", (source, revision, reply_id))
+            self.call(method, (*args, reply_id))
         except BaseException:
             self._calls.pop(reply_id, None)
             raise

@@ -7,12 +7,12 @@ N+1 before it waits for step N's tokens, so the host prepares the next step whil
 runs the current one, and the one host synchronisation per step overlaps device work.
 
 Other threads never write the loop's state: a submit is a ``Mailbox`` entry, a cancel a flag, a
-policy or a reload is offered to ``Control`` (the GraphControl state, under its one lock) and
-taken by the engine between steps (``_between_steps``).
+policy or a reload is offered to ``Control`` (the GraphControl state, under its one lock), a Sleep
+or a Wake to ``SleepControl``, and each is taken by the engine between steps (``_between_steps``).
 
 Beside this module, each in its own: the mailbox, step isolation (``isolation``), a model reload
-(``reload``), track B's KV sizing (``kv_sizing``); the capture plan, capture phases and idle
-release are the capture controller's (``executor/graphs/controller.py``).
+(``reload``), sleep and wake (``sleep_control``), track B's KV sizing (``kv_sizing``); the capture
+plan, capture phases and idle release are the capture controller's (``executor/graphs/controller.py``).
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ from graphkeeper.worker.engine.reload import reload_model
 from graphkeeper.worker.engine.scheduler import ScheduledStep, Scheduler
 from graphkeeper.worker.engine.sequence import Limits, Sequence, sequence_for
 from graphkeeper.worker.engine.sizing import settle, utilization_error
+from graphkeeper.worker.engine.sleep_control import SleepControl
 from graphkeeper.worker.engine.startup import StartupClock, capture_parts, step_parts
 from graphkeeper.worker.engine.status import graph_status, kv_cache_status, model_info
 from graphkeeper.worker.engine.step_budget import install_step_budget
@@ -109,6 +110,8 @@ class Engine:
         self.failed: BaseException | None = None
         self.steps_since_ready = 0
         self.mailbox = Mailbox()
+        self.sleep_control = SleepControl(self.device.type, settings.sleep_mode, self.control, self.metrics,
+                                          self.mailbox.wake)
         self.grammars = Grammars()
         self._stop = threading.Event()
         self._draining = False
@@ -226,7 +229,7 @@ class Engine:
             model_revision=loaded.revision if loaded else "", running=len(self.scheduler.running),
             queued=len(self.scheduler.waiting) + len(self.mailbox), compile=self.slot.compile_status(),
             kv_cache=self.kv_status(), step_budget=self.scheduler.step_budget.to_proto(),
-            startup=self.startup)
+            startup=self.startup, sleep=self.sleep_control.status())
 
     def kv_status(self) -> pb.KVCacheStatus:
         """The KV cache's blocks, prefix cache and preemptions (counts read without a lock: each is
@@ -307,10 +310,13 @@ class Engine:
         self._finish(inflight)
 
     def _between_steps(self, inflight: InFlight | None) -> InFlight | None:
-        """What the engine thread does between two steps, in this order: commands (policies to
+        """What the engine thread does between two steps, in this order: a sleep or a wake that is
+        due (a sleeping engine with nothing to wake it for does nothing else), commands (policies to
         adopt), a pending reload (admission paused; it runs once nothing runs), new requests,
         cancels, then one key of a capture phase or the release of idle graphs, either of which
         first finishes the step in flight. Returns the step still in flight."""
+        if self.sleep_control.between_steps(self, inflight):
+            return inflight
         self.mailbox.run_commands()
         if self.control.reload is not None:
             self.scheduler.admitting = False  # running sequences finish on the weights they started with

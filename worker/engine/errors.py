@@ -28,6 +28,15 @@ class ReloadBusy(NotServing):
     caller's bad input)."""
 
 
+class SleepRefused(RuntimeError):
+    """A Sleep this worker cannot carry out (a CPU device, no --enable-sleep-mode, not serving
+    yet, asleep at another level): FAILED_PRECONDITION with the reason; the worker serves on."""
+
+
+class SleepWithdrawn(RuntimeError):
+    """A Sleep withdrawn by a Wake before it began (ABORTED: the caller's order was overtaken)."""
+
+
 class CannotFit(ValueError):
     """A request whose prompt and max_new_tokens need more KV blocks than the whole cache has:
     it could never run, so it is refused at admission, as the caller's bad input."""

@@ -40,6 +40,21 @@ class LifecycleView(Protocol):
 
 
 @runtime_checkable
+class SleepOrders(Protocol):
+    """GraphControl's Sleep and Wake as the servicer gives them to the engine (``SleepControl`` in
+    the engine, ``RemoteSleep`` across the engine-core channel).
+
+    Each raises at once what it refuses (``FieldError`` naming ``level``, ``SleepRefused``) and
+    otherwise returns a future of its response: a Sleep resolves once the worker sleeps (running
+    sequences finish first), or fails with ``SleepWithdrawn`` when a Wake came first.
+    """
+
+    def sleep(self, level: int) -> Future: ...
+
+    def wake(self) -> Future: ...
+
+
+@runtime_checkable
 class EngineFace(Protocol[Handle]):
     """Everything the servers, ``worker.main`` and the probes use of an engine."""
 
@@ -52,6 +67,8 @@ class EngineFace(Protocol[Handle]):
     captures_graphs: bool
     #: Where each step's ``(stream, new tokens, end)`` updates go (the server's stream hub).
     publish: Callable[[list[tuple[Any, list[int], Any]]], None]
+    #: GraphControl's Sleep and Wake.
+    sleep_control: SleepOrders
 
     @property
     def tokenizer(self) -> Tokenizer | None: ...

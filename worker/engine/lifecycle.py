@@ -1,8 +1,9 @@
 """The worker's lifecycle: which state may follow which.
 
 ``LOADING -> MODEL_LOADED -> WARMED -> CAPTURED -> READY``, then ``RECAPTURING`` (back to
-``READY`` when the new graphs are in) and ``DRAINING`` at shutdown. A transition the table does
-not allow is a bug, raised rather than logged.
+``READY`` when the new graphs are in), ``SLEEPING`` (after a Sleep; back to ``READY`` on a wake)
+and ``DRAINING`` at shutdown. A transition the table does not allow is a bug, raised rather than
+logged.
 """
 
 from __future__ import annotations
@@ -19,12 +20,17 @@ ALLOWED: dict[int, frozenset[int]] = {
     S.LIFECYCLE_STATE_MODEL_LOADED: frozenset({S.LIFECYCLE_STATE_WARMED, S.LIFECYCLE_STATE_DRAINING}),
     S.LIFECYCLE_STATE_WARMED: frozenset({S.LIFECYCLE_STATE_CAPTURED, S.LIFECYCLE_STATE_DRAINING}),
     S.LIFECYCLE_STATE_CAPTURED: frozenset({S.LIFECYCLE_STATE_READY, S.LIFECYCLE_STATE_DRAINING}),
-    S.LIFECYCLE_STATE_READY: frozenset({S.LIFECYCLE_STATE_RECAPTURING, S.LIFECYCLE_STATE_DRAINING}),
+    S.LIFECYCLE_STATE_READY: frozenset({S.LIFECYCLE_STATE_RECAPTURING, S.LIFECYCLE_STATE_SLEEPING,
+                                        S.LIFECYCLE_STATE_DRAINING}),
     S.LIFECYCLE_STATE_RECAPTURING: frozenset({S.LIFECYCLE_STATE_READY, S.LIFECYCLE_STATE_DRAINING}),
+    S.LIFECYCLE_STATE_SLEEPING: frozenset({S.LIFECYCLE_STATE_READY, S.LIFECYCLE_STATE_DRAINING}),
     S.LIFECYCLE_STATE_DRAINING: frozenset(),
 }
-#: States in which the inference service reports SERVING (Kubernetes readiness).
-SERVING_STATES = frozenset({S.LIFECYCLE_STATE_READY, S.LIFECYCLE_STATE_RECAPTURING})
+#: States in which the inference service reports SERVING (Kubernetes readiness) and requests are
+#: taken. SLEEPING is one: a request sent to a sleeping worker is queued and wakes it, so the
+#: worker stays in its Service (as vLLM's /health answers 200 while it sleeps); whether it sleeps
+#: is read from GraphStatus, /readyz's body and graphkeeper_sleeping, never from health.
+SERVING_STATES = frozenset({S.LIFECYCLE_STATE_READY, S.LIFECYCLE_STATE_RECAPTURING, S.LIFECYCLE_STATE_SLEEPING})
 
 
 class IllegalTransition(RuntimeError):

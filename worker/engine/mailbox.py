@@ -42,6 +42,10 @@ class Mailbox:
 
     # --- the engine thread ----------------------------------------------------------------
 
+    def has_commands(self) -> bool:
+        """Whether a command waits (a sleeping engine wakes for it)."""
+        return not self._commands.empty()
+
     def run_commands(self) -> None:
         while not self._commands.empty():
             self._commands.get_nowait()()

@@ -22,6 +22,7 @@ import signal
 import sys
 import threading
 import time
+from concurrent.futures import Future
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -56,7 +57,7 @@ IDLE_POLL_SECONDS = 0.05
 #: Control calls answered in a thread of their own, so the receiver keeps taking cancels meanwhile.
 SLOW_CALLS = frozenset({"drain_and_stop"})
 #: Control calls the API process may make, and nothing else.
-CALLS = frozenset({"apply_policy", "status", "load_revision", "metrics", "drain_and_stop"})
+CALLS = frozenset({"apply_policy", "status", "load_revision", "sleep", "wake", "metrics", "drain_and_stop"})
 
 
 def die_with_parent(parent_pid: int) -> None:
@@ -209,12 +210,16 @@ class EngineHost:
         if method == "metrics":
             return list(self.engine.metrics.registry.collect())
         if method == "load_revision":
-            return self._load_revision(*args)
+            *call_args, reply_id = args
+            return self._deferred(self.engine.load_revision(*call_args), reply_id)
+        if method in ("sleep", "wake"):
+            *call_args, reply_id = args
+            return self._deferred(getattr(self.engine.sleep_control, method)(*call_args), reply_id)
         return getattr(self.engine, method)(*args)
 
-    def _load_revision(self, source: str, revision: str, reply_id: int) -> bool:
-        """Accepted (or ReloadRefused, raised); the outcome follows as a Reply to ``reply_id``."""
-        future = self.engine.load_revision(source, revision)
+    def _deferred(self, future: Future, reply_id: int) -> bool:
+        """A call accepted (what it refuses at once is raised before this); its outcome follows as
+        a Reply to ``reply_id`` (a reload once the new model serves, a sleep once the worker sleeps)."""
 
         def done(f) -> None:
             err = f.exception()

@@ -54,6 +54,12 @@ class StepRecorder:
         now = time.monotonic() if now is None else now
         self.graph_use = {key: GraphUse(last_used=now) for key in keys}
 
+    def slept(self, seconds: float) -> None:
+        """The worker slept ``seconds``: every graph's last use moves on by as much, so time asleep
+        never counts as idle time (a wake must not release the graphs it kept)."""
+        for use in list(self.graph_use.values()):
+            use.last_used += seconds
+
     def last_used(self) -> dict[tuple[int, int], float]:
         return {key: use.last_used for key, use in list(self.graph_use.items())}
 

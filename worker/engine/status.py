@@ -41,7 +41,7 @@ def graph_status(snap: Snapshot, *, capture: CaptureController, recorder: StepRe
                  model_revision: str, running: int, queued: int,
                  compile: pb.CompileStatus | None = None, kv_cache: pb.KVCacheStatus | None = None,
                  step_budget: pb.StepBudgetStatus | None = None,
-                 startup: pb.StartupStatus | None = None) -> pb.GraphStatus:
+                 startup: pb.StartupStatus | None = None, sleep: pb.SleepStatus | None = None) -> pb.GraphStatus:
     """``GraphStatus`` from a snapshot of the GraphControl state and the engine's counters (pure)."""
     c, policy, pending = capture, snap.policy, snap.pending
     graphs = c.graph_set
@@ -81,7 +81,7 @@ def graph_status(snap: Snapshot, *, capture: CaptureController, recorder: StepRe
         traffic=recorder.traffic.to_proto(),
         serving=recorder.serving.to_proto(),
         kv_cache=kv_cache, step_budget=step_budget,
-        startup=startup,
+        startup=startup, sleep=sleep,
     )
 
 

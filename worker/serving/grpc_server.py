@@ -5,8 +5,9 @@ A Generate call is admitted and streamed through what the front ends share (``st
 admission, the stream hub that carries the engine's tokens to the event loop, one pacing).
 
 Handlers map every refusal to a status code with a message: INVALID_ARGUMENT for bad input
-(naming the field), FAILED_PRECONDITION for a stale policy generation, UNAUTHENTICATED for a
-control call without the token; an engine error (a full queue, a request the cache cannot fit,
+(naming the field), FAILED_PRECONDITION for a stale policy generation or a Sleep this worker
+cannot carry out, ABORTED for a Sleep a Wake withdrew, UNAUTHENTICATED for a control call
+without the token; an engine error (a full queue, a request the cache cannot fit,
 not serving, a failed step, anything else) gets the code of its row in the engine's errors table
 (``engine.classify``), as on the HTTP port.
 """
@@ -17,6 +18,7 @@ import asyncio
 import hmac
 import logging
 from collections.abc import Awaitable, Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +28,7 @@ from grpc_reflection.v1alpha import reflection
 
 from graphkeeper.proto import worker_pb2 as pb
 from graphkeeper.proto import worker_pb2_grpc as pb_grpc
+from graphkeeper.proto.field_checks import FieldError
 from graphkeeper.proto.policy import PolicyError
 from graphkeeper.proto.watch import heartbeat_seconds, watch_status
 from graphkeeper.worker.engine import (
@@ -33,6 +36,8 @@ from graphkeeper.worker.engine import (
     IncrementalDetokenizer,
     NotServing,
     ReloadRefused,
+    SleepRefused,
+    SleepWithdrawn,
     StalePolicy,
     StepWatchdog,
     classify,
@@ -62,6 +67,8 @@ log = logging.getLogger(__name__)
 INFERENCE_SERVICE = pb.DESCRIPTOR.services_by_name["InferenceWorker"].full_name
 CONTROL_SERVICE = pb.DESCRIPTOR.services_by_name["GraphControl"].full_name
 RELOAD_TIMEOUT_SECONDS = 600.0
+#: A Sleep waits for running sequences to finish; a Wake may read the weights again (level 2).
+SLEEP_TIMEOUT_SECONDS = 600.0
 #: How often a WatchGraphStatus stream reads the engine's status for a change (a cheap read under
 #: the control lock; a stream per operator replica).
 WATCH_POLL_SECONDS = 0.2
@@ -187,7 +194,7 @@ class GraphControlServicer(pb_grpc.GraphControlServicer):
         except NotServing as err:  # another reload is pending: retry later
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(err))
         try:
-            revision = await asyncio.wait_for(asyncio.wrap_future(future), RELOAD_TIMEOUT_SECONDS)
+            revision = await _outcome(future, RELOAD_TIMEOUT_SECONDS)
         except TimeoutError:
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "model reload did not finish in time")
         except ReloadRefused as err:  # relinked outside the roots between the request and the load
@@ -195,6 +202,51 @@ class GraphControlServicer(pb_grpc.GraphControlServicer):
         except Exception as err:  # noqa: BLE001 - reported to the caller; the worker keeps serving
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"source: {err}")
         return pb.LoadModelRevisionResponse(revision=revision, recapture_started=self.engine.captures_graphs)
+
+    async def Sleep(self, request: pb.SleepRequest, context: grpc.aio.ServicerContext):  # noqa: N802
+        """Answers once the worker sleeps. A caller that gives up (its deadline) leaves the sleep
+        ordered: it happens once running sequences finish, unless a Wake withdraws it."""
+        try:
+            future = await asyncio.to_thread(self.engine.sleep_control.sleep, request.level)
+        except FieldError as err:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+        except SleepRefused as err:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(err))
+        except NotServing as err:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(err))
+        try:
+            return await _outcome(future)
+        except TimeoutError:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                "running sequences did not finish in time: the sleep stays ordered (Wake withdraws it)")
+        except SleepWithdrawn as err:
+            await context.abort(grpc.StatusCode.ABORTED, str(err))
+        except SleepRefused as err:  # the worker began draining first
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(err))
+        except NotServing as err:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(err))
+        except Exception as err:  # noqa: BLE001 - the device side failed; the worker stays awake and serves
+            await context.abort(grpc.StatusCode.INTERNAL, f"sleep failed: {type(err).__name__}: {err}")
+
+    async def Wake(self, request: pb.WakeRequest, context: grpc.aio.ServicerContext):  # noqa: N802
+        """Answers once the worker is awake; at once, with was_asleep false, when it was."""
+        try:
+            future = await asyncio.to_thread(self.engine.sleep_control.wake)
+            return await _outcome(future)
+        except TimeoutError:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the wake did not finish in time")
+        except NotServing as err:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(err))
+        except Exception as err:  # noqa: BLE001 - a failed wake stops the engine; the caller reads why
+            await context.abort(grpc.StatusCode.INTERNAL, f"wake failed: {type(err).__name__}: {err}")
+
+
+async def _outcome(future: Future, timeout: float = SLEEP_TIMEOUT_SECONDS) -> Any:
+    """The engine's answer to an order (a reload, a sleep, a wake), waited for at most ``timeout``.
+    Shielded: a caller that gives up or goes away must not cancel the future, which the engine
+    (or, across the channel, the client's receiver thread) resolves later; resolving a cancelled
+    future raises InvalidStateError in that thread."""
+    return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), timeout)
 
 
 class BearerTokenInterceptor(grpc.aio.ServerInterceptor):

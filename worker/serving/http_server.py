@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP API (aiohttp) on the worker's asyncio loop, beside gRPC.
 
 ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``, ``GET /health``
-(200 only while the worker serves) and ``GET /metrics``. A request is read by the pure rules of
+(200 only while the worker serves, a sleeping one included: a request wakes it), ``GET
+/is_sleeping`` (vLLM's ``{"is_sleeping": ...}``) and ``GET /metrics``. A request is read by the pure rules of
 ``openai_api``, admitted by the same function as a gRPC Generate (``streams.admitted``),
 submitted to the same engine face (``EngineFace``: the in-process ``Engine`` or the
 ``EngineClient`` of the engine-core process) and fed by the same ``StreamHub``: each stream writes
@@ -174,6 +175,7 @@ class OpenAIServer:
         self.app.router.add_post("/v1/chat/completions", self.chat_completions, expect_handler=expect)
         self.app.router.add_get("/v1/models", self.models)
         self.app.router.add_get("/health", self.health)
+        self.app.router.add_get("/is_sleeping", self.is_sleeping)
         if metrics is not None:
             self.app.router.add_get("/metrics", self.metrics)
 
@@ -252,6 +254,12 @@ class OpenAIServer:
     async def health(self, request: web.Request) -> web.Response:
         serving = ready(self.engine, self.watchdog)
         return web.Response(status=200 if serving else 503, text="ok\n" if serving else "not ready\n")
+
+    async def is_sleeping(self, request: web.Request) -> web.Response:
+        """Whether the worker sleeps (GraphControl Sleep), in vLLM's form: a router may tell a
+        sleeping replica from a busy one; /health stays 200 for both."""
+        sleeping = self.engine.lifecycle.state == pb.LIFECYCLE_STATE_SLEEPING
+        return web.Response(body=dumps({"is_sleeping": sleeping}), content_type="application/json")
 
     async def metrics(self, request: web.Request) -> web.Response:
         # Off the loop: the split worker asks the engine core for its families.
