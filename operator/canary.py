@@ -189,7 +189,8 @@ def compare(canary_windows: Sequence[Window], rest_windows: Sequence[Window], se
 class Reading:
     """One worker as the canary sees it in a run."""
 
-    #: READY with the proposed set adopted (for a canary worker) and nothing pending.
+    #: READY (or SLEEPING: the graphs are kept) with the proposed set adopted (for a canary
+    #: worker) and nothing pending.
     holds_proposal: bool
     counters: pb.ServingCounters | None
     graph_memory_bytes: int = 0

@@ -36,6 +36,7 @@ from graphkeeper.operator.desired import Desired
 from graphkeeper.operator.events import Event
 from graphkeeper.operator.traffic import Applied, FromTraffic
 from graphkeeper.proto import worker_pb2 as pb
+from graphkeeper.proto.enums import serves_graphs
 
 
 @dataclass(frozen=True)
@@ -52,7 +53,7 @@ def reading(status: pb.GraphStatus | None, wire: pb.GraphPolicy) -> Reading:
     if status is None:
         return Reading(False, None)
     adopted = status.policy_uid == wire.policy_uid and status.policy_generation == wire.generation
-    holds = adopted and status.state == pb.LIFECYCLE_STATE_READY and not status.pending_policy_uid
+    holds = adopted and serves_graphs(status.state) and not status.pending_policy_uid
     failed = adopted and any(s.reason == pb.FALLBACK_REASON_SIZE_CAPTURE_FAILED for s in status.skipped)
     return Reading(holds, status.serving if status.HasField("serving") else None, status.graph_memory_bytes,
                    failed)
@@ -103,7 +104,7 @@ class CanaryRollout:
             return CanaryStep(desired, applied)
         events: list[Event] = []
         if self.offered is not None and not self.state.running:
-            ready = [k for k, s in statuses.items() if s is not None and s.state == pb.LIFECYCLE_STATE_READY]
+            ready = [k for k, s in statuses.items() if s is not None and serves_graphs(s.state)]
             started = start_canary(applied, self.offered, ready, settings, now)
             proposed, self.offered = self.offered, None
             if started is None:  # no worker left to compare with: applied as without a canary

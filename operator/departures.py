@@ -25,6 +25,7 @@ from graphkeeper.operator.selection import WorkerPod
 from graphkeeper.operator.worker_calls import Views
 from graphkeeper.operator.workerclient import ErrorKind, GraphControlClient, WorkerError
 from graphkeeper.proto import worker_pb2 as pb
+from graphkeeper.proto.enums import serves_graphs
 
 logger = logging.getLogger("graphkeeper.operator")
 
@@ -50,7 +51,7 @@ class Departure:
 
 def still_recapturing(status: pb.GraphStatus) -> bool:
     """Whether a worker that answers may still be busy with a change (pure)."""
-    return (status.state != pb.LIFECYCLE_STATE_READY or bool(status.pending_policy_uid)
+    return (not serves_graphs(status.state) or bool(status.pending_policy_uid)
             or bool(status.pending_model_revision))
 
 

@@ -23,7 +23,7 @@ from graphkeeper.operator.status import WorkerObservation, WorkerState
 from graphkeeper.operator.traffic import MODE_NAMES, spec_generation
 from graphkeeper.operator.workerclient import ErrorKind, WorkerError
 from graphkeeper.proto import worker_pb2 as pb
-from graphkeeper.proto.enums import lifecycle_name
+from graphkeeper.proto.enums import lifecycle_name, serves_graphs
 
 #: A LoadModelRevision for the same pod and revision is not retried sooner than this.
 MODEL_LOAD_RETRY_SECONDS = 60.0
@@ -110,7 +110,7 @@ def settle(track: Track) -> None:
     if track.settled or track.busy() or track.status is None:
         return
     s = track.status
-    if ((track.read_at >= track.action_done_at or shows_goal(track)) and s.state == pb.LIFECYCLE_STATE_READY
+    if ((track.read_at >= track.action_done_at or shows_goal(track)) and serves_graphs(s.state)
             and not s.pending_policy_uid and not s.pending_model_revision):
         track.settled = True
 
@@ -130,7 +130,7 @@ def observe(pod: WorkerPod, status: pb.GraphStatus, policy: pb.GraphPolicy,
             want_revision: str = "", message: str = "") -> WorkerObservation:
     """Classifies a worker from its GraphStatus alone (pure)."""
     state = WorkerState.PENDING
-    ready = status.state == pb.LIFECYCLE_STATE_READY
+    ready = serves_graphs(status.state)
     failed_sizes = [s for s in status.skipped
                     if s.reason == pb.FALLBACK_REASON_SIZE_CAPTURE_FAILED]
     if holds(status, policy) and ready:
@@ -211,7 +211,7 @@ def classify(
     goal = goal_of(policy)
     in_flight = not track.settled
     adopted = holds(s, policy)
-    ready = s.state == pb.LIFECYCLE_STATE_READY
+    ready = serves_graphs(s.state)
     stale = s.policy_uid == policy.policy_uid and s.policy_generation > policy.generation
     pushing = (has_pending(s, policy)
                or (in_flight and track.action_kind == PUSH and track.action_goal == goal))

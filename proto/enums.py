@@ -42,6 +42,16 @@ def reason_name(reason: int) -> str:
     return pb.FallbackReason.Name(reason).removeprefix("FALLBACK_REASON_").lower()
 
 
+#: States in which a worker holds its adopted policy's graphs and serves them: a sleeping worker
+#: keeps its graphs (its memory comes back at the same addresses) and a request wakes it.
+SERVING_GRAPH_STATES = frozenset({pb.LIFECYCLE_STATE_READY, pb.LIFECYCLE_STATE_SLEEPING})
+
+
+def serves_graphs(state: int) -> bool:
+    """Whether a worker in ``state`` holds its graphs ready to serve (READY, or SLEEPING)."""
+    return state in SERVING_GRAPH_STATES
+
+
 def lifecycle_name(state: int) -> str:
     """``LIFECYCLE_STATE_READY`` -> ``READY`` (logs, status and health; ``.lower()`` for labels)."""
     return pb.LifecycleState.Name(state).removeprefix("LIFECYCLE_STATE_")

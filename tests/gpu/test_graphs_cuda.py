@@ -484,7 +484,6 @@ def test_graphs_replay_the_same_tokens_after_sleep_and_wake(level):
     """Sleep mode: the weights and the KV cache give their memory back and take it again at the same
     addresses, so the graphs captured before sleep replay after wake, with no recapture, and greedy
     decoding gives exactly the tokens it gave before (level 2 reloads the weights from the source)."""
-    from graphkeeper.worker.engine.blocks import BlockManager
     from graphkeeper.worker.engine.ledger import Ledger
     from graphkeeper.worker.engine.model_slot import ModelSlot
     from graphkeeper.worker.engine.sleep import sleep_model, wake_model
@@ -501,13 +500,12 @@ def test_graphs_replay_the_same_tokens_after_sleep_and_wake(level):
     graphs = capture(runner, [(FULL, 4)], tolerance=1e-3)
     prompts = prompts_for(4, seed=level)
     before, _ = decode(runner, graphs, FULL, prompts, 12)
-    blocks = BlockManager(runner.cache.num_blocks, runner.cache.block_size)
 
-    asleep = sleep_model(slot, blocks, level)
+    asleep = sleep_model(slot, level)
     held = weights.size + runner.cache.region.size
     assert asleep.released_bytes >= 0.9 * held, (asleep, held)
     assert not weights.mapped and not runner.cache.region.mapped
-    woke = wake_model(slot, blocks)
+    woke = wake_model(slot)
     assert woke.level == level and weights.mapped and runner.cache.region.mapped
 
     after, _ = decode(runner, graphs, FULL, prompts, 12)

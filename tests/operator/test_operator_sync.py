@@ -186,3 +186,23 @@ def test_a_settled_worker_whose_pod_did_not_change_is_read_only_on_the_slow_resy
     assert needs_read(replace(t, error=WorkerError(ErrorKind.UNREACHABLE, "down")), now=30.0,
                       resync=60.0), "the last read failed"
     assert needs_read(Track(stale=False), now=0.0, resync=60.0), "nothing known yet"
+
+
+def test_a_sleeping_worker_holds_its_graphs_it_is_captured_settled_and_not_recapturing():
+    """Sleep keeps the graphs (the memory comes back at the same addresses, a request wakes the
+    worker), so a SLEEPING worker that holds the generation counts as a READY one does."""
+    from graphkeeper.operator.canary_rollout import reading
+    from graphkeeper.operator.departures import still_recapturing
+
+    sleeping = dict(state=pb.LIFECYCLE_STATE_SLEEPING, policy_uid="uid-1", policy_generation=1)
+    obs, view = check(track(**sleeping))
+    assert obs.state == WorkerState.CAPTURED
+    assert view.available and not view.needs_push
+    t = track(**sleeping)
+    t.settled = False
+    settle(t)
+    assert t.settled
+    assert not still_recapturing(pb.GraphStatus(**sleeping))
+    assert reading(pb.GraphStatus(**sleeping), policy()).holds_proposal
+    loading = check(track(state=LOADING, policy_uid="uid-1", policy_generation=1))[0]
+    assert loading.state == WorkerState.PENDING, "the other states still are not"

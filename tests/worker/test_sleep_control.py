@@ -84,7 +84,7 @@ def _orders(device_type: str = "cuda", sleep_mode: bool = True, ready: bool = Tr
 def test_a_cpu_worker_or_one_without_sleep_mode_refuses_sleep_with_the_reason():
     with pytest.raises(SleepRefused, match="^sleep needs a CUDA device: this worker runs on cpu$"):
         _orders("cpu").sleep(1)
-    with pytest.raises(SleepRefused, match="^this worker started without --enable-sleep-mode$"):
+    with pytest.raises(SleepRefused, match="^this worker started without --enable-sleep-mode: its memory"):
         _orders("cuda", sleep_mode=False).sleep(2)
     assert _orders("cpu").status().unavailable_reason == "sleep needs a CUDA device: this worker runs on cpu"
     assert _orders().status().unavailable_reason == ""
@@ -137,13 +137,13 @@ class DeviceSide:
         self.events = events
         self.fail_sleep = False
 
-    def sleep_model(self, slot, blocks, level: int) -> SleepOutcome:
+    def sleep_model(self, slot, level: int) -> SleepOutcome:
         if self.fail_sleep:
             raise RuntimeError("the device side failed")
         self.events.append(("sleep", level))
         return SleepOutcome(level, 1 << 20, 0.01)
 
-    def wake_model(self, slot, blocks) -> WakeOutcome:
+    def wake_model(self, slot) -> WakeOutcome:
         self.events.append(("wake",))
         return WakeOutcome(1, 1 << 20, 0.02)
 
@@ -281,3 +281,42 @@ def test_graphkeeper_status_prints_whether_the_worker_sleeps_or_why_it_cannot():
         "sleep     level 1 since 1970-01-01 00:00:00 UTC, 3.0 GiB released; 2 sleeps, 1 wakes (last 0.50 s)")
     assert sleep_line(pb.SleepStatus(pending_level=2)) == (
         "sleep     awake (a level 2 sleep waits for running sequences); 0 sleeps, 0 wakes")
+
+
+def _idle_policy(seconds: int, level: int = 0) -> pb.GraphPolicy:
+    return pb.GraphPolicy(policy_uid="idle-uid", policy_name="default/idle", generation=1,
+                          sleep_after_idle_seconds=seconds, sleep_level=level)
+
+
+def test_the_policy_s_idle_sleep_puts_an_idle_engine_to_sleep_and_a_request_wakes_it(sleepy):
+    engine, side = sleepy
+    before = _generate(engine, 6)
+    engine.apply_policy(_idle_policy(1, level=2))
+    for _ in range(200):
+        if engine.lifecycle.state == SLEEPING:
+            break
+        threading.Event().wait(0.05)
+    assert engine.lifecycle.state == SLEEPING and side.events == [("sleep", 2)]
+    assert _generate(engine, 6) == before
+    assert side.events == [("sleep", 2), ("wake",)] and engine.lifecycle.state == READY
+    assert engine.metrics.wakes.labels("request")._value.get() == 1
+
+
+def test_a_worker_that_cannot_sleep_stays_ready_under_an_idle_sleep_policy_and_says_why():
+    """On a CPU worker the policy's idle sleep is refused (once in the log) and nothing changes."""
+    from graphkeeper.worker.engine import Engine, EngineSettings
+
+    engine = Engine(EngineSettings(model="random:tiny", max_num_seqs=2, max_seq_len=64, max_num_batched_tokens=32,
+                                   sleep_mode=True))
+    engine.start()
+    try:
+        assert engine.ready.wait(120) and engine.failed is None
+        engine.apply_policy(_idle_policy(1))
+        threading.Event().wait(2.5)
+        status = engine.status()
+        assert status.state == READY and status.sleep.sleeps == 0
+        assert "sleep needs a CUDA device" in status.sleep.unavailable_reason
+        assert "sleep needs a CUDA device" in engine.sleep_control._idle_refusal
+        assert len(_generate(engine, 4)) == 4
+    finally:
+        engine.drain_and_stop(5)

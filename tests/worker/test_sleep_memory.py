@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from graphkeeper.worker.engine.blocks import BlockManager
 from graphkeeper.worker.engine.ledger import Ledger
 from graphkeeper.worker.engine.model_slot import ModelSlot
 from graphkeeper.worker.engine.sleep import sleep_model, sleep_refusal, wake_model
@@ -39,8 +38,7 @@ def test_on_cpu_sleep_mode_changes_nothing_and_sleep_model_refuses():
     slot.install(slot.load(settings.model, ""))
     assert not slot.sleepable
     assert slot.runner.loaded.weights_region is None and slot.runner.cache.region is None
-    blocks = BlockManager(slot.runner.cache.num_blocks, slot.runner.cache.block_size)
     with pytest.raises(ValueError, match="sleep needs a CUDA device"):
-        sleep_model(slot, blocks, 1)
+        sleep_model(slot, 1)
     assert slot.sleep_level == 0
-    assert wake_model(slot, blocks).level == 0  # awake: nothing to do
+    assert wake_model(slot).level == 0  # awake: nothing to do

@@ -10,8 +10,9 @@ graph replays as it was, with no recapture.
   into the same tensors.
 
 At both levels the KV cache's contents are dropped: wake zeroes it (padded rows read the dummy
-slot's blocks, which must hold finite values) and the prefix cache forgets every block, since the
-keys and values it named are gone. The engine calls these between steps, with nothing running.
+slot's blocks, which must hold finite values), and the caller (``sleep_control``) makes the prefix
+cache forget every block, since the keys and values it named are gone. The engine calls these
+between steps, with nothing running.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ from dataclasses import dataclass
 
 import torch
 
-from graphkeeper.worker.engine.blocks import BlockManager
 from graphkeeper.worker.engine.model_slot import ModelSlot
 from graphkeeper.worker.engine.sizing import aligned
 from graphkeeper.worker.model.loader import load_model
@@ -59,7 +59,7 @@ class WakeOutcome:
     seconds: float
 
 
-def sleep_model(slot: ModelSlot, blocks: BlockManager, level: int) -> SleepOutcome:
+def sleep_model(slot: ModelSlot, level: int) -> SleepOutcome:
     """Gives the weights' and the KV cache's memory back (engine thread, nothing running)."""
     refusal = sleep_refusal(slot.device.type, slot.sleepable, level)
     if refusal:
@@ -72,7 +72,6 @@ def sleep_model(slot: ModelSlot, blocks: BlockManager, level: int) -> SleepOutco
     free_before = torch.cuda.mem_get_info()[0]
     runner.loaded.weights_region.release(keep=level == 1)
     runner.cache.region.release(keep=False)
-    blocks.reset_prefix_cache(runner.loaded.revision)
     gc.collect()
     torch.cuda.empty_cache()  # blocks torch's allocator keeps cached go back as well
     slot.sleep_level = level
@@ -82,7 +81,7 @@ def sleep_model(slot: ModelSlot, blocks: BlockManager, level: int) -> SleepOutco
     return outcome
 
 
-def wake_model(slot: ModelSlot, blocks: BlockManager) -> WakeOutcome:
+def wake_model(slot: ModelSlot) -> WakeOutcome:
     """Takes the memory again at the same addresses and refills it (engine thread)."""
     level = slot.sleep_level
     if not level:

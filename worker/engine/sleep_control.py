@@ -33,9 +33,11 @@ from typing import TYPE_CHECKING, Any
 from graphkeeper.proto import worker_pb2 as pb
 from graphkeeper.proto.enums import lifecycle_name
 from graphkeeper.proto.field_checks import FieldError
+from graphkeeper.proto.policy import sleep_level
 from graphkeeper.worker.engine.control import Control
 from graphkeeper.worker.engine.errors import SleepRefused, SleepWithdrawn, device_broken
-from graphkeeper.worker.engine.sleep import sleep_model, sleep_refusal, wake_model
+from graphkeeper.worker.engine.sleep import LEVELS, sleep_model, sleep_refusal, wake_model
+from graphkeeper.worker.engine.sleep_policy import idle_start, sleep_due
 from graphkeeper.worker.metrics import WorkerMetrics
 
 if TYPE_CHECKING:
@@ -44,7 +46,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 S = pb.LifecycleState
-LEVELS = (1, 2)
 #: States in which a Sleep may be ordered (it is carried out once the worker is READY).
 SLEEPABLE_STATES = frozenset({S.LIFECYCLE_STATE_READY, S.LIFECYCLE_STATE_RECAPTURING})
 
@@ -125,6 +126,8 @@ class SleepControl:
         self._sleeps = 0
         self._wakes = 0
         self._last_wake_seconds = 0.0
+        self._idle_since: float | None = None  # monotonic; when the current idle spell began (policy idle sleep)
+        self._idle_refusal = ""  # the last reason an idle sleep was refused (logged once per reason)
 
     # --- any thread -----------------------------------------------------------------------
 
@@ -175,7 +178,9 @@ class SleepControl:
     def between_steps(self, engine: Engine, inflight: InFlight | None) -> bool:
         """Carries out what is due; True when the engine sleeps and the pass has nothing more to do."""
         if not (self.level or self.pending):  # every step passes here: no lock while nothing is ordered
-            return False
+            self._idle_sleep(engine, inflight)
+            if not self.pending:
+                return False
         with self._lock:
             asleep, pending, ordered = self.level, self.pending, bool(self._wakers)
         draining = engine.lifecycle.state == S.LIFECYCLE_STATE_DRAINING
@@ -197,6 +202,31 @@ class SleepControl:
             return True
         return False
 
+    def _idle_sleep(self, engine: Engine, inflight: InFlight | None) -> None:
+        """Orders the adopted policy's idle sleep once the worker has been idle long enough
+        (``sleep_policy``); a worker that cannot sleep says why once, in its log and in
+        ``GraphStatus.sleep.unavailable_reason``."""
+        policy = engine.control.policy
+        after = policy.sleep_after_idle_seconds
+        if after <= 0:
+            self._idle_since = None
+            return
+        now = time.monotonic()
+        requests = len(engine.scheduler.running) + len(engine.scheduler.waiting) + len(engine.mailbox)
+        self._idle_since = idle_start(self._idle_since, requests + (inflight is not None), now)
+        if not sleep_due(after, self._idle_since, now, asleep=False, requests=requests):
+            return
+        self._idle_since = None  # the next idle spell starts over, whatever this sleep becomes
+        try:
+            self.sleep(sleep_level(policy))
+        except (SleepRefused, FieldError) as err:
+            if str(err) != self._idle_refusal:
+                self._idle_refusal = str(err)
+                log.warning("policy %s: sleepAfterIdleSeconds %d s cannot put this worker to sleep: %s",
+                            policy.policy_name or "(default)", after, err)
+            return
+        log.info("idle for %d s: sleeping at level %d (policy %s)", after, sleep_level(policy), policy.policy_name)
+
     @staticmethod
     def _quiet(engine: Engine) -> bool:
         """Nothing that uses the device is under way: no sequence that started, no capture, no reload."""
@@ -205,7 +235,7 @@ class SleepControl:
 
     def _fall_asleep(self, engine: Engine, level: int) -> None:
         try:
-            outcome = sleep_model(engine.slot, engine.blocks, level)
+            outcome = sleep_model(engine.slot, level)
         except Exception as err:  # noqa: BLE001 - the caller reads why; the worker stays awake and serves
             log.error("sleep at level %d failed: %s", level, err)
             engine.scheduler.admitting = True
@@ -234,7 +264,7 @@ class SleepControl:
         """A wake that fails leaves a worker without its model: the error stops the engine (health
         NOT_SERVING, the worker exits and is restarted), after every waiting Wake is told why."""
         try:
-            outcome = wake_model(engine.slot, engine.blocks)
+            outcome = wake_model(engine.slot)
         except BaseException as err:
             with self._lock:
                 wakers, self._wakers = self._wakers, []
