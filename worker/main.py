@@ -124,6 +124,42 @@ def device_error(device: str, cuda_available: bool, cuda_devices: int) -> str | 
     return None
 
 
+#: The most ranks one worker shards a model across: the GPUs of one node.
+MAX_TENSOR_PARALLEL = 8
+
+
+def tensor_parallel_error(size: int, device: str, cuda_devices: int, sleep_mode: bool = False) -> str | None:
+    """``--tensor-parallel-size`` against the device flags: 1..8 ranks; on CUDA, rank r runs on
+    cuda:r, so the ranks start at cuda:0 and need that many visible GPUs (the model's own
+    shapes are judged by ``tensor_parallel_model_error`` once the model is known to load)."""
+    if not 1 <= size <= MAX_TENSOR_PARALLEL:
+        return f"--tensor-parallel-size must be in 1..{MAX_TENSOR_PARALLEL} (the GPUs of one node), got {size}"
+    if size == 1:
+        return None
+    parsed = torch.device(device)
+    if parsed.type == "cuda" and (parsed.index or 0) != 0:
+        return f"--tensor-parallel-size {size}: rank r runs on cuda:r, so --device must be cuda or cuda:0, got {device}"
+    if parsed.type == "cuda" and size > cuda_devices:
+        return f"--tensor-parallel-size {size}: this machine shows {cuda_devices} CUDA device(s)"
+    if sleep_mode:
+        return f"--enable-sleep-mode is not supported with --tensor-parallel-size {size}"
+    return None
+
+
+def tensor_parallel_model_error(model: str, size: int) -> str | None:
+    """Whether ``model``'s heads, KV heads and MLP divide across ``size`` ranks (its config only)."""
+    if size == 1:
+        return None
+    from graphkeeper.worker.model.loader import read_model_config
+    from graphkeeper.worker.model.tensor_parallel import tp_config_error
+
+    try:
+        error = tp_config_error(read_model_config(model), size)
+    except (ModelSourceError, OSError, ValueError) as err:
+        return f"--model {err}"
+    return f"--tensor-parallel-size {size}: {error}" if error else None
+
+
 def drain_error(seconds: float) -> str | None:
     if not math.isfinite(seconds) or seconds < 0:
         return f"--drain-seconds must be a non-negative number, got {seconds}"
@@ -216,8 +252,13 @@ def boot_errors(args: argparse.Namespace) -> list[str]:
                                              getattr(args, "kv_cache_memory", ""))) if e]
     if not errors:  # the costlier checks only once the flags themselves make sense
         cuda = torch.cuda.is_available()
-        errors += [e for e in (device_error(args.device, cuda, torch.cuda.device_count() if cuda else 0),
-                               model_error(args.model)) if e]
+        gpus = torch.cuda.device_count() if cuda else 0
+        tp = getattr(args, "tensor_parallel_size", 1)
+        errors += [e for e in (device_error(args.device, cuda, gpus), model_error(args.model),
+                               tensor_parallel_error(tp, args.device, gpus, getattr(args, "enable_sleep_mode", False)))
+                   if e]
+    if not errors and (e := tensor_parallel_model_error(args.model, getattr(args, "tensor_parallel_size", 1))):
+        errors.append(e)  # the model's shapes, once it is known to load and the rank count makes sense
     return errors
 
 
@@ -271,6 +312,7 @@ def settings_from_args(args: argparse.Namespace) -> EngineSettings:
         kv_block_size=getattr(args, "kv_block_size", 16), prefix_caching=getattr(args, "prefix_caching", True),
         gpu_memory_utilization=getattr(args, "gpu_memory_utilization", None) or 0.0,
         sleep_mode=getattr(args, "enable_sleep_mode", False),
+        tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
         process_started_at=process_started_at(),
     )
 

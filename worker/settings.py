@@ -72,6 +72,10 @@ class EngineSettings:
     #: so GraphControl Sleep can give it back and Wake replays the same graphs (CUDA only;
     #: engine/sleep_control.py carries the orders out).
     sleep_mode: bool = False
+    #: Ranks one worker shards the model across (``--tensor-parallel-size``): rank 0 is the engine
+    #: core on ``device``; ranks 1..N-1 are follower processes on cuda:1..N-1 (or the CPU), each
+    #: holding its shard and KV cache (engine/tp_ranks.py).
+    tensor_parallel_size: int = 1
     #: When the worker process started and when it spawned the engine core (seconds since the
     #: epoch; 0: unknown, or no engine process): the startup stages count from the first.
     process_started_at: float = 0.0

@@ -96,6 +96,9 @@ def _worker(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--enable-sleep-mode", action="store_true",
                    help="CUDA: accept GraphControl Sleep (the weights' and KV cache's device memory given back, "
                         "the graphs kept; the next request wakes the worker); off, Sleep is refused")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="shard the model across this many ranks, 1 to 8 (default 1): rank r runs on cuda:r with "
+                        "--device cuda, or on the CPU (Gloo) with --device cpu; heads must divide evenly")
     p.add_argument("--drain-seconds", type=float, default=30.0)
     p.add_argument("--stall-seconds", type=float, default=30.0,
                    help="not ready (health NOT_SERVING, /readyz 503) while the engine holds work and made no "

@@ -31,7 +31,14 @@ from graphkeeper.proto.enums import lifecycle_name
 from graphkeeper.worker.engine.blocks import BlockManager, blocks_for
 from graphkeeper.worker.engine.control import Control, Reload, starting_policy
 from graphkeeper.worker.engine.drain import refuse_unstarted
-from graphkeeper.worker.engine.errors import CannotFit, NotServing, QueueFull, ReloadBusy, injected_failure
+from graphkeeper.worker.engine.errors import (
+    CannotFit,
+    NotServing,
+    QueueFull,
+    ReloadBusy,
+    ReloadUnsupported,
+    injected_failure,
+)
 from graphkeeper.worker.engine.isolation import fail_step, isolate
 from graphkeeper.worker.engine.kv_sizing import UtilizationSizing
 from graphkeeper.worker.engine.ledger import Ledger
@@ -50,8 +57,8 @@ from graphkeeper.worker.engine.sleep_control import SleepControl
 from graphkeeper.worker.engine.startup import StartupClock, capture_parts, step_parts
 from graphkeeper.worker.engine.status import graph_status, kv_cache_status, model_info
 from graphkeeper.worker.engine.step_budget import install_step_budget
+from graphkeeper.worker.engine.tp_ranks import capture_controller, reload_refusal
 from graphkeeper.worker.engine.structured import Grammars
-from graphkeeper.worker.executor.graphs.controller import CaptureController
 from graphkeeper.worker.executor.graphs.dispatcher import BatchDescriptor, Dispatcher
 from graphkeeper.worker.metrics import WorkerMetrics
 from graphkeeper.worker.model.kv_cache import check_block_size
@@ -104,8 +111,8 @@ class Engine:
         self.recorder.traffic.reset(policy.policy_uid, policy.generation, adopted_at)
         self.recorder.serving.reset(adopted_at)
         self.outputs = OutputProcessor(self.scheduler, self.metrics)
-        self.capture = CaptureController(self.dispatcher, self.metrics, settings.max_num_seqs,
-                                         settings.max_num_batched_tokens, settings.inject_capture_failures)
+        self.capture = capture_controller(self.slot.ranks, self.dispatcher, self.metrics, settings.max_num_seqs,
+                                          settings.max_num_batched_tokens, settings.inject_capture_failures)
         self.publish: Callable[[list[tuple[Any, list[int], Any]]], None] = direct_publish
         self.failed: BaseException | None = None
         self.steps_since_ready = 0
@@ -179,11 +186,13 @@ class Engine:
         """Schedules a model reload; the future resolves to the new revision once it serves.
 
         Everything that can be judged without loading is judged here, before admission pauses:
-        raises ReloadRefused for a source outside the model roots and ReloadBusy (a NotServing)
+        raises ReloadUnsupported with several tensor parallel ranks, ReloadRefused for a source outside the model roots and ReloadBusy (a NotServing)
         while another reload is pending; a source that cannot load (no config.json, no weights, an
         unknown preset) returns an already failed future. The engine loads the source's resolved
         real path, the one the root check judged.
         """
+        if refusal := reload_refusal(self.settings.tensor_parallel_size):
+            raise ReloadUnsupported(refusal)
         resolved = check_model_root(source, self.settings.model, self.settings.model_roots)
         future: Future = Future()
         if self.control.reload is not None:
@@ -229,7 +238,7 @@ class Engine:
             model_revision=loaded.revision if loaded else "", running=len(self.scheduler.running),
             queued=len(self.scheduler.waiting) + len(self.mailbox), compile=self.slot.compile_status(),
             kv_cache=self.kv_status(), step_budget=self.scheduler.step_budget.to_proto(),
-            startup=self.startup, sleep=self.sleep_control.status())
+            startup=self.startup, sleep=self.sleep_control.status(), tensor_parallel_size=self.slot.tp.size)
 
     def kv_status(self) -> pb.KVCacheStatus:
         """The KV cache's blocks, prefix cache and preemptions (counts read without a lock: each is

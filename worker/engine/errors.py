@@ -28,6 +28,11 @@ class ReloadBusy(NotServing):
     caller's bad input)."""
 
 
+class ReloadUnsupported(RuntimeError):
+    """A LoadModelRevision this worker cannot carry out at all (several tensor parallel ranks):
+    FAILED_PRECONDITION with the reason; the worker serves on with the model it has."""
+
+
 class SleepRefused(RuntimeError):
     """A Sleep this worker cannot carry out (a CPU device, no --enable-sleep-mode, not serving
     yet, asleep at another level): FAILED_PRECONDITION with the reason; the worker serves on."""

@@ -2,6 +2,10 @@
 
 A new model (a reload) is loaded beside the one serving and installed only once it loaded
 completely; the KV cache and the compiled step are kept when the shapes allow.
+
+With ``--tensor-parallel-size N`` the slot holds this rank's shard: rank 0's slot starts the
+followers (``tp_ranks.FollowerRanks``) and hands them each load, step build and KV resize it makes;
+a follower's slot is built with the group it joined (``tp``) and starts none.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import torch
 from graphkeeper.proto import worker_pb2 as pb
 from graphkeeper.worker.engine.ledger import Ledger
 from graphkeeper.worker.engine.sizing import aligned, gib
+from graphkeeper.worker.engine.tp_ranks import FollowerRanks, Load, PrepareStep, RankedRunner, ResizeKV
 from graphkeeper.worker.executor.runner import ModelRunner
 from graphkeeper.worker.metrics import WorkerMetrics
 from graphkeeper.worker.model.kv_cache import KVCache
@@ -23,6 +28,7 @@ from graphkeeper.worker.model.loader import LoadedModel, load_model
 from graphkeeper.worker.model.presets import resolve
 from graphkeeper.worker.model.sleep_memory import move_into_region
 from graphkeeper.worker.model.step import CompileReport, prepare_step
+from graphkeeper.worker.model.tensor_parallel import SINGLE, TensorParallel, shard_config
 from graphkeeper.worker.model.tokenizer import Tokenizer, load_tokenizer
 from graphkeeper.worker.settings import EngineSettings
 
@@ -35,8 +41,10 @@ MIN_TOKEN_BYTES = 16
 
 class ModelSlot:
     def __init__(self, settings: EngineSettings, device: torch.device, ledger: Ledger,
-                 metrics: WorkerMetrics, kv_blocks: int | None = None) -> None:
-        """``kv_blocks``: the blocks the sequences share (None: a whole context per sequence)."""
+                 metrics: WorkerMetrics, kv_blocks: int | None = None, tp: TensorParallel | None = None) -> None:
+        """``kv_blocks``: the blocks the sequences share (None: a whole context per sequence).
+        ``tp``: a follower rank's group; None on rank 0, which starts the followers its settings
+        ask for (their processes start here, from the thread that builds the engine)."""
         self.settings = settings
         self.kv_blocks = kv_blocks
         self.device = device
@@ -56,6 +64,10 @@ class ModelSlot:
         #: Weights and KV cache in sleepable memory (engine/sleep.py), and the level slept at (0: awake).
         self.sleepable = settings.sleep_mode and device.type == "cuda"
         self.sleep_level = 0
+        #: This rank's place in the group (SINGLE until rank 0 has joined its followers).
+        self.tp = tp or SINGLE
+        self.ranks = (FollowerRanks(settings, device, kv_blocks)
+                      if tp is None and settings.tensor_parallel_size > 1 else None)
 
     def load(self, source: str, revision: str) -> tuple[LoadedModel, KVCache]:
         """New weights (and a KV cache for their shapes); nothing the engine serves is touched."""
@@ -63,8 +75,11 @@ class ModelSlot:
         cache_len = aligned(s.max_seq_len)
         log.info("loading %s (%s on disk) on %s", source, describe_size(source_bytes(source)), self.device)
         started = time.perf_counter()
+        if self.ranks is not None:
+            self.tp = self.ranks.connect()
+            self.ranks.send(Load(source, revision))
         loaded = load_model(source, device=self.device, dtype=s.dtype, max_positions=cache_len, revision=revision,
-                            quantization=s.quantization)
+                            quantization=s.quantization, tp=self.tp)
         if self.sleepable:
             loaded.weights_region = move_into_region(loaded.model, self.device)
             torch.cuda.empty_cache()  # the weights' first home goes back before the KV cache is made
@@ -72,6 +87,7 @@ class ModelSlot:
         self.ledger.record(L.LEDGER_STAGE_WEIGHTS, self.device, settle=True)
         self.weights_seconds = time.perf_counter() - started
         old = self.runner
+        config = self._kv_config(loaded)
         if old is not None and old.loaded.config == loaded.config and old.loaded.dtype == loaded.dtype:
             cache = old.cache  # same shapes: keep the allocation, only the weights move
         else:
@@ -79,7 +95,7 @@ class ModelSlot:
             blocks = self.kv_blocks
             if blocks is None:
                 blocks = s.max_num_seqs * -(-cache_len // s.kv_block_size)
-            cache = KVCache(loaded.config, s.max_num_seqs, cache_len, device=self.device, dtype=loaded.dtype,
+            cache = KVCache(config, s.max_num_seqs, cache_len, device=self.device, dtype=loaded.dtype,
                             scratch_slots=scratch, block_size=s.kv_block_size, num_blocks=blocks,
                             sleepable=self.sleepable)
         self.ledger.record(L.LEDGER_STAGE_KV_CACHE, self.device)
@@ -96,15 +112,17 @@ class ModelSlot:
         old = self.runner
         s = self.settings
         loaded, cache_len, scratch = old.loaded, old.cache.max_seq_len, old.cache.scratch_slots
+        if self.ranks is not None:
+            self.ranks.send(ResizeKV(num_blocks))
         self.runner = old = None  # the old cache's memory goes back before the new one is allocated
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-        cache = KVCache(loaded.config, s.max_num_seqs, cache_len, device=self.device, dtype=loaded.dtype,
+        cache = KVCache(self._kv_config(loaded), s.max_num_seqs, cache_len, device=self.device, dtype=loaded.dtype,
                         scratch_slots=scratch, block_size=s.kv_block_size, num_blocks=num_blocks,
                         sleepable=self.sleepable)
         self.kv_blocks = num_blocks
-        self.runner = ModelRunner(loaded, cache, s.max_num_batched_tokens)
+        self.runner = self._runner(loaded, cache)
         self.ledger.record(L.LEDGER_STAGE_KV_CACHE, self.device)
         log.info("KV cache resized: %d blocks of %d tokens, %s", num_blocks, cache.block_size, gib(cache.nbytes()))
         return cache
@@ -119,7 +137,7 @@ class ModelSlot:
             loaded.config, loaded.dtype, loaded.quantization)
         if kept:
             loaded.model.use_pieces(old.model.pieces, old.model.kernels, old.model.row_pieces)
-        self.runner = ModelRunner(loaded, cache, self.settings.max_num_batched_tokens)
+        self.runner = self._runner(loaded, cache)
         self.tokenizer = load_tokenizer(loaded.source)
         from_tokenizer = self.tokenizer.eos_ids() if self.tokenizer else frozenset()
         self.eos_ids = frozenset(loaded.config.eos_token_ids) | from_tokenizer
@@ -131,16 +149,37 @@ class ModelSlot:
                  loaded.parameter_count, loaded.dtype, self.device, ", with tokenizer" if self.tokenizer else "")
         return kept
 
+    def install_shard(self, fresh: tuple[LoadedModel, KVCache]) -> None:
+        """A follower rank's install: the runner for its shard, without the tokenizer (rank 0 alone
+        reads text and answers requests)."""
+        loaded, cache = fresh
+        self.runner = self._runner(loaded, cache)
+        self.loaded = loaded
+
+    def _runner(self, loaded: LoadedModel, cache: KVCache) -> ModelRunner:
+        """The runner for ``loaded`` and ``cache``; on rank 0 of several, the facade that sends each
+        step to the followers first (``tp_ranks.RankedRunner``)."""
+        runner = ModelRunner(loaded, cache, self.settings.max_num_batched_tokens)
+        return runner if self.ranks is None else RankedRunner(runner, self.ranks)
+
+    def _kv_config(self, loaded: LoadedModel):
+        """The shapes this rank's KV cache holds: its shard's heads (every rank the same blocks)."""
+        return shard_config(loaded.config, self.tp.size) if self.tp.enabled else loaded.config
+
     def prepare_step(self) -> None:
         """Builds the step (fused kernels, or compiled: traced at the largest warm-up size, or loaded
-        from the on-disk cache) and runs it once, before anything is captured."""
+        from the on-disk cache) and runs it once, before anything is captured. Rank 0 of several
+        has its followers build theirs alongside (the warm-up's collectives pair up)."""
         s, o = self.settings, self.optimization
         rows = min(max(2, min(s.max_num_seqs, s.max_num_batched_tokens)), s.max_num_batched_tokens)
+        if self.ranks is not None:
+            self.ranks.send(PrepareStep())
+        local = getattr(self.runner, "local", self.runner)  # the followers warm up by the command above
         log.info("building the step: -O%d, %s (warm-up at %d rows)", o.level,
                  "tuning kernels and compiling" if o.compile else "eager kernels, no compilation", rows)
         self.compile_report = prepare_step(
             self.runner.model, compile=o.compile, cache_root=s.compile_cache_dir, quantization=s.quantization,
-            warm_up=lambda: self.runner.warm_up(rows), level=o.level, reason=o.reason)
+            warm_up=lambda: local.warm_up(rows), level=o.level, reason=o.reason)
         r = self.compile_report
         self.metrics.set_compile(o.level, r.enabled, r.cache, self.runner.model.kernels, s.quantization, r.seconds)
 

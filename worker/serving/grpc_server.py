@@ -5,7 +5,7 @@ A Generate call is admitted and streamed through what the front ends share (``st
 admission, the stream hub that carries the engine's tokens to the event loop, one pacing).
 
 Handlers map every refusal to a status code with a message: INVALID_ARGUMENT for bad input
-(naming the field), FAILED_PRECONDITION for a stale policy generation or a Sleep this worker
+(naming the field), FAILED_PRECONDITION for a stale policy generation, a reload or a Sleep this worker
 cannot carry out, ABORTED for a Sleep a Wake withdrew, UNAUTHENTICATED for a control call
 without the token; an engine error (a full queue, a request the cache cannot fit,
 not serving, a failed step, anything else) gets the code of its row in the engine's errors table
@@ -36,6 +36,7 @@ from graphkeeper.worker.engine import (
     IncrementalDetokenizer,
     NotServing,
     ReloadRefused,
+    ReloadUnsupported,
     SleepRefused,
     SleepWithdrawn,
     StalePolicy,
@@ -191,6 +192,8 @@ class GraphControlServicer(pb_grpc.GraphControlServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
         except ReloadRefused as err:
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(err))
+        except ReloadUnsupported as err:  # several tensor parallel ranks: a rollout changes the model
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(err))
         except NotServing as err:  # another reload is pending: retry later
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(err))
         try:
