@@ -9,6 +9,12 @@ serving engine's business. The forward pass is written as pieces between attenti
 those pieces and nothing is written twice. The pieces are pure functions of tensors, weights
 included (``make_pieces``), so that one ``torch.compile`` of each serves every layer and batch
 size; the residual add is fused with the RMSNorm that follows it.
+
+Under tensor parallelism (``tensor_parallel``) the module is built with one rank's shapes
+(``shard_config``): the pieces run on the rank's heads and channels, and the partial sums of the
+output and down projections are all-reduced inside the pieces, before their residual adds, so a
+piece stays one pure function whether it runs eagerly, compiled or recorded in a CUDA graph.
+With one rank the pieces hold no collective at all.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from torch import Tensor, nn
 
 from graphkeeper.worker.kernels import choice, norm_kernel, row_kernel
 from graphkeeper.worker.model.config import ModelConfig
+from graphkeeper.worker.model.tensor_parallel import SINGLE, TensorParallel, all_reduce
 
 #: attend(layer_index, q [T, n_heads, head_dim], k [T, n_kv, head_dim], v) -> [T, n_heads * head_dim]
 AttendFn = Callable[[int, Tensor, Tensor, Tensor], Tensor]
@@ -135,11 +142,18 @@ class PieceFunctions:
     last: Callable[..., Tensor]
 
 
-def make_pieces(config: ModelConfig, add_rms_norm: Callable = norm_kernel.reference) -> PieceFunctions:
-    """The step's pieces for ``config`` as pure functions; ``add_rms_norm`` is the fused kernel,
-    or the plain ops that Inductor fuses when the pieces are compiled."""
+def make_pieces(config: ModelConfig, add_rms_norm: Callable = norm_kernel.reference,
+                tp: TensorParallel = SINGLE) -> PieceFunctions:
+    """The step's pieces for ``config`` (one rank's shapes under ``tp``) as pure functions;
+    ``add_rms_norm`` is the fused kernel, or the plain ops that Inductor fuses when the pieces are
+    compiled. Under ``tp`` the row-parallel projections' partial sums are all-reduced before the
+    residual add (``reduced``); with one rank ``reduced`` is the projection alone."""
     n_heads, n_kv, head_dim = config.n_heads, config.n_kv_heads, config.head_dim
     eps, inter = config.norm_eps, config.intermediate_size
+
+    def reduced(x: Tensor, w: Tensor, s: Tensor | None) -> Tensor:
+        out = choice.linear(x, w, s)
+        return all_reduce(out, tp) if tp.enabled else out
 
     def qkv(x: Tensor, cos: Tensor, sin: Tensor, wqkv: Tensor, wqkv_s: Tensor | None) -> tuple[Tensor, ...]:
         heads = choice.linear(x, wqkv, wqkv_s).view(x.shape[0], n_heads + 2 * n_kv, head_dim)
@@ -149,9 +163,9 @@ def make_pieces(config: ModelConfig, add_rms_norm: Callable = norm_kernel.refere
     def finish(h: Tensor, attn_out: Tensor, wo, wo_s, ffn_norm, w13, w13_s, w2, w2_s,
                next_norm) -> tuple[Tensor, Tensor]:
         """Layer tail: residual+norm, SwiGLU MLP, residual+norm with the next norm's weight."""
-        h, x = add_rms_norm(h, choice.linear(attn_out, wo, wo_s), ffn_norm, eps)
+        h, x = add_rms_norm(h, reduced(attn_out, wo, wo_s), ffn_norm, eps)
         gate, up = choice.linear(x, w13, w13_s).split(inter, dim=-1)
-        return add_rms_norm(h, choice.linear(F.silu(gate) * up, w2, w2_s), next_norm, eps)
+        return add_rms_norm(h, reduced(F.silu(gate) * up, w2, w2_s), next_norm, eps)
 
     def first(tokens: Tensor, cos: Tensor, sin: Tensor, embedding: Tensor, norm: Tensor, wqkv: Tensor,
               wqkv_s: Tensor | None) -> tuple[Tensor, ...]:
@@ -169,10 +183,12 @@ def make_pieces(config: ModelConfig, add_rms_norm: Callable = norm_kernel.refere
     return PieceFunctions(first, middle, last)
 
 
-def make_row_pieces(config: ModelConfig) -> PieceFunctions:
+def make_row_pieces(config: ModelConfig, tp: TensorParallel = SINGLE) -> PieceFunctions:
     """The same pieces for a one-token step, as four fused projections per layer
     (``row_kernel``): norm+QKV+RoPE, output projection+residual, norm+gate/up+SiLU, down
-    projection+residual. Same arguments and results as ``make_pieces``'s."""
+    projection+residual. Same arguments and results as ``make_pieces``'s. Under ``tp`` the
+    residual cannot be fused into a row-parallel projection (it must be added once, after the
+    all-reduce), so those two projections run plain and the add follows the all-reduce."""
     n_heads, n_kv, head_dim, eps = config.n_heads, config.n_kv_heads, config.head_dim, config.norm_eps
     rotated = (n_heads + n_kv) * head_dim
     row = row_kernel.row_linear
@@ -183,6 +199,9 @@ def make_row_pieces(config: ModelConfig) -> PieceFunctions:
         return heads[:, :n_heads], heads[:, n_heads: n_heads + n_kv], heads[:, n_heads + n_kv:]
 
     def finish(h: Tensor, attn_out: Tensor, wo, wo_s, ffn_norm, w13, w13_s, w2, w2_s) -> Tensor:
+        if tp.enabled:
+            h = h + all_reduce(row(attn_out, wo, wo_s), tp)
+            return h + all_reduce(row(row(h, w13, w13_s, norm=ffn_norm, eps=eps, glu=True), w2, w2_s), tp)
         h = row(attn_out, wo, wo_s, residual=h)
         return row(row(h, w13, w13_s, norm=ffn_norm, eps=eps, glu=True), w2, w2_s, residual=h)
 
@@ -209,9 +228,13 @@ def row_pieces_fit(config: ModelConfig, dtype: torch.dtype) -> bool:
 
 
 class Transformer(nn.Module):
-    def __init__(self, config: ModelConfig, max_positions: int) -> None:
+    """The decoder; under ``tp``, one rank's shard of it: ``config`` is then the rank's shapes
+    (``shard_config``), and the embedding, norms and LM head are whole on every rank."""
+
+    def __init__(self, config: ModelConfig, max_positions: int, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.config = config
+        self.tp = tp
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
         self.layers = nn.ModuleList(TransformerBlock(config) for _ in range(config.n_layers))
         self.norm = RMSNorm(config.dim, config.norm_eps)
@@ -221,7 +244,7 @@ class Transformer(nn.Module):
         cos, sin = rope_tables(config, max_positions)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
-        self.use_pieces(make_pieces(config), "torch")
+        self.use_pieces(make_pieces(config, tp=tp), "torch")
 
     def use_pieces(self, pieces: PieceFunctions, kernels: str, row_pieces: PieceFunctions | None = None) -> None:
         """Installs the step functions (plain, fused kernels, or compiled) and, optionally, the

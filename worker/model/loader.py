@@ -6,6 +6,12 @@ holds the config, the (possibly block-quantized) weights and the tokenizer (``gg
 ``builtin:<name>`` is a GGUF file shipped in an installed package (``catalog``). Nothing is ever
 downloaded. ``random:<preset>[@seed]`` builds seeded random weights of a named shape, for tests
 and benchmarks. Weight layout changes (fusing Q/K/V and gate/up) happen here, once.
+
+Under tensor parallelism each rank loads only its shard (``tensor_parallel``): the rows of its
+query/key/value heads and of its gate/up channels, the columns of the output and down
+projections that match them, read straight from the checkpoint (a safetensors row range is one
+read, a column range one read per row; a GGUF tensor is dequantized whole, one at a time, then
+sliced). The embedding, the norms and the LM head are loaded whole on every rank.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from graphkeeper.worker.model.config import PRESETS, ModelConfig
 from graphkeeper.worker.model.llama import Transformer, rope_tables
 from graphkeeper.worker.model.quantization import quantize_model
 from graphkeeper.worker.model.sleep_memory import SleepableRegion
+from graphkeeper.worker.model.tensor_parallel import SINGLE, TensorParallel, shard_config, shard_range, tp_config_error
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_SEED = 0
@@ -53,6 +60,11 @@ def shown(path: str | Path) -> str:
 
 @dataclass
 class LoadedModel:
+    """A model on its device. Under tensor parallelism, one rank's shard of it: ``config`` is then
+    the RANK's shapes (``shard_config``: its heads, key/value heads and MLP channels), which is
+    what the runner, the attention, the KV cache and the graph buffers are sized by, so that they
+    need no tensor-parallel code of their own; ``full_config`` is the whole model's."""
+
     model: Transformer
     config: ModelConfig
     source: str
@@ -62,6 +74,14 @@ class LoadedModel:
     quantization: str = "none"
     #: The sleepable region holding the weights (sleep mode on CUDA; None otherwise).
     weights_region: SleepableRegion | None = None
+    #: This process's rank among the ranks holding the model (``SINGLE``: the whole model).
+    tp: TensorParallel = SINGLE
+    #: The whole model's config (``config`` when ``tp`` is ``SINGLE``; filled in when left None).
+    full_config: ModelConfig | None = None
+
+    def __post_init__(self) -> None:
+        if self.full_config is None:
+            self.full_config = self.config
 
     @property
     def parameter_count(self) -> int:
@@ -70,11 +90,22 @@ class LoadedModel:
 
 def load_model(
     source: str, *, device: str | torch.device, dtype: str = "auto", max_positions: int,
-    revision: str = "", quantization: str = "none",
+    revision: str = "", quantization: str = "none", tp: TensorParallel = SINGLE,
 ) -> LoadedModel:
-    """Builds the model for ``source`` on ``device``; ``revision`` defaults to a content hash.
+    """Builds the model for ``source`` on ``device`` (under ``tp``, this rank's shard of it);
+    ``revision`` defaults to a content hash, the same on every rank.
 
-    ``quantization`` ``fp8``/``fp8-tensor`` stores the decoder projections in float8 after loading.
+    ``quantization`` ``fp8``/``fp8-tensor`` stores the decoder projections in float8 after loading;
+    under ``tp`` each rank quantizes its own shard, so a per-channel scale is the scale of the
+    rows the rank holds (column-parallel QKV and gate/up: exactly TP=1's scales of those rows;
+    row-parallel output and down: the scale of the rank's columns of each row, applied to the
+    rank's partial sum before the all-reduce).
+
+    The embedding and the LM head are whole on every rank rather than split by vocabulary: it is
+    the simplest layout; the head runs on the sampled rows only (one per sequence in a decode
+    step), so its share of a step is small; and a vocabulary-parallel head would add a gather of
+    the logits (or a distributed argmax/sampling) to every step. Splitting it is a possible later
+    change for models whose vocabulary makes the head's memory matter.
     """
     device = torch.device(device)
     where = _resolve(source)
@@ -83,27 +114,36 @@ def load_model(
             file = gguf_ckpt.open_gguf(Path(where))
             config = gguf_ckpt.read_config(file)
             torch_dtype = _pick_dtype(dtype, device, None)
-            model = _empty_model(config, max_positions, device, torch_dtype)
+            model = _empty_model(_rank_config(source, config, tp), max_positions, device, torch_dtype, tp)
             _load_gguf(model, config, file)
             revision = revision or digest_files([Path(where)], names=False)
     elif source.startswith("random:"):
         preset, seed = _parse_random(source)
         config = PRESETS[preset]
         torch_dtype = _pick_dtype(dtype, device, None)
-        model = _empty_model(config, max_positions, device, torch_dtype)
-        _fill_random(model, seed, device)
+        model = _empty_model(_rank_config(source, config, tp), max_positions, device, torch_dtype, tp)
+        _fill_random(model, seed, device, config)
         revision = revision or _hash_text(f"{source}|{seed}|{json.dumps(config.as_dict(), sort_keys=True)}")
     else:
         with _filesystem_errors(source):
             path = Path(source)
             config, hf_dtype = _read_config(path)
             torch_dtype = _pick_dtype(dtype, device, hf_dtype)
-            model = _empty_model(config, max_positions, device, torch_dtype)
+            model = _empty_model(_rank_config(source, config, tp), max_positions, device, torch_dtype, tp)
             _load_safetensors(model, config, path)
             revision = revision or _hash_directory(path)
     model.eval().requires_grad_(False)
     quantize_model(model, quantization)
-    return LoadedModel(model, config, source, revision, torch_dtype, device, quantization)
+    return LoadedModel(model, model.config, source, revision, torch_dtype, device, quantization, tp=tp,
+                       full_config=config)
+
+
+def _rank_config(source: str, config: ModelConfig, tp: TensorParallel) -> ModelConfig:
+    """The shapes this rank holds, or a ModelSourceError saying why ``tp`` cannot split the model."""
+    error = tp_config_error(config, tp.size)
+    if error:
+        raise ModelSourceError(f"{shown(source)}: {error}")
+    return shard_config(config, tp.size)
 
 
 def check_source(source: str) -> None:
@@ -210,14 +250,16 @@ def _pick_dtype(dtype: str, device: torch.device, hf_dtype: str | None) -> torch
     return DTYPES.get(hf_dtype or "bfloat16", torch.bfloat16)
 
 
-def _empty_model(config: ModelConfig, max_positions: int, device: torch.device, dtype: torch.dtype) -> Transformer:
-    """The module with uninitialised parameters allocated once, directly in ``dtype`` on ``device``.
+def _empty_model(config: ModelConfig, max_positions: int, device: torch.device, dtype: torch.dtype,
+                 tp: TensorParallel = SINGLE) -> Transformer:
+    """The module (``config``: the rank's shapes under ``tp``) with uninitialised parameters
+    allocated once, directly in ``dtype`` on ``device``.
 
     Built on the meta device and cast there (free), so no float32 copy ever exists: the
     parameters take exactly the weights' size, which is what loading fills in place.
     """
     with torch.device("meta"):
-        model = Transformer(config, max_positions).to(dtype)
+        model = Transformer(config, max_positions, tp).to(dtype)
     model = model.to_empty(device=device).requires_grad_(False)
     if config.tie_word_embeddings:
         model.output.weight = model.tok_embeddings.weight
@@ -229,13 +271,45 @@ def _empty_model(config: ModelConfig, max_positions: int, device: torch.device, 
 
 
 @torch.no_grad()
-def _fill_random(model: Transformer, seed: int, device: torch.device) -> None:
+def _fill_random(model: Transformer, seed: int, device: torch.device, config: ModelConfig | None = None) -> None:
+    """Seeded normal weights (norms one). Under tensor parallelism every rank draws each whole
+    tensor of the whole model (``config``) in the same order from the same generator, one tensor
+    at a time, and keeps its part: the shards are exactly the one-rank model's weights, split."""
     generator = torch.Generator(device=device).manual_seed(seed)
+    tp, config = model.tp, config or model.config
+    full_shapes = _full_shapes(config) if tp.enabled else {}
     for name, param in model.named_parameters():
         if name.endswith("norm.weight"):
             param.fill_(1.0)
-        else:
+        elif not tp.enabled:
             param.normal_(0.0, INIT_STD, generator=generator)
+        else:
+            full = torch.empty(full_shapes[name], dtype=param.dtype, device=device)
+            param.copy_(rank_part(name, full.normal_(0.0, INIT_STD, generator=generator), config, tp))
+
+
+def _full_shapes(config: ModelConfig) -> dict[str, torch.Size]:
+    """Each parameter's shape in the one-rank model of ``config`` (built on the meta device)."""
+    with torch.device("meta"):
+        return {name: p.shape for name, p in Transformer(config, 1).named_parameters()}
+
+
+def rank_part(name: str, full: Tensor, config: ModelConfig, tp: TensorParallel) -> Tensor:
+    """Rank ``tp.rank``'s part of the one-rank model's parameter ``name`` (``full``; ``config`` is
+    the whole model's): its query, key and value heads' rows of the fused QKV, its channels' rows
+    of the fused gate/up, the matching columns of the output and down projections; anything else
+    whole. A view where it can be (the fused weights' parts are concatenated)."""
+    if name.endswith("attention.wqkv.weight"):
+        q_size, kv_size = config.n_heads * config.head_dim, config.n_kv_heads * config.head_dim
+        q, k, v = full.split([q_size, kv_size, kv_size])
+        return torch.cat([q[shard_range(q_size, tp)], k[shard_range(kv_size, tp)], v[shard_range(kv_size, tp)]])
+    if name.endswith("feed_forward.w13.weight"):
+        gate, up = full.split(config.intermediate_size)
+        rows = shard_range(config.intermediate_size, tp)
+        return torch.cat([gate[rows], up[rows]])
+    if name.endswith(("attention.wo.weight", "feed_forward.w2.weight")):
+        return full[:, shard_range(full.shape[1], tp)]
+    return full
 
 
 def _generation_eos(file: Path) -> tuple[int, ...]:
@@ -376,24 +450,62 @@ class _TensorReader:
                 f"{shown(self.path)}: tensor {clipped_repr(name)} has a byte range that does not match its shape")
         return entry
 
-    def read_into(self, name: str, dest: Tensor) -> None:
-        """Fills ``dest`` (contiguous) with the checkpoint tensor ``name``, converting its dtype."""
-        entry = self.entry(name, tuple(dest.shape))
+    def read_into(self, name: str, dest: Tensor, part: Part | None = None) -> None:
+        """Fills ``dest`` with the checkpoint tensor ``name``, or with its ``part`` (the rows or
+        columns this rank holds: only those bytes are read), converting its dtype."""
+        entry = self.entry(name, part.full_shape(dest.shape) if part else tuple(dest.shape))
         f = self._files.get(entry.file)
         if f is None:
             f = self._files[entry.file] = entry.file.open("rb", buffering=0)
         direct = dest.device.type == "cpu" and dest.dtype == entry.dtype and dest.is_contiguous()
-        staging = dest if direct else torch.empty(entry.shape, dtype=entry.dtype)
+        staging = dest if direct else torch.empty(tuple(dest.shape), dtype=entry.dtype)
         buffer = memoryview(staging.view(-1).view(torch.uint8).numpy())
-        f.seek(entry.start)
+        for start, into in _byte_ranges(entry, part, len(buffer)):
+            self._read_exactly(f, start, buffer[into], entry.file, name)
+        if not direct:
+            dest.copy_(staging)
+
+    @staticmethod
+    def _read_exactly(f, start: int, buffer: memoryview, file: Path, name: str) -> None:
+        f.seek(start)
         done = 0
         while done < len(buffer):
             n = f.readinto(buffer[done:])
             if not n:
-                raise ModelSourceError(f"{shown(entry.file)}: truncated while reading {clipped_repr(name)}")
+                raise ModelSourceError(f"{shown(file)}: truncated while reading {clipped_repr(name)}")
             done += n
-        if not direct:
-            dest.copy_(staging)
+
+
+@dataclass(frozen=True)
+class Part:
+    """This rank's part of a checkpoint tensor: dimension ``dim`` (0: rows, 1: columns) cut into
+    ``tp.size`` equal parts, of which it holds part ``tp.rank``."""
+
+    dim: int
+    tp: TensorParallel
+
+    def full_shape(self, shape: tuple[int, ...] | torch.Size) -> tuple[int, ...]:
+        """The whole tensor's shape, given the part's."""
+        return tuple(n * self.tp.size if d == self.dim else n for d, n in enumerate(shape))
+
+    def of(self, full: Tensor) -> Tensor:
+        """The part of ``full`` (a view)."""
+        return full.narrow(self.dim, shard_range(full.shape[self.dim], self.tp).start,
+                           full.shape[self.dim] // self.tp.size)
+
+
+def _byte_ranges(entry: TensorEntry, part: Part | None, size: int) -> list[tuple[int, slice]]:
+    """(file offset, destination byte slice) of each read that fills a part of ``size`` bytes:
+    one for a whole tensor or a range of rows, one per row for a range of columns (pure)."""
+    if part is None:
+        return [(entry.start, slice(0, size))]
+    rows = math.prod(entry.shape[:1]) if len(entry.shape) > 1 else 1
+    row_bytes = (entry.end - entry.start) // rows
+    if part.dim == 0:
+        return [(entry.start + part.tp.rank * size, slice(0, size))]
+    piece = row_bytes // part.tp.size  # this rank's columns of one row
+    first = entry.start + part.tp.rank * piece
+    return [(first + i * row_bytes, slice(i * piece, (i + 1) * piece)) for i in range(rows)]
 
 
 @torch.no_grad()
@@ -408,40 +520,48 @@ def _load_safetensors(model: Transformer, config: ModelConfig, path: Path) -> No
 
 @torch.no_grad()
 def _load_gguf(model: Transformer, config: ModelConfig, file: gguf_ckpt.GGUFFile) -> None:
-    """Fills every parameter from the GGUF tensors, dequantized to float32 and cast on copy."""
+    """Fills every parameter from the GGUF tensors, dequantized to float32 and cast on copy (under
+    tensor parallelism, dequantized whole, one tensor at a time, and this rank's part copied)."""
     names = gguf_ckpt.checkpoint_tensors(file)
 
-    def read_into(name: str, dest: Tensor) -> None:
+    def read_into(name: str, dest: Tensor, part: Part | None = None) -> None:
         if name not in names:
             raise ModelSourceError(f"{shown(file.path)}: tensor for {clipped_repr(name)} missing from the GGUF file")
         array = gguf_ckpt.dequantized(file, names[name], config)
-        if tuple(array.shape) != tuple(dest.shape):
+        expected = part.full_shape(dest.shape) if part else tuple(dest.shape)
+        if tuple(array.shape) != expected:
             raise ModelSourceError(f"{shown(file.path)}: tensor {clipped_repr(names[name])} has shape "
-                                   f"{list(array.shape)}, expected {list(dest.shape)}")
-        dest.copy_(torch.from_numpy(np.require(array, requirements='W')))
+                                   f"{list(array.shape)}, expected {list(expected)}")
+        full = torch.from_numpy(np.require(array, requirements='W'))
+        dest.copy_(part.of(full) if part else full)
 
     _fill_llama(model, config, read_into)
 
 
-def _fill_llama(model: Transformer, config: ModelConfig, read_into: Callable[[str, Tensor], None]) -> None:
-    """Fills every parameter through ``read_into(hf_name, dest)``; fused Q/K/V and gate/up rows
-    are written slice by slice. One walk over the model for every checkpoint format."""
+def _fill_llama(model: Transformer, config: ModelConfig, read_into: Callable[..., None]) -> None:
+    """Fills every parameter through ``read_into(hf_name, dest, part=None)``; fused Q/K/V and
+    gate/up rows are written slice by slice. One walk over the model for every checkpoint format.
+    ``config`` is the whole model's; under tensor parallelism ``part`` names the rows (column-
+    parallel QKV and gate/up) or columns (row-parallel output and down) this rank holds."""
+    tp = model.tp
+    rows, cols = (Part(0, tp), Part(1, tp)) if tp.enabled else (None, None)
     read_into("embed_tokens.weight", model.tok_embeddings.weight)
     read_into("norm.weight", model.norm.weight)
     if not config.tie_word_embeddings:
         read_into("lm_head.weight", model.output.weight)
-    q_size, kv_size = config.n_heads * config.head_dim, config.n_kv_heads * config.head_dim
+    mine = model.config  # this rank's shapes
+    q_size, kv_size = mine.n_heads * mine.head_dim, mine.n_kv_heads * mine.head_dim
     for i, layer in enumerate(model.layers):
         p = f"layers.{i}."
         attn, mlp = p + "self_attn.", p + "mlp."
         q, k, v = layer.attention.wqkv.weight.split([q_size, kv_size, kv_size])
-        for name, rows in zip("qkv", (q, k, v), strict=True):
-            read_into(attn + f"{name}_proj.weight", rows)
-        read_into(attn + "o_proj.weight", layer.attention.wo.weight)
-        gate, up = layer.feed_forward.w13.weight.split(config.intermediate_size)
-        read_into(mlp + "gate_proj.weight", gate)
-        read_into(mlp + "up_proj.weight", up)
-        read_into(mlp + "down_proj.weight", layer.feed_forward.w2.weight)
+        for name, dest in zip("qkv", (q, k, v), strict=True):
+            read_into(attn + f"{name}_proj.weight", dest, rows)
+        read_into(attn + "o_proj.weight", layer.attention.wo.weight, cols)
+        gate, up = layer.feed_forward.w13.weight.split(mine.intermediate_size)
+        read_into(mlp + "gate_proj.weight", gate, rows)
+        read_into(mlp + "up_proj.weight", up, rows)
+        read_into(mlp + "down_proj.weight", layer.feed_forward.w2.weight, cols)
         read_into(p + "input_layernorm.weight", layer.attention_norm.weight)
         read_into(p + "post_attention_layernorm.weight", layer.ffn_norm.weight)
 
@@ -476,6 +596,8 @@ def save_hf_directory(model: Transformer, path: Path) -> None:
     """Writes ``model`` as a Hugging Face Llama directory (unfused names), for tests and tools."""
     from safetensors.torch import save_file
 
+    if model.tp.enabled:
+        raise ValueError("save_hf_directory writes a whole model; this is one tensor-parallel rank's shard")
     config = model.config
     path.mkdir(parents=True, exist_ok=True)
     out: dict[str, Tensor] = {

@@ -206,7 +206,7 @@ def prepare_step(model, *, compile: bool, cache_root: str, quantization: str, wa
     fused row pieces where they measured faster than the others."""
     device = model.tok_embeddings.weight.device
     kernels = choice.choose_kernels(device.type, compile)
-    pieces = make_pieces(model.config, kernels.add_rms_norm)
+    pieces = make_pieces(model.config, kernels.add_rms_norm, model.tp)
     report = CompileReport(enabled=compile, level=level, reason=reason)
     rows = device.type == "cuda" and row_pieces_fit(model.config, model.tok_embeddings.weight.dtype)
     if device.type == "cuda":
@@ -246,7 +246,7 @@ def prepare_step(model, *, compile: bool, cache_root: str, quantization: str, wa
 def _choose_row_step(model, report: CompileReport) -> None:
     """Times a pass of every layer's middle piece at one token with the installed pieces and with
     the fused row pieces, as CUDA graphs, and keeps the row pieces if they are faster."""
-    row = make_row_pieces(model.config)
+    row = make_row_pieces(model.config, model.tp)
     with torch.compiler.set_stance("default"):
         mine, theirs = _one_token_pass_seconds(model, row), _one_token_pass_seconds(model, model.pieces)
     won = mine < theirs
