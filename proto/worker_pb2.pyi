@@ -286,7 +286,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetModelInfoResponse(_message.Message):
-    __slots__ = ("source", "revision", "architecture", "dtype", "vocab_size", "hidden_size", "num_layers", "num_attention_heads", "num_key_value_heads", "max_seq_len", "max_num_seqs", "eos_token_id", "device", "parameter_count", "eos_token_ids", "model_context_length", "tokenizer", "chat_template", "step_budget")
+    __slots__ = ("source", "revision", "architecture", "dtype", "vocab_size", "hidden_size", "num_layers", "num_attention_heads", "num_key_value_heads", "max_seq_len", "max_num_seqs", "eos_token_id", "device", "parameter_count", "eos_token_ids", "model_context_length", "tokenizer", "chat_template", "step_budget", "tensor_parallel_size")
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     REVISION_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
@@ -306,6 +306,7 @@ class GetModelInfoResponse(_message.Message):
     TOKENIZER_FIELD_NUMBER: _ClassVar[int]
     CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
     STEP_BUDGET_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     source: str
     revision: str
     architecture: str
@@ -325,7 +326,8 @@ class GetModelInfoResponse(_message.Message):
     tokenizer: bool
     chat_template: bool
     step_budget: StepBudgetStatus
-    def __init__(self, source: _Optional[str] = ..., revision: _Optional[str] = ..., architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_attention_heads: _Optional[int] = ..., num_key_value_heads: _Optional[int] = ..., max_seq_len: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., eos_token_id: _Optional[int] = ..., device: _Optional[str] = ..., parameter_count: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., model_context_length: _Optional[int] = ..., tokenizer: _Optional[bool] = ..., chat_template: _Optional[bool] = ..., step_budget: _Optional[_Union[StepBudgetStatus, _Mapping]] = ...) -> None: ...
+    tensor_parallel_size: int
+    def __init__(self, source: _Optional[str] = ..., revision: _Optional[str] = ..., architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_attention_heads: _Optional[int] = ..., num_key_value_heads: _Optional[int] = ..., max_seq_len: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., eos_token_id: _Optional[int] = ..., device: _Optional[str] = ..., parameter_count: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., model_context_length: _Optional[int] = ..., tokenizer: _Optional[bool] = ..., chat_template: _Optional[bool] = ..., step_budget: _Optional[_Union[StepBudgetStatus, _Mapping]] = ..., tensor_parallel_size: _Optional[int] = ...) -> None: ...
 
 class WatchGraphStatusRequest(_message.Message):
     __slots__ = ("heartbeat_seconds",)
@@ -458,7 +460,7 @@ class LedgerEntry(_message.Message):
     def __init__(self, stage: _Optional[_Union[LedgerStage, str]] = ..., device_used_bytes: _Optional[int] = ..., torch_allocated_bytes: _Optional[int] = ..., torch_reserved_bytes: _Optional[int] = ..., residual_bytes: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class GraphStatus(_message.Message):
-    __slots__ = ("state", "requested_mode", "effective_mode", "mode_downgrade_reason", "policy_uid", "policy_generation", "model_revision", "captured", "skipped", "fallbacks", "graph_steps", "eager_steps", "graph_memory_bytes", "total_capture_seconds", "ledger", "running_sequences", "queued_requests", "last_error", "pending_policy_uid", "pending_policy_generation", "pending_model_revision", "compile", "traffic", "kv_cache", "capture_parts", "previous_ledger", "serving", "step_budget", "startup", "sleep")
+    __slots__ = ("state", "requested_mode", "effective_mode", "mode_downgrade_reason", "policy_uid", "policy_generation", "model_revision", "captured", "skipped", "fallbacks", "graph_steps", "eager_steps", "graph_memory_bytes", "total_capture_seconds", "ledger", "running_sequences", "queued_requests", "last_error", "pending_policy_uid", "pending_policy_generation", "pending_model_revision", "compile", "traffic", "kv_cache", "capture_parts", "previous_ledger", "serving", "step_budget", "startup", "sleep", "tensor_parallel_size")
     STATE_FIELD_NUMBER: _ClassVar[int]
     REQUESTED_MODE_FIELD_NUMBER: _ClassVar[int]
     EFFECTIVE_MODE_FIELD_NUMBER: _ClassVar[int]
@@ -489,6 +491,7 @@ class GraphStatus(_message.Message):
     STEP_BUDGET_FIELD_NUMBER: _ClassVar[int]
     STARTUP_FIELD_NUMBER: _ClassVar[int]
     SLEEP_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     state: LifecycleState
     requested_mode: GraphMode
     effective_mode: GraphMode
@@ -519,7 +522,8 @@ class GraphStatus(_message.Message):
     step_budget: StepBudgetStatus
     startup: StartupStatus
     sleep: SleepStatus
-    def __init__(self, state: _Optional[_Union[LifecycleState, str]] = ..., requested_mode: _Optional[_Union[GraphMode, str]] = ..., effective_mode: _Optional[_Union[GraphMode, str]] = ..., mode_downgrade_reason: _Optional[str] = ..., policy_uid: _Optional[str] = ..., policy_generation: _Optional[int] = ..., model_revision: _Optional[str] = ..., captured: _Optional[_Iterable[_Union[CapturedSize, _Mapping]]] = ..., skipped: _Optional[_Iterable[_Union[SkippedSize, _Mapping]]] = ..., fallbacks: _Optional[_Iterable[_Union[FallbackCount, _Mapping]]] = ..., graph_steps: _Optional[int] = ..., eager_steps: _Optional[int] = ..., graph_memory_bytes: _Optional[int] = ..., total_capture_seconds: _Optional[float] = ..., ledger: _Optional[_Iterable[_Union[LedgerEntry, _Mapping]]] = ..., running_sequences: _Optional[int] = ..., queued_requests: _Optional[int] = ..., last_error: _Optional[str] = ..., pending_policy_uid: _Optional[str] = ..., pending_policy_generation: _Optional[int] = ..., pending_model_revision: _Optional[str] = ..., compile: _Optional[_Union[CompileStatus, _Mapping]] = ..., traffic: _Optional[_Union[StepHistogram, _Mapping]] = ..., kv_cache: _Optional[_Union[KVCacheStatus, _Mapping]] = ..., capture_parts: _Optional[_Iterable[_Union[CapturePart, _Mapping]]] = ..., previous_ledger: _Optional[_Iterable[_Union[LedgerEntry, _Mapping]]] = ..., serving: _Optional[_Union[ServingCounters, _Mapping]] = ..., step_budget: _Optional[_Union[StepBudgetStatus, _Mapping]] = ..., startup: _Optional[_Union[StartupStatus, _Mapping]] = ..., sleep: _Optional[_Union[SleepStatus, _Mapping]] = ...) -> None: ...
+    tensor_parallel_size: int
+    def __init__(self, state: _Optional[_Union[LifecycleState, str]] = ..., requested_mode: _Optional[_Union[GraphMode, str]] = ..., effective_mode: _Optional[_Union[GraphMode, str]] = ..., mode_downgrade_reason: _Optional[str] = ..., policy_uid: _Optional[str] = ..., policy_generation: _Optional[int] = ..., model_revision: _Optional[str] = ..., captured: _Optional[_Iterable[_Union[CapturedSize, _Mapping]]] = ..., skipped: _Optional[_Iterable[_Union[SkippedSize, _Mapping]]] = ..., fallbacks: _Optional[_Iterable[_Union[FallbackCount, _Mapping]]] = ..., graph_steps: _Optional[int] = ..., eager_steps: _Optional[int] = ..., graph_memory_bytes: _Optional[int] = ..., total_capture_seconds: _Optional[float] = ..., ledger: _Optional[_Iterable[_Union[LedgerEntry, _Mapping]]] = ..., running_sequences: _Optional[int] = ..., queued_requests: _Optional[int] = ..., last_error: _Optional[str] = ..., pending_policy_uid: _Optional[str] = ..., pending_policy_generation: _Optional[int] = ..., pending_model_revision: _Optional[str] = ..., compile: _Optional[_Union[CompileStatus, _Mapping]] = ..., traffic: _Optional[_Union[StepHistogram, _Mapping]] = ..., kv_cache: _Optional[_Union[KVCacheStatus, _Mapping]] = ..., capture_parts: _Optional[_Iterable[_Union[CapturePart, _Mapping]]] = ..., previous_ledger: _Optional[_Iterable[_Union[LedgerEntry, _Mapping]]] = ..., serving: _Optional[_Union[ServingCounters, _Mapping]] = ..., step_budget: _Optional[_Union[StepBudgetStatus, _Mapping]] = ..., startup: _Optional[_Union[StartupStatus, _Mapping]] = ..., sleep: _Optional[_Union[SleepStatus, _Mapping]] = ..., tensor_parallel_size: _Optional[int] = ...) -> None: ...
 
 class SleepStatus(_message.Message):
     __slots__ = ("level", "pending_level", "since_unix_seconds", "released_bytes", "sleeps", "wakes", "last_wake_seconds", "unavailable_reason")

@@ -57,7 +57,7 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "SERVING_STATES", "CannotFit", "ChatError", "Engine", "EngineClient", "EngineFace", "EngineSettings",
-    "ErrorStatus", "IncrementalDetokenizer", "LifecycleView", "Limits", "NotServing", "QueueFull", "ReloadRefused", "ReloadUnsupported",
-    "SleepRefused", "SleepWithdrawn", "StalePolicy", "StepFailed", "StepWatchdog", "UNKNOWN_ERROR", "classify",
-    "constraint_error", "error_message", "ready",
+    "ErrorStatus", "IncrementalDetokenizer", "LifecycleView", "Limits", "NotServing", "QueueFull", "ReloadRefused",
+    "ReloadUnsupported", "SleepRefused", "SleepWithdrawn", "StalePolicy", "StepFailed", "StepWatchdog", "UNKNOWN_ERROR",
+    "classify", "constraint_error", "error_message", "ready",
 ]

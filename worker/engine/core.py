@@ -57,8 +57,8 @@ from graphkeeper.worker.engine.sleep_control import SleepControl
 from graphkeeper.worker.engine.startup import StartupClock, capture_parts, step_parts
 from graphkeeper.worker.engine.status import graph_status, kv_cache_status, model_info
 from graphkeeper.worker.engine.step_budget import install_step_budget
-from graphkeeper.worker.engine.tp_ranks import capture_controller, reload_refusal
 from graphkeeper.worker.engine.structured import Grammars
+from graphkeeper.worker.engine.tp_ranks import capture_controller, reload_refusal
 from graphkeeper.worker.executor.graphs.dispatcher import BatchDescriptor, Dispatcher
 from graphkeeper.worker.metrics import WorkerMetrics
 from graphkeeper.worker.model.kv_cache import check_block_size
@@ -186,9 +186,10 @@ class Engine:
         """Schedules a model reload; the future resolves to the new revision once it serves.
 
         Everything that can be judged without loading is judged here, before admission pauses:
-        raises ReloadUnsupported with several tensor parallel ranks, ReloadRefused for a source outside the model roots and ReloadBusy (a NotServing)
-        while another reload is pending; a source that cannot load (no config.json, no weights, an
-        unknown preset) returns an already failed future. The engine loads the source's resolved
+        raises ReloadUnsupported with several tensor parallel ranks, ReloadRefused for a source
+        outside the model roots and ReloadBusy (a NotServing) while another reload is pending; a
+        source that cannot load (no config.json, no weights, an unknown preset) returns an already
+        failed future. The engine loads the source's resolved
         real path, the one the root check judged.
         """
         if refusal := reload_refusal(self.settings.tensor_parallel_size):
@@ -238,7 +239,8 @@ class Engine:
             model_revision=loaded.revision if loaded else "", running=len(self.scheduler.running),
             queued=len(self.scheduler.waiting) + len(self.mailbox), compile=self.slot.compile_status(),
             kv_cache=self.kv_status(), step_budget=self.scheduler.step_budget.to_proto(),
-            startup=self.startup, sleep=self.sleep_control.status(), tensor_parallel_size=self.slot.tp.size)
+            startup=self.startup, sleep=self.sleep_control.status(),
+            tensor_parallel_size=self.settings.tensor_parallel_size)
 
     def kv_status(self) -> pb.KVCacheStatus:
         """The KV cache's blocks, prefix cache and preemptions (counts read without a lock: each is

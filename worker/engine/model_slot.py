@@ -28,7 +28,7 @@ from graphkeeper.worker.model.loader import LoadedModel, load_model
 from graphkeeper.worker.model.presets import resolve
 from graphkeeper.worker.model.sleep_memory import move_into_region
 from graphkeeper.worker.model.step import CompileReport, prepare_step
-from graphkeeper.worker.model.tensor_parallel import SINGLE, TensorParallel, shard_config
+from graphkeeper.worker.model.tensor_parallel import SINGLE, TensorParallel
 from graphkeeper.worker.model.tokenizer import Tokenizer, load_tokenizer
 from graphkeeper.worker.settings import EngineSettings
 
@@ -87,7 +87,6 @@ class ModelSlot:
         self.ledger.record(L.LEDGER_STAGE_WEIGHTS, self.device, settle=True)
         self.weights_seconds = time.perf_counter() - started
         old = self.runner
-        config = self._kv_config(loaded)
         if old is not None and old.loaded.config == loaded.config and old.loaded.dtype == loaded.dtype:
             cache = old.cache  # same shapes: keep the allocation, only the weights move
         else:
@@ -95,7 +94,7 @@ class ModelSlot:
             blocks = self.kv_blocks
             if blocks is None:
                 blocks = s.max_num_seqs * -(-cache_len // s.kv_block_size)
-            cache = KVCache(config, s.max_num_seqs, cache_len, device=self.device, dtype=loaded.dtype,
+            cache = KVCache(loaded.config, s.max_num_seqs, cache_len, device=self.device, dtype=loaded.dtype,
                             scratch_slots=scratch, block_size=s.kv_block_size, num_blocks=blocks,
                             sleepable=self.sleepable)
         self.ledger.record(L.LEDGER_STAGE_KV_CACHE, self.device)
@@ -118,7 +117,7 @@ class ModelSlot:
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-        cache = KVCache(self._kv_config(loaded), s.max_num_seqs, cache_len, device=self.device, dtype=loaded.dtype,
+        cache = KVCache(loaded.config, s.max_num_seqs, cache_len, device=self.device, dtype=loaded.dtype,
                         scratch_slots=scratch, block_size=s.kv_block_size, num_blocks=num_blocks,
                         sleepable=self.sleepable)
         self.kv_blocks = num_blocks
@@ -161,10 +160,6 @@ class ModelSlot:
         step to the followers first (``tp_ranks.RankedRunner``)."""
         runner = ModelRunner(loaded, cache, self.settings.max_num_batched_tokens)
         return runner if self.ranks is None else RankedRunner(runner, self.ranks)
-
-    def _kv_config(self, loaded: LoadedModel):
-        """The shapes this rank's KV cache holds: its shard's heads (every rank the same blocks)."""
-        return shard_config(loaded.config, self.tp.size) if self.tp.enabled else loaded.config
 
     def prepare_step(self) -> None:
         """Builds the step (fused kernels, or compiled: traced at the largest warm-up size, or loaded

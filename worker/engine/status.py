@@ -24,7 +24,7 @@ def model_info(loaded: LoadedModel | None, max_seq_len: int, max_num_seqs: int, 
                ) -> pb.GetModelInfoResponse | None:
     if loaded is None:
         return None
-    c = loaded.config
+    c = loaded.full_config  # the whole model's shapes, also on a tensor parallel rank
     return pb.GetModelInfoResponse(
         source=loaded.source, revision=loaded.revision, architecture="LlamaForCausalLM",
         dtype=str(loaded.dtype).removeprefix("torch."), vocab_size=c.vocab_size, hidden_size=c.dim,
@@ -34,6 +34,7 @@ def model_info(loaded: LoadedModel | None, max_seq_len: int, max_num_seqs: int, 
         eos_token_ids=[c.eos_token_id, *sorted(eos_ids - {c.eos_token_id})],
         model_context_length=c.max_position_embeddings, tokenizer=tokenizer is not None,
         chat_template=tokenizer is not None and tokenizer.has_chat_template, step_budget=step_budget,
+        tensor_parallel_size=loaded.tp.size,
     )
 
 
@@ -41,7 +42,8 @@ def graph_status(snap: Snapshot, *, capture: CaptureController, recorder: StepRe
                  model_revision: str, running: int, queued: int,
                  compile: pb.CompileStatus | None = None, kv_cache: pb.KVCacheStatus | None = None,
                  step_budget: pb.StepBudgetStatus | None = None,
-                 startup: pb.StartupStatus | None = None, sleep: pb.SleepStatus | None = None) -> pb.GraphStatus:
+                 startup: pb.StartupStatus | None = None, sleep: pb.SleepStatus | None = None,
+                 tensor_parallel_size: int = 1) -> pb.GraphStatus:
     """``GraphStatus`` from a snapshot of the GraphControl state and the engine's counters (pure)."""
     c, policy, pending = capture, snap.policy, snap.pending
     graphs = c.graph_set
@@ -81,7 +83,7 @@ def graph_status(snap: Snapshot, *, capture: CaptureController, recorder: StepRe
         traffic=recorder.traffic.to_proto(),
         serving=recorder.serving.to_proto(),
         kv_cache=kv_cache, step_budget=step_budget,
-        startup=startup, sleep=sleep,
+        startup=startup, sleep=sleep, tensor_parallel_size=tensor_parallel_size,
     )
 
 

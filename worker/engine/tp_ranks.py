@@ -29,12 +29,12 @@ plain ``CaptureController``, and a step does nothing it did not do before.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing as mp
 import os
-import shutil
 import signal
-import tempfile
+import socket
 import threading
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
@@ -127,6 +127,13 @@ def exit_engine_core(reason: str) -> None:
     os._exit(1)
 
 
+def free_port() -> int:
+    """A loopback TCP port free now, for the group's rendezvous (rank 0 binds it moments later)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 class FollowerRanks:
     """Rank 0's followers: their processes, pipes and the thread that watches them."""
 
@@ -135,8 +142,7 @@ class FollowerRanks:
         self.size = settings.tensor_parallel_size
         self.device_type = device.type
         self.on_lost = on_lost
-        self._dir = tempfile.mkdtemp(prefix="graphkeeper-tp-")
-        self.init_method = f"file://{os.path.join(self._dir, 'rendezvous')}"
+        self.init_method = f"tcp://127.0.0.1:{free_port()}"  # rank 0 serves the rendezvous store there
         self.tp: TensorParallel | None = None
         ctx = mp.get_context("spawn")  # a fresh interpreter: CUDA is never initialised in a forked child
         level = logging.getLevelName(logging.getLogger().getEffectiveLevel())
@@ -159,7 +165,6 @@ class FollowerRanks:
         if self.tp is None:
             self.tp = init_tensor_parallel(0, self.size, self.init_method, self.device_type,
                                            timeout_s=COLLECTIVE_TIMEOUT_SECONDS)
-            shutil.rmtree(self._dir, ignore_errors=True)
             log.info("tensor parallel: %d ranks joined (%s)", self.size, self.device_type)
         return self.tp
 
@@ -359,10 +364,8 @@ def follower_main(pipe: Connection, settings: EngineSettings, rank: int, init_me
         Follower(settings, device, tp, kv_blocks).serve(pipe)
     except BaseException as err:  # noqa: BLE001 - reported to rank 0, which ends the worker
         log.exception("rank %d failed", rank)
-        try:
+        with contextlib.suppress(OSError, ValueError):
             pipe.send(Failed(rank, f"{type(err).__name__}: {err}"[:1024]))
-        except (OSError, ValueError):
-            pass
         logging.shutdown()
         os._exit(1)
     logging.shutdown()
