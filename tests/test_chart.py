@@ -148,6 +148,33 @@ def test_sleep_mode_is_off_unless_asked_and_then_passes_the_flag(helm):
     assert bad.returncode != 0 and "sleepMode" in bad.stderr
 
 
+def test_tensor_parallel_workers_pass_the_size_and_request_a_gpu_per_rank(helm):
+    one_rank = worker_pod(helm)
+    container = one_rank["containers"][0]
+    assert not any(a.startswith("--tensor-parallel-size") for a in container["args"])
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert "shm" not in {v["name"] for v in one_rank["volumes"]}
+    pod = worker_pod(helm, "workers.tensorParallelSize=4")
+    container = pod["containers"][0]
+    assert "--tensor-parallel-size=4" in container["args"]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 4
+    assert container["resources"]["requests"]["nvidia.com/gpu"] == 4
+    assert {"name": "shm", "mountPath": "/dev/shm"} in container["volumeMounts"]
+    assert {v["name"]: v for v in pod["volumes"]}["shm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": "1Gi"}
+    cpu = worker_pod(helm, "workers.tensorParallelSize=2", "workers.device=cpu")["containers"][0]
+    assert "--tensor-parallel-size=2" in cpu["args"]
+    assert "nvidia.com/gpu" not in {**cpu["resources"]["limits"], **cpu["resources"]["requests"]}
+    for bad_set, why in (("workers.tensorParallelSize=9", "tensorParallelSize"),
+                         ("workers.tensorParallelSize=0", "tensorParallelSize")):
+        bad = subprocess.run([str(helm), "template", "gk", str(CHART), "--set", "workers.enabled=true",
+                              "--set", bad_set], capture_output=True, text=True, timeout=120)
+        assert bad.returncode != 0 and why in bad.stderr
+    bad = subprocess.run([str(helm), "template", "gk", str(CHART), "--set", "workers.enabled=true", "--set",
+                          "workers.tensorParallelSize=2", "--set", "workers.sleepMode=true"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "sleepMode is not supported with workers.tensorParallelSize" in bad.stderr
+
+
 def test_gpu_workers_share_a_node_local_compile_cache_owned_by_the_worker(helm):
     pod = worker_pod(helm)  # device: cuda by default
     assert cache_volume(pod)["hostPath"] == {"path": "/var/cache/graphkeeper/compile", "type": "DirectoryOrCreate"}

@@ -201,14 +201,19 @@ def weights_bytes(config, dtype_bytes: int) -> int:
 
 def settle(settings, device) -> tuple[object, Sizes]:
     """``settings`` with ``max_seq_len`` and ``max_num_seqs`` decided (and checked against memory),
-    and how they were decided. Reads the model's config (no weights) and the device's memory."""
+    and how they were decided. Reads the model's config (no weights) and the device's memory.
+
+    With tensor parallel ranks every figure is one rank's: its shard's weights and KV heads
+    against its own device's memory (``--kv-cache-memory`` is per rank); every rank gets as many
+    blocks as rank 0 decides here."""
     import dataclasses
 
     import torch
 
     from graphkeeper.worker.model.loader import model_dtype, read_model_config
+    from graphkeeper.worker.model.tensor_parallel import shard_config
 
-    config = read_model_config(settings.model)
+    config = shard_config(read_model_config(settings.model), settings.tensor_parallel_size)
     dtype_bytes = model_dtype(settings.model, settings.dtype, device).itemsize
     random_preset = settings.model.startswith("random:")
     context = RANDOM_PRESET_CONTEXT if random_preset else config.max_position_embeddings

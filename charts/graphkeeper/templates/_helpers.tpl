@@ -80,15 +80,20 @@ seccompProfile: {type: RuntimeDefault}
 {{- end }}
 
 {{- /* The worker container's resources: workers.resources, without nvidia.com/gpu unless the
-device is a GPU (device: cpu requests no GPU, whatever the values say). */ -}}
+device is a GPU (device: cpu requests no GPU, whatever the values say); a GPU worker requests and
+is limited to one GPU per tensor parallel rank (workers.tensorParallelSize). */ -}}
 {{- define "graphkeeper.worker.resources" -}}
 {{- $res := deepCopy (.Values.workers.resources | default dict) }}
-{{- if not (hasPrefix "cuda" .Values.workers.device) }}
+{{- $gpu := hasPrefix "cuda" .Values.workers.device }}
 {{- range $kind := list "requests" "limits" }}
-{{- with index $res $kind }}
-{{- $_ := unset . "nvidia.com/gpu" }}
+{{- if not (hasKey $res $kind) }}{{ $_ := set $res $kind dict }}{{ end }}
+{{- $table := index $res $kind | default dict }}
+{{- if $gpu }}
+{{- $_ := set $table "nvidia.com/gpu" (int ($.Values.workers.tensorParallelSize | default 1)) }}
+{{- else }}
+{{- $_ := unset $table "nvidia.com/gpu" }}
 {{- end }}
-{{- end }}
+{{- $_ := set $res $kind $table }}
 {{- end }}
 {{- toYaml $res }}
 {{- end }}
