@@ -62,6 +62,8 @@ class WorkerObservation:
     effective_mode: str = ""
     #: Whether its start found every cache it used (None: it used none, or has not started).
     started_warm: bool | None = None
+    #: Ranks the worker shards its model across (0: not reported); its graph memory is one rank's.
+    tensor_parallel_size: int = 0
     captured_sizes: tuple[int, ...] = ()
     graph_memory_bytes: int = 0
     fallback_rate: float | None = None
@@ -231,6 +233,8 @@ def _summary(o: WorkerObservation) -> dict[str, Any]:
         out["effectiveMode"] = o.effective_mode
     if o.started_warm is not None:
         out["startedWarm"] = o.started_warm
+    if o.tensor_parallel_size:
+        out["tensorParallelSize"] = o.tensor_parallel_size
     out["capturedSizes"] = list(o.captured_sizes)[:512]
     out["graphMemoryBytes"] = o.graph_memory_bytes
     if o.fallback_rate is not None:

@@ -1,5 +1,6 @@
-"""Per worker, whether it started warm: read from the worker's GraphStatus.startup, shown in the
-GraphPolicy's status.workers[], and declared by the CRD so the API server keeps it."""
+"""Per worker, whether it started warm (GraphStatus.startup) and across how many tensor parallel
+ranks it runs: shown in the GraphPolicy's status.workers[], and declared by the CRD so the API
+server keeps them."""
 
 from __future__ import annotations
 
@@ -42,10 +43,20 @@ def test_a_worker_that_used_no_cache_or_has_not_said_shows_nothing(caches):
     assert started_warm(pb.StartupStatus(caches=caches)) is None
 
 
+def test_a_worker_shows_the_ranks_it_shards_across_and_an_older_worker_nothing():
+    status = pb.GraphStatus(state=pb.LIFECYCLE_STATE_READY, policy_uid="uid-1", policy_generation=1,
+                            tensor_parallel_size=2, graph_memory_bytes=1 << 20)
+    (summary,) = build_status(generation=1, observations=[observe(POD, status, POLICY)], previous=None,
+                              now=datetime.now(UTC))["workers"]
+    assert summary["tensorParallelSize"] == 2 and summary["graphMemoryBytes"] == 1 << 20  # one rank's
+    assert "tensorParallelSize" not in worker_summary("warm")  # a worker that does not report it
+
+
 def test_the_crd_declares_every_field_of_a_worker_summary():
     crd = yaml.safe_load(CRD.read_text())
     status = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["status"]
     declared = status["properties"]["workers"]["items"]["properties"]
     summary = worker_summary("warm")
+    summary["tensorParallelSize"] = 2
     assert set(summary) <= set(declared), set(summary) - set(declared)
     assert declared["startedWarm"]["type"] == "boolean"
