@@ -38,6 +38,7 @@ import socket
 import threading
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 import torch
@@ -171,10 +172,11 @@ class FollowerRanks:
     def send(self, command: Any) -> None:
         """Hands every follower ``command``; a follower that is gone raises (the watcher is ending
         the process meanwhile)."""
+        data = ForkingPickler.dumps(command)  # pickled once, whatever the number of followers
         with self._send_lock:
             for rank, pipe in enumerate(self.pipes, start=1):
                 try:
-                    pipe.send(command)
+                    pipe.send_bytes(data)  # what Connection.send does, and recv() reads
                 except (OSError, ValueError) as err:
                     raise RuntimeError(f"tensor parallel rank {rank} is gone: {err}") from err
 
