@@ -1,0 +1,84 @@
+"""The lockstep protocol of tensor parallel ranks, in one process: a follower fed rank 0's commands
+(each pickled and unpickled, as the pipe carries it) must end with rank 0's KV cache and sampled
+tokens, bit for bit, after prefills, decodes, a prefix-cache hit, a batch, and rows whose logits
+processing is built between the forward pass and sampling (penalties). With one rank on each side
+(no collective), what is checked is that the commands carry everything a rank needs."""
+
+from __future__ import annotations
+
+import pickle
+import threading
+
+import torch
+
+from graphkeeper.proto import worker_pb2 as pb
+from graphkeeper.worker.engine import Engine, EngineSettings
+from graphkeeper.worker.engine.tp_ranks import Follower, Load, RankedRunner, Sample, Step, WarmUp
+from graphkeeper.worker.model.tensor_parallel import SINGLE
+
+PREFIX = list(range(3, 43))
+
+
+class Inline:
+    """Rank 0's side of the pipes, delivering each command to the follower at once."""
+
+    def __init__(self, follower: Follower) -> None:
+        self.follower = follower
+        self.sent: list = []
+
+    def send(self, command) -> None:
+        from multiprocessing.reduction import ForkingPickler
+
+        command = pickle.loads(ForkingPickler.dumps(command))
+        self.sent.append(command)
+        self.follower.handle(command)
+
+
+def run(engine: Engine, requests: list[pb.GenerateRequest]) -> list[list[int]]:
+    done = [threading.Event() for _ in requests]
+    out: list[list[int]] = [[] for _ in requests]
+
+    def stream(i: int):
+        def take(tokens, end) -> None:
+            out[i].extend(tokens)
+            if end is not None:
+                done[i].set()
+        return take
+
+    for i, req in enumerate(requests):
+        engine.submit(req, stream(i))
+    assert all(d.wait(120) for d in done)
+    return out
+
+
+def request(prompt: list[int], penalty: float = 1.0) -> pb.GenerateRequest:
+    return pb.GenerateRequest(prompt_token_ids=prompt, sampling=pb.SamplingParams(repetition_penalty=penalty),
+                              stopping=pb.StoppingCriteria(max_new_tokens=10, ignore_eos=True))
+
+
+def test_a_follower_fed_rank_0s_commands_holds_rank_0s_kv_cache_and_tokens():
+    engine = Engine(EngineSettings(model="random:tiny", dtype="float32", max_num_seqs=4, max_seq_len=128,
+                                   max_num_batched_tokens=64))
+    engine.start()
+    try:
+        assert engine.ready.wait(120) and engine.failed is None
+        follower = Follower(engine.settings, torch.device("cpu"), SINGLE, engine.slot.kv_blocks)
+        ranks = Inline(follower)
+        ranks.send(Load(engine.settings.model, ""))
+        ranks.send(WarmUp(4, None))
+        local = engine.slot.runner
+        engine.slot.runner = RankedRunner(local, ranks)  # the engine is idle: no step holds the old one
+        run(engine, [request(PREFIX + [50, 51])])
+        run(engine, [request(PREFIX + [60]), request([7, 8, 9], penalty=1.3), request(PREFIX[:18] + [2], 1.1)])
+        assert engine.status().kv_cache.prefix_hit_tokens >= 32
+        mine = follower.slot.runner
+        assert torch.equal(mine.cache.k, local.cache.k) and torch.equal(mine.cache.v, local.cache.v)
+        assert torch.equal(mine.last_tokens, local.last_tokens)
+        assert torch.equal(mine.cache.block_table, local.cache.block_table)
+        steps = [c for c in ranks.sent if isinstance(c, Step | Sample)]
+        assert steps and all(isinstance(a, Step) and isinstance(b, Sample) for a, b in zip(steps[::2], steps[1::2],
+                                                                                          strict=True))
+        # Penalised rows build their logits processing after the forward pass: it travels with Sample.
+        assert any(c.changed and c.logits is not None for c in steps if isinstance(c, Sample))
+    finally:
+        engine.drain_and_stop(5)
