@@ -102,8 +102,9 @@ class Sample:
 
 @dataclass(frozen=True)
 class CaptureCall:
-    """A capture controller call rank 0 made: ``begin`` (policy bytes, traffic), ``step``,
-    ``run_all``, ``release_idle`` (keys) or ``release``."""
+    """A capture controller call rank 0 made: ``begin`` (policy bytes, traffic), ``key`` (the next
+    key, with rank 0's over-budget decision), ``finish``, ``run_all``, ``release_idle`` (keys) or
+    ``release``."""
 
     method: str
     args: tuple = ()
@@ -239,7 +240,9 @@ class RankedRunner:
 class MirroredCapture(CaptureController):
     """Rank 0's capture controller: each call that records, replays or frees graphs is sent to the
     followers (whose own controllers repeat it on their shard), then made here. The capture plan
-    is a pure function of the policy and the traffic, so every rank plans the same keys."""
+    is a pure function of the policy and the traffic, so every rank plans the same keys; whether a
+    key is skipped for the memory budget is rank 0's decision, sent with the key, so every rank
+    records the same ones (a follower's graphs are as large as rank 0's: the budget is per rank)."""
 
     def __init__(self, ranks: FollowerRanks, *args: Any) -> None:
         super().__init__(*args)
@@ -249,13 +252,27 @@ class MirroredCapture(CaptureController):
         self.ranks.send(CaptureCall("begin", (policy.SerializeToString(), dict(traffic) if traffic else None)))
         super().begin(policy, runner, traffic)
 
+    def _key(self) -> None:
+        """Records (or skips) the next key on every rank."""
+        over = self.job.over_budget()
+        self.ranks.send(CaptureCall("key", (over,)))
+        self.job.step(over)
+
     def step(self) -> bool:
-        if self.job is not None:
-            self.ranks.send(CaptureCall("step"))
-        return super().step()
+        if self.job is None:
+            return False
+        if not self.job.done:
+            self._key()
+        if self.job.done:
+            self.ranks.send(CaptureCall("finish"))
+            self.finish()
+            return True
+        return False
 
     def run_all(self) -> None:
-        self.ranks.send(CaptureCall("run_all"))
+        while self.job is not None and not self.job.done:
+            self._key()
+        self.ranks.send(CaptureCall("run_all"))  # nothing left to record: the phase finishes
         super().run_all()
 
     def release_idle(self, keys: set[tuple[int, int]]) -> None:
@@ -336,7 +353,11 @@ class Follower:
     def _capture(self, call: CaptureCall) -> None:
         if call.method == "begin":
             policy_bytes, traffic = call.args
-            self.capture.begin(pb.GraphPolicy.FromString(policy_bytes), self.slot.runner, traffic)
+            policy = pb.GraphPolicy.FromString(policy_bytes)
+            policy.memory_budget_bytes = 0  # rank 0 judges the budget; nothing is dropped here alone
+            self.capture.begin(policy, self.slot.runner, traffic)
+        elif call.method == "key":
+            self.capture.job.step(*call.args)
         else:
             getattr(self.capture, call.method)(*call.args)
 

@@ -121,12 +121,19 @@ class CaptureJob:
         finally:
             gc.unfreeze()
 
-    def step(self) -> None:
-        """Captures and validates the next key, or skips it with its reason."""
-        mode, size = self.plan[self.position]
-        self.position += 1
+    def over_budget(self) -> bool:
+        """Whether the next key is skipped for the budget: what ``step`` decides first."""
         estimate = self.held + self.last_cost if self.graphs.captured else 0
-        if self.budget_bytes and (self.stopped_by_budget or estimate > self.budget_bytes):
+        return bool(self.budget_bytes) and (self.stopped_by_budget or estimate > self.budget_bytes)
+
+    def step(self, over_budget: bool | None = None) -> None:
+        """Captures and validates the next key, or skips it with its reason. A tensor parallel
+        follower is given rank 0's ``over_budget`` decision instead of making its own, so every
+        rank records (and runs the collectives of) the same keys."""
+        mode, size = self.plan[self.position]
+        skip = self.over_budget() if over_budget is None else over_budget
+        self.position += 1
+        if skip:
             self._skip(mode, size, pb.FALLBACK_REASON_SIZE_OVER_BUDGET,
                        f"graph memory {self.held} B + about {self.last_cost} B would exceed the budget "
                        f"{self.budget_bytes} B")
