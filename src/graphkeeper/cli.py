@@ -67,7 +67,8 @@ def _worker(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-seq-len", type=int, default=d.DEFAULT_MAX_SEQ_LEN,
                    help="tokens per sequence (default: the model's context, capped by memory)")
     p.add_argument("--kv-cache-memory", default="",
-                   help="KV cache budget, e.g. 2Gi (default: a share of free memory)")
+                   help="KV cache budget, e.g. 2Gi, per rank with --tensor-parallel-size (default: a share of "
+                        "free memory)")
     p.add_argument("--gpu-memory-utilization", type=float, default=None,
                    help="CUDA: the KV cache takes what is left of this fraction of device memory, in (0, 1], after "
                         "the weights, the activation peak and the graphs (measured at startup)")
