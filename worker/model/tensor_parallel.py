@@ -117,6 +117,22 @@ def init_tensor_parallel(rank: int, size: int, init_method: str, device_type: st
     return tp
 
 
+def close_tensor_parallel(tp: TensorParallel, *, peers_alive: bool = True) -> None:
+    """Leaves the process group (nothing when ``tp`` is not enabled). With ``peers_alive``, a
+    barrier first: no rank tears its connections down while a peer may still be using them (a
+    rank leaving Gloo's group under a peer's feet can abort the process). Without it (a peer
+    died, or this rank is failing) the group is destroyed at once."""
+    if not tp.enabled:
+        return
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return
+    if peers_alive:
+        dist.barrier(group=tp.group)
+    dist.destroy_process_group()
+
+
 def all_reduce(x: Tensor, tp: TensorParallel) -> Tensor:
     """The sum of ``x`` over the ranks; ``x`` itself, untouched, when ``tp`` is not enabled.
 

@@ -1,0 +1,139 @@
+"""Tensor parallelism of the model on the CPU: two real rank processes over Gloo, each holding half
+the heads and MLP channels, run the same step plans (batched prefill, a prefix-cache hit beside
+decoding rows, greedy decode steps, paged KV) and compute what one process holding the whole
+model computes: the same greedy tokens, float32 logits within 1e-5, from a random preset and
+from a safetensors directory. Loading a shard reads exactly the whole model's weights, split;
+sizes that cannot split a model are refused with the reason."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from hf_reference import hf_greedy
+from tp_harness import DECODE_STEPS, PROMPTS, run_ranks, single
+
+from graphkeeper.worker.model import llama
+from graphkeeper.worker.model.config import PRESETS
+from graphkeeper.worker.model.loader import ModelSourceError, load_model, rank_part, save_hf_directory
+from graphkeeper.worker.model.tensor_parallel import (
+    SINGLE,
+    TensorParallel,
+    all_reduce,
+    shard_config,
+    tp_config_error,
+)
+
+SOURCE = "random:tiny@5"
+TOLERANCE = 1e-5
+
+
+def assert_ranks_equal_one_process(ranks: list[dict], whole: dict) -> None:
+    assert [r["heads"] for r in ranks] == [(2, 1, 64)] * 2  # tiny: 4 heads, 2 kv heads, 128 channels
+    assert all(r["kv_cache_shape"][3] == 1 for r in ranks)  # each rank's cache holds its one kv head
+    first = ranks[0]
+    assert first["tokens"] == whole["tokens"]
+    for got, want in zip(first["logits"], whole["logits"], strict=True):
+        assert (got - want).abs().max().item() <= TOLERANCE
+    # Every rank samples for itself, so every rank must compute the very same logits.
+    assert ranks[1]["tokens"] == first["tokens"]
+    for a, b in zip(ranks[1]["logits"], first["logits"], strict=True):
+        assert torch.equal(a, b)
+
+
+def test_two_gloo_ranks_compute_the_one_process_tokens_and_logits(tmp_path):
+    whole = single(SOURCE, "cpu")
+    assert len(whole["tokens"]) == 2 + DECODE_STEPS
+    assert_ranks_equal_one_process(run_ranks(2, SOURCE, "cpu", tmp_path), whole)
+
+
+def test_two_ranks_loading_a_safetensors_directory_match_one_process_and_transformers(tmp_path):
+    checkpoint = tmp_path / "checkpoint"
+    save_hf_directory(load_model(SOURCE, device="cpu", dtype="float32", max_positions=64).model, checkpoint)
+    whole = single(str(checkpoint), "cpu")
+    out = tmp_path / "ranks"
+    out.mkdir()
+    ranks = run_ranks(2, str(checkpoint), "cpu", out)
+    assert_ranks_equal_one_process(ranks, whole)
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.LlamaForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    hf.generation_config.eos_token_id = None
+    for slot, prompt in enumerate(PROMPTS):  # each sequence's greedy tokens, step by step
+        ours = [step[slot] for step in ranks[0]["tokens"]]
+        assert ours == hf_greedy(hf, prompt, len(ours)), f"prompt {slot}"
+
+
+@pytest.mark.parametrize("source", ["random", "safetensors"])
+def test_each_rank_loads_exactly_its_part_of_the_whole_models_weights(tmp_path, source):
+    whole = load_model(SOURCE, device="cpu", dtype="float32", max_positions=64)
+    where = SOURCE
+    if source == "safetensors":
+        where = str(tmp_path)
+        save_hf_directory(whole.model, tmp_path)
+    params = dict(whole.model.named_parameters())
+    revision = load_model(where, device="cpu", dtype="float32", max_positions=64).revision
+    for rank in range(2):
+        tp = TensorParallel(rank, 2)  # loading needs no process group
+        shard = load_model(where, device="cpu", dtype="float32", max_positions=64, tp=tp)
+        assert shard.full_config == whole.config and shard.config == shard_config(whole.config, 2)
+        assert shard.tp == tp and shard.revision == revision
+        for name, param in shard.model.named_parameters():
+            assert torch.equal(param, rank_part(name, params[name], whole.config, tp)), name
+    wqkv = rank_part("layers.0.attention.wqkv.weight", params["layers.0.attention.wqkv.weight"], whole.config,
+                     TensorParallel(1, 2))
+    head_dim = whole.config.head_dim  # rank 1: query heads 2-3, kv head 1
+    q, k, v = params["layers.0.attention.wqkv.weight"].split([4 * head_dim, 2 * head_dim, 2 * head_dim])
+    assert torch.equal(wqkv, torch.cat([q[2 * head_dim:], k[head_dim:], v[head_dim:]]))
+
+
+@pytest.mark.parametrize(("size", "reason"), [
+    (3, "4 attention heads do not split evenly over tensor parallel size 3"),
+    (4, "2 key/value heads do not split evenly over tensor parallel size 4"),
+    (0, "tensor parallel size 0 is not a positive integer"),
+])
+def test_a_size_that_cannot_split_the_model_is_refused_with_the_reason(size, reason):
+    config = PRESETS["tiny"]
+    assert reason in tp_config_error(config, size)
+    with pytest.raises(ValueError, match=reason):
+        shard_config(config, size)
+    with pytest.raises(ModelSourceError, match=reason):
+        load_model("random:tiny", device="cpu", max_positions=64, tp=TensorParallel(0, size))
+
+
+def test_intermediate_channels_must_split_too():
+    config = dataclasses.replace(PRESETS["tiny"], intermediate_size=129)
+    assert tp_config_error(config, 2) == ("the model's 129 MLP intermediate channels do not split evenly over "
+                                          "tensor parallel size 2")
+    assert tp_config_error(PRESETS["llama-8b"], 8) is None  # 32 heads, 8 kv heads, 14336 channels
+    assert tp_config_error(PRESETS["llama-8b"], 16) is not None
+
+
+def test_shard_config_divides_heads_and_channels_and_keeps_the_rest():
+    config = PRESETS["llama-8b"]
+    shard = shard_config(config, 2)
+    assert (shard.n_heads, shard.n_kv_heads, shard.intermediate_size) == (16, 4, 7168)
+    assert (shard.dim, shard.head_dim, shard.vocab_size, shard.n_layers) == (4096, 128, 128256, 32)
+    assert shard_config(config, 1) is config
+
+
+def test_one_rank_adds_no_collective_to_the_step(monkeypatch):
+    """TP=1 is the step as it was: the all-reduce is never called, and ``all_reduce`` itself
+    returns its input untouched without touching torch.distributed."""
+    x = torch.ones(3)
+    assert all_reduce(x, SINGLE) is x
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("a one-rank step called the all-reduce")
+
+    monkeypatch.setattr(llama, "all_reduce", forbidden)
+    loaded = load_model(SOURCE, device="cpu", dtype="float32", max_positions=64)
+    hidden = loaded.model(torch.tensor([5, 6, 7]), torch.arange(3),
+                          lambda layer, q, k, v: q.reshape(q.shape[0], -1))
+    assert hidden.shape == (3, loaded.config.dim)
+
+
+def test_a_shard_cannot_be_saved_as_a_whole_model(tmp_path):
+    shard = load_model(SOURCE, device="cpu", dtype="float32", max_positions=64, tp=TensorParallel(0, 2))
+    with pytest.raises(ValueError, match="one tensor-parallel rank's shard"):
+        save_hf_directory(shard.model, tmp_path)
