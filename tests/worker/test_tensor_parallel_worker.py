@@ -110,6 +110,13 @@ def test_a_follower_that_dies_fails_the_worker_and_it_exits_non_zero(fresh_worke
     assert "tensor parallel: rank 1" in worker.log()
 
 
+def test_a_follower_that_fails_to_load_ends_the_start_with_its_reason(fresh_workers):
+    worker = fresh_workers(*SHAPE, "--tensor-parallel-size", "2", wait=False,
+                           env={"GRAPHKEEPER_INJECT_RANK_LOAD_FAILURE": "1"})
+    assert worker.proc.wait(timeout=120) != 0
+    assert "tensor parallel: rank 1 failed: RuntimeError: injected load failure on rank 1" in worker.log()
+
+
 def test_a_drained_worker_stops_its_follower_and_exits_zero(fresh_workers):
     worker = fresh_workers(*SHAPE, "--tensor-parallel-size", "2")
     follower = follower_of(worker)

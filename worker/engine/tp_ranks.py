@@ -59,6 +59,8 @@ log = logging.getLogger(__name__)
 COLLECTIVE_TIMEOUT_SECONDS = 60
 #: How long rank 0 waits for a failing follower's own report before it exits without it.
 REPORT_GRACE_SECONDS = 1.0
+#: Fault injection for tests: the follower of this rank fails to load its shard.
+INJECT_LOAD_ENV = "GRAPHKEEPER_INJECT_RANK_LOAD_FAILURE"
 
 
 # --- the commands rank 0 sends, in the order its followers carry them out -------------------
@@ -338,6 +340,8 @@ class Follower:
                 plan.logits = command.logits
             slot.runner.sample_and_send(hidden, plan)  # the tokens stay in last_tokens for the next step
         elif isinstance(command, Load):
+            if os.environ.get(INJECT_LOAD_ENV) == str(self.slot.tp.rank):
+                raise RuntimeError(f"injected load failure on rank {self.slot.tp.rank}")
             slot.install_shard(slot.load(command.source, command.revision))
         elif isinstance(command, PrepareStep):
             slot.prepare_step()
