@@ -154,7 +154,9 @@ class FollowerRanks:
         self.procs: list[Any] = []
         for rank in range(1, self.size):
             ours, theirs = ctx.Pipe(duplex=True)
-            proc = ctx.Process(target=follower_main, name=f"graphkeeper-tp-rank-{rank}", daemon=True,
+            # Not daemonic, as the engine core is not: a follower may start processes of its own
+            # (compile workers); it ends with rank 0 all the same (PR_SET_PDEATHSIG, its pipe's end).
+            proc = ctx.Process(target=follower_main, name=f"graphkeeper-tp-rank-{rank}",
                                args=(theirs, settings, rank, self.init_method, kv_blocks, os.getpid(), level))
             proc.start()
             theirs.close()
