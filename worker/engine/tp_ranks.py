@@ -14,7 +14,8 @@ before it samples (the plan's logits processing may be built in between, once th
 been read). A pipe rather than ``broadcast_object_list`` on a side group: the object broadcast is
 itself two collectives that rank 0 waits on, while a pipe write returns once the bytes are in the
 kernel's buffer, and a pipe's end tells rank 0 that a follower is gone. What travels is host data
-(tens of microseconds to pickle); tensors travel only through the model's collectives.
+(a step's two commands cost rank 0 about 80 us, ``bench/tp_channel_bench.py``); tensors travel
+only through the model's collectives.
 
 Failure is never a hang. Rank 0 watches its followers (their process sentinels and pipes) from a
 thread: a follower that exits, or reports that it failed (to load, or in any command: a rank that
