@@ -23,7 +23,7 @@ import torch
 from graphkeeper.worker.executor.runner import ModelRunner
 from graphkeeper.worker.model.kv_cache import KVCache
 from graphkeeper.worker.model.loader import LoadedModel, load_model
-from graphkeeper.worker.model.tensor_parallel import close_tensor_parallel, init_tensor_parallel
+from graphkeeper.worker.model.tensor_parallel import close_tensor_parallel, first_ranks, init_tensor_parallel
 from graphkeeper.worker.plan import PrefillChunk, StepPlan
 
 MAX_LEN = 128
@@ -134,19 +134,20 @@ def make_runner(loaded: LoadedModel) -> ModelRunner:
     return ModelRunner(loaded, cache, max_tokens=MAX_TOKENS)
 
 
-def single(source: str, device: str) -> dict:
-    """The scenario on one process holding the whole model (no torch.distributed)."""
-    loaded = load_model(source, device=device, dtype="float32", max_positions=MAX_LEN)
-    with torch.inference_mode():
-        return scenario(make_runner(loaded))
-
-
-#: Prepares a rank's runner before the scenario (compiles, captures) and returns its step.
+#: Prepares a runner before the scenario (compiles, captures) and returns its step.
 Setup = Callable[[ModelRunner], Step]
 
 
 def eager_setup(runner: ModelRunner) -> Step:
     return eager_step
+
+
+def single(source: str, device: str, setup: Setup = eager_setup) -> dict:
+    """The scenario on one process holding the whole model (no torch.distributed)."""
+    loaded = load_model(source, device=device, dtype="float32", max_positions=MAX_LEN)
+    with torch.inference_mode():
+        runner = make_runner(loaded)
+        return scenario(runner, setup(runner))
 
 
 def rank_main(rank: int, size: int, init_method: str, source: str, device: str, out_dir: str,
@@ -161,6 +162,7 @@ def rank_main(rank: int, size: int, init_method: str, source: str, device: str, 
             result = scenario(runner, setup(runner))
         result["heads"] = (loaded.config.n_heads, loaded.config.n_kv_heads, loaded.config.intermediate_size)
         result["kv_cache_shape"] = tuple(runner.cache.k.shape)
+        result["agreed"] = first_ranks(f"rank {rank}'s choice", tp)
         torch.save(result, Path(out_dir) / f"rank{rank}.pt")
     except BaseException:
         close_tensor_parallel(tp, peers_alive=False)

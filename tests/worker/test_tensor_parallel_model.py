@@ -32,6 +32,7 @@ TOLERANCE = 1e-5
 def assert_ranks_equal_one_process(ranks: list[dict], whole: dict) -> None:
     assert [r["heads"] for r in ranks] == [(2, 1, 64)] * 2  # tiny: 4 heads, 2 kv heads, 128 channels
     assert all(r["kv_cache_shape"][3] == 1 for r in ranks)  # each rank's cache holds its one kv head
+    assert [r["agreed"] for r in ranks] == ["rank 0's choice"] * 2  # a timing decision is rank 0's
     first = ranks[0]
     assert first["tokens"] == whole["tokens"]
     for got, want in zip(first["logits"], whole["logits"], strict=True):

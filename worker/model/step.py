@@ -15,6 +15,9 @@ worker's own CUDA graphs.
   them, and a directory whose record differs is set aside, never used. A second start with the
   same key loads the compiled kernels instead of generating them; whether it did is read from
   Inductor's own counters.
+- **Tensor parallelism.** Every rank compiles and tunes its own shard (the shards have the same
+  shapes, so they share one cache key), then runs rank 0's timing decisions: kernel tiles and the
+  one-token step (``tensor_parallel.first_ranks``).
 """
 
 from __future__ import annotations
@@ -37,10 +40,11 @@ import torch
 from graphkeeper.proto import worker_pb2 as pb
 from graphkeeper.worker.kernels import choice, decode_kernel, linear_kernel, norm_kernel, pdl, row_kernel, varlen_kernel
 from graphkeeper.worker.kernels.timing import replay_seconds
-from graphkeeper.worker.model import llama, tuning
+from graphkeeper.worker.model import llama, tensor_parallel, tuning
 from graphkeeper.worker.model.cache_key import differences, key_of, library_versions, source_digest
 from graphkeeper.worker.model.config import ModelConfig
 from graphkeeper.worker.model.llama import PieceFunctions, make_pieces, make_row_pieces, row_pieces_fit
+from graphkeeper.worker.model.tensor_parallel import first_ranks
 
 log = logging.getLogger(__name__)
 #: The record of a compile cache directory's key and the facts it hashes.
@@ -48,8 +52,8 @@ KEY_FILE = "key.json"
 
 def step_modules() -> list[ModuleType]:
     """The modules whose source is the compiled step: a change to any of them changes the key."""
-    return [llama, choice, linear_kernel, norm_kernel, sys.modules[__name__], decode_kernel, varlen_kernel,
-            row_kernel, pdl]
+    return [llama, tensor_parallel, choice, linear_kernel, norm_kernel, sys.modules[__name__], decode_kernel,
+            varlen_kernel, row_kernel, pdl]
 
 
 def cache_facts(config: ModelConfig, dtype: torch.dtype, quantization: str, kernels: str, capability: str,
@@ -212,6 +216,7 @@ def prepare_step(model, *, compile: bool, cache_root: str, quantization: str, wa
     if device.type == "cuda":
         pdl.probe(device)
         report.tuning = tuning.tune_model(model, cache_root, rows)
+        tuning.adopt_first_ranks(model.tp)
     tuned = report.tuning.summary if report.tuning else ""
     name = "+".join(n for n in (kernels.name, tuned) if n)
     if compile:
@@ -249,7 +254,7 @@ def _choose_row_step(model, report: CompileReport) -> None:
     row = make_row_pieces(model.config, model.tp)
     with torch.compiler.set_stance("default"):
         mine, theirs = _one_token_pass_seconds(model, row), _one_token_pass_seconds(model, model.pieces)
-    won = mine < theirs
+    won = first_ranks(mine < theirs, model.tp)  # every rank runs rank 0's choice
     report.row_step = (f"{'fused row kernels' if won else 'the general step'} for one token: "
                        f"{mine * 1e3:.3f} ms against {theirs * 1e3:.3f} ms per pass of the layers")
     log.info("one-token step: %s", report.row_step)

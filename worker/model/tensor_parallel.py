@@ -12,8 +12,9 @@ node, or per CPU process under Gloo in tests):
 - **Replicated** embedding, norms and LM head (see ``loader.load_model``'s docstring for why).
 
 This module owns the rank's identity (``TensorParallel``), the pure decisions (``tp_config_error``,
-``shard_config``, ``shard_range``), the process group (``init_tensor_parallel``) and the collective
-(``all_reduce``). With ``size == 1`` nothing here adds an operation to the step.
+``shard_config``, ``shard_range``), the process group (``init_tensor_parallel``,
+``close_tensor_parallel``), the step's collective (``all_reduce``) and the one way ranks agree on
+a decision (``first_ranks``: rank 0's). With ``size == 1`` nothing here adds an operation.
 """
 
 from __future__ import annotations
@@ -115,6 +116,22 @@ def init_tensor_parallel(rank: int, size: int, init_method: str, device_type: st
     if int(probe.item()) != size:
         raise RuntimeError(f"tensor parallel rank {rank}: the first all-reduce summed {probe.item()}, not {size}")
     return tp
+
+
+def first_ranks(value: Any, tp: TensorParallel) -> Any:
+    """Rank 0's ``value`` on every rank (``value`` itself when ``tp`` is not enabled).
+
+    What a rank decides by timing (kernel tiles, the one-token step) may differ between ranks by
+    noise; the ranks must run the same kernels in their replicated parts (the final norm, the
+    LM head) to compute the same bits, and the same collectives in the same order, so such a
+    decision is rank 0's, sent to all. ``value`` must pickle."""
+    if not tp.enabled:
+        return value
+    import torch.distributed as dist
+
+    box = [value]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(tp.group, 0), group=tp.group)
+    return box[0]
 
 
 def close_tensor_parallel(tp: TensorParallel, *, peers_alive: bool = True) -> None:

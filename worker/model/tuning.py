@@ -26,6 +26,7 @@ from graphkeeper.worker.kernels import linear_kernel, pdl, row_kernel, timing
 from graphkeeper.worker.kernels.linear_kernel import Tile
 from graphkeeper.worker.kernels.row_kernel import RowTile
 from graphkeeper.worker.model.cache_key import differences, key_of, library_versions, source_digest
+from graphkeeper.worker.model.tensor_parallel import TensorParallel, first_ranks
 
 log = logging.getLogger(__name__)
 
@@ -169,11 +170,23 @@ def load(path: Path, key: str, facts: dict) -> bool:
     except (OSError, ValueError) as err:
         log.warning("tuning cache %s unreadable, measuring again: %s", path, err)
         return False
+    _install(linear, rows)
+    return True
+
+
+def _install(linear: dict, rows: dict) -> None:
     for (n, k, dt, b), tile in linear.items():
         linear_kernel.remember(n, k, dt, b, tile)
     for (mode, n, k, dt), tile in rows.items():
         row_kernel.remember(mode, n, k, dt, tile)
-    return True
+
+
+def adopt_first_ranks(tp: TensorParallel) -> None:
+    """Installs rank 0's decisions on every tensor-parallel rank (nothing with one rank): the
+    ranks' shards have the same shapes, so rank 0's tiles fit them all, and the ranks then run
+    the same kernels where they must compute the same bits (``first_ranks``)."""
+    if tp.enabled:
+        _install(*decode(first_ranks(encode(linear_kernel.choices(), row_kernel.choices()), tp)))
 
 
 def _save(path: Path, key: str, facts: dict) -> None:
