@@ -67,6 +67,14 @@ def test_two_ranks_give_the_same_tokens_batched(workers, model):
     assert double.status().kv_cache.blocks_used == 0  # every block came back
 
 
+def test_a_seeded_drawn_request_gets_the_one_rank_tokens(workers):
+    """Every rank draws with the seed rank 0 put in the plan, so a seeded request's tokens are the
+    one-rank worker's (float32 logits that differ in the last bits do not move these draws)."""
+    single, double = workers
+    drawn = make_request(PROMPTS[0], MAX_NEW, temperature=0.8, top_k=50, top_p=0.95, seed=1234, ignore_eos=True)
+    assert generate(double, drawn)[0] == generate(single, drawn)[0]
+
+
 def test_status_and_model_info_report_the_ranks(workers):
     single, double = workers
     assert single.status().tensor_parallel_size == 1 and single.model_info().tensor_parallel_size == 1

@@ -1,8 +1,9 @@
 """The lockstep protocol of tensor parallel ranks, in one process: a follower fed rank 0's commands
 (each pickled and unpickled, as the pipe carries it) must end with rank 0's KV cache and sampled
-tokens, bit for bit, after prefills, decodes, a prefix-cache hit, a batch, and rows whose logits
-processing is built between the forward pass and sampling (penalties). With one rank on each side
-(no collective), what is checked is that the commands carry everything a rank needs."""
+tokens, bit for bit, after prefills, decodes, a prefix-cache hit, a batch, a drawn (not greedy)
+row, and rows whose logits processing is built between the forward pass and sampling
+(penalties). With one rank on each side (no collective), what is checked is that the commands
+carry everything a rank needs."""
 
 from __future__ import annotations
 
@@ -51,8 +52,9 @@ def run(engine: Engine, requests: list[pb.GenerateRequest]) -> list[list[int]]:
     return out
 
 
-def request(prompt: list[int], penalty: float = 1.0) -> pb.GenerateRequest:
-    return pb.GenerateRequest(prompt_token_ids=prompt, sampling=pb.SamplingParams(repetition_penalty=penalty),
+def request(prompt: list[int], penalty: float = 1.0, temperature: float = 0.0) -> pb.GenerateRequest:
+    return pb.GenerateRequest(prompt_token_ids=prompt,
+                              sampling=pb.SamplingParams(repetition_penalty=penalty, temperature=temperature),
                               stopping=pb.StoppingCriteria(max_new_tokens=10, ignore_eos=True))
 
 
@@ -69,7 +71,8 @@ def test_a_follower_fed_rank_0s_commands_holds_rank_0s_kv_cache_and_tokens():
         local = engine.slot.runner
         engine.slot.runner = RankedRunner(local, ranks)  # the engine is idle: no step holds the old one
         run(engine, [request(PREFIX + [50, 51])])
-        run(engine, [request(PREFIX + [60]), request([7, 8, 9], penalty=1.3), request(PREFIX[:18] + [2], 1.1)])
+        run(engine, [request(PREFIX + [60]), request([7, 8, 9], penalty=1.3), request(PREFIX[:18] + [2], 1.1),
+                     request([20, 21], temperature=1.0)])  # drawn: the seed travels in the plan
         assert engine.status().kv_cache.prefix_hit_tokens >= 32
         mine = follower.slot.runner
         assert torch.equal(mine.cache.k, local.cache.k) and torch.equal(mine.cache.v, local.cache.v)
