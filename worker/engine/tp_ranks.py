@@ -106,8 +106,8 @@ class Sample:
 @dataclass(frozen=True)
 class CaptureCall:
     """A capture controller call rank 0 made: ``begin`` (policy bytes, traffic), ``key`` (the next
-    key, with rank 0's over-budget decision), ``finish``, ``run_all``, ``release_idle`` (keys) or
-    ``release``."""
+    key, with rank 0's over-budget decision), ``finish`` (the keys rank 0 kept), ``release_idle``
+    (keys) or ``release``."""
 
     method: str
     args: tuple = ()
@@ -247,7 +247,8 @@ class MirroredCapture(CaptureController):
     followers (whose own controllers repeat it on their shard), then made here. The capture plan
     is a pure function of the policy and the traffic, so every rank plans the same keys; whether a
     key is skipped for the memory budget is rank 0's decision, sent with the key, so every rank
-    records the same ones (a follower's graphs are as large as rank 0's: the budget is per rank)."""
+    records the same ones, and a phase ends on every rank with the graphs rank 0 kept (a
+    follower's graphs are as large as rank 0's: the budget, judged on rank 0, is per rank)."""
 
     def __init__(self, ranks: FollowerRanks, *args: Any) -> None:
         super().__init__(*args)
@@ -269,7 +270,6 @@ class MirroredCapture(CaptureController):
         if not self.job.done:
             self._key()
         if self.job.done:
-            self.ranks.send(CaptureCall("finish"))
             self.finish()
             return True
         return False
@@ -277,8 +277,15 @@ class MirroredCapture(CaptureController):
     def run_all(self) -> None:
         while self.job is not None and not self.job.done:
             self._key()
-        self.ranks.send(CaptureCall("run_all"))  # nothing left to record: the phase finishes
-        super().run_all()
+        super().run_all()  # nothing left to record: the phase finishes (``finish`` below)
+
+    def finish(self) -> None:
+        """Ends the phase here, then on the followers, which keep exactly the graphs rank 0 kept
+        (those it dropped over the budget or for a failed validation go there too)."""
+        job = self.job
+        super().finish()
+        if job is not None:
+            self.ranks.send(CaptureCall("finish", (set(self.graph_set.captured),)))
 
     def release_idle(self, keys: set[tuple[int, int]]) -> None:
         self.ranks.send(CaptureCall("release_idle", (set(keys),)))
@@ -365,6 +372,12 @@ class Follower:
             self.capture.begin(policy, self.slot.runner, traffic)
         elif call.method == "key":
             self.capture.job.step(*call.args)
+        elif call.method == "finish":
+            (kept,) = call.args
+            graphs = self.capture.graph_set
+            for key in set(graphs.captured) - kept:
+                graphs.drop(key)
+            self.capture.finish()
         else:
             getattr(self.capture, call.method)(*call.args)
 
