@@ -154,8 +154,10 @@ def status_cmd(args: argparse.Namespace) -> int:
                "graphs": json_format.MessageToDict(status, preserving_proto_field_name=True)}
         print(json.dumps(doc, indent=2))
         return 0
+    ranks = (f", {info.tensor_parallel_size} tensor parallel ranks (rank 0's shard)"
+             if info.tensor_parallel_size > 1 else "")
     print(f"model     {info.source} revision {info.revision} ({info.dtype} on {info.device}, "
-          f"{info.parameter_count} parameters)")
+          f"{info.parameter_count} parameters{ranks})")
     print(f"state     {lifecycle_name(status.state)}")
     downgrade = f" ({status.mode_downgrade_reason})" if status.mode_downgrade_reason else ""
     print(f"mode      requested {mode_name(status.requested_mode)}, effective {mode_name(status.effective_mode)}"
@@ -168,7 +170,9 @@ def status_cmd(args: argparse.Namespace) -> int:
     print(f"policy    {status.policy_uid or '(worker default)'} generation {status.policy_generation}"
           + (f" (pending: generation {status.pending_policy_generation})" if status.pending_policy_uid else ""))
     sizes = ", ".join(f"{mode_name(c.mode)}:{c.size}" for c in status.captured) or "none"
-    print(f"captured  {sizes}; {status.graph_memory_bytes} B graph memory, {status.total_capture_seconds:.2f} s")
+    per_rank = " per rank" if status.tensor_parallel_size > 1 else ""
+    print(f"captured  {sizes}; {status.graph_memory_bytes} B graph memory{per_rank}, "
+          f"{status.total_capture_seconds:.2f} s")
     for s in status.skipped:
         print(f"skipped   {mode_name(s.mode)}:{s.size} {reason_name(s.reason)}: {s.message}")
     fallbacks = ", ".join(f"{reason_name(f.reason)}={f.steps}" for f in status.fallbacks) or "none"

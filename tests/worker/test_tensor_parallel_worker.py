@@ -83,6 +83,12 @@ def test_status_and_model_info_report_the_ranks(workers):
     # The model's shapes are the whole model's, not rank 0's half.
     assert (info.num_attention_heads, info.num_key_value_heads) == (4, 2)
     assert info.parameter_count < single.model_info().parameter_count  # rank 0 holds a shard
+    token = double.log_path.parent / f"token-{double.target.rsplit(':', 1)[1]}"
+    shown = subprocess.run([str(GRAPHKEEPER), "status", "--target", double.target, "--control-target",
+                            double.control_target, "--token-file", str(token)],
+                           capture_output=True, text=True, timeout=60)
+    assert shown.returncode == 0, shown.stderr
+    assert "2 tensor parallel ranks (rank 0's shard)" in shown.stdout and "graph memory per rank" in shown.stdout
 
 
 def test_a_reload_is_refused_with_failed_precondition_and_the_worker_serves_on(workers, model):
