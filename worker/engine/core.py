@@ -335,6 +335,8 @@ class Engine:
             self._finish(inflight)  # no step still replaying the graphs being released
             inflight = None
             self.capture.release_idle(self.capture.idle_graphs(self.recorder.last_used))
+            self.scheduler.step_budget = install_step_budget(self.settings, self.capture.graph_set, self.device.type,
+                                                             kept=self.scheduler.step_budget)
         return inflight
 
     def _export_gauges(self) -> None:
@@ -440,8 +442,6 @@ class Engine:
         graphs = self.capture.graph_set
         self.recorder.graphs_captured(list(graphs.captured) if graphs else [])
         self.metrics.policy_generation.set(self.control.policy.generation)
-        s = self.settings
-        self.scheduler.step_budget = install_step_budget(s.max_num_batched_tokens, s.itl_target_ms,
-                                                         graphs.captured.values() if graphs else (), self.device.type)
+        self.scheduler.step_budget = install_step_budget(self.settings, graphs, self.device.type)
         if self.control.captured(self.capture.last_failure):
             log.info("READY: %s", self.capture.summary())
