@@ -27,14 +27,13 @@ from __future__ import annotations
 
 import logging
 from bisect import bisect_left
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from graphkeeper.proto import worker_pb2 as pb
 
 if TYPE_CHECKING:
-    from graphkeeper.worker.executor.graphs.graph_set import GraphSet
     from graphkeeper.worker.settings import EngineSettings
 
 log = logging.getLogger(__name__)
@@ -51,6 +50,13 @@ class TimedGraph(Protocol):
     size: int
     replay_seconds: float
     eager_seconds: float
+
+
+class HeldGraphs(Protocol):
+    """What the budget reads of the engine's graphs (``graph_set.GraphSet``, which imports torch)."""
+
+    captured: Mapping[Any, TimedGraph]
+    released: Mapping[Any, TimedGraph]
 
 
 @dataclass(frozen=True)
@@ -158,7 +164,7 @@ def plan_step_budget(tokens: int, itl_target_ms: float, captured: Iterable[Timed
                                  f"derived: a {largest}-token step measured at {target * 1e3:.2f} ms at capture")
 
 
-def install_step_budget(settings: EngineSettings, graphs: GraphSet | None, device: str,
+def install_step_budget(settings: EngineSettings, graphs: HeldGraphs | None, device: str,
                         kept: StepBudget | None = None) -> StepBudget:
     """``plan_step_budget`` for the graphs the engine holds, logged: the engine's call after every
     capture phase (a recapture measures new step times and derives the target again) and after
