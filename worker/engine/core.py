@@ -363,7 +363,8 @@ class Engine:
 
         A step with rows that need every earlier token (penalties, grammars) reads the step
         ``before`` it once its own forward pass is queued, so the device computes while the host
-        waits, and builds its logits processing from what that step produced.
+        waits, feeds its tokens to the logits states and builds its logits processing from them;
+        the step before is published after this step's sampling is queued (by the loop).
         """
         plan = step.plan
         desc = BatchDescriptor(plan.num_tokens, plan.uniform_decode,
@@ -375,7 +376,7 @@ class Engine:
         runner = self.slot.runner
         hidden = runner.execute(plan, decision, self.capture.graph_set)
         if step.needs_history:
-            self._finish(before)
+            self.outputs.accept_ahead(before)
             plan.logits = build_logits_batch([s.logits for s in step.samplers])
         launched = runner.sample_and_send(hidden, plan)
         return InFlight(step, decision, desc, launched, started)
