@@ -85,7 +85,8 @@ class WorkerMetrics:
         self.step_sequences = Histogram(
             "graphkeeper_step_sequences", "Sequences per step, by kind (decode or mixed).",
             ["kind"], buckets=_SEQUENCE_BUCKETS, registry=r)
-        self.queue_depth = Gauge("graphkeeper_queue_depth", "Requests waiting for a slot.", registry=r)
+        self.queue_depth = Gauge("graphkeeper_queue_depth", "Requests waiting to start (for a slot or for KV blocks).",
+                                 registry=r)
         self.running_sequences = Gauge("graphkeeper_running_sequences", "Sequences holding a KV slot.",
                                        registry=r)
         self.prompt_tokens = Counter("graphkeeper_prompt_tokens", "Prompt tokens admitted.", registry=r)
