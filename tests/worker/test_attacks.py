@@ -256,13 +256,40 @@ def test_bodies_that_made_500s_are_counted_400s(worker, case):
                what="the refusal counted")
 
 
-def test_a_request_aiohttp_cannot_parse_is_a_counted_400(worker):
-    before = worker.metric("graphkeeper_requests_total", outcome="invalid")
+def answer_to(worker: Worker, raw: bytes) -> tuple[int, dict[str, str], bytes]:
+    """(status, headers, body) of the HTTP port's answer to ``raw``, read until it closes."""
     with socket.create_connection(("127.0.0.1", port_of(worker.http_url)), timeout=10) as s:
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nBad Header\r\n\r\n")
-        assert s.recv(65536).split(b" ", 2)[1] == b"400"
+        s.sendall(raw)
+        data = b""
+        while chunk := s.recv(65536):
+            data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:])}
+    return int(lines[0].split(" ", 2)[1]), headers, body
+
+
+UNPARSEABLE = {
+    "a header without a colon": b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nBad Header\r\n\r\n",
+    "a request line that is not HTTP": b"POST /v1/completions HTTP/9.9 extra\r\nHost: x\r\n\r\n",
+    "a broken chunked body": (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                              b"Transfer-Encoding: chunked\r\n\r\nzz\r\n{}\r\n0\r\n\r\n"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(UNPARSEABLE))
+def test_a_request_aiohttp_cannot_parse_is_a_counted_openai_400(worker, case):
+    """What aiohttp answers by itself is OpenAI's JSON error object, not its plain-text page."""
+    before = worker.metric("graphkeeper_requests_total", outcome="invalid")
+    status, headers, body = answer_to(worker, UNPARSEABLE[case])
+    assert status == 400, body
+    assert headers["content-type"].startswith("application/json")
+    error = json.loads(body)["error"]
+    assert error["type"] == "invalid_request_error" and error["code"] == "malformed_http", error
+    assert "not valid HTTP/1.1" in error["message"] and set(error) == {"message", "type", "param", "code"}
     wait_until(lambda: worker.metric("graphkeeper_requests_total", outcome="invalid") >= before + 1,
                what="the unparseable request counted")
+    assert http(worker, "/v1/models", timeout=5)[0] == 200
 
 
 def test_an_unknown_field_of_megabytes_is_not_echoed(worker):

@@ -15,6 +15,8 @@ does not enforce by itself.
   the limit, and 100 only when it could be read.
 - ``parse_json`` turns the bytes into JSON or a 400 naming the body: never a 500 (an integer of
   5,000 digits raised ``ValueError``), ``NaN`` and ``Infinity`` refused as the JSON they are not.
+- ``OpenAIRequestHandler`` answers what aiohttp answers by itself (a request it cannot parse)
+  with OpenAI's JSON error object rather than plain text.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestHandler
 
 from graphkeeper.worker.log_limits import rate_key
 from graphkeeper.worker.serving.limits import ConnectionLimits
@@ -236,6 +240,9 @@ async def read_body(request: web.Request, max_body: int, timeout: float) -> byte
         raise too_large(max_body) from None
     except TimeoutError:
         raise ApiError(408, f"the request body did not arrive within {timeout:g} s", code="body_timeout") from None
+    except HttpProcessingError as err:  # a broken chunked framing, a body cut short
+        raise ApiError(400, f"the request body is not valid HTTP/1.1: {clip(' '.join(err.message.split()), 200)}",
+                       code="malformed_http") from None
 
 
 def expect_handler(max_body: int, refused: Callable[[web.Request, ApiError], web.Response]):
@@ -319,6 +326,58 @@ def clipped(err: ApiError) -> ApiError:
     return ApiError(err.status, clip(err.message, MAX_MESSAGE_CHARS), param, err.type, err.code)
 
 
+# --- what aiohttp answers by itself ----------------------------------------------------------
+
+
+def handler_error(status: int, exc: BaseException | None, message: str | None) -> ApiError:
+    """The OpenAI error for what aiohttp's request handler answers itself (pure): a request whose
+    bytes are not HTTP/1.1 (a request line, a header or the body's framing: 400 naming what), a
+    handler that timed out (504), anything else (500)."""
+    if isinstance(exc, HttpProcessingError):
+        what = clip(" ".join(str(exc.message or message or "malformed").split()), 200)
+        code = exc.code if 400 <= (exc.code or 0) < 500 else 400
+        return ApiError(code, f"the request is not valid HTTP/1.1: {what}", code="malformed_http")
+    if status == 504:
+        return ApiError(504, "the request timed out", type_="server_error", code="timeout")
+    if 400 <= status < 500:
+        return ApiError(status, clip(message or "the request could not be read", 200))
+    return ApiError(500, "internal error: the server failed to answer this request", type_="server_error")
+
+
+class OpenAIRequestHandler(RequestHandler):
+    """aiohttp's request handler, answering what never reaches a route (a request line or header
+    it cannot parse, a body whose chunked framing is broken, an error no middleware caught) with
+    OpenAI's JSON error object instead of a plain-text page. A middleware never sees a request that
+    did not parse (aio-libs/aiohttp#3287): ``handle_error`` is where aiohttp's handler answers
+    each of these, so it is overridden here (aiohttp is pinned, ``constraints.txt``).
+
+    ``write_timed_out`` is set by the connection gate when it closes the connection because the
+    client took no bytes of its response for ``write_seconds`` (the request is then counted as
+    ``write_timeout``)."""
+
+    __slots__ = ("write_timed_out",)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.write_timed_out = False
+
+    def handle_error(self, request: Any, status: int = 500, exc: BaseException | None = None,
+                     message: str | None = None) -> web.StreamResponse:
+        # aiohttp's own logs it (``HandlerLog`` counts a parse failure) and refuses once a
+        # response has begun; its plain-text answer is replaced.
+        super().handle_error(request, status, exc, message)
+        err = handler_error(status, exc, message)
+        response = web.Response(body=json.dumps(err.body()).encode(), status=err.status,
+                                content_type="application/json")
+        response.force_close()
+        return response
+
+
+def handler_factory(server: web.Server) -> Callable[[], OpenAIRequestHandler]:
+    """What makes each connection's handler: aiohttp's ``Server`` would, with its own options."""
+    return lambda: OpenAIRequestHandler(server, loop=server._loop, **server._kwargs)
+
+
 # --- aiohttp's own error log -----------------------------------------------------------------
 
 
@@ -332,8 +391,6 @@ class HandlerLog(logging.LoggerAdapter):
         self.on_parse_failure = on_parse_failure
 
     def exception(self, msg: Any, *args: Any, exc_info: Any = True, **kwargs: Any) -> None:
-        from aiohttp.http_exceptions import HttpProcessingError
-
         err = exc_info if isinstance(exc_info, BaseException) else None
         peer = str(args[0]) if args else "?"
         if isinstance(err, HttpProcessingError):

@@ -46,6 +46,7 @@ from graphkeeper.worker.serving.http_limits import (
     HandlerLog,
     clipped,
     expect_handler,
+    handler_factory,
     parse_json,
     read_body,
     runner_options,
@@ -539,5 +540,5 @@ class _GatedSite(web.TCPSite):
         await web.BaseSite.start(self)
         loop = asyncio.get_running_loop()
         self._server = await loop.create_server(
-            self.gate.factory(self._runner.server), self._host, self._port, backlog=self._backlog,
+            self.gate.factory(handler_factory(self._runner.server)), self._host, self._port, backlog=self._backlog,
             reuse_address=self._reuse_address, reuse_port=self._reuse_port)
