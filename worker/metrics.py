@@ -17,8 +17,8 @@ from graphkeeper.proto import worker_pb2 as pb
 from graphkeeper.proto.enums import lifecycle_name, mode_name, reason_name
 
 #: Label values of graphkeeper_requests_total{outcome}.
-OUTCOMES = ("length", "stop", "eos", "cancelled", "invalid", "oversize", "undecodable", "queue_full", "unavailable",
-            "error")
+OUTCOMES = ("length", "stop", "eos", "cancelled", "write_timeout", "invalid", "oversize", "undecodable", "queue_full",
+            "unavailable", "error")
 #: Label values of graphkeeper_step_duration_seconds{execution_mode}.
 EXECUTION_MODES = ("full", "piecewise", "eager")
 #: Label values of graphkeeper_step_duration_seconds{attention_backend}: which attention ran.

@@ -15,7 +15,16 @@ from graphkeeper.worker.engine.reload import load_bounded
 from graphkeeper.worker.engine.watchdog import StepWatchdog, progressed, stalled_for
 from graphkeeper.worker.log_limits import RateLimitFilter, rate_key
 from graphkeeper.worker.serving.grpc_limits import server_options
-from graphkeeper.worker.serving.http_limits import admission, clipped, encoding_error, parse_json
+from graphkeeper.worker.serving.http_limits import (
+    Connection,
+    ConnectionGate,
+    admission,
+    clipped,
+    encoding_error,
+    handler_error,
+    parse_json,
+    write_overdue,
+)
 from graphkeeper.worker.serving.limits import BASE_FDS, ConnectionLimits, fd_plan, fds_needed, limits_errors
 from graphkeeper.worker.serving.openai_api import ApiError
 
@@ -58,6 +67,7 @@ def test_bad_limits_are_named():
     assert any("--max-connections-per-peer" in e for e in errors)
     assert any("--header-timeout" in e for e in errors)
     assert any("--body-timeout" in e for e in errors)
+    assert any("--write-timeout" in e for e in limits_errors(ConnectionLimits(write_seconds=0)))
     assert limits_errors(ConnectionLimits()) == []
 
 
@@ -68,6 +78,31 @@ def test_grpc_options_evict_idle_and_half_open_connections():
     assert options["grpc.server_handshake_timeout_ms"] == 5_000
     assert options["grpc.keepalive_permit_without_calls"] == 0
     assert options["grpc.http2.max_ping_strikes"] > 0
+
+
+def test_a_response_the_client_takes_nothing_of_is_overdue_after_the_write_timeout():
+    now = [100.0]
+    gate = ConnectionGate(ConnectionLimits(write_seconds=5.0), clock=lambda: now[0])
+    conn = Connection("10.0.0.1", transport=None, handler=None)
+    assert not write_overdue(conn, 1e9, 5.0)          # writing never paused
+    gate.writing(conn, paused=True)
+    now[0] = 104.0
+    gate.writing(conn, paused=True)                   # paused again: the clock keeps its start
+    assert conn.paused_since == 100.0
+    assert not write_overdue(conn, 104.9, 5.0) and write_overdue(conn, 105.1, 5.0)
+    gate.writing(conn, paused=False)                  # the client read: no longer waiting on it
+    assert not write_overdue(conn, 1e9, 5.0)
+
+
+def test_what_aiohttp_answers_itself_becomes_an_openai_error():
+    from aiohttp.http_exceptions import BadHttpMessage, LineTooLong
+
+    err = handler_error(400, BadHttpMessage("Invalid header value char:\n\n  b'\\x01'\n    ^"), None)
+    assert (err.status, err.type, err.code) == (400, "invalid_request_error", "malformed_http")
+    assert "Invalid header value char" in err.message and "\n" not in err.message
+    assert handler_error(400, LineTooLong("line", "8190"), None).status == 400
+    assert handler_error(500, RuntimeError("bug"), None).body()["error"]["type"] == "server_error"
+    assert handler_error(504, None, None).status == 504
 
 
 # --- the watchdog ----------------------------------------------------------------------------

@@ -7,7 +7,12 @@ does not enforce by itself.
   when every connection is busy, or the peer holds its share, the new one is closed at once. A
   request head that has not arrived whole ``header_seconds`` after its first byte is cut off
   (slowloris); a socket that never sends a byte, or a kept-alive one with no next request, is
-  closed after ``idle_seconds`` by aiohttp's keep-alive timeout (``runner_options``).
+  closed after ``idle_seconds`` by aiohttp's keep-alive timeout (``runner_options``). A response
+  its client takes no bytes of for ``write_seconds`` (the transport's buffer full and writing
+  paused: a stream nobody reads, whose handler would wait in ``drain`` for good while its
+  sequence holds a slot and KV blocks) is cut off: the connection is closed, which cancels the
+  handler and so the request, counted as ``write_timeout``. Checked by the same sweep, so a
+  write costs nothing more than it did.
 - ``read_body`` refuses a ``Content-Encoding`` (no OpenAI client compresses a request, and a
   1 MB gzip body of 1 GiB cost 15-30 MB each), a body over the size limit from its header, and a
   body that does not arrive within ``body_seconds``.
@@ -60,6 +65,8 @@ class Connection:
     handler: Any  # aiohttp's RequestHandler
     #: When the bytes of a request head began arriving (None: none pending).
     head_since: float | None = None
+    #: Since when the transport's buffer has been full, its client taking none of it (None: not).
+    paused_since: float | None = None
 
     @property
     def busy(self) -> bool:
@@ -80,6 +87,12 @@ def head_overdue(conn: Connection, now: float, header_seconds: float) -> bool:
     return conn.head_since is not None and not conn.busy and now - conn.head_since > header_seconds
 
 
+def write_overdue(conn: Connection, now: float, write_seconds: float) -> bool:
+    """The client has taken none of the response for ``write_seconds`` (asyncio paused the
+    transport's writing, its buffer past the high-water mark, and has not resumed it since)."""
+    return conn.paused_since is not None and now - conn.paused_since > write_seconds
+
+
 @dataclass
 class GateCounts:
     """What the gate refused, for the attack bench and the tests (read through ``/metrics``
@@ -88,6 +101,7 @@ class GateCounts:
     refused: int = 0
     evicted: int = 0
     slow_heads: int = 0
+    slow_readers: int = 0
 
 
 class ConnectionGate:
@@ -138,6 +152,13 @@ class ConnectionGate:
         elif conn.head_since is None:
             conn.head_since = self.clock()
 
+    def writing(self, conn: Connection, paused: bool) -> None:
+        """The transport paused (its buffer full) or resumed writing to the client."""
+        if not paused:
+            conn.paused_since = None
+        elif conn.paused_since is None:
+            conn.paused_since = self.clock()
+
     def release(self, conn: Connection) -> None:
         if conn in self.open:
             del self.open[conn]
@@ -158,6 +179,14 @@ class ConnectionGate:
         if late:
             log.warning("HTTP: closed %d connection(s) whose request head did not arrive within %.0f s",
                         len(late), self.limits.header_seconds, extra=rate_key("http-slow-head"))
+        stuck = [c for c in self.open if write_overdue(c, now, self.limits.write_seconds)]
+        for conn in stuck:
+            self.counts.slow_readers += 1
+            conn.handler.write_timed_out = True  # the request counts as write_timeout, not cancelled
+            self._drop(conn)
+        if stuck:
+            log.warning("HTTP: closed %d connection(s) whose client took none of its response for %.0f s",
+                        len(stuck), self.limits.write_seconds, extra=rate_key("http-slow-reader"))
         self._sweeper = loop.call_later(SWEEP_SECONDS, self._sweep, loop)
 
 
@@ -198,10 +227,12 @@ class _GatedProtocol(asyncio.Protocol):
 
     def pause_writing(self) -> None:
         if self.conn is not None:
+            self.gate.writing(self.conn, paused=True)
             self.conn.handler.pause_writing()
 
     def resume_writing(self) -> None:
         if self.conn is not None:
+            self.gate.writing(self.conn, paused=False)
             self.conn.handler.resume_writing()
 
 

@@ -309,12 +309,14 @@ class OpenAIServer:
                 return await _stream_runs(runs, request)
             return await _respond(runs)
         except BaseException:
-            # Whatever ends the handler before the sequence ended (the client went away, the server
-            # is stopping, an error of this process) frees its slot, unless a stop string already
-            # ended it (it then finishes as a stop).
+            # Whatever ends the handler before the sequence ended (the client went away, the gate
+            # cut off a client that stopped reading, the server is stopping, an error of this
+            # process) frees its slot, unless a stop string already ended it (it then finishes as
+            # a stop).
+            outcome = "write_timeout" if getattr(request.protocol, "write_timed_out", False) else None
             for run in runs:
                 if not run.ended and not run.matcher.stopped:
-                    engine.cancel(run.seq)
+                    engine.cancel(run.seq, pb.FINISH_REASON_CANCELLED, outcome)
             raise
         finally:
             self.hub.open_streams -= len(runs)

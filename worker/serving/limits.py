@@ -51,6 +51,9 @@ class ConnectionLimits:
     header_seconds: float = 10.0
     #: A request body must arrive within this (HTTP: 408 past it).
     body_seconds: float = 30.0
+    #: HTTP: a response its client takes no bytes of for this long (its socket buffers full: a
+    #: stream nobody reads) is cut off, its request cancelled and its connection closed.
+    write_seconds: float = 30.0
     #: gRPC: a connection is asked to go away after this long (a client reconnects, and a
     #: long-lived one cannot pin memory or a peer's share forever); streams get a grace period.
     max_age_seconds: float = 1800.0
@@ -65,7 +68,8 @@ def limits_errors(limits: ConnectionLimits) -> list[str]:
     if limits.max_connections_per_peer < 1:
         errors.append(f"--max-connections-per-peer must be at least 1, got {limits.max_connections_per_peer}")
     for flag, value in (("--connection-idle-seconds", limits.idle_seconds),
-                        ("--header-timeout", limits.header_seconds), ("--body-timeout", limits.body_seconds)):
+                        ("--header-timeout", limits.header_seconds), ("--body-timeout", limits.body_seconds),
+                        ("--write-timeout", limits.write_seconds)):
         if not value > 0 or value != value or value == float("inf"):
             errors.append(f"{flag} must be a positive number of seconds, got {value}")
     return errors
@@ -103,7 +107,8 @@ def limits_from_args(args: Any) -> ConnectionLimits:
         max_connections_per_peer=min(total, getattr(args, "max_connections_per_peer", d.max_connections_per_peer)),
         idle_seconds=getattr(args, "connection_idle_seconds", d.idle_seconds),
         header_seconds=getattr(args, "header_timeout", d.header_seconds),
-        body_seconds=getattr(args, "body_timeout", d.body_seconds))
+        body_seconds=getattr(args, "body_timeout", d.body_seconds),
+        write_seconds=getattr(args, "write_timeout", d.write_seconds))
 
 
 def apply_fd_limit(limits: ConnectionLimits, http: bool) -> ConnectionLimits:
