@@ -14,6 +14,7 @@ from graphkeeper.worker.engine.cpu_quota import quota_cpus, thread_count
 from graphkeeper.worker.engine.reload import load_bounded
 from graphkeeper.worker.engine.watchdog import StepWatchdog, progressed, stalled_for
 from graphkeeper.worker.log_limits import RateLimitFilter, rate_key
+from graphkeeper.worker.serving.control_gate import Relay, to_evict
 from graphkeeper.worker.serving.grpc_limits import server_options
 from graphkeeper.worker.serving.http_limits import (
     Connection,
@@ -45,9 +46,20 @@ def test_http_admission(open_count, peer_count, evictable, verdict):
     assert admission(open_count, peer_count, LIMITS, evictable) == verdict
 
 
+def test_a_new_control_connection_replaces_the_least_recently_active():
+    def relay(peer: str, active: float) -> Relay:
+        return Relay(peer, client=None, last_active=active)
+
+    a1, a2, b1 = relay("a", 5.0), relay("a", 1.0), relay("b", 3.0)
+    assert to_evict([a1, a2, b1], "c", per_peer=2, cap=4) is None        # room
+    assert to_evict([a1, a2, b1], "a", per_peer=2, cap=4) is a2          # a's share: its own idlest
+    assert to_evict([a1, b1], "c", per_peer=2, cap=2) is b1              # full: anyone's idlest
+    assert to_evict([a1, a2, b1], "b", per_peer=2, cap=3) is a2
+
+
 def test_the_descriptor_limit_is_raised_to_what_the_caps_need():
     need = fds_needed(LIMITS, http=True)
-    assert need == BASE_FDS + 10 + 10 + 256 + 256
+    assert need == BASE_FDS + 10 + 10 + 3 * 64 + 256  # a control connection: the client's and the relay's two
     assert fd_plan(LIMITS, True, soft=1024, hard=1 << 20) == (need, LIMITS)
     assert fd_plan(LIMITS, True, soft=1 << 16, hard=1 << 20) == (1 << 16, LIMITS)  # never lowered
 

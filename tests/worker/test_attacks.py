@@ -24,10 +24,11 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from worker_harness import INFERENCE_SERVICE, Worker, make_request, wait_until
+from worker_harness import INFERENCE_SERVICE, BearerToken, Worker, make_request, wait_until
 
 from graphkeeper.proto import worker_pb2 as pb
 from graphkeeper.proto import worker_pb2_grpc as pb_grpc
+from graphkeeper.worker.serving.limits import CONTROL_MAX_CONNECTIONS
 
 HEADER_TIMEOUT = 2.0
 BODY_TIMEOUT = 3.0
@@ -196,6 +197,34 @@ def test_idle_floods_leave_probes_control_and_new_clients_answered(worker):
         assert status.state == pb.LIFECYCLE_STATE_READY
         assert within(lambda: health(worker.target)) == health_pb2.HealthCheckResponse.SERVING
         assert within(lambda: http(worker, "/v1/models", timeout=1.0))[0] == 200
+    finally:
+        for s in held:
+            s.close()
+
+
+def test_a_thousand_idle_control_connections_leave_the_operators_call_answered(worker):
+    """1,024 idle HTTP/2 connections to the control port, from 16 addresses: the gate holds at most
+    its cap (8 an address, 64 in all; 256 idle ones used to fill the port until the idle limit
+    closed them), and a new operator client's authenticated call is answered within a few
+    seconds, the least recently active connection closed for it."""
+    port = port_of(worker.control_target)
+    held: list[socket.socket] = []
+    try:
+        for i in range(16):
+            held += open_sockets(port, 64, H2_PREFACE, source=f"127.0.0.{2 + i}")
+        time.sleep(1.0)
+        assert 16 <= still_open(held) <= CONTROL_MAX_CONNECTIONS
+        operator = grpc.intercept_channel(grpc.insecure_channel(worker.control_target), BearerToken(worker.token))
+        try:
+            stub = pb_grpc.GraphControlStub(operator)
+            status = within(lambda: stub.GetGraphStatus(pb.GetGraphStatusRequest(), timeout=3.0))
+            assert status.state == pb.LIFECYCLE_STATE_READY
+        finally:
+            operator.close()
+        with pytest.raises(grpc.RpcError) as err:  # the token is still checked behind the gate
+            pb_grpc.GraphControlStub(grpc.insecure_channel(worker.control_target)).GetGraphStatus(
+                pb.GetGraphStatusRequest(), timeout=5.0)
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
     finally:
         for s in held:
             s.close()

@@ -26,8 +26,18 @@ MAX_CONNECTIONS = 4096
 #: One peer address's share of the HTTP port: a gateway pools far fewer, an attacker from one
 #: address cannot take the whole port.
 MAX_CONNECTIONS_PER_PEER = 1024
-#: The control port serves the operator and ``graphkeeper status`` only.
-CONTROL_MAX_CONNECTIONS = 256
+#: The control port serves the operator (a connection or two per replica) and ``graphkeeper
+#: status`` only; its gate (``control_gate``) holds this many, and this many from one address,
+#: closing the least recently active connection for a new one.
+CONTROL_MAX_CONNECTIONS = 64
+CONTROL_MAX_CONNECTIONS_PER_PEER = 8
+#: The cap of the gRPC server behind the control gate: far above the gate's, since a connection
+#: the gate has closed counts for gRPC until its poller sees it go (with twice the gate's cap, a
+#: burst of evictions made gRPC refuse the connections that replaced them).
+CONTROL_UPSTREAM_MAX_CONNECTIONS = 1024
+#: Descriptors a control connection takes: the client's, and the gate's relay to the gRPC
+#: server's Unix socket at both ends.
+CONTROL_FDS_PER_CONNECTION = 3
 #: The metrics port's cap (its server evicts the longest-waiting connection at the cap).
 METRICS_MAX_CONNECTIONS = 256
 #: Descriptors the process needs besides its connections: the model's files, pipes to the
@@ -77,7 +87,7 @@ def limits_errors(limits: ConnectionLimits) -> list[str]:
 
 def fds_needed(limits: ConnectionLimits, http: bool) -> int:
     """Descriptors the API process needs when every port is at its cap."""
-    ports = limits.max_connections + CONTROL_MAX_CONNECTIONS + METRICS_MAX_CONNECTIONS
+    ports = limits.max_connections + CONTROL_FDS_PER_CONNECTION * CONTROL_MAX_CONNECTIONS + METRICS_MAX_CONNECTIONS
     return BASE_FDS + ports + (limits.max_connections if http else 0)
 
 
@@ -91,7 +101,7 @@ def fd_plan(limits: ConnectionLimits, http: bool, soft: int, hard: int) -> tuple
     need = fds_needed(limits, http)
     if need <= hard:
         return max(soft, need), limits
-    spare = hard - BASE_FDS - CONTROL_MAX_CONNECTIONS - METRICS_MAX_CONNECTIONS
+    spare = hard - BASE_FDS - CONTROL_FDS_PER_CONNECTION * CONTROL_MAX_CONNECTIONS - METRICS_MAX_CONNECTIONS
     each = max(16, spare // (2 if http else 1))
     shrunk = ConnectionLimits(**{**limits.__dict__, "max_connections": each,
                                  "max_connections_per_peer": min(limits.max_connections_per_peer, each)})
