@@ -95,15 +95,18 @@ def test_grpc_options_evict_idle_and_half_open_connections():
 def test_a_response_the_client_takes_nothing_of_is_overdue_after_the_write_timeout():
     now = [100.0]
     gate = ConnectionGate(ConnectionLimits(write_seconds=5.0), clock=lambda: now[0])
-    conn = Connection("10.0.0.1", transport=None, handler=None)
-    assert not write_overdue(conn, 1e9, 5.0)          # writing never paused
+    transport = SimpleNamespace(get_write_buffer_size=lambda: 70_000)
+    conn = Connection("10.0.0.1", transport=transport, handler=None)
+    assert not write_overdue(conn, 1e9, 5.0, 70_000)            # writing never paused
     gate.writing(conn, paused=True)
     now[0] = 104.0
-    gate.writing(conn, paused=True)                   # paused again: the clock keeps its start
+    gate.writing(conn, paused=True)                             # paused again: the clock keeps its start
     assert conn.paused_since == 100.0
-    assert not write_overdue(conn, 104.9, 5.0) and write_overdue(conn, 105.1, 5.0)
-    gate.writing(conn, paused=False)                  # the client read: no longer waiting on it
-    assert not write_overdue(conn, 1e9, 5.0)
+    assert not write_overdue(conn, 104.9, 5.0, 70_000) and write_overdue(conn, 105.1, 5.0, 70_000)
+    assert not write_overdue(conn, 105.2, 5.0, 69_000)          # the client took bytes: the clock restarts
+    assert not write_overdue(conn, 110.0, 5.0, 69_000) and write_overdue(conn, 110.3, 5.0, 69_000)
+    gate.writing(conn, paused=False)                            # resumed: no longer waiting on it
+    assert not write_overdue(conn, 1e9, 5.0, 69_000)
 
 
 def test_what_aiohttp_answers_itself_becomes_an_openai_error():

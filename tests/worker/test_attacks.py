@@ -262,42 +262,72 @@ def test_slow_request_heads_and_bodies_are_cut_off(worker):
         assert closed_within(s, HEADER_TIMEOUT + SLACK) is not None
 
 
-WRITE_TIMEOUT = 1.0
+WRITE_TIMEOUT = 2.0
 SHORT = json.dumps({"prompt": "hello", "max_tokens": 4, "ignore_eos": True}).encode()
+
+
+def open_stream(worker: Worker, body: bytes) -> socket.socket:
+    """A raw client that has sent a streaming chat request, with a small receive buffer."""
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    s.connect(("127.0.0.1", port_of(worker.http_url)))
+    s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              b"Content-Length: %d\r\n\r\n" % len(body) + body)
+    return s
 
 
 def test_a_stream_its_client_stops_reading_is_cut_off_and_its_sequence_freed(fresh_workers, tmp_path):
     """A client that asks for a long stream and never reads: once the socket buffers fill, the
     response waits on the client for --write-timeout, then the connection is closed and the
     sequence cancelled, counted as write_timeout (it used to hold its slot and KV blocks until its
-    last token, its handler waiting on the client for good); other clients are served meanwhile."""
+    last token, its handler waiting on the client for good). Beside it, a client that reads its
+    stream slowly (far slower than it is made) is not cut off, and other clients are served."""
     from hardening_harness import build_chat_model
 
     model = build_chat_model(tmp_path / "chat", max_positions=16384)
-    w = fresh_workers("--max-num-seqs", "2", "--max-seq-len", "16384", "--max-num-batched-tokens", "256",
+    w = fresh_workers("--max-num-seqs", "3", "--max-seq-len", "16384", "--max-num-batched-tokens", "256",
                       "--write-timeout", str(WRITE_TIMEOUT), model=str(model))
     before = w.metric("graphkeeper_requests_total", outcome="write_timeout")
     # About 1.3 KB an event (20 alternatives a token): the buffers (a few MB on loopback) fill
     # after some thousands of the 12,000 tokens asked for, long before the last.
     body = json.dumps({"messages": [{"role": "user", "content": "hello"}], "max_tokens": 12000, "stream": True,
                        "logprobs": True, "top_logprobs": 20, "temperature": 0, "ignore_eos": True}).encode()
-    stuck = socket.socket()
-    stuck.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    stuck.connect(("127.0.0.1", port_of(w.http_url)))
+    slow, stuck = open_stream(w, body), open_stream(w, body)
+    stop, read = threading.Event(), [0, False]  # bytes read, closed by the server
+
+    def read_slowly() -> None:  # 20 KB/s: its buffers fill too, but it keeps taking bytes
+        slow.settimeout(5)
+        while not stop.is_set():
+            data = slow.recv(2048)
+            read[0] += len(data)
+            if not data:
+                read[1] = True
+                return
+            time.sleep(0.1)
+
+    reader = threading.Thread(target=read_slowly)
+    reader.start()
     try:
-        stuck.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                      b"Content-Length: %d\r\n\r\n" % len(body) + body)
-        wait_until(lambda: w.status().running_sequences == 1, what="the unread stream running")
+        wait_until(lambda: w.status().running_sequences == 2, what="both streams running")
         code, answer = http(w, "/v1/completions", SHORT, {"Content-Type": "application/json"}, timeout=60)
-        assert code == 200 and answer["usage"]["completion_tokens"] == 4  # served beside it
+        assert code == 200 and answer["usage"]["completion_tokens"] == 4  # served beside them
         wait_until(lambda: w.metric("graphkeeper_requests_total", outcome="write_timeout") == before + 1,
                    timeout=120, what="the unread stream cut off")
-        status = w.status()
-        assert status.running_sequences == 0 and status.kv_cache.blocks_used == 0
-        assert w.metric("graphkeeper_requests_total", outcome="length") == 1  # only the other request
         stuck.setblocking(False)
         wait_until(lambda: still_open([stuck]) == 0, what="the connection closed")
+        time.sleep(10)  # the slow reader's buffers, filling almost as fast, are full by now
+        assert w.metric("graphkeeper_requests_total", outcome="write_timeout") == before + 1
+        assert not read[1] and read[0] > 0 and w.status().running_sequences == 1
+        stop.set()
+        reader.join(10)
+        slow.close()
+        wait_until(lambda: w.status().running_sequences == 0, what="the slow reader's sequence cancelled")
+        assert w.status().kv_cache.blocks_used == 0
+        assert w.metric("graphkeeper_requests_total", outcome="length") == 1  # only the short request
     finally:
+        stop.set()
+        reader.join(10)
+        slow.close()
         stuck.close()
     assert http(w, "/v1/completions", SHORT, {"Content-Type": "application/json"}, timeout=60)[0] == 200
 

@@ -8,8 +8,8 @@ does not enforce by itself.
   request head that has not arrived whole ``header_seconds`` after its first byte is cut off
   (slowloris); a socket that never sends a byte, or a kept-alive one with no next request, is
   closed after ``idle_seconds`` by aiohttp's keep-alive timeout (``runner_options``). A response
-  its client takes no bytes of for ``write_seconds`` (the transport's buffer full and writing
-  paused: a stream nobody reads, whose handler would wait in ``drain`` for good while its
+  its client takes no bytes of for ``write_seconds`` (the transport's writing paused, its buffer
+  full and not shrinking: a stream nobody reads, whose handler would wait in ``drain`` for good while its
   sequence holds a slot and KV blocks) is cut off: the connection is closed, which cancels the
   handler and so the request, counted as ``write_timeout``. Checked by the same sweep, so a
   write costs nothing more than it did.
@@ -27,8 +27,12 @@ does not enforce by itself.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import fcntl
 import json
 import logging
+import struct
+import termios
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -65,8 +69,11 @@ class Connection:
     handler: Any  # aiohttp's RequestHandler
     #: When the bytes of a request head began arriving (None: none pending).
     head_since: float | None = None
-    #: Since when the transport's buffer has been full, its client taking none of it (None: not).
+    #: Since when the transport's writing has been paused (its buffer full) with the client
+    #: taking none of it (None: not paused).
     paused_since: float | None = None
+    #: The transport's buffered bytes when last looked at while paused.
+    paused_buffer: int = 0
 
     @property
     def busy(self) -> bool:
@@ -87,10 +94,30 @@ def head_overdue(conn: Connection, now: float, header_seconds: float) -> bool:
     return conn.head_since is not None and not conn.busy and now - conn.head_since > header_seconds
 
 
-def write_overdue(conn: Connection, now: float, write_seconds: float) -> bool:
-    """The client has taken none of the response for ``write_seconds`` (asyncio paused the
-    transport's writing, its buffer past the high-water mark, and has not resumed it since)."""
-    return conn.paused_since is not None and now - conn.paused_since > write_seconds
+def unsent_bytes(transport: asyncio.Transport) -> int:
+    """Bytes of the response its client has not taken: the transport's buffer and the socket's
+    send queue (sent but not acknowledged, or not sent yet). The socket's queue is what shrinks
+    when a slow client reads a little: the transport's buffer moves only once the socket has room
+    for a good share of it again."""
+    buffered = transport.get_write_buffer_size()
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        with contextlib.suppress(OSError, ValueError):
+            buffered += struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0"))[0]
+    return buffered
+
+
+def write_overdue(conn: Connection, now: float, write_seconds: float, buffered: int) -> bool:
+    """The client has taken none of the response for ``write_seconds``: asyncio paused the
+    transport's writing (its buffer past the high-water mark) and since then what the client has
+    not taken (``unsent_bytes``, now ``buffered``) has not shrunk. A client that reads, however
+    slowly, restarts the clock."""
+    if conn.paused_since is None:
+        return False
+    if buffered < conn.paused_buffer:
+        conn.paused_since = now
+    conn.paused_buffer = buffered
+    return now - conn.paused_since > write_seconds
 
 
 @dataclass
@@ -157,7 +184,7 @@ class ConnectionGate:
         if not paused:
             conn.paused_since = None
         elif conn.paused_since is None:
-            conn.paused_since = self.clock()
+            conn.paused_since, conn.paused_buffer = self.clock(), unsent_bytes(conn.transport)
 
     def release(self, conn: Connection) -> None:
         if conn in self.open:
@@ -179,7 +206,8 @@ class ConnectionGate:
         if late:
             log.warning("HTTP: closed %d connection(s) whose request head did not arrive within %.0f s",
                         len(late), self.limits.header_seconds, extra=rate_key("http-slow-head"))
-        stuck = [c for c in self.open if write_overdue(c, now, self.limits.write_seconds)]
+        stuck = [c for c in self.open if c.paused_since is not None
+                 and write_overdue(c, now, self.limits.write_seconds, unsent_bytes(c.transport))]
         for conn in stuck:
             self.counts.slow_readers += 1
             conn.handler.write_timed_out = True  # the request counts as write_timeout, not cancelled
