@@ -8,11 +8,11 @@ does not enforce by itself.
   request head that has not arrived whole ``header_seconds`` after its first byte is cut off
   (slowloris); a socket that never sends a byte, or a kept-alive one with no next request, is
   closed after ``idle_seconds`` by aiohttp's keep-alive timeout (``runner_options``). A response
-  its client takes no bytes of for ``write_seconds`` (the transport's writing paused, its buffer
-  full and not shrinking: a stream nobody reads, whose handler would wait in ``drain`` for good while its
-  sequence holds a slot and KV blocks) is cut off: the connection is closed, which cancels the
-  handler and so the request, counted as ``write_timeout``. Checked by the same sweep, so a
-  write costs nothing more than it did.
+  its client takes no bytes of for ``write_seconds`` (the transport's writing paused and what
+  the client has not taken not shrinking: a stream nobody reads, whose handler would wait in
+  ``drain`` for good while its sequence holds a slot and KV blocks) is cut off: the connection
+  is closed, which cancels the handler and so the request, counted as ``write_timeout``.
+  Checked by the same sweep, so a write costs nothing more than it did.
 - ``read_body`` refuses a ``Content-Encoding`` (no OpenAI client compresses a request, and a
   1 MB gzip body of 1 GiB cost 15-30 MB each), a body over the size limit from its header, and a
   body that does not arrive within ``body_seconds``.
@@ -72,7 +72,7 @@ class Connection:
     #: Since when the transport's writing has been paused (its buffer full) with the client
     #: taking none of it (None: not paused).
     paused_since: float | None = None
-    #: The transport's buffered bytes when last looked at while paused.
+    #: What the client had not taken (``unsent_bytes``) when last looked at while paused.
     paused_buffer: int = 0
 
     @property
