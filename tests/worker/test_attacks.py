@@ -221,10 +221,9 @@ def test_a_thousand_idle_control_connections_leave_the_operators_call_answered(w
             assert status.state == pb.LIFECYCLE_STATE_READY
         finally:
             operator.close()
-        with pytest.raises(grpc.RpcError) as err:  # the token is still checked behind the gate
-            pb_grpc.GraphControlStub(grpc.insecure_channel(worker.control_target)).GetGraphStatus(
-                pb.GetGraphStatusRequest(), timeout=5.0)
-        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        with grpc.insecure_channel(worker.control_target) as bare, pytest.raises(grpc.RpcError) as err:
+            pb_grpc.GraphControlStub(bare).GetGraphStatus(pb.GetGraphStatusRequest(), timeout=5.0)
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED  # the token is still checked behind the gate
     finally:
         for s in held:
             s.close()
