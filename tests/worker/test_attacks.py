@@ -314,15 +314,16 @@ def test_a_stream_its_client_stops_reading_is_cut_off_and_its_sequence_freed(fre
                    timeout=120, what="the unread stream cut off")
         stuck.setblocking(False)
         wait_until(lambda: still_open([stuck]) == 0, what="the connection closed")
-        time.sleep(10)  # the slow reader's buffers, filling almost as fast, are full by now
+        # The slow reader's buffers, filling almost as fast, are full by now; it keeps reading
+        # and is not cut off (its sequence may have ended meanwhile: its events wait in the buffers).
+        time.sleep(10)
         assert w.metric("graphkeeper_requests_total", outcome="write_timeout") == before + 1
-        assert not read[1] and read[0] > 0 and w.status().running_sequences == 1
+        assert not read[1] and read[0] > 0
         stop.set()
         reader.join(10)
         slow.close()
-        wait_until(lambda: w.status().running_sequences == 0, what="the slow reader's sequence cancelled")
+        wait_until(lambda: w.status().running_sequences == 0, what="every sequence ended")
         assert w.status().kv_cache.blocks_used == 0
-        assert w.metric("graphkeeper_requests_total", outcome="length") == 1  # only the short request
     finally:
         stop.set()
         reader.join(10)
