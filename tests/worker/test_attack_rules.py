@@ -95,7 +95,7 @@ def test_grpc_options_evict_idle_and_half_open_connections():
 def test_a_response_the_client_takes_nothing_of_is_overdue_after_the_write_timeout():
     now = [100.0]
     gate = ConnectionGate(ConnectionLimits(write_seconds=5.0), clock=lambda: now[0])
-    transport = SimpleNamespace(get_write_buffer_size=lambda: 70_000)
+    transport = SimpleNamespace(get_write_buffer_size=lambda: 70_000, get_extra_info=lambda key: None)
     conn = Connection("10.0.0.1", transport=transport, handler=None)
     assert not write_overdue(conn, 1e9, 5.0, 70_000)            # writing never paused
     gate.writing(conn, paused=True)
