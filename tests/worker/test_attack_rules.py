@@ -3,8 +3,10 @@ watchdog, rate-limited logging, body parsing, torch threads from the CPU quota, 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -24,6 +26,7 @@ from graphkeeper.worker.serving.http_limits import (
     encoding_error,
     handler_error,
     parse_json,
+    unsent_bytes,
     write_overdue,
 )
 from graphkeeper.worker.serving.limits import BASE_FDS, ConnectionLimits, fd_plan, fds_needed, limits_errors
@@ -107,6 +110,28 @@ def test_a_response_the_client_takes_nothing_of_is_overdue_after_the_write_timeo
     assert not write_overdue(conn, 110.0, 5.0, 69_000) and write_overdue(conn, 110.3, 5.0, 69_000)
     gate.writing(conn, paused=False)                            # resumed: no longer waiting on it
     assert not write_overdue(conn, 1e9, 5.0, 69_000)
+
+
+def test_unsent_bytes_shrink_as_soon_as_a_slow_client_reads():
+    """The socket's send queue counts: reading a few KB moves it, though the buffers hold MBs."""
+    import socket
+
+    with socket.create_server(("127.0.0.1", 0)) as server, socket.socket() as client:
+        client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        client.connect(server.getsockname())
+        conn, _ = server.accept()
+        with conn:
+            conn.setblocking(False)
+            with contextlib.suppress(BlockingIOError):
+                while True:
+                    conn.send(b"x" * 65536)
+            transport = SimpleNamespace(get_write_buffer_size=lambda: 100, get_extra_info=lambda key: conn)
+            full = unsent_bytes(transport)
+            assert full > 65536
+            for _ in range(16):
+                client.recv(4096)
+            time.sleep(0.3)  # the window update and the acknowledgement
+            assert unsent_bytes(transport) < full
 
 
 def test_what_aiohttp_answers_itself_becomes_an_openai_error():
