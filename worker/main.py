@@ -347,6 +347,7 @@ async def _serve(args: argparse.Namespace, settings: EngineSettings, token: str)
     http_host = getattr(args, "http_host", "") or args.host
     served_name = getattr(args, "served_model_name", "")
     registry = exported_registry(engine, served_name, getattr(args, "vllm_metric_names", True))
+    servers = None
     try:
         servers = build_servers(engine, args.host, args.port, control_host, args.control_port, token, hub, limits)
         track_health(engine, servers.health, loop, watchdog)
@@ -359,6 +360,8 @@ async def _serve(args: argparse.Namespace, settings: EngineSettings, token: str)
             await http.start(http_host, args.http_port)
         await servers.start()
     except BaseException:
+        if servers is not None:  # the control gate's socket and private directory
+            servers.control_gate.discard()
         if isinstance(engine, EngineClient):  # a port in use: the engine core must not outlive us
             await asyncio.to_thread(engine.close)
         raise
