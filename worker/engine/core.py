@@ -156,10 +156,12 @@ class Engine:
         self.mailbox.submit(seq)
         return seq
 
-    def cancel(self, seq: Sequence, reason: int = pb.FINISH_REASON_CANCELLED) -> None:
+    def cancel(self, seq: Sequence, reason: int = pb.FINISH_REASON_CANCELLED, outcome: str | None = None) -> None:
         """Ends ``seq`` at the next step; ``reason`` is its finish (FINISH_REASON_STOP when the API
-        layer matched a stop string, so the request is counted as stopped, not cancelled)."""
-        seq.cancel_reason = reason
+        layer matched a stop string, so the request is counted as stopped, not cancelled) and
+        ``outcome`` what ``requests_total`` counts it as when not the reason's own name
+        (``write_timeout``: the API layer cut off a client that stopped reading)."""
+        seq.cancel_reason, seq.cancel_outcome = reason, outcome
         seq.cancelled.set()
         self.mailbox.wake()
 
@@ -325,7 +327,7 @@ class Engine:
         for seq in self.mailbox.take():
             self.scheduler.add(seq)
         for seq in self.scheduler.reap_cancelled():
-            self.publish([(seq.stream, [], self.outputs.completion(seq, seq.cancel_reason))])
+            self.publish([(seq.stream, [], self.outputs.completion(seq, seq.cancel_reason, seq.cancel_outcome))])
         if self.capture.active:
             self._finish(inflight)
             inflight = None

@@ -97,9 +97,10 @@ class OutputProcessor:
         self.scheduler.finish(seq)
         return self.completion(seq, reason)
 
-    def completion(self, seq: Sequence, reason: int) -> pb.Completion:
-        """The last message of a stream, counted once in ``requests_total`` by outcome."""
-        outcome = pb.FinishReason.Name(reason).removeprefix("FINISH_REASON_").lower()
+    def completion(self, seq: Sequence, reason: int, outcome: str | None = None) -> pb.Completion:
+        """The last message of a stream, counted once in ``requests_total`` by outcome (the
+        reason's name unless ``outcome`` says otherwise)."""
+        outcome = outcome or pb.FinishReason.Name(reason).removeprefix("FINISH_REASON_").lower()
         self.metrics.requests.labels(outcome).inc()
         summary = pb.ExecutionSummary(
             graph_steps=[pb.GraphStepCount(mode=m, size=s, steps=n) for (m, s), n in sorted(seq.graph_steps.items())],
