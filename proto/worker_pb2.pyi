@@ -28,6 +28,7 @@ class FallbackReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FALLBACK_REASON_RECAPTURING: _ClassVar[FallbackReason]
     FALLBACK_REASON_GRAPH_RELEASED_IDLE: _ClassVar[FallbackReason]
     FALLBACK_REASON_SIZE_OVER_MAX_GRAPHS: _ClassVar[FallbackReason]
+    FALLBACK_REASON_COMPUTE_BOUND: _ClassVar[FallbackReason]
 
 class LifecycleState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -87,6 +88,7 @@ FALLBACK_REASON_BACKEND_UNSUPPORTED: FallbackReason
 FALLBACK_REASON_RECAPTURING: FallbackReason
 FALLBACK_REASON_GRAPH_RELEASED_IDLE: FallbackReason
 FALLBACK_REASON_SIZE_OVER_MAX_GRAPHS: FallbackReason
+FALLBACK_REASON_COMPUTE_BOUND: FallbackReason
 LIFECYCLE_STATE_UNSPECIFIED: LifecycleState
 LIFECYCLE_STATE_LOADING: LifecycleState
 LIFECYCLE_STATE_MODEL_LOADED: LifecycleState

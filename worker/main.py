@@ -390,6 +390,7 @@ async def _serve(args: argparse.Namespace, settings: EngineSettings, token: str)
     http_host = getattr(args, "http_host", "") or args.host
     served_name = getattr(args, "served_model_name", "")
     registry = exported_registry(engine, served_name, getattr(args, "vllm_metric_names", True))
+    servers = None
     try:
         servers = build_servers(engine, args.host, args.port, control_host, args.control_port, token, hub, limits)
         track_health(engine, servers.health, loop, watchdog)
@@ -400,9 +401,10 @@ async def _serve(args: argparse.Namespace, settings: EngineSettings, token: str)
 
             http = OpenAIServer(engine, hub, served_name, metrics=registry, limits=limits, watchdog=watchdog)
             await http.start(http_host, args.http_port)
-        await servers.inference.start()
-        await servers.control.start()
+        await servers.start()
     except BaseException:
+        if servers is not None:  # the control gate's socket and private directory
+            servers.control_gate.discard()
         if isinstance(engine, EngineClient):  # a port in use: the engine core must not outlive us
             await asyncio.to_thread(engine.close)
         raise
@@ -434,8 +436,7 @@ async def _serve(args: argparse.Namespace, settings: EngineSettings, token: str)
     elif isinstance(engine, EngineClient):
         await asyncio.to_thread(engine.close)  # a failed engine core exits now; never left holding the device
     # The drain deadline is a deadline: whatever is still open ends now.
-    await asyncio.gather(servers.inference.stop(STOP_GRACE_SECONDS), servers.control.stop(STOP_GRACE_SECONDS),
-                         *((http.stop(),) if http is not None else ()))
+    await asyncio.gather(servers.stop(STOP_GRACE_SECONDS), *((http.stop(),) if http is not None else ()))
     log.info("stopped")
     return code
 

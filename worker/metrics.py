@@ -17,8 +17,8 @@ from graphkeeper.proto import worker_pb2 as pb
 from graphkeeper.proto.enums import lifecycle_name, mode_name, reason_name
 
 #: Label values of graphkeeper_requests_total{outcome}.
-OUTCOMES = ("length", "stop", "eos", "cancelled", "invalid", "oversize", "undecodable", "queue_full", "unavailable",
-            "error")
+OUTCOMES = ("length", "stop", "eos", "cancelled", "write_timeout", "invalid", "oversize", "undecodable", "queue_full",
+            "unavailable", "error")
 #: Label values of graphkeeper_step_duration_seconds{execution_mode}.
 EXECUTION_MODES = ("full", "piecewise", "eager")
 #: Label values of graphkeeper_step_duration_seconds{attention_backend}: which attention ran.
@@ -90,7 +90,8 @@ class WorkerMetrics:
         self.step_sequences = Histogram(
             "graphkeeper_step_sequences", "Sequences per step, by kind (decode or mixed).",
             ["kind"], buckets=_SEQUENCE_BUCKETS, registry=r)
-        self.queue_depth = Gauge("graphkeeper_queue_depth", "Requests waiting for a slot.", registry=r)
+        self.queue_depth = Gauge("graphkeeper_queue_depth", "Requests waiting to start (for a slot or for KV blocks).",
+                                 registry=r)
         self.running_sequences = Gauge("graphkeeper_running_sequences", "Sequences holding a KV slot.",
                                        registry=r)
         self.prompt_tokens = Counter("graphkeeper_prompt_tokens", "Prompt tokens admitted.", registry=r)

@@ -113,6 +113,9 @@ def _worker(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--header-timeout", type=float, default=10.0,
                    help="seconds a request head (HTTP) or the HTTP/2 handshake (gRPC) may take")
     p.add_argument("--body-timeout", type=float, default=30.0, help="seconds an HTTP request body may take")
+    p.add_argument("--write-timeout", type=float, default=30.0,
+                   help="an HTTP response (a stream) whose client takes none of its bytes for this long is cut off "
+                        "and its request cancelled")
     p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                    help="run the engine core (device, scheduler, graphs) in a process of its own, apart from "
                         "the API layer (default); --no-engine-process runs both in one process")

@@ -77,6 +77,10 @@ def test_every_graph_reports_its_replay_and_eager_step_time():
         assert status.captured
         for c in status.captured:
             assert c.replay_seconds > 0 and c.eager_seconds > 0, c
+        eager_by_size: dict[int, set[float]] = {}
+        for c in status.captured:  # both modes' keys of a size time the same eager step, once
+            eager_by_size.setdefault(c.size, set()).add(c.eager_seconds)
+        assert all(len(times) == 1 for times in eager_by_size.values()), eager_by_size
         small = [c for c in status.captured if c.size <= 8]
         assert small and all(c.replay_seconds < c.eager_seconds for c in small), [
             (c.mode, c.size, c.replay_seconds, c.eager_seconds) for c in small]

@@ -104,3 +104,33 @@ def test_a_mixed_batch_replays_graphs_and_keeps_plain_rows_exact(engine):
     reply = engine.tokenizer.decode(mixed[-1][0])
     value = json.loads(reply)
     assert set(value) == {"name", "age"} and 0 <= value["age"] <= 99
+
+
+def test_drawing_tokens_and_processing_logits_never_stall_the_host_on_the_stream():
+    """Every per-step host array (temperatures, seeds, top-k/p, penalty counts, a grammar mask)
+    reaches the device through pinned memory: with torch's sync debug mode set to error, a
+    blocking copy (which waits for the step queued before it) would raise here."""
+    import numpy as np
+
+    from graphkeeper.worker.executor.logits import process
+    from graphkeeper.worker.executor.sampling import sample
+    from graphkeeper.worker.plan import LogitsBatch, SamplingBatch, SamplingSpec
+
+    rows, vocab = 4, 512
+    logits = torch.randn(rows, vocab, device="cuda")
+    sampling = SamplingBatch.build([SamplingSpec(temperature=0.8, top_k=20, top_p=0.9)] * rows, [1, 2, 3, 4],
+                                   np.zeros(rows, np.int64))
+    batch = LogitsBatch(
+        rows=np.arange(2, dtype=np.int64), presence=np.full(2, 0.5, np.float32), frequency=np.full(2, 0.5, np.float32),
+        repetition=np.full(2, 1.1, np.float32), min_p=np.zeros(2, np.float32),
+        counts=np.array([[0, 1], [7, 9], [2, 1]], np.int64), seen=np.array([[0, 1], [7, 9]], np.int64),
+        bias=(np.array([[0], [11]], np.int64), np.array([3.0], np.float32)),
+        mask_rows=np.array([1], np.int64), masks=np.full((1, vocab // 32), -1, np.int32),
+        logprobs=np.full(rows, -1, np.int64))
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        tokens = sample(process(logits, batch, sampling), sampling)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert tokens.shape == (rows,) and int(tokens.max()) < vocab

@@ -3,7 +3,9 @@ both can change without stepping on each other."""
 
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
 
 import grpc
 from worker_harness import CONTROL_SERVICE, Worker
@@ -41,3 +43,27 @@ def cpu_seconds(pid: int) -> float:
         fields = f.read().rsplit(")", 1)[1].split()
     utime, stime = int(fields[11]), int(fields[12])  # fields 14 and 15 of proc(5), after pid and comm
     return (utime + stime) / os.sysconf("SC_CLK_TCK")
+
+
+CHAT_CORPUS = ["the graphs replay every decode step", "kubernetes operator reconciles the policy",
+               "user assistant system says hello"] * 20
+CHAT_TEMPLATE = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+def build_chat_model(root: Path, max_positions: int) -> Path:
+    """random:tiny saved under ``root`` with a trained byte-level BPE tokenizer (ids within its
+    vocabulary) and a chat template: chat requests, text and log probabilities run for real."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from graphkeeper.worker.model.loader import load_model, save_hf_directory
+
+    save_hf_directory(load_model("random:tiny", device="cpu", max_positions=max_positions).model, root)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(CHAT_CORPUS, trainers.BpeTrainer(vocab_size=400, show_progress=False,
+                                                             initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.save(str(root / "tokenizer.json"))
+    (root / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE}))
+    return root

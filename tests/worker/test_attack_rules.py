@@ -3,8 +3,10 @@ watchdog, rate-limited logging, body parsing, torch threads from the CPU quota, 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -14,8 +16,19 @@ from graphkeeper.worker.engine.cpu_quota import quota_cpus, thread_count
 from graphkeeper.worker.engine.reload import load_bounded
 from graphkeeper.worker.engine.watchdog import StepWatchdog, progressed, stalled_for
 from graphkeeper.worker.log_limits import RateLimitFilter, rate_key
+from graphkeeper.worker.serving.control_gate import Relay, to_evict
 from graphkeeper.worker.serving.grpc_limits import server_options
-from graphkeeper.worker.serving.http_limits import admission, clipped, encoding_error, parse_json
+from graphkeeper.worker.serving.http_limits import (
+    Connection,
+    ConnectionGate,
+    admission,
+    clipped,
+    encoding_error,
+    handler_error,
+    parse_json,
+    unsent_bytes,
+    write_overdue,
+)
 from graphkeeper.worker.serving.limits import BASE_FDS, ConnectionLimits, fd_plan, fds_needed, limits_errors
 from graphkeeper.worker.serving.openai_api import ApiError
 
@@ -36,9 +49,20 @@ def test_http_admission(open_count, peer_count, evictable, verdict):
     assert admission(open_count, peer_count, LIMITS, evictable) == verdict
 
 
+def test_a_new_control_connection_replaces_the_least_recently_active():
+    def relay(peer: str, active: float) -> Relay:
+        return Relay(peer, client=None, last_active=active)
+
+    a1, a2, b1 = relay("a", 5.0), relay("a", 1.0), relay("b", 3.0)
+    assert to_evict([a1, a2, b1], "c", per_peer=2, cap=4) is None        # room
+    assert to_evict([a1, a2, b1], "a", per_peer=2, cap=4) is a2          # a's share: its own idlest
+    assert to_evict([a1, b1], "c", per_peer=2, cap=2) is b1              # full: anyone's idlest
+    assert to_evict([a1, a2, b1], "b", per_peer=2, cap=3) is a2
+
+
 def test_the_descriptor_limit_is_raised_to_what_the_caps_need():
     need = fds_needed(LIMITS, http=True)
-    assert need == BASE_FDS + 10 + 10 + 256 + 256
+    assert need == BASE_FDS + 10 + 10 + 3 * 64 + 256  # a control connection: the client's and the relay's two
     assert fd_plan(LIMITS, True, soft=1024, hard=1 << 20) == (need, LIMITS)
     assert fd_plan(LIMITS, True, soft=1 << 16, hard=1 << 20) == (1 << 16, LIMITS)  # never lowered
 
@@ -58,6 +82,7 @@ def test_bad_limits_are_named():
     assert any("--max-connections-per-peer" in e for e in errors)
     assert any("--header-timeout" in e for e in errors)
     assert any("--body-timeout" in e for e in errors)
+    assert any("--write-timeout" in e for e in limits_errors(ConnectionLimits(write_seconds=0)))
     assert limits_errors(ConnectionLimits()) == []
 
 
@@ -68,6 +93,56 @@ def test_grpc_options_evict_idle_and_half_open_connections():
     assert options["grpc.server_handshake_timeout_ms"] == 5_000
     assert options["grpc.keepalive_permit_without_calls"] == 0
     assert options["grpc.http2.max_ping_strikes"] > 0
+
+
+def test_a_response_the_client_takes_nothing_of_is_overdue_after_the_write_timeout():
+    now = [100.0]
+    gate = ConnectionGate(ConnectionLimits(write_seconds=5.0), clock=lambda: now[0])
+    transport = SimpleNamespace(get_write_buffer_size=lambda: 70_000, get_extra_info=lambda key: None)
+    conn = Connection("10.0.0.1", transport=transport, handler=None)
+    assert not write_overdue(conn, 1e9, 5.0, 70_000)            # writing never paused
+    gate.writing(conn, paused=True)
+    now[0] = 104.0
+    gate.writing(conn, paused=True)                             # paused again: the clock keeps its start
+    assert conn.paused_since == 100.0
+    assert not write_overdue(conn, 104.9, 5.0, 70_000) and write_overdue(conn, 105.1, 5.0, 70_000)
+    assert not write_overdue(conn, 105.2, 5.0, 69_000)          # the client took bytes: the clock restarts
+    assert not write_overdue(conn, 110.0, 5.0, 69_000) and write_overdue(conn, 110.3, 5.0, 69_000)
+    gate.writing(conn, paused=False)                            # resumed: no longer waiting on it
+    assert not write_overdue(conn, 1e9, 5.0, 69_000)
+
+
+def test_unsent_bytes_shrink_as_soon_as_a_slow_client_reads():
+    """The socket's send queue counts: reading a few KB moves it, though the buffers hold MBs."""
+    import socket
+
+    with socket.create_server(("127.0.0.1", 0)) as server, socket.socket() as client:
+        client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        client.connect(server.getsockname())
+        conn, _ = server.accept()
+        with conn:
+            conn.setblocking(False)
+            with contextlib.suppress(BlockingIOError):
+                while True:
+                    conn.send(b"x" * 65536)
+            transport = SimpleNamespace(get_write_buffer_size=lambda: 100, get_extra_info=lambda key: conn)
+            full = unsent_bytes(transport)
+            assert full > 65536
+            for _ in range(16):
+                client.recv(4096)
+            time.sleep(0.3)  # the window update and the acknowledgement
+            assert unsent_bytes(transport) < full
+
+
+def test_what_aiohttp_answers_itself_becomes_an_openai_error():
+    from aiohttp.http_exceptions import BadHttpMessage, LineTooLong
+
+    err = handler_error(400, BadHttpMessage("Invalid header value char:\n\n  b'\\x01'\n    ^"), None)
+    assert (err.status, err.type, err.code) == (400, "invalid_request_error", "malformed_http")
+    assert "Invalid header value char" in err.message and "\n" not in err.message
+    assert handler_error(400, LineTooLong("line", "8190"), None).status == 400
+    assert handler_error(500, RuntimeError("bug"), None).body()["error"]["type"] == "server_error"
+    assert handler_error(504, None, None).status == 504
 
 
 # --- the watchdog ----------------------------------------------------------------------------

@@ -24,10 +24,11 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from worker_harness import INFERENCE_SERVICE, Worker, make_request, wait_until
+from worker_harness import INFERENCE_SERVICE, BearerToken, Worker, make_request, wait_until
 
 from graphkeeper.proto import worker_pb2 as pb
 from graphkeeper.proto import worker_pb2_grpc as pb_grpc
+from graphkeeper.worker.serving.limits import CONTROL_MAX_CONNECTIONS
 
 HEADER_TIMEOUT = 2.0
 BODY_TIMEOUT = 3.0
@@ -201,6 +202,33 @@ def test_idle_floods_leave_probes_control_and_new_clients_answered(worker):
             s.close()
 
 
+def test_a_thousand_idle_control_connections_leave_the_operators_call_answered(worker):
+    """1,024 idle HTTP/2 connections to the control port, from 16 addresses: the gate holds at most
+    its cap (8 an address, 64 in all; 256 idle ones used to fill the port until the idle limit
+    closed them), and a new operator client's authenticated call is answered within a few
+    seconds, the least recently active connection closed for it."""
+    port = port_of(worker.control_target)
+    held: list[socket.socket] = []
+    try:
+        for i in range(16):
+            held += open_sockets(port, 64, H2_PREFACE, source=f"127.0.0.{2 + i}")
+        time.sleep(1.0)
+        assert 16 <= still_open(held) <= CONTROL_MAX_CONNECTIONS
+        operator = grpc.intercept_channel(grpc.insecure_channel(worker.control_target), BearerToken(worker.token))
+        try:
+            stub = pb_grpc.GraphControlStub(operator)
+            status = within(lambda: stub.GetGraphStatus(pb.GetGraphStatusRequest(), timeout=3.0))
+            assert status.state == pb.LIFECYCLE_STATE_READY
+        finally:
+            operator.close()
+        with grpc.insecure_channel(worker.control_target) as bare, pytest.raises(grpc.RpcError) as err:
+            pb_grpc.GraphControlStub(bare).GetGraphStatus(pb.GetGraphStatusRequest(), timeout=5.0)
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED  # the token is still checked behind the gate
+    finally:
+        for s in held:
+            s.close()
+
+
 def test_at_the_http_cap_a_new_client_evicts_the_idlest_connection(fresh_workers):
     """With every HTTP connection slot idle, a new client is served (the idlest gives way), and one
     address cannot take more than its share."""
@@ -233,6 +261,77 @@ def test_slow_request_heads_and_bodies_are_cut_off(worker):
         assert closed_within(s, HEADER_TIMEOUT + SLACK) is not None
 
 
+WRITE_TIMEOUT = 2.0
+SHORT = json.dumps({"prompt": "hello", "max_tokens": 4, "ignore_eos": True}).encode()
+
+
+def open_stream(worker: Worker, body: bytes) -> socket.socket:
+    """A raw client that has sent a streaming chat request, with a small receive buffer."""
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    s.connect(("127.0.0.1", port_of(worker.http_url)))
+    s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              b"Content-Length: %d\r\n\r\n" % len(body) + body)
+    return s
+
+
+def test_a_stream_its_client_stops_reading_is_cut_off_and_its_sequence_freed(fresh_workers, tmp_path):
+    """A client that asks for a long stream and never reads: once the socket buffers fill, the
+    response waits on the client for --write-timeout, then the connection is closed and the
+    sequence cancelled, counted as write_timeout (it used to hold its slot and KV blocks until its
+    last token, its handler waiting on the client for good). Beside it, a client that reads its
+    stream slowly (far slower than it is made) is not cut off, and other clients are served."""
+    from hardening_harness import build_chat_model
+
+    model = build_chat_model(tmp_path / "chat", max_positions=16384)
+    w = fresh_workers("--max-num-seqs", "3", "--max-seq-len", "16384", "--max-num-batched-tokens", "256",
+                      "--write-timeout", str(WRITE_TIMEOUT), model=str(model))
+    before = w.metric("graphkeeper_requests_total", outcome="write_timeout")
+    # About 1.3 KB an event (20 alternatives a token): the buffers (a few MB on loopback) fill
+    # after some thousands of the 12,000 tokens asked for, long before the last.
+    body = json.dumps({"messages": [{"role": "user", "content": "hello"}], "max_tokens": 12000, "stream": True,
+                       "logprobs": True, "top_logprobs": 20, "temperature": 0, "ignore_eos": True}).encode()
+    slow, stuck = open_stream(w, body), open_stream(w, body)
+    stop, read = threading.Event(), [0, False]  # bytes read, closed by the server
+
+    def read_slowly() -> None:  # 20 KB/s: its buffers fill too, but it keeps taking bytes
+        slow.settimeout(5)
+        while not stop.is_set():
+            data = slow.recv(2048)
+            read[0] += len(data)
+            if not data:
+                read[1] = True
+                return
+            time.sleep(0.1)
+
+    reader = threading.Thread(target=read_slowly)
+    reader.start()
+    try:
+        wait_until(lambda: w.status().running_sequences == 2, what="both streams running")
+        code, answer = http(w, "/v1/completions", SHORT, {"Content-Type": "application/json"}, timeout=60)
+        assert code == 200 and answer["usage"]["completion_tokens"] == 4  # served beside them
+        wait_until(lambda: w.metric("graphkeeper_requests_total", outcome="write_timeout") == before + 1,
+                   timeout=120, what="the unread stream cut off")
+        stuck.setblocking(False)
+        wait_until(lambda: still_open([stuck]) == 0, what="the connection closed")
+        # The slow reader's buffers, filling almost as fast, are full by now; it keeps reading
+        # and is not cut off (its sequence may have ended meanwhile: its events wait in the buffers).
+        time.sleep(10)
+        assert w.metric("graphkeeper_requests_total", outcome="write_timeout") == before + 1
+        assert not read[1] and read[0] > 0
+        stop.set()
+        reader.join(10)
+        slow.close()
+        wait_until(lambda: w.status().running_sequences == 0, what="every sequence ended")
+        assert w.status().kv_cache.blocks_used == 0
+    finally:
+        stop.set()
+        reader.join(10)
+        slow.close()
+        stuck.close()
+    assert http(w, "/v1/completions", SHORT, {"Content-Type": "application/json"}, timeout=60)[0] == 200
+
+
 # --- bodies ----------------------------------------------------------------------------------
 
 
@@ -256,13 +355,40 @@ def test_bodies_that_made_500s_are_counted_400s(worker, case):
                what="the refusal counted")
 
 
-def test_a_request_aiohttp_cannot_parse_is_a_counted_400(worker):
-    before = worker.metric("graphkeeper_requests_total", outcome="invalid")
+def answer_to(worker: Worker, raw: bytes) -> tuple[int, dict[str, str], bytes]:
+    """(status, headers, body) of the HTTP port's answer to ``raw``, read until it closes."""
     with socket.create_connection(("127.0.0.1", port_of(worker.http_url)), timeout=10) as s:
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nBad Header\r\n\r\n")
-        assert s.recv(65536).split(b" ", 2)[1] == b"400"
+        s.sendall(raw)
+        data = b""
+        while chunk := s.recv(65536):
+            data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:])}
+    return int(lines[0].split(" ", 2)[1]), headers, body
+
+
+UNPARSEABLE = {
+    "a header without a colon": b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nBad Header\r\n\r\n",
+    "a request line that is not HTTP": b"POST /v1/completions HTTP/9.9 extra\r\nHost: x\r\n\r\n",
+    "a broken chunked body": (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                              b"Transfer-Encoding: chunked\r\n\r\nzz\r\n{}\r\n0\r\n\r\n"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(UNPARSEABLE))
+def test_a_request_aiohttp_cannot_parse_is_a_counted_openai_400(worker, case):
+    """What aiohttp answers by itself is OpenAI's JSON error object, not its plain-text page."""
+    before = worker.metric("graphkeeper_requests_total", outcome="invalid")
+    status, headers, body = answer_to(worker, UNPARSEABLE[case])
+    assert status == 400, body
+    assert headers["content-type"].startswith("application/json")
+    error = json.loads(body)["error"]
+    assert error["type"] == "invalid_request_error" and error["code"] == "malformed_http", error
+    assert "not valid HTTP/1.1" in error["message"] and set(error) == {"message", "type", "param", "code"}
     wait_until(lambda: worker.metric("graphkeeper_requests_total", outcome="invalid") >= before + 1,
                what="the unparseable request counted")
+    assert http(worker, "/v1/models", timeout=5)[0] == 200
 
 
 def test_an_unknown_field_of_megabytes_is_not_echoed(worker):

@@ -397,3 +397,39 @@ def test_no_request_waits_while_a_slot_and_its_blocks_are_free(requests, num_blo
                 sched.finish(s)
         if finish_one and sched.running:
             sched.finish(sched.running[0])
+
+
+def test_queued_counts_requests_waiting_for_blocks_while_slots_are_free():
+    """Admission's queue count (``Scheduler.queued``, what ``--max-queue`` compares): a request that
+    waits for KV blocks is queued though slots are free (only slots were counted, so requests piled
+    up behind a full cache past the queue limit), and so is every request behind it."""
+    blocks = BlockManager(4, 4, prefix_caching=False)
+    sched = Scheduler(4, 64, 0, blocks)
+    a = seq(list(range(12)), 4, "a")  # needs 4 blocks (3 of prompt, 1 of reserve), takes 3
+    sched.add(a)
+    sched.schedule()
+    assert blocks.available == 1 and sched.queued() == 0
+    assert sched.queued(1) == 0 and sched.queued(2) == 1  # the one block left starts one arrival
+    sched.schedule()  # a's position 12 takes the last block
+    b, c = seq(list(range(20, 27)), 4, "b"), seq([5], 4, "c")  # b needs 3 blocks, c 2
+    sched.add(b)
+    sched.add(c)
+    assert sched.queued() == 2 and sched.queued(1) == 3  # three slots are free, no block is
+    sched.schedule()
+    assert list(sched.waiting) == [b, c]  # as foreseen
+    sched.finish(a)
+    assert sched.queued() == 0 and sched.queued(1) == 0 and sched.queued(2) == 1
+    sched.schedule()  # b takes 2 of the 4 blocks, c 1 of the 2 left (reserves are checked, not taken)
+    assert sched.running == [b, c] and not sched.waiting
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 40), st.integers(1, 30)), min_size=1, max_size=10),
+       st.integers(1, 6), st.integers(4, 24))
+def test_queued_foresees_what_the_next_admission_leaves_waiting(requests, slots, num_blocks):
+    sched = Scheduler(slots, 64, 0, BlockManager(num_blocks, 4, prefix_caching=False))
+    for i, (prompt, max_new) in enumerate(requests):
+        sched.add(seq(list(range(prompt)), max_new, f"r{i}"))
+    foreseen = sched.queued()
+    sched.schedule()
+    assert len(sched.waiting) == foreseen

@@ -15,6 +15,7 @@ from graphkeeper.proto.policy import PolicyError
 from graphkeeper.worker.engine import Engine, EngineSettings
 from graphkeeper.worker.engine.kv_sizing import UtilizationSizing
 from graphkeeper.worker.engine.scheduler import Scheduler
+from graphkeeper.worker.engine.sequence import Sequence
 from graphkeeper.worker.engine.sizing import UtilizationPlan, utilization_error
 from graphkeeper.worker.engine.traffic import TrafficHistogram
 from graphkeeper.worker.executor.graphs.controller import CaptureController, plan_capture
@@ -23,6 +24,7 @@ from graphkeeper.worker.executor.graphs.economics import IdleRelease
 from graphkeeper.worker.executor.graphs.graph_set import CapturedGraph
 from graphkeeper.worker.executor.graphs.modes import FULL, PIECEWISE, capture_plan
 from graphkeeper.worker.metrics import WorkerMetrics
+from graphkeeper.worker.plan import SamplingSpec
 
 M = pb.GraphMode
 SIZES = [1, 2, 4, 8, 16]
@@ -220,5 +222,6 @@ def test_the_engine_applies_the_same_rules_before_loading_anything():
 def test_queued_counts_what_waits_beyond_the_free_slots():
     s = Scheduler(max_num_seqs=4, max_num_batched_tokens=64, prefill_chunk=0)
     assert s.queued(3) == 0 and s.queued(5) == 1
-    s.waiting.extend([object()] * 2)
+    s.waiting.extend(Sequence(request_id=str(i), tenant="", prompt=[1, 2], max_new_tokens=4,
+                              sampling=SamplingSpec()) for i in range(2))
     assert s.queued(3) == 1 and s.queued() == 0

@@ -51,6 +51,10 @@ REASON_CASES = {
     "tenant_disabled": (DECODE3._replace(graphs_allowed=False), READY, R.FALLBACK_REASON_TENANT_DISABLED),
     "exceeds_max_capture_size": (MIXED5._replace(num_tokens=17), READY,
                                  R.FALLBACK_REASON_EXCEEDS_MAX_CAPTURE_SIZE),
+    "compute_bound": (MIXED5._replace(num_tokens=17),
+                      GraphState(effective_mode=pb.GRAPH_MODE_FULL_AND_PIECEWISE, ladder=LADDER,
+                                 captured=ALL_CAPTURED, compute_bound_above=True),
+                      R.FALLBACK_REASON_COMPUTE_BOUND),
     "no_ladder": (DECODE3, GraphState(effective_mode=pb.GRAPH_MODE_PIECEWISE, ladder=()),
                   R.FALLBACK_REASON_EXCEEDS_MAX_CAPTURE_SIZE),
     "size_over_budget": (

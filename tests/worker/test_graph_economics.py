@@ -243,3 +243,18 @@ def test_the_graphs_table_prints_every_graph_the_total_and_the_traffic():
     empty = graphs_table(pb.GraphStatus(effective_mode=pb.GRAPH_MODE_NONE, mode_downgrade_reason="no CUDA"))
     assert empty[1] == "(no graphs captured: effective mode none, no CUDA)"
     assert graph_rows(pb.GraphStatus())[0]["gain_ms_per_mib"] is None
+
+
+def test_steps_above_every_graph_are_compute_bound_only_when_the_largest_graph_buys_nothing():
+    """The largest PIECEWISE graph (the mode a step with prompt tokens replays) decides: replayed
+    within 3% of its eager time, larger steps are compute bound; clearly faster, they are not."""
+    from graphkeeper.worker.executor.graphs.economics import compute_bound_above
+    from graphkeeper.worker.executor.graphs.modes import FULL, PIECEWISE
+
+    assert compute_bound_above([(PIECEWISE, 64, 0.0010, 0.0030), (PIECEWISE, 512, 0.0100, 0.0102)])
+    assert not compute_bound_above([(PIECEWISE, 64, 0.0010, 0.0010), (PIECEWISE, 512, 0.0100, 0.0110)])
+    # A large FULL graph does not speak for the mixed steps when a PIECEWISE one exists.
+    assert not compute_bound_above([(FULL, 1024, 0.010, 0.010), (PIECEWISE, 512, 0.0100, 0.0120)])
+    assert compute_bound_above([(FULL, 256, 0.005, 0.005), (FULL, 64, 0.001, 0.003)])  # FULL only: the largest
+    assert not compute_bound_above([(PIECEWISE, 512, 0.0, 0.0)]), "nothing measured: nothing claimed"
+    assert not compute_bound_above([])

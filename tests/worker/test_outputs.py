@@ -156,3 +156,34 @@ def test_end_without_an_outcome_fails_the_stream_but_counts_no_request():
     assert out.end([seq], err) == [(seq.stream, [], err)]
     assert seq.finished and not scheduler.running
     assert sum(requests(out, outcome) for outcome in ("length", "stop", "eos", "cancelled", "error")) == 0
+
+
+def test_tokens_fed_ahead_to_the_logits_state_are_not_fed_again_when_the_step_is_published():
+    """A step whose rows need every earlier token feeds the step before's tokens to the penalty
+    counts before that step is published (``accept_ahead``); publishing it then appends the
+    token without counting it twice. A finished sequence's token is fed to nothing."""
+    import torch
+
+    from graphkeeper.worker.engine.logits_state import LogitsState
+    from graphkeeper.worker.engine.outputs import InFlight
+    from graphkeeper.worker.engine.scheduler import ScheduledStep
+    from graphkeeper.worker.executor.runner import Launched
+    from graphkeeper.worker.plan import LogitsSpec
+
+    out, scheduler = processor()
+    seq, done = sequence(max_new_tokens=8, request_id="a"), sequence(max_new_tokens=8, request_id="b")
+    running(scheduler, seq, done)
+    for s in (seq, done):
+        s.logits = LogitsState(LogitsSpec(frequency_penalty=0.5), s.prompt)
+    done.finished = True  # cancelled: its late token is dropped
+    step = ScheduledStep(plan=None, sequences=[seq, done], samplers=[seq, done])
+    inflight = InFlight(step, None, None, Launched(torch.tensor([7, 8]), None, 2), 0.0)
+    out.accept_ahead(inflight)
+    assert seq.logits.counts == {7: 1} and seq.logits.accepted == 1 and seq.output == []
+    assert done.logits.counts == {}
+    out.accept_ahead(inflight)  # a second look feeds nothing more
+    assert seq.logits.counts == {7: 1}
+    out.step_outputs([seq, done], [7, 8], time.perf_counter())
+    assert seq.output == [7] and seq.logits.counts == {7: 1} and seq.logits.accepted == 1
+    out.step_outputs([seq], [7], time.perf_counter())  # the next token, not fed ahead: fed here
+    assert seq.logits.counts == {7: 2} and seq.logits.accepted == 2

@@ -15,7 +15,7 @@ from worker_harness import INFERENCE_SERVICE, generate, make_request, wait_until
 
 from graphkeeper.proto import worker_pb2 as pb
 from graphkeeper.proto import worker_pb2_grpc as pb_grpc
-from graphkeeper.worker.serving.limits import CONTROL_MAX_CONNECTIONS
+from graphkeeper.worker.serving.limits import CONTROL_MAX_CONNECTIONS_PER_PEER
 
 LONG = 480  # new tokens: a request that runs for a while on the tiny model
 PROMPT = [11, 22, 33, 44]
@@ -204,12 +204,13 @@ def _ready(worker) -> bool:
 
 @pytest.mark.parametrize("port", ["inference", "control"])
 def test_each_port_caps_the_connections_it_holds(fresh_workers, port):
-    """Idle connections past the cap are closed at once (3,000 idle ones used to be held, +37 MB);
-    once they go, the port serves again."""
+    """Idle connections past the cap are closed (3,000 idle ones used to be held, +37 MB): at once
+    on the inference port, the least recently active one for each new one on the control port
+    (whose cap for one address is what one address meets); once they go, the port serves again."""
     inference_cap = 64
     worker = fresh_workers("--max-connections", str(inference_cap))
     target, cap = ((worker.target, inference_cap) if port == "inference"
-                   else (worker.control_target, CONTROL_MAX_CONNECTIONS))
+                   else (worker.control_target, CONTROL_MAX_CONNECTIONS_PER_PEER))
     held, closed = idle_connections(target, cap + 20, 20)
     try:
         assert closed >= 20, f"{closed} of {cap + 20} idle connections closed with a cap of {cap}"

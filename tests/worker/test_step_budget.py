@@ -159,3 +159,35 @@ def test_a_worker_states_its_budget_and_where_it_came_from(module_workers):
         assert b.source == "no step times measured (no graphs recorded on cpu)"
     assert "step budget: 256 tokens a step (no step times measured" in worker.log()
 
+
+
+def test_graphs_released_idle_are_priced_eager_and_the_budget_is_planned_again():
+    """After an idle release the steps those graphs served run eager: the model stops pricing them
+    as replays (the ceiling drops to the largest graph still held), keeps their eager timings,
+    and ``install_step_budget`` plans from what the engine holds now."""
+    from types import SimpleNamespace
+
+    from graphkeeper.worker.engine.step_budget import install_step_budget
+    from graphkeeper.worker.settings import EngineSettings
+
+    held = [g for g in h200_like() if g.size <= 128]
+    gone = [g for g in h200_like() if g.size > 128]
+    model = StepTimeModel.from_captured(held, gone)
+    assert model.ceiling == 128
+    assert model.seconds(512) == pytest.approx(0.004 + 6e-6 * 512)  # eager now, as measured at capture
+    assert [s for s, _ in model.eager][-1] == 512
+    graphs = SimpleNamespace(captured={(g.mode, g.size): g for g in held},
+                             released={(g.mode, g.size): g for g in gone})
+    settings = EngineSettings(max_num_batched_tokens=8192, itl_target_ms=0.0)
+    before = install_step_budget(settings, SimpleNamespace(captured={(g.mode, g.size): g for g in h200_like()},
+                                                           released={}), "cuda")
+    after = install_step_budget(settings, graphs, "cuda", kept=before)
+    assert before.model.ceiling == 512 and after.model.ceiling == 128
+    assert after.target == before.target, "the latency target stays; what a step costs changed"
+    assert after.source == before.source + "; graphs released since"
+    # Steps above the new ceiling are priced eager: fewer tokens fit the same target beside decode rows.
+    assert after.with_decode < before.with_decode
+    assert after.with_decode == after.model.largest_within(before.target, 8192)
+    fresh = install_step_budget(settings, graphs, "cuda")  # a capture phase derives the target again
+    assert fresh.source.startswith("derived: a 128-token step")
+    assert install_step_budget(settings, None, "cpu").target is None

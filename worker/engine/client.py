@@ -270,8 +270,8 @@ class EngineClient:
         self._send(Submit(sid, req.SerializeToString()))
         return sid
 
-    def cancel(self, sid: int, reason: int = pb.FINISH_REASON_CANCELLED) -> None:
-        self._send(Cancel(sid, reason))
+    def cancel(self, sid: int, reason: int = pb.FINISH_REASON_CANCELLED, outcome: str | None = None) -> None:
+        self._send(Cancel(sid, reason, outcome))
 
     def apply_policy(self, policy: pb.GraphPolicy) -> pb.ApplyGraphPolicyResponse:
         return self.call("apply_policy", (policy,))

@@ -163,10 +163,12 @@ class Engine:
         self.mailbox.submit(seq)
         return seq
 
-    def cancel(self, seq: Sequence, reason: int = pb.FINISH_REASON_CANCELLED) -> None:
+    def cancel(self, seq: Sequence, reason: int = pb.FINISH_REASON_CANCELLED, outcome: str | None = None) -> None:
         """Ends ``seq`` at the next step; ``reason`` is its finish (FINISH_REASON_STOP when the API
-        layer matched a stop string, so the request is counted as stopped, not cancelled)."""
-        seq.cancel_reason = reason
+        layer matched a stop string, so the request is counted as stopped, not cancelled) and
+        ``outcome`` what ``requests_total`` counts it as when not the reason's own name
+        (``write_timeout``: the API layer cut off a client that stopped reading)."""
+        seq.cancel_reason, seq.cancel_outcome = reason, outcome
         seq.cancelled.set()
         self.mailbox.wake()
 
@@ -336,7 +338,7 @@ class Engine:
         for seq in self.mailbox.take():
             self.scheduler.add(seq)
         for seq in self.scheduler.reap_cancelled():
-            self.publish([(seq.stream, [], self.outputs.completion(seq, seq.cancel_reason))])
+            self.publish([(seq.stream, [], self.outputs.completion(seq, seq.cancel_reason, seq.cancel_outcome))])
         if self.capture.active:
             self._finish(inflight)
             inflight = None
@@ -346,6 +348,8 @@ class Engine:
             self._finish(inflight)  # no step still replaying the graphs being released
             inflight = None
             self.capture.release_idle(self.capture.idle_graphs(self.recorder.last_used))
+            self.scheduler.step_budget = install_step_budget(self.settings, self.capture.graph_set, self.device.type,
+                                                             kept=self.scheduler.step_budget)
         return inflight
 
     def _export_gauges(self) -> None:
@@ -372,7 +376,8 @@ class Engine:
 
         A step with rows that need every earlier token (penalties, grammars) reads the step
         ``before`` it once its own forward pass is queued, so the device computes while the host
-        waits, and builds its logits processing from what that step produced.
+        waits, feeds its tokens to the logits states and builds its logits processing from them;
+        the step before is published after this step's sampling is queued (by the loop).
         """
         plan = step.plan
         desc = BatchDescriptor(plan.num_tokens, plan.uniform_decode,
@@ -384,7 +389,7 @@ class Engine:
         runner = self.slot.runner
         hidden = runner.execute(plan, decision, self.capture.graph_set)
         if step.needs_history:
-            self._finish(before)
+            self.outputs.accept_ahead(before)
             plan.logits = build_logits_batch([s.logits for s in step.samplers])
         launched = runner.sample_and_send(hidden, plan)
         return InFlight(step, decision, desc, launched, started)
@@ -451,8 +456,6 @@ class Engine:
         graphs = self.capture.graph_set
         self.recorder.graphs_captured(list(graphs.captured) if graphs else [])
         self.metrics.policy_generation.set(self.control.policy.generation)
-        s = self.settings
-        self.scheduler.step_budget = install_step_budget(s.max_num_batched_tokens, s.itl_target_ms,
-                                                         graphs.captured.values() if graphs else (), self.device.type)
+        self.scheduler.step_budget = install_step_budget(self.settings, graphs, self.device.type)
         if self.control.captured(self.capture.last_failure):
             log.info("READY: %s", self.capture.summary())

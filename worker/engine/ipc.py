@@ -39,6 +39,7 @@ class Submit:
 class Cancel:
     sid: int
     reason: int = pb.FINISH_REASON_CANCELLED
+    outcome: str | None = None
 
 
 @dataclass(frozen=True)

@@ -6,8 +6,10 @@ nothing to a step. One that asks for penalties keeps its output tokens' counts (
 repetition penalty, its prompt's distinct tokens); one with a grammar keeps the grammar's matcher,
 advanced by each token it receives. Both need every earlier token before their next row is
 sampled (``LogitsSpec.needs_history``): the engine queues such a step's forward pass, then reads
-the step before it (the device computes meanwhile), then builds the batch here and samples.
-Bias, min-p and log probabilities need nothing of the kind and are built with the plan.
+the step before it and feeds its tokens to these states (``OutputProcessor.accept_ahead``; the
+device computes meanwhile), builds the batch here and queues the sampling; the step before is
+published after that, off the path between the two steps' sampling. Bias, min-p and log
+probabilities need nothing of the kind and are built with the plan.
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ class LogitsState:
         self.spec = spec
         self.matcher = matcher
         self.counts: Counter[int] = Counter()
+        #: Output tokens consumed so far: a token fed ahead of its step's publication is not fed twice.
+        self.accepted = 0
         #: The prompt's log probabilities as the prefill computes them (one per prompt token after
         #: the first), and the prompt positions whose chunks were scheduled to compute them.
         self.prompt_entries: list = []
@@ -53,6 +57,7 @@ class LogitsState:
             self.counts[token] += 1
         if self.matcher is not None:
             self.matcher.consume_token(token)
+        self.accepted += 1
 
     @property
     def grammar_done(self) -> bool:

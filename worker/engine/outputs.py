@@ -61,6 +61,24 @@ class OutputProcessor:
         prompt = state.prompt_entries if state.spec.prompt_logprobs >= 0 and not seq.output else None
         return Sampled([token], [_trim(entry, state.spec.logprobs)] if wants else None, prompt)
 
+    @staticmethod
+    def accept_ahead(inflight: InFlight | None) -> None:
+        """Feeds a launched step's tokens to its sequences' logits states before the step is
+        published, so the step after it, whose rows need every earlier token (penalties, a
+        grammar), builds its logits batch and queues its sampling first; the publication follows
+        (``_append`` then feeds nothing twice). A step that cannot be read is left to its
+        publication, which fails its sequences."""
+        if inflight is None or inflight.read:
+            return
+        try:
+            tokens = inflight.launched.tokens().tolist()
+        except Exception:  # noqa: BLE001 - reported where the step is read and published
+            return
+        for seq, token in zip(inflight.step.samplers, tokens, strict=True):
+            state = seq.logits
+            if state is not None and not seq.finished and state.accepted == len(seq.output):
+                state.accept(token)
+
     def prompt_logprobs(self, sequences: list[Sequence], num_decode: int,
                         computed: list[tuple[int, list[TokenLogprob]]]) -> None:
         """Keeps a step's prompt log probabilities with their sequences (prefill chunk ``j`` is
@@ -70,7 +88,7 @@ class OutputProcessor:
 
     def _append(self, seq: Sequence, token: int) -> pb.Completion | None:
         seq.output.append(token)
-        if seq.logits is not None:
+        if seq.logits is not None and seq.logits.accepted < len(seq.output):  # not fed ahead already
             seq.logits.accept(token)
         self.scheduler.received(seq)
         reason = seq.stop_reason()
@@ -79,9 +97,10 @@ class OutputProcessor:
         self.scheduler.finish(seq)
         return self.completion(seq, reason)
 
-    def completion(self, seq: Sequence, reason: int) -> pb.Completion:
-        """The last message of a stream, counted once in ``requests_total`` by outcome."""
-        outcome = pb.FinishReason.Name(reason).removeprefix("FINISH_REASON_").lower()
+    def completion(self, seq: Sequence, reason: int, outcome: str | None = None) -> pb.Completion:
+        """The last message of a stream, counted once in ``requests_total`` by outcome (the
+        reason's name unless ``outcome`` says otherwise)."""
+        outcome = outcome or pb.FinishReason.Name(reason).removeprefix("FINISH_REASON_").lower()
         self.metrics.requests.labels(outcome).inc()
         summary = pb.ExecutionSummary(
             graph_steps=[pb.GraphStepCount(mode=m, size=s, steps=n) for (m, s), n in sorted(seq.graph_steps.items())],

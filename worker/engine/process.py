@@ -176,7 +176,7 @@ class EngineHost:
         elif isinstance(message, Cancel):
             seq = self.sequences.get(message.sid)
             if seq is not None:
-                self.engine.cancel(seq, message.reason)
+                self.engine.cancel(seq, message.reason, message.outcome)
         elif isinstance(message, Call):
             if message.method in SLOW_CALLS:
                 threading.Thread(target=self._answer, args=(message,), name=message.method, daemon=True).start()

@@ -144,11 +144,31 @@ class Scheduler:
         self.waiting.append(seq)
 
     def queued(self, arriving: int = 0) -> int:
-        """Requests that will wait for a slot: ``arriving`` ones not added yet and the waiting ones,
-        less the slots free now (one arriving while a slot is free runs at the next step; it is
-        not queued)."""
-        free = max(self.max_num_seqs - len(self.running), 0)
-        return max(arriving + len(self.waiting) - free, 0)
+        """Requests that will wait: the waiting ones and ``arriving`` ones not added yet, less
+        those the next admission starts (admission's queue limit counts this).
+
+        The next admission is foreseen as ``_admit`` runs it, in order: a sequence starts while a
+        slot and the blocks for its prompt and decode reserve are left, and none starts behind
+        one that waits, so requests waiting for KV blocks are queued even while slots are free.
+        Cached prefix blocks are not looked up (nothing is taken off the engine thread's lock-free
+        state): a prompt whose prefix is cached may be counted as waiting although it would start.
+        An arriving request's prompt is not known here: it is counted as needing one block.
+        Read from other threads: ``waiting`` is copied first (one C call, atomic under the GIL).
+        """
+        waiting = list(self.waiting)
+        slots = max(self.max_num_seqs - len(self.running), 0)
+        free, bs = self.blocks.available, self.block_size
+        starting = 0
+        for seq in waiting:
+            if not slots or (not self.admitting and not seq.preemptions) or seq.samples_scheduled > len(seq.output):
+                break
+            tokens = len(seq.prompt) + len(seq.output)
+            if admission_blocks(tokens, seq.max_new_tokens - len(seq.output), bs) > free:
+                break
+            free, slots, starting = free - blocks_for(tokens, bs), slots - 1, starting + 1  # the reserve is not taken
+        else:  # everything waiting starts: arrivals take the slots left, one block each at least
+            starting += min(arriving, slots, free) if self.admitting else 0
+        return len(waiting) + arriving - starting
 
     @property
     def drained(self) -> bool:

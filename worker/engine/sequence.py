@@ -51,6 +51,9 @@ class Sequence:
     #: How a cancelled sequence finishes: CANCELLED (the client went away) or STOP (the API layer
     #: matched a stop string in its text and ended it early, a normal finish).
     cancel_reason: int = pb.FINISH_REASON_CANCELLED
+    #: The ``requests_total`` outcome a cancelled sequence counts under instead of its reason's
+    #: name (``write_timeout``: its HTTP client took no bytes for ``--write-timeout``).
+    cancel_outcome: str | None = None
     graph_steps: Counter = field(default_factory=Counter)  # (mode, size) -> steps
     eager_steps: Counter = field(default_factory=Counter)  # reason -> steps
     arrived: float = field(default_factory=time.perf_counter)

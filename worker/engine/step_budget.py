@@ -27,11 +27,14 @@ from __future__ import annotations
 
 import logging
 from bisect import bisect_left
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from graphkeeper.proto import worker_pb2 as pb
+
+if TYPE_CHECKING:
+    from graphkeeper.worker.settings import EngineSettings
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +52,13 @@ class TimedGraph(Protocol):
     eager_seconds: float
 
 
+class HeldGraphs(Protocol):
+    """What the budget reads of the engine's graphs (``graph_set.GraphSet``, which imports torch)."""
+
+    captured: Mapping[Any, TimedGraph]
+    released: Mapping[Any, TimedGraph]
+
+
 @dataclass(frozen=True)
 class StepTimeModel:
     """Predicted GPU time of a step with decode rows and prompt tokens, from capture measurements.
@@ -62,14 +72,16 @@ class StepTimeModel:
     eager: tuple[tuple[int, float], ...]
 
     @classmethod
-    def from_captured(cls, captured: Iterable[TimedGraph]) -> StepTimeModel | None:
-        """The model from captured graphs' timings; None when nothing was timed."""
+    def from_captured(cls, captured: Iterable[TimedGraph], released: Iterable[TimedGraph] = ()) -> StepTimeModel | None:
+        """The model from captured graphs' timings; None when nothing was timed. A graph released
+        after sitting idle replays no more (its steps run eager) but its eager timing still holds."""
         timed = [g for g in captured if g.replay_seconds > 0 and g.eager_seconds > 0]
-        if not timed:
+        gone = [g for g in released if g.eager_seconds > 0]
+        if not timed and not gone:
             return None
         mixed = [g for g in timed if g.mode == pb.GRAPH_MODE_PIECEWISE]
         return cls(replay=tuple(sorted((g.size, g.replay_seconds) for g in mixed)),
-                   eager=_rising(_by_size((g.size, g.eager_seconds) for g in timed)))
+                   eager=_rising(_by_size((g.size, g.eager_seconds) for g in [*timed, *gone])))
 
     @property
     def ceiling(self) -> int:
@@ -137,9 +149,11 @@ class StepBudget:
                                    itl_target_seconds=self.target or 0.0, source=self.source)
 
 
-def plan_step_budget(tokens: int, itl_target_ms: float, captured: Iterable[TimedGraph], device: str) -> StepBudget:
-    """The budget a worker runs with once its graphs are captured (and again after a recapture)."""
-    model = StepTimeModel.from_captured(captured)
+def plan_step_budget(tokens: int, itl_target_ms: float, captured: Iterable[TimedGraph], device: str,
+                     released: Iterable[TimedGraph] = ()) -> StepBudget:
+    """The budget a worker runs with once its graphs are captured (and again after a recapture,
+    or after idle graphs were released: the steps they served run eager now)."""
+    model = StepTimeModel.from_captured(captured, released)
     if model is None:
         return StepBudget.fixed(tokens, f"no step times measured (no graphs recorded on {device})")
     if itl_target_ms > 0:
@@ -150,10 +164,18 @@ def plan_step_budget(tokens: int, itl_target_ms: float, captured: Iterable[Timed
                                  f"derived: a {largest}-token step measured at {target * 1e3:.2f} ms at capture")
 
 
-def install_step_budget(tokens: int, itl_target_ms: float, captured: Iterable[TimedGraph], device: str) -> StepBudget:
-    """``plan_step_budget`` for the graphs just captured, logged (the engine's one call, after
-    every capture phase: a recapture measures new step times)."""
-    budget = plan_step_budget(tokens, itl_target_ms, captured, device)
+def install_step_budget(settings: EngineSettings, graphs: HeldGraphs | None, device: str,
+                        kept: StepBudget | None = None) -> StepBudget:
+    """``plan_step_budget`` for the graphs the engine holds, logged: the engine's call after every
+    capture phase (a recapture measures new step times and derives the target again) and after
+    idle graphs were released (``kept``: the budget in force, whose target stays; only what a step
+    is predicted to cost changes, since the released graphs' steps run eager)."""
+    captured = graphs.captured.values() if graphs else ()
+    released = graphs.released.values() if graphs else ()
+    budget = plan_step_budget(settings.max_num_batched_tokens, settings.itl_target_ms, captured, device, released)
+    if kept is not None and kept.target is not None and budget.model is not None:
+        budget = StepBudget.for_target(budget.tokens, kept.target, budget.model,
+                                       f"{kept.source}; graphs released since")
     log.info("step budget: %s", budget.describe())
     return budget
 

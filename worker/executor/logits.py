@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from graphkeeper.worker.executor.transfer import to_device
 from graphkeeper.worker.plan import LogitsBatch, SamplingBatch
 
 
@@ -91,4 +92,4 @@ def pick_logprobs(logprobs: Tensor, tokens: Tensor, top: int) -> tuple[Tensor, T
 
 
 def _dev(array: np.ndarray, device: torch.device) -> Tensor:
-    return torch.from_numpy(np.ascontiguousarray(array)).to(device, non_blocking=True)
+    return to_device(array, device)

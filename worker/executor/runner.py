@@ -22,6 +22,7 @@ from torch import Tensor
 from graphkeeper.worker.executor.graphs.dispatcher import Decision
 from graphkeeper.worker.executor.logits import pick_logprobs, process, raw_logprobs
 from graphkeeper.worker.executor.sampling import sample
+from graphkeeper.worker.executor.transfer import to_device
 from graphkeeper.worker.kernels.linear_kernel import warm_rows
 from graphkeeper.worker.model.attention import BLOCK_Q, AttentionMetadata, SlotAttention
 from graphkeeper.worker.model.kv_cache import KVCache
@@ -262,7 +263,7 @@ class ModelRunner:
         if extra is not None:  # the rows that ask for nothing keep their logits bit for bit
             wanted = np.flatnonzero(extra.logprobs >= 0)
             if len(wanted):  # only the rows that asked: a [rows, vocab] softmax and top-k each
-                at = torch.from_numpy(wanted).to(self.device, non_blocking=True)
+                at = to_device(wanted, self.device)
                 raw = raw_logprobs(logits.index_select(0, at))
             logits = process(logits, extra, plan.sampling)
         tokens = sample(logits, plan.sampling)
@@ -282,7 +283,7 @@ class ModelRunner:
         """A chunk's prompt log probabilities: the LM head on its rows, each row's next prompt token."""
         row = plan.prefill[wanted.chunk].row
         n = len(wanted.targets)
-        targets = torch.from_numpy(wanted.targets).to(self.device, non_blocking=True)
+        targets = to_device(wanted.targets, self.device)
         picked = pick_logprobs(raw_logprobs(self.model.head(hidden[row:row + n])), targets, wanted.top)
         return wanted.chunk, wanted.targets, tuple(t.to("cpu", non_blocking=True) for t in picked)
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from graphkeeper.worker.executor.transfer import to_device
 from graphkeeper.worker.kernels.argmax_kernel import argmax
 from graphkeeper.worker.plan import SamplingBatch
 
@@ -41,13 +42,12 @@ def sample(logits: Tensor, batch: SamplingBatch | None) -> Tensor:
         return greedy
     logits = logits.float()
     device = logits.device
-    temperature = torch.from_numpy(batch.temperature).to(device)
+    temperature = to_device(batch.temperature, device)
     sampled = temperature > 0
-    probs = filtered_probs(logits, temperature.clamp_min(1e-45)[:, None],
-                           torch.from_numpy(batch.top_k).to(device)[:, None],
-                           torch.from_numpy(batch.top_p).to(device)[:, None])
-    noise = exponential_noise(torch.from_numpy(batch.seeds).to(device),
-                              torch.from_numpy(batch.sample_index).to(device), logits.shape[-1])
+    probs = filtered_probs(logits, temperature.clamp_min(1e-45)[:, None], to_device(batch.top_k, device)[:, None],
+                           to_device(batch.top_p, device)[:, None])
+    noise = exponential_noise(to_device(batch.seeds, device), to_device(batch.sample_index, device),
+                              logits.shape[-1])
     drawn = argmax(probs / noise)
     return torch.where(sampled, drawn, greedy)
 

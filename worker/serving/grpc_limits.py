@@ -15,7 +15,8 @@ Python for it):
 
 gRPC has no per-peer connection cap; the kubelet's probes therefore do not use these ports at
 all (they ask the metrics port's ``/readyz``, whose server evicts the longest-waiting connection
-at its cap: docs/worker.md, "Connection limits").
+at its cap: docs/serving.md, "Connection limits"), and the control port's server listens behind
+a gate that has one (``control_gate``).
 """
 
 from __future__ import annotations

@@ -51,8 +51,9 @@ from graphkeeper.worker.serving.admission import (
     max_request_bytes,
     validate_reload_request,
 )
+from graphkeeper.worker.serving.control_gate import ControlGate
 from graphkeeper.worker.serving.grpc_limits import server_options
-from graphkeeper.worker.serving.limits import CONTROL_MAX_CONNECTIONS, ConnectionLimits
+from graphkeeper.worker.serving.limits import CONTROL_UPSTREAM_MAX_CONNECTIONS, ConnectionLimits
 from graphkeeper.worker.serving.streams import (
     StreamHub,
     TokenStream,
@@ -287,12 +288,24 @@ class Servers:
     inference_port: int
     control_port: int
     health: health.aio.HealthServicer
+    #: What listens on the control port: it relays to ``control``, which listens on a Unix socket.
+    control_gate: ControlGate
+
+    async def start(self) -> None:
+        await self.inference.start()
+        await self.control.start()
+        await self.control_gate.start()
+
+    async def stop(self, grace: float) -> None:
+        await self.control_gate.stop()
+        await asyncio.gather(self.inference.stop(grace), self.control.stop(grace))
 
 
 def build_servers(engine: EngineFace, host: str, port: int, control_host: str, control_port: int,
                   token: str, hub: StreamHub | None = None, limits: ConnectionLimits | None = None) -> Servers:
     """Both servers with their services registered, bound and unstarted, each with its
-    connection limits (``grpc_limits``).
+    connection limits (``grpc_limits``); the control server behind its gate (``control_gate``),
+    which binds the control address.
 
     Raises OSError naming the address when a port cannot be bound (in use, or not an address here).
     """
@@ -306,12 +319,19 @@ def build_servers(engine: EngineFace, host: str, port: int, control_host: str, c
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, inference)
     reflection.enable_server_reflection((INFERENCE_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), inference)
     interceptors = (BearerTokenInterceptor(token),) if token else ()
-    control = grpc.aio.server(options=server_options(limits, CONTROL_MAX_CONNECTIONS), interceptors=interceptors)
+    # The gate holds the cap (``control_gate``); gRPC's own only bounds what it has not yet seen close.
+    control = grpc.aio.server(options=server_options(limits, CONTROL_UPSTREAM_MAX_CONNECTIONS),
+                              interceptors=interceptors)
     pb_grpc.add_GraphControlServicer_to_server(GraphControlServicer(engine), tolerant(control))
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, control)
     bound = _bind(inference, host, port)
-    bound_control = _bind(control, control_host, control_port)
-    return Servers(inference, control, bound, bound_control, health_servicer)
+    gate = ControlGate(control_host, control_port)
+    try:
+        _bind(control, gate.upstream_target, None)
+    except BaseException:
+        gate.discard()
+        raise
+    return Servers(inference, control, bound, gate.port, health_servicer, gate)
 
 
 def _undecodable_counter(engine: EngineFace) -> Callable[[str], None]:
@@ -322,8 +342,9 @@ def _undecodable_counter(engine: EngineFace) -> Callable[[str], None]:
     return count
 
 
-def _bind(server: grpc.aio.Server, host: str, port: int) -> int:
-    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+def _bind(server: grpc.aio.Server, host: str, port: int | None) -> int:
+    """Binds ``host:port`` (``host`` alone when ``port`` is None: a ``unix:`` address)."""
+    address = host if port is None else f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     try:
         bound = server.add_insecure_port(address)
     except RuntimeError as err:  # grpc raises RuntimeError when the port is taken

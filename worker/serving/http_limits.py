@@ -7,7 +7,12 @@ does not enforce by itself.
   when every connection is busy, or the peer holds its share, the new one is closed at once. A
   request head that has not arrived whole ``header_seconds`` after its first byte is cut off
   (slowloris); a socket that never sends a byte, or a kept-alive one with no next request, is
-  closed after ``idle_seconds`` by aiohttp's keep-alive timeout (``runner_options``).
+  closed after ``idle_seconds`` by aiohttp's keep-alive timeout (``runner_options``). A response
+  its client takes no bytes of for ``write_seconds`` (the transport's writing paused and what
+  the client has not taken not shrinking: a stream nobody reads, whose handler would wait in
+  ``drain`` for good while its sequence holds a slot and KV blocks) is cut off: the connection
+  is closed, which cancels the handler and so the request, counted as ``write_timeout``.
+  Checked by the same sweep, so a write costs nothing more than it did.
 - ``read_body`` refuses a ``Content-Encoding`` (no OpenAI client compresses a request, and a
   1 MB gzip body of 1 GiB cost 15-30 MB each), a body over the size limit from its header, and a
   body that does not arrive within ``body_seconds``.
@@ -15,13 +20,19 @@ does not enforce by itself.
   the limit, and 100 only when it could be read.
 - ``parse_json`` turns the bytes into JSON or a 400 naming the body: never a 500 (an integer of
   5,000 digits raised ``ValueError``), ``NaN`` and ``Infinity`` refused as the JSON they are not.
+- ``OpenAIRequestHandler`` answers what aiohttp answers by itself (a request it cannot parse)
+  with OpenAI's JSON error object rather than plain text.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import fcntl
 import json
 import logging
+import struct
+import termios
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -29,6 +40,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestHandler
 
 from graphkeeper.worker.log_limits import rate_key
 from graphkeeper.worker.serving.limits import ConnectionLimits
@@ -56,6 +69,11 @@ class Connection:
     handler: Any  # aiohttp's RequestHandler
     #: When the bytes of a request head began arriving (None: none pending).
     head_since: float | None = None
+    #: Since when the transport's writing has been paused (its buffer full) with the client
+    #: taking none of it (None: not paused).
+    paused_since: float | None = None
+    #: What the client had not taken (``unsent_bytes``) when last looked at while paused.
+    paused_buffer: int = 0
 
     @property
     def busy(self) -> bool:
@@ -76,6 +94,32 @@ def head_overdue(conn: Connection, now: float, header_seconds: float) -> bool:
     return conn.head_since is not None and not conn.busy and now - conn.head_since > header_seconds
 
 
+def unsent_bytes(transport: asyncio.Transport) -> int:
+    """Bytes of the response its client has not taken: the transport's buffer and the socket's
+    send queue (sent but not acknowledged, or not sent yet). The socket's queue is what shrinks
+    when a slow client reads a little: the transport's buffer moves only once the socket has room
+    for a good share of it again."""
+    buffered = transport.get_write_buffer_size()
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        with contextlib.suppress(OSError, ValueError):
+            buffered += struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0"))[0]
+    return buffered
+
+
+def write_overdue(conn: Connection, now: float, write_seconds: float, buffered: int) -> bool:
+    """The client has taken none of the response for ``write_seconds``: asyncio paused the
+    transport's writing (its buffer past the high-water mark) and since then what the client has
+    not taken (``unsent_bytes``, now ``buffered``) has not shrunk. A client that reads, however
+    slowly, restarts the clock."""
+    if conn.paused_since is None:
+        return False
+    if buffered < conn.paused_buffer:
+        conn.paused_since = now
+    conn.paused_buffer = buffered
+    return now - conn.paused_since > write_seconds
+
+
 @dataclass
 class GateCounts:
     """What the gate refused, for the attack bench and the tests (read through ``/metrics``
@@ -84,6 +128,7 @@ class GateCounts:
     refused: int = 0
     evicted: int = 0
     slow_heads: int = 0
+    slow_readers: int = 0
 
 
 class ConnectionGate:
@@ -134,6 +179,13 @@ class ConnectionGate:
         elif conn.head_since is None:
             conn.head_since = self.clock()
 
+    def writing(self, conn: Connection, paused: bool) -> None:
+        """The transport paused (its buffer full) or resumed writing to the client."""
+        if not paused:
+            conn.paused_since = None
+        elif conn.paused_since is None:
+            conn.paused_since, conn.paused_buffer = self.clock(), unsent_bytes(conn.transport)
+
     def release(self, conn: Connection) -> None:
         if conn in self.open:
             del self.open[conn]
@@ -154,6 +206,15 @@ class ConnectionGate:
         if late:
             log.warning("HTTP: closed %d connection(s) whose request head did not arrive within %.0f s",
                         len(late), self.limits.header_seconds, extra=rate_key("http-slow-head"))
+        stuck = [c for c in self.open if c.paused_since is not None
+                 and write_overdue(c, now, self.limits.write_seconds, unsent_bytes(c.transport))]
+        for conn in stuck:
+            self.counts.slow_readers += 1
+            conn.handler.write_timed_out = True  # the request counts as write_timeout, not cancelled
+            self._drop(conn)
+        if stuck:
+            log.warning("HTTP: closed %d connection(s) whose client took none of its response for %.0f s",
+                        len(stuck), self.limits.write_seconds, extra=rate_key("http-slow-reader"))
         self._sweeper = loop.call_later(SWEEP_SECONDS, self._sweep, loop)
 
 
@@ -194,10 +255,12 @@ class _GatedProtocol(asyncio.Protocol):
 
     def pause_writing(self) -> None:
         if self.conn is not None:
+            self.gate.writing(self.conn, paused=True)
             self.conn.handler.pause_writing()
 
     def resume_writing(self) -> None:
         if self.conn is not None:
+            self.gate.writing(self.conn, paused=False)
             self.conn.handler.resume_writing()
 
 
@@ -236,6 +299,9 @@ async def read_body(request: web.Request, max_body: int, timeout: float) -> byte
         raise too_large(max_body) from None
     except TimeoutError:
         raise ApiError(408, f"the request body did not arrive within {timeout:g} s", code="body_timeout") from None
+    except HttpProcessingError as err:  # a broken chunked framing, a body cut short
+        raise ApiError(400, f"the request body is not valid HTTP/1.1: {clip(' '.join(err.message.split()), 200)}",
+                       code="malformed_http") from None
 
 
 def expect_handler(max_body: int, refused: Callable[[web.Request, ApiError], web.Response]):
@@ -319,6 +385,58 @@ def clipped(err: ApiError) -> ApiError:
     return ApiError(err.status, clip(err.message, MAX_MESSAGE_CHARS), param, err.type, err.code)
 
 
+# --- what aiohttp answers by itself ----------------------------------------------------------
+
+
+def handler_error(status: int, exc: BaseException | None, message: str | None) -> ApiError:
+    """The OpenAI error for what aiohttp's request handler answers itself (pure): a request whose
+    bytes are not HTTP/1.1 (a request line, a header or the body's framing: 400 naming what), a
+    handler that timed out (504), anything else (500)."""
+    if isinstance(exc, HttpProcessingError):
+        what = clip(" ".join(str(exc.message or message or "malformed").split()), 200)
+        code = exc.code if 400 <= (exc.code or 0) < 500 else 400
+        return ApiError(code, f"the request is not valid HTTP/1.1: {what}", code="malformed_http")
+    if status == 504:
+        return ApiError(504, "the request timed out", type_="server_error", code="timeout")
+    if 400 <= status < 500:
+        return ApiError(status, clip(message or "the request could not be read", 200))
+    return ApiError(500, "internal error: the server failed to answer this request", type_="server_error")
+
+
+class OpenAIRequestHandler(RequestHandler):
+    """aiohttp's request handler, answering what never reaches a route (a request line or header
+    it cannot parse, a body whose chunked framing is broken, an error no middleware caught) with
+    OpenAI's JSON error object instead of a plain-text page. A middleware never sees a request that
+    did not parse (aio-libs/aiohttp#3287): ``handle_error`` is where aiohttp's handler answers
+    each of these, so it is overridden here (aiohttp is pinned, ``constraints.txt``).
+
+    ``write_timed_out`` is set by the connection gate when it closes the connection because the
+    client took no bytes of its response for ``write_seconds`` (the request is then counted as
+    ``write_timeout``)."""
+
+    __slots__ = ("write_timed_out",)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.write_timed_out = False
+
+    def handle_error(self, request: Any, status: int = 500, exc: BaseException | None = None,
+                     message: str | None = None) -> web.StreamResponse:
+        # aiohttp's own logs it (``HandlerLog`` counts a parse failure) and refuses once a
+        # response has begun; its plain-text answer is replaced.
+        super().handle_error(request, status, exc, message)
+        err = handler_error(status, exc, message)
+        response = web.Response(body=json.dumps(err.body()).encode(), status=err.status,
+                                content_type="application/json")
+        response.force_close()
+        return response
+
+
+def handler_factory(server: web.Server) -> Callable[[], OpenAIRequestHandler]:
+    """What makes each connection's handler: aiohttp's ``Server`` would, with its own options."""
+    return lambda: OpenAIRequestHandler(server, loop=server._loop, **server._kwargs)
+
+
 # --- aiohttp's own error log -----------------------------------------------------------------
 
 
@@ -332,8 +450,6 @@ class HandlerLog(logging.LoggerAdapter):
         self.on_parse_failure = on_parse_failure
 
     def exception(self, msg: Any, *args: Any, exc_info: Any = True, **kwargs: Any) -> None:
-        from aiohttp.http_exceptions import HttpProcessingError
-
         err = exc_info if isinstance(exc_info, BaseException) else None
         peer = str(args[0]) if args else "?"
         if isinstance(err, HttpProcessingError):

@@ -47,6 +47,7 @@ from graphkeeper.worker.serving.http_limits import (
     HandlerLog,
     clipped,
     expect_handler,
+    handler_factory,
     parse_json,
     read_body,
     runner_options,
@@ -316,12 +317,14 @@ class OpenAIServer:
                 return await _stream_runs(runs, request)
             return await _respond(runs)
         except BaseException:
-            # Whatever ends the handler before the sequence ended (the client went away, the server
-            # is stopping, an error of this process) frees its slot, unless a stop string already
-            # ended it (it then finishes as a stop).
+            # Whatever ends the handler before the sequence ended (the client went away, the gate
+            # cut off a client that stopped reading, the server is stopping, an error of this
+            # process) frees its slot, unless a stop string already ended it (it then finishes as
+            # a stop).
+            outcome = "write_timeout" if getattr(request.protocol, "write_timed_out", False) else None
             for run in runs:
                 if not run.ended and not run.matcher.stopped:
-                    engine.cancel(run.seq)
+                    engine.cancel(run.seq, pb.FINISH_REASON_CANCELLED, outcome)
             raise
         finally:
             self.hub.open_streams -= len(runs)
@@ -547,5 +550,5 @@ class _GatedSite(web.TCPSite):
         await web.BaseSite.start(self)
         loop = asyncio.get_running_loop()
         self._server = await loop.create_server(
-            self.gate.factory(self._runner.server), self._host, self._port, backlog=self._backlog,
+            self.gate.factory(handler_factory(self._runner.server)), self._host, self._port, backlog=self._backlog,
             reuse_address=self._reuse_address, reuse_port=self._reuse_port)

@@ -26,8 +26,18 @@ MAX_CONNECTIONS = 4096
 #: One peer address's share of the HTTP port: a gateway pools far fewer, an attacker from one
 #: address cannot take the whole port.
 MAX_CONNECTIONS_PER_PEER = 1024
-#: The control port serves the operator and ``graphkeeper status`` only.
-CONTROL_MAX_CONNECTIONS = 256
+#: The control port serves the operator (a connection or two per replica) and ``graphkeeper
+#: status`` only; its gate (``control_gate``) holds this many, and this many from one address,
+#: closing the least recently active connection for a new one.
+CONTROL_MAX_CONNECTIONS = 64
+CONTROL_MAX_CONNECTIONS_PER_PEER = 8
+#: The cap of the gRPC server behind the control gate: far above the gate's, since a connection
+#: the gate has closed counts for gRPC until its poller sees it go (with twice the gate's cap, a
+#: burst of evictions made gRPC refuse the connections that replaced them).
+CONTROL_UPSTREAM_MAX_CONNECTIONS = 1024
+#: Descriptors a control connection takes: the client's, and the gate's relay to the gRPC
+#: server's Unix socket at both ends.
+CONTROL_FDS_PER_CONNECTION = 3
 #: The metrics port's cap (its server evicts the longest-waiting connection at the cap).
 METRICS_MAX_CONNECTIONS = 256
 #: Descriptors the process needs besides its connections: the model's files, pipes to the
@@ -51,6 +61,9 @@ class ConnectionLimits:
     header_seconds: float = 10.0
     #: A request body must arrive within this (HTTP: 408 past it).
     body_seconds: float = 30.0
+    #: HTTP: a response its client takes no bytes of for this long (its socket buffers full: a
+    #: stream nobody reads) is cut off, its request cancelled and its connection closed.
+    write_seconds: float = 30.0
     #: gRPC: a connection is asked to go away after this long (a client reconnects, and a
     #: long-lived one cannot pin memory or a peer's share forever); streams get a grace period.
     max_age_seconds: float = 1800.0
@@ -65,7 +78,8 @@ def limits_errors(limits: ConnectionLimits) -> list[str]:
     if limits.max_connections_per_peer < 1:
         errors.append(f"--max-connections-per-peer must be at least 1, got {limits.max_connections_per_peer}")
     for flag, value in (("--connection-idle-seconds", limits.idle_seconds),
-                        ("--header-timeout", limits.header_seconds), ("--body-timeout", limits.body_seconds)):
+                        ("--header-timeout", limits.header_seconds), ("--body-timeout", limits.body_seconds),
+                        ("--write-timeout", limits.write_seconds)):
         if not value > 0 or value != value or value == float("inf"):
             errors.append(f"{flag} must be a positive number of seconds, got {value}")
     return errors
@@ -73,7 +87,7 @@ def limits_errors(limits: ConnectionLimits) -> list[str]:
 
 def fds_needed(limits: ConnectionLimits, http: bool) -> int:
     """Descriptors the API process needs when every port is at its cap."""
-    ports = limits.max_connections + CONTROL_MAX_CONNECTIONS + METRICS_MAX_CONNECTIONS
+    ports = limits.max_connections + CONTROL_FDS_PER_CONNECTION * CONTROL_MAX_CONNECTIONS + METRICS_MAX_CONNECTIONS
     return BASE_FDS + ports + (limits.max_connections if http else 0)
 
 
@@ -87,7 +101,7 @@ def fd_plan(limits: ConnectionLimits, http: bool, soft: int, hard: int) -> tuple
     need = fds_needed(limits, http)
     if need <= hard:
         return max(soft, need), limits
-    spare = hard - BASE_FDS - CONTROL_MAX_CONNECTIONS - METRICS_MAX_CONNECTIONS
+    spare = hard - BASE_FDS - CONTROL_FDS_PER_CONNECTION * CONTROL_MAX_CONNECTIONS - METRICS_MAX_CONNECTIONS
     each = max(16, spare // (2 if http else 1))
     shrunk = ConnectionLimits(**{**limits.__dict__, "max_connections": each,
                                  "max_connections_per_peer": min(limits.max_connections_per_peer, each)})
@@ -103,7 +117,8 @@ def limits_from_args(args: Any) -> ConnectionLimits:
         max_connections_per_peer=min(total, getattr(args, "max_connections_per_peer", d.max_connections_per_peer)),
         idle_seconds=getattr(args, "connection_idle_seconds", d.idle_seconds),
         header_seconds=getattr(args, "header_timeout", d.header_seconds),
-        body_seconds=getattr(args, "body_timeout", d.body_seconds))
+        body_seconds=getattr(args, "body_timeout", d.body_seconds),
+        write_seconds=getattr(args, "write_timeout", d.write_seconds))
 
 
 def apply_fd_limit(limits: ConnectionLimits, http: bool) -> ConnectionLimits:

@@ -59,6 +59,9 @@ class CaptureJob:
     last_cost: int = 0
     stopped_by_budget: bool = False
     primed: set[int] = field(default_factory=set)  # sizes whose eager step ran (``_prime``)
+    #: Each size's eager step time, measured once: the FULL and PIECEWISE keys of a size time the
+    #: same eager step (the model's forward on the same probe), so the second key does not run it again.
+    eager_seconds: dict[int, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         with self._timed("setup"):
@@ -167,7 +170,9 @@ class CaptureJob:
         with self._timed("validate"):
             problem = validate(self.graphs, mode, size, probe, self.tolerance)
             if not problem:
-                entry.replay_seconds, entry.eager_seconds = time_step(self.graphs, mode, size, probe)
+                entry.replay_seconds, entry.eager_seconds = time_step(self.graphs, mode, size, probe,
+                                                                      eager=self.eager_seconds.get(size))
+                self.eager_seconds[size] = entry.eager_seconds
         entry.seconds = sum(self.parts.values()) - began  # everything this key took
         if problem:
             self._drop(mode, size, pb.FALLBACK_REASON_SIZE_CAPTURE_FAILED, f"validation failed: {problem}")
@@ -240,11 +245,12 @@ TIMING_REPEATS = 3
 
 
 def time_step(graphs: GraphSet, mode: int, size: int, probe: StepPlan,
-              repeats: int = TIMING_REPEATS) -> tuple[float, float]:
+              repeats: int = TIMING_REPEATS, eager: float | None = None) -> tuple[float, float]:
     """(replayed, eager) GPU seconds of one step of ``size`` rows on the probe batch, by CUDA events
     on the current stream; the least of ``repeats`` runs each. The eager side is the same step the
     dispatcher runs when it falls back (the model's forward on the same kernels), so the difference
-    is what the graph buys per step: launch overhead removed. Input preparation is outside both."""
+    is what the graph buys per step: launch overhead removed. Input preparation is outside both.
+    ``eager``: the size's eager time measured already (by its other mode's key): not run again."""
     runner = graphs.runner
 
     def timed(run) -> float:
@@ -260,7 +266,8 @@ def time_step(graphs: GraphSet, mode: int, size: int, probe: StepPlan,
         return best
 
     replay = timed(lambda meta: graphs.replay(mode, size, meta))
-    eager = timed(lambda meta: runner.forward_eager(meta, size))
+    if eager is None:
+        eager = timed(lambda meta: runner.forward_eager(meta, size))
     return replay, eager
 
 

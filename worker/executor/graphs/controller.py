@@ -22,7 +22,7 @@ from graphkeeper.proto.enums import mode_name, reason_name
 from graphkeeper.proto.policy import effective_requested_mode, resolve_capture_sizes
 from graphkeeper.worker.executor.graphs.capture import CaptureJob
 from graphkeeper.worker.executor.graphs.dispatcher import Dispatcher, GraphState
-from graphkeeper.worker.executor.graphs.economics import IdleRelease, limit_plan
+from graphkeeper.worker.executor.graphs.economics import IdleRelease, compute_bound_above, limit_plan
 from graphkeeper.worker.executor.graphs.graph_set import GraphSet, Skipped
 from graphkeeper.worker.executor.graphs.modes import Key, capture_plan, downgrade_mode
 from graphkeeper.worker.executor.runner import ModelRunner
@@ -176,6 +176,8 @@ class CaptureController:
             effective_mode=self.effective_mode, ladder=tuple(self.ladder),
             captured=frozenset(graphs.captured), skipped={k: v.reason for k, v in graphs.skipped.items()},
             released=frozenset(graphs.released),
+            compute_bound_above=compute_bound_above(
+                (g.mode, g.size, g.replay_seconds, g.eager_seconds) for g in graphs.captured.values()),
         ))
 
     def idle_graphs(self, last_used: Callable[[], Mapping[Key, float]], now: float | None = None) -> set[Key]:

@@ -46,7 +46,9 @@ class GraphState:
     ``recapturing`` while a new set is being captured (every step runs eager meanwhile);
     ``skipped`` maps (mode, size) to SIZE_OVER_BUDGET, SIZE_OVER_MAX_GRAPHS or SIZE_CAPTURE_FAILED;
     ``released`` holds the keys whose graphs were released after sitting idle (not in ``captured``
-    any more: they come back only at the next capture phase, never on the request path).
+    any more: they come back only at the next capture phase, never on the request path);
+    ``compute_bound_above`` when the largest captured size measured no faster replayed than eager
+    (``economics.compute_bound_above``): a step larger still is COMPUTE_BOUND, not a missing graph.
     """
 
     effective_mode: int = NONE
@@ -56,6 +58,7 @@ class GraphState:
     backend_unsupported: bool = False
     recapturing: bool = False
     released: frozenset[tuple[int, int]] = frozenset()
+    compute_bound_above: bool = False
 
 
 def decide(desc: BatchDescriptor, state: GraphState, table: list[int]) -> Decision:
@@ -73,6 +76,8 @@ def decide(desc: BatchDescriptor, state: GraphState, table: list[int]) -> Decisi
     if not modes:
         return Decision(NONE, n, pb.FALLBACK_REASON_MODE_EXCLUDES_STEP)
     if not state.ladder or n > state.ladder[-1]:
+        if state.compute_bound_above:
+            return Decision(NONE, n, pb.FALLBACK_REASON_COMPUTE_BOUND)
         return Decision(NONE, n, pb.FALLBACK_REASON_EXCEEDS_MAX_CAPTURE_SIZE)
     padded = table[n]
     for mode in modes:

@@ -11,6 +11,8 @@ memory budget's bound, as pure decisions (no device), so each is testable anywhe
   adopted policy's idle-release time and how often to look (the capture controller owns one).
 - ``over_budget_drops``: which graphs to give back, most recently captured first (the smallest
   of the largest-first plan), until what stays is within the budget.
+- ``compute_bound_above``: whether steps larger than every graph are compute bound (the largest
+  graph measured no faster than the same step eager), so their eager steps say COMPUTE_BOUND.
 """
 
 from __future__ import annotations
@@ -116,3 +118,20 @@ def over_budget_drops(captured_order: list[tuple[Key, int]], held: int, budget: 
         drops.append(key)
         left -= max(cost, 0)
     return drops
+
+
+#: A graph within this share of its step's eager time buys nothing measurable.
+COMPUTE_BOUND_MARGIN = 0.03
+
+
+def compute_bound_above(timings: Iterable[tuple[int, int, float, float]]) -> bool:
+    """Whether a step larger than every captured size is compute bound: at the largest size with a
+    PIECEWISE graph (the mode a step with prompt tokens replays; FULL when there is none) the
+    measured replay is no faster than eager, within ``COMPUTE_BOUND_MARGIN``. ``timings`` are
+    (mode, size, replay seconds, eager seconds) of the captured graphs; unmeasured ones count
+    for nothing (pure)."""
+    measured = [t for t in timings if t[2] > 0 and t[3] > 0]
+    if not measured:
+        return False
+    top = max(measured, key=lambda t: (t[0] == PIECEWISE, t[1]))
+    return top[3] <= top[2] * (1 + COMPUTE_BOUND_MARGIN)

@@ -1,0 +1,25 @@
+"""Small per-step host arrays on their way to the device, without stalling the host.
+
+A step's sampling and logits-processing parameters (temperatures, seeds, penalty counts, grammar
+masks, row indices) are numpy arrays built on the host for each step. Copied straight from
+pageable memory, a copy may make the driver wait for the work already queued on the stream
+(a blocking ``.to(device)`` always does): the host would stall behind the forward pass it has
+just launched, and the next step's host work would no longer overlap the device. Staged through
+pinned memory (torch's caching host allocator, which keeps a block until its copy has run) the
+copy is queued like any kernel and the host goes on at once.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import Tensor
+
+
+def to_device(array: np.ndarray, device: torch.device) -> Tensor:
+    """``array`` as a tensor on ``device``, queued without a host stall (the same tensor, sharing
+    the array's memory, on a CPU device)."""
+    host = torch.from_numpy(np.ascontiguousarray(array))
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
