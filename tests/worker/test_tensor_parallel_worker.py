@@ -9,6 +9,7 @@ worker down (not ready, non-zero exit) rather than leaving it hanging.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -122,6 +123,22 @@ def test_a_follower_that_dies_fails_the_worker_and_it_exits_non_zero(fresh_worke
     assert worker.proc.wait(timeout=30) != 0
     assert time.monotonic() - started < 30
     assert "tensor parallel: rank 1" in worker.log()
+
+
+def test_a_follower_that_hangs_fails_the_worker_once_the_collective_times_out(fresh_workers):
+    worker = fresh_workers(*SHAPE, "--tensor-parallel-size", "2", env={"GRAPHKEEPER_TP_TIMEOUT_SECONDS": "10"})
+    follower = follower_of(worker)
+    os.kill(follower.pid, signal.SIGSTOP)  # alive, but never answers: only the timeout can tell
+    try:
+        stream = worker.inference.Generate(make_request([5, 6, 7], 20, ignore_eos=True), timeout=120)
+        with pytest.raises(grpc.RpcError):
+            for _ in stream:
+                pass
+        assert worker.proc.wait(timeout=60) != 0
+        assert "tensor parallel: rank 0's forward pass failed" in worker.log()
+    finally:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            follower.kill()
 
 
 def test_a_follower_that_fails_to_load_ends_the_start_with_its_reason(fresh_workers):

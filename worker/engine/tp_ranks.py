@@ -21,8 +21,9 @@ Failure is never a hang. Rank 0 watches its followers (their process sentinels a
 thread: a follower that exits, or reports that it failed (to load, or in any command: a rank that
 fell out of step cannot be put back), ends the engine core at once with exit code 1, so the API
 process reports the worker failed (health NOT_SERVING) and exits non-zero. Every collective has a
-timeout (``COLLECTIVE_TIMEOUT_SECONDS``). A follower dies with rank 0: the kernel kills it when its
-parent goes (``PR_SET_PDEATHSIG``), and its pipe's end makes it exit.
+timeout (``COLLECTIVE_TIMEOUT_SECONDS``), so a follower that hangs rather than dies fails rank 0's
+next forward pass, which ends the engine core the same way. A follower dies with rank 0: the
+kernel kills it when its parent goes (``PR_SET_PDEATHSIG``), and its pipe's end makes it exit.
 
 With one rank (the default), none of this exists: the slot holds a plain ``ModelRunner`` and a
 plain ``CaptureController``, and a step does nothing it did not do before.
@@ -56,8 +57,10 @@ from graphkeeper.worker.plan import LogitsBatch, StepPlan
 from graphkeeper.worker.settings import EngineSettings
 
 log = logging.getLogger(__name__)
-#: How long a collective (and the group's rendezvous) may wait for the other ranks.
-COLLECTIVE_TIMEOUT_SECONDS = 60
+#: How long a collective (and the group's rendezvous) may wait for the other ranks, unless
+#: ``TIMEOUT_ENV`` says otherwise (seconds).
+COLLECTIVE_TIMEOUT_SECONDS = 60.0
+TIMEOUT_ENV = "GRAPHKEEPER_TP_TIMEOUT_SECONDS"
 #: How long rank 0 waits for a failing follower's own report before it exits without it.
 REPORT_GRACE_SECONDS = 1.0
 #: Fault injection for tests: the follower of this rank fails to load its shard.
@@ -124,6 +127,15 @@ class Failed:
 # --- rank 0 -------------------------------------------------------------------------------
 
 
+def collective_timeout() -> float:
+    """``COLLECTIVE_TIMEOUT_SECONDS``, or a positive number of seconds from ``TIMEOUT_ENV``."""
+    try:
+        seconds = float(os.environ.get(TIMEOUT_ENV, "") or COLLECTIVE_TIMEOUT_SECONDS)
+    except ValueError:
+        return COLLECTIVE_TIMEOUT_SECONDS
+    return seconds if seconds > 0 else COLLECTIVE_TIMEOUT_SECONDS
+
+
 def exit_engine_core(reason: str) -> None:
     """What rank 0 does when a follower is lost: the ranks can no longer compute a step, and the
     API process turns the engine core's exit into a failed, not-ready worker that exits 1."""
@@ -171,7 +183,7 @@ class FollowerRanks:
         """Joins the group as rank 0 (once; the followers are waiting for it)."""
         if self.tp is None:
             self.tp = init_tensor_parallel(0, self.size, self.init_method, self.device_type,
-                                           timeout_s=COLLECTIVE_TIMEOUT_SECONDS)
+                                           timeout_s=collective_timeout())
             log.info("tensor parallel: %d ranks joined (%s)", self.size, self.device_type)
         return self.tp
 
@@ -228,9 +240,16 @@ class RankedRunner:
         return getattr(self.local, name)
 
     def execute(self, plan: StepPlan, decision: Decision, graphs: Any) -> torch.Tensor:
+        """The step on every rank. A forward pass that fails on rank 0 (a collective that timed
+        out, a device error) leaves the ranks' collectives out of step, which no retry puts back:
+        the engine core exits at once rather than re-running steps against a broken group."""
         self.ranks.send(Step(plan, decision))
         self._sent_logits = plan.logits
-        return self.local.execute(plan, decision, graphs)
+        try:
+            return self.local.execute(plan, decision, graphs)
+        except Exception as err:  # noqa: BLE001 - the process ends here, with the reason logged
+            self.ranks.on_lost(f"rank 0's forward pass failed ({type(err).__name__}: {str(err)[:512]})")
+            raise
 
     def sample_and_send(self, hidden: torch.Tensor, plan: StepPlan) -> Any:
         changed = plan.logits is not self._sent_logits
@@ -403,7 +422,7 @@ def follower_main(pipe: Connection, settings: EngineSettings, rank: int, init_me
         if device.type == "cuda":
             torch.cuda.set_device(device)
         tp = init_tensor_parallel(rank, settings.tensor_parallel_size, init_method, device.type,
-                                  timeout_s=COLLECTIVE_TIMEOUT_SECONDS)
+                                  timeout_s=collective_timeout())
         Follower(settings, device, tp, kv_blocks).serve(pipe)
     except BaseException as err:  # noqa: BLE001 - reported to rank 0, which ends the worker
         log.exception("rank %d failed", rank)
