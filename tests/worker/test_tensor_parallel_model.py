@@ -15,6 +15,7 @@ from hf_reference import hf_greedy
 from tp_harness import DECODE_STEPS, PROMPTS, run_ranks, single
 
 from graphkeeper.worker.model import llama
+from graphkeeper.worker.model.catalog import DEFAULT_BUILTIN
 from graphkeeper.worker.model.config import PRESETS
 from graphkeeper.worker.model.loader import ModelSourceError, load_model, rank_part, save_hf_directory
 from graphkeeper.worker.model.tensor_parallel import (
@@ -29,18 +30,21 @@ SOURCE = "random:tiny@5"
 TOLERANCE = 1e-5
 
 
-def assert_ranks_equal_one_process(ranks: list[dict], whole: dict) -> None:
-    assert [r["heads"] for r in ranks] == [(2, 1, 64)] * 2  # tiny: 4 heads, 2 kv heads, 128 channels
-    assert all(r["kv_cache_shape"][3] == 1 for r in ranks)  # each rank's cache holds its one kv head
-    assert [r["agreed"] for r in ranks] == ["rank 0's choice"] * 2  # a timing decision is rank 0's
+def assert_ranks_equal_one_process(ranks: list[dict], whole: dict, heads=(2, 1, 64), tolerance=TOLERANCE) -> None:
+    """Rank 0 computes the whole model's tokens and logits; every other rank the very same bits.
+    ``heads``: each rank's (query heads, kv heads, MLP channels), by default tiny's 4, 2, 128 halved."""
+    assert [r["heads"] for r in ranks] == [heads] * len(ranks)
+    assert all(r["kv_cache_shape"][3] == heads[1] for r in ranks)  # each rank's cache holds its kv heads
+    assert [r["agreed"] for r in ranks] == ["rank 0's choice"] * len(ranks)  # a timing decision is rank 0's
     first = ranks[0]
     assert first["tokens"] == whole["tokens"]
     for got, want in zip(first["logits"], whole["logits"], strict=True):
-        assert (got - want).abs().max().item() <= TOLERANCE
+        assert (got - want).abs().max().item() <= tolerance
     # Every rank samples for itself, so every rank must compute the very same logits.
-    assert ranks[1]["tokens"] == first["tokens"]
-    for a, b in zip(ranks[1]["logits"], first["logits"], strict=True):
-        assert torch.equal(a, b)
+    for other in ranks[1:]:
+        assert other["tokens"] == first["tokens"]
+        for a, b in zip(other["logits"], first["logits"], strict=True):
+            assert torch.equal(a, b)
 
 
 def test_two_gloo_ranks_compute_the_one_process_tokens_and_logits(tmp_path):
@@ -63,6 +67,16 @@ def test_two_ranks_loading_a_safetensors_directory_match_one_process_and_transfo
     for slot, prompt in enumerate(PROMPTS):  # each sequence's greedy tokens, step by step
         ours = [step[slot] for step in ranks[0]["tokens"]]
         assert ours == hf_greedy(hf, prompt, len(ours)), f"prompt {slot}"
+
+
+def test_three_ranks_of_the_builtin_gguf_model_compute_the_one_process_tokens(tmp_path):
+    """SmolLM2-135M (9 query heads, 3 key/value heads, 1536 channels) split three ways: each rank
+    dequantizes a tensor at a time and keeps its third."""
+    whole = single(DEFAULT_BUILTIN, "cpu")
+    ranks = run_ranks(3, DEFAULT_BUILTIN, "cpu", tmp_path)
+    # Its logits reach about 30 (tiny's stay below one): 1e-5 of their scale, as float32 rounding goes.
+    scale = max(logits.abs().max().item() for logits in whole["logits"])
+    assert_ranks_equal_one_process(ranks, whole, heads=(3, 1, 512), tolerance=TOLERANCE * scale)
 
 
 @pytest.mark.parametrize("source", ["random", "safetensors"])
@@ -138,3 +152,9 @@ def test_a_shard_cannot_be_saved_as_a_whole_model(tmp_path):
     shard = load_model(SOURCE, device="cpu", dtype="float32", max_positions=64, tp=TensorParallel(0, 2))
     with pytest.raises(ValueError, match="one tensor-parallel rank's shard"):
         save_hf_directory(shard.model, tmp_path)
+
+
+def test_the_builtin_gguf_model_splits_over_three_ranks_but_not_two():
+    config = load_model(DEFAULT_BUILTIN, device="cpu", dtype="float32", max_positions=64).config
+    assert tp_config_error(config, 3) is None
+    assert tp_config_error(config, 2) == "the model's 9 attention heads do not split evenly over tensor parallel size 2"
