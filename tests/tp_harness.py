@@ -142,21 +142,22 @@ def eager_setup(runner: ModelRunner) -> Step:
     return eager_step
 
 
-def single(source: str, device: str, setup: Setup = eager_setup) -> dict:
+def single(source: str, device: str, setup: Setup = eager_setup, quantization: str = "none") -> dict:
     """The scenario on one process holding the whole model (no torch.distributed)."""
-    loaded = load_model(source, device=device, dtype="float32", max_positions=MAX_LEN)
+    loaded = load_model(source, device=device, dtype="float32", max_positions=MAX_LEN, quantization=quantization)
     with torch.inference_mode():
         runner = make_runner(loaded)
         return scenario(runner, setup(runner))
 
 
 def rank_main(rank: int, size: int, init_method: str, source: str, device: str, out_dir: str,
-              setup: Setup = eager_setup) -> None:
+              setup: Setup = eager_setup, quantization: str = "none") -> None:
     """One rank: joins the group, loads its shard, runs the scenario, writes ``rank<r>.pt``."""
     torch.set_num_threads(1)  # the ranks share the machine's cores
     tp = init_tensor_parallel(rank, size, init_method, device, timeout_s=60)
     try:
-        loaded = load_model(source, device=device, dtype="float32", max_positions=MAX_LEN, tp=tp)
+        loaded = load_model(source, device=device, dtype="float32", max_positions=MAX_LEN, tp=tp,
+                            quantization=quantization)
         with torch.inference_mode():
             runner = make_runner(loaded)
             result = scenario(runner, setup(runner))
@@ -171,7 +172,7 @@ def rank_main(rank: int, size: int, init_method: str, source: str, device: str, 
 
 
 def run_ranks(size: int, source: str, device: str, out_dir: Path, setup: Setup = eager_setup,
-              timeout_s: float = 300) -> list[dict]:
+              timeout_s: float = 300, quantization: str = "none") -> list[dict]:
     """Starts ``size`` rank processes (spawned: fresh interpreters, as a worker's ranks are) and
     returns what each wrote; a rank that raises fails the call with its traceback, and ranks
     still running after ``timeout_s`` are killed and fail it."""
@@ -180,7 +181,8 @@ def run_ranks(size: int, source: str, device: str, out_dir: Path, setup: Setup =
     # A file rendezvous, not a TCP port: a port found free may be taken by another test's
     # process before rank 0 binds it (Gloo's own connections bind ports the kernel picks).
     init_method = f"file://{out_dir / 'rendezvous'}"
-    context = mp.start_processes(rank_main, args=(size, init_method, source, device, str(out_dir), setup),
+    args = (size, init_method, source, device, str(out_dir), setup, quantization)
+    context = mp.start_processes(rank_main, args=args,
                                  nprocs=size, join=False, start_method="spawn")
     deadline = time.monotonic() + timeout_s
     while not context.join(timeout=1):
