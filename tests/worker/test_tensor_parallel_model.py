@@ -8,6 +8,10 @@ sizes that cannot split a model are refused with the reason."""
 from __future__ import annotations
 
 import dataclasses
+import os
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -188,3 +192,59 @@ def test_fp8_ranks_stay_as_close_to_float32_as_one_fp8_process(tmp_path, quantiz
     bound = 2 * (one - exact).abs().max().item()
     assert 0 < (ranks[0]["logits"][0] - exact).abs().max().item() <= bound
     assert torch.equal(ranks[1]["logits"][0], ranks[0]["logits"][0])
+
+
+ROW_PIECES_RANK = textwrap.dedent('''
+    import sys
+    import torch
+    from graphkeeper.worker.model.llama import make_row_pieces
+    from graphkeeper.worker.model.loader import load_model
+    from graphkeeper.worker.model.tensor_parallel import close_tensor_parallel, init_tensor_parallel, shard_range
+
+    def rel(a, b):
+        return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+    rank, init_method = int(sys.argv[1]), sys.argv[2]
+    torch.set_num_threads(1)
+    tp = init_tensor_parallel(rank, 2, init_method, "cpu")
+    whole = load_model("random:tiny@4", device="cpu", dtype="float16", max_positions=32).model
+    shard = load_model("random:tiny@4", device="cpu", dtype="float16", max_positions=32, tp=tp).model
+    row = make_row_pieces(shard.config, tp)
+    tokens, positions = torch.tensor([17]), torch.tensor([3])
+    cos, sin = whole.rope(positions)
+    width = whole.config.n_heads * whole.config.head_dim
+    attn = torch.randn(1, width, dtype=torch.float16, generator=torch.Generator().manual_seed(1))
+    mine = attn[:, shard_range(width, tp)].contiguous()  # what this rank's heads attended to
+
+    def run(model, pieces, attn_out):
+        h = pieces.first(tokens, cos, sin, model.tok_embeddings.weight, *model.layers[0].head_weights())[0]
+        h = pieces.middle(h, attn_out, cos, sin, *model.layers[0].tail_weights(), *model.layers[1].head_weights())
+        return h[0], pieces.last(h[0], attn_out, *model.layers[-1].tail_weights(), model.norm.weight)
+
+    want = run(whole, whole.pieces, attn)
+    general, fused = run(shard, shard.pieces, mine), run(shard, row, mine)
+    for got in (*general, *fused):
+        assert got.shape == (1, whole.config.dim)
+    for got, expected in zip((*general, *fused), (*want, *want)):
+        assert rel(got, expected) < 5e-3, rel(got, expected)
+    close_tensor_parallel(tp)
+    print("ok")
+''')
+
+
+def test_fused_row_pieces_split_over_two_ranks_compute_the_whole_models_step(tmp_path):
+    """The one-token step's fused row kernels (Triton's interpreter, two Gloo ranks): under tensor
+    parallelism the residual is added after the all-reduce, and a layer's output and the final
+    hidden state equal the whole model's general pieces on the same input."""
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    init_method = f"file://{tmp_path / 'rendezvous'}"
+    ranks = [subprocess.Popen([sys.executable, "-c", ROW_PIECES_RANK, str(rank), init_method], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in range(2)]
+    try:
+        outputs = [rank.communicate(timeout=300) for rank in ranks]
+    finally:
+        for rank in ranks:
+            rank.kill()
+    for rank, (out, err) in zip(ranks, outputs, strict=True):
+        assert rank.returncode == 0 and out.strip().endswith("ok"), out[-2000:] + err[-4000:]
