@@ -23,6 +23,7 @@ import torch
 from graphkeeper.worker.executor.runner import ModelRunner
 from graphkeeper.worker.model.kv_cache import KVCache
 from graphkeeper.worker.model.loader import LoadedModel, load_model
+from graphkeeper.worker.model.step import compile_counters
 from graphkeeper.worker.model.tensor_parallel import close_tensor_parallel, first_ranks, init_tensor_parallel
 from graphkeeper.worker.plan import PrefillChunk, StepPlan
 
@@ -142,6 +143,18 @@ def eager_setup(runner: ModelRunner) -> Step:
     return eager_step
 
 
+def traced_setup(runner: ModelRunner) -> Step:
+    """The pieces compiled as the worker compiles them (``step.compile_pieces``: a dynamic batch
+    dimension, ``fullgraph=True``), the all-reduce traced into them, through ``aot_eager``: Dynamo
+    and AOTAutograd as on the GPU, no code generated (the GPU test runs Inductor's)."""
+    from graphkeeper.worker.model.llama import make_pieces
+    from graphkeeper.worker.model.step import compile_pieces
+
+    model = runner.model
+    model.use_pieces(compile_pieces(make_pieces(model.config, tp=model.tp), backend="aot_eager"), "aot_eager")
+    return eager_step
+
+
 def single(source: str, device: str, setup: Setup = eager_setup, quantization: str = "none") -> dict:
     """The scenario on one process holding the whole model (no torch.distributed)."""
     loaded = load_model(source, device=device, dtype="float32", max_positions=MAX_LEN, quantization=quantization)
@@ -164,6 +177,7 @@ def rank_main(rank: int, size: int, init_method: str, source: str, device: str, 
         result["heads"] = (loaded.config.n_heads, loaded.config.n_kv_heads, loaded.config.intermediate_size)
         result["kv_cache_shape"] = tuple(runner.cache.k.shape)
         result["agreed"] = first_ranks(f"rank {rank}'s choice", tp)
+        result["compiled_graphs"] = compile_counters()["graphs"]
         torch.save(result, Path(out_dir) / f"rank{rank}.pt")
     except BaseException:
         close_tensor_parallel(tp, peers_alive=False)

@@ -16,7 +16,7 @@ import textwrap
 import pytest
 import torch
 from hf_reference import hf_greedy
-from tp_harness import DECODE_STEPS, PROMPTS, run_ranks, single
+from tp_harness import DECODE_STEPS, PROMPTS, run_ranks, single, traced_setup
 
 from graphkeeper.worker.model import llama
 from graphkeeper.worker.model.catalog import DEFAULT_BUILTIN
@@ -55,6 +55,15 @@ def test_two_gloo_ranks_compute_the_one_process_tokens_and_logits(tmp_path):
     whole = single(SOURCE, "cpu")
     assert len(whole["tokens"]) == 2 + DECODE_STEPS
     assert_ranks_equal_one_process(run_ranks(2, SOURCE, "cpu", tmp_path), whole)
+
+
+def test_two_ranks_with_compiled_pieces_trace_the_all_reduce_and_compute_the_same(tmp_path):
+    """torch.compile traces each rank's pieces with the functional all-reduce inside: one graph
+    per piece (``fullgraph=True``: no break around the collective; no recompilation across the
+    steps' sizes), and the same tokens and logits."""
+    ranks = run_ranks(2, SOURCE, "cpu", tmp_path, setup=traced_setup)
+    assert [r["compiled_graphs"] for r in ranks] == [3, 3]  # first, middle, last
+    assert_ranks_equal_one_process(ranks, single(SOURCE, "cpu"))
 
 
 def test_two_ranks_loading_a_safetensors_directory_match_one_process_and_transformers(tmp_path):
