@@ -23,6 +23,7 @@ import torch
 from graphkeeper.worker.executor.runner import ModelRunner
 from graphkeeper.worker.model.kv_cache import KVCache
 from graphkeeper.worker.model.loader import LoadedModel, load_model
+from graphkeeper.worker.model.step import compile_counters
 from graphkeeper.worker.model.tensor_parallel import close_tensor_parallel, first_ranks, init_tensor_parallel
 from graphkeeper.worker.plan import PrefillChunk, StepPlan
 
@@ -142,27 +143,41 @@ def eager_setup(runner: ModelRunner) -> Step:
     return eager_step
 
 
-def single(source: str, device: str, setup: Setup = eager_setup) -> dict:
+def traced_setup(runner: ModelRunner) -> Step:
+    """The pieces compiled as the worker compiles them (``step.compile_pieces``: a dynamic batch
+    dimension, ``fullgraph=True``), the all-reduce traced into them, through ``aot_eager``: Dynamo
+    and AOTAutograd as on the GPU, no code generated (the GPU test runs Inductor's)."""
+    from graphkeeper.worker.model.llama import make_pieces
+    from graphkeeper.worker.model.step import compile_pieces
+
+    model = runner.model
+    model.use_pieces(compile_pieces(make_pieces(model.config, tp=model.tp), backend="aot_eager"), "aot_eager")
+    return eager_step
+
+
+def single(source: str, device: str, setup: Setup = eager_setup, quantization: str = "none") -> dict:
     """The scenario on one process holding the whole model (no torch.distributed)."""
-    loaded = load_model(source, device=device, dtype="float32", max_positions=MAX_LEN)
+    loaded = load_model(source, device=device, dtype="float32", max_positions=MAX_LEN, quantization=quantization)
     with torch.inference_mode():
         runner = make_runner(loaded)
         return scenario(runner, setup(runner))
 
 
 def rank_main(rank: int, size: int, init_method: str, source: str, device: str, out_dir: str,
-              setup: Setup = eager_setup) -> None:
+              setup: Setup = eager_setup, quantization: str = "none") -> None:
     """One rank: joins the group, loads its shard, runs the scenario, writes ``rank<r>.pt``."""
     torch.set_num_threads(1)  # the ranks share the machine's cores
     tp = init_tensor_parallel(rank, size, init_method, device, timeout_s=60)
     try:
-        loaded = load_model(source, device=device, dtype="float32", max_positions=MAX_LEN, tp=tp)
+        loaded = load_model(source, device=device, dtype="float32", max_positions=MAX_LEN, tp=tp,
+                            quantization=quantization)
         with torch.inference_mode():
             runner = make_runner(loaded)
             result = scenario(runner, setup(runner))
         result["heads"] = (loaded.config.n_heads, loaded.config.n_kv_heads, loaded.config.intermediate_size)
         result["kv_cache_shape"] = tuple(runner.cache.k.shape)
         result["agreed"] = first_ranks(f"rank {rank}'s choice", tp)
+        result["compiled_graphs"] = compile_counters()["graphs"]
         torch.save(result, Path(out_dir) / f"rank{rank}.pt")
     except BaseException:
         close_tensor_parallel(tp, peers_alive=False)
@@ -171,7 +186,7 @@ def rank_main(rank: int, size: int, init_method: str, source: str, device: str, 
 
 
 def run_ranks(size: int, source: str, device: str, out_dir: Path, setup: Setup = eager_setup,
-              timeout_s: float = 300) -> list[dict]:
+              timeout_s: float = 300, quantization: str = "none") -> list[dict]:
     """Starts ``size`` rank processes (spawned: fresh interpreters, as a worker's ranks are) and
     returns what each wrote; a rank that raises fails the call with its traceback, and ranks
     still running after ``timeout_s`` are killed and fail it."""
@@ -180,7 +195,8 @@ def run_ranks(size: int, source: str, device: str, out_dir: Path, setup: Setup =
     # A file rendezvous, not a TCP port: a port found free may be taken by another test's
     # process before rank 0 binds it (Gloo's own connections bind ports the kernel picks).
     init_method = f"file://{out_dir / 'rendezvous'}"
-    context = mp.start_processes(rank_main, args=(size, init_method, source, device, str(out_dir), setup),
+    args = (size, init_method, source, device, str(out_dir), setup, quantization)
+    context = mp.start_processes(rank_main, args=args,
                                  nprocs=size, join=False, start_method="spawn")
     deadline = time.monotonic() + timeout_s
     while not context.join(timeout=1):

@@ -174,13 +174,14 @@ def compile_in_process() -> None:
     torch._inductor.config.compile_threads = 1
 
 
-def dynamic_batch(fn: Callable, dynamic_args: int) -> Callable:
+def dynamic_batch(fn: Callable, dynamic_args: int, backend: str = "inductor") -> Callable:
     """``torch.compile(fn)`` whose first ``dynamic_args`` arguments have a dynamic first dimension.
 
     The dimension is marked on the first call only (that call traces); later calls of any size
-    pass the compiled code's guards without a recompile.
+    pass the compiled code's guards without a recompile. ``backend`` other than Inductor is for
+    tests that check the tracing on a CPU (``aot_eager``: no code generated, no C++ toolchain).
     """
-    compiled = torch.compile(fn, fullgraph=True, dynamic=False)
+    compiled = torch.compile(fn, fullgraph=True, dynamic=False, backend=backend)
     traced = False
 
     def call(*args):
@@ -194,12 +195,12 @@ def dynamic_batch(fn: Callable, dynamic_args: int) -> Callable:
     return call
 
 
-def compile_pieces(pieces: PieceFunctions) -> PieceFunctions:
+def compile_pieces(pieces: PieceFunctions, backend: str = "inductor") -> PieceFunctions:
     """The same pieces, compiled: tokens/cos/sin are dynamic in ``first``; h/attn_out/cos/sin in
     ``middle``; h/attn_out in ``last``."""
     torch.fx.experimental._config.backed_size_oblivious = True
-    return PieceFunctions(dynamic_batch(pieces.first, 3), dynamic_batch(pieces.middle, 4),
-                          dynamic_batch(pieces.last, 2))
+    return PieceFunctions(dynamic_batch(pieces.first, 3, backend), dynamic_batch(pieces.middle, 4, backend),
+                          dynamic_batch(pieces.last, 2, backend))
 
 
 def prepare_step(model, *, compile: bool, cache_root: str, quantization: str, warm_up: Callable[[], None],
