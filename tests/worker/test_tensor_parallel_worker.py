@@ -122,7 +122,7 @@ def test_a_follower_that_dies_fails_the_worker_and_it_exits_non_zero(fresh_worke
             pass
     assert worker.proc.wait(timeout=30) != 0
     assert time.monotonic() - started < 30
-    assert "tensor parallel: rank 1" in worker.log()
+    assert "tensor parallel: rank 1" in worker.log(), worker.log()[-4000:]
 
 
 def test_a_follower_that_hangs_fails_the_worker_once_the_collective_times_out(fresh_workers):

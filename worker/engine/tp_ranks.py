@@ -198,6 +198,15 @@ class FollowerRanks:
                 except (OSError, ValueError) as err:
                     raise RuntimeError(f"tensor parallel rank {rank} is gone: {err}") from err
 
+    def gone(self) -> str:
+        """Which follower has exited (waiting a moment for one whose peers saw it go first), or ''."""
+        ended = set(wait([p.sentinel for p in self.procs], REPORT_GRACE_SECONDS))
+        for rank, proc in enumerate(self.procs, start=1):
+            if proc.sentinel in ended:  # its code may be unknown a moment longer: the watcher reaps it
+                code = proc.exitcode
+                return f"rank {rank} (pid {proc.pid}) exited" + ("" if code is None else f" with code {code}")
+        return ""
+
     def _watch(self) -> None:
         """Watcher thread: returns only by ending the process, when a follower fails or exits."""
         by_sentinel = {p.sentinel: (rank, p) for rank, p in enumerate(self.procs, start=1)}
@@ -248,7 +257,8 @@ class RankedRunner:
         try:
             return self.local.execute(plan, decision, graphs)
         except Exception as err:  # noqa: BLE001 - the process ends here, with the reason logged
-            self.ranks.on_lost(f"rank 0's forward pass failed ({type(err).__name__}: {str(err)[:512]})")
+            self.ranks.on_lost(self.ranks.gone() or f"rank 0's forward pass failed ({type(err).__name__}: "
+                                                     f"{str(err)[:512]})")
             raise
 
     def sample_and_send(self, hidden: torch.Tensor, plan: StepPlan) -> Any:
