@@ -3,8 +3,10 @@
 A worker started with ``--tensor-parallel-size 2`` runs its engine core as rank 0 and one follower
 process as rank 1, each holding half of the heads; its greedy tokens must equal the one-rank
 worker's and ``transformers``' on the same float32 weights, one request at a time and batched,
-with paged KV and a prompt prefix served from the prefix cache. A follower that dies takes the
-worker down (not ready, non-zero exit) rather than leaving it hanging.
+with paged KV and a prompt prefix served from the prefix cache. A follower that dies, hangs or
+fails to load takes the worker down (non-zero exit, the reason in its log) rather than leaving it
+hanging; a follower whose engine core dies exits; sizes the worker cannot serve are refused at
+boot, and a reload is refused with FAILED_PRECONDITION.
 """
 
 from __future__ import annotations
