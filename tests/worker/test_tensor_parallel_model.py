@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,7 +22,15 @@ from tp_harness import DECODE_STEPS, PROMPTS, run_ranks, single, traced_setup
 from graphkeeper.worker.model import llama
 from graphkeeper.worker.model.catalog import DEFAULT_BUILTIN
 from graphkeeper.worker.model.config import PRESETS
-from graphkeeper.worker.model.loader import ModelSourceError, load_model, rank_part, save_hf_directory
+from graphkeeper.worker.model.loader import (
+    ModelSourceError,
+    Part,
+    TensorEntry,
+    load_model,
+    part_byte_ranges,
+    rank_part,
+    save_hf_directory,
+)
 from graphkeeper.worker.model.tensor_parallel import (
     SINGLE,
     TensorParallel,
@@ -298,3 +307,15 @@ def test_a_dead_or_stalled_peer_makes_the_all_reduce_raise_not_hang(tmp_path, fa
     assert ranks[0].returncode == 3 and out.startswith("raised after"), out + err[-3000:]
     assert says.lower() in out.lower(), out
     assert float(out.split()[2]) < within_s, out
+
+
+def test_a_shard_reads_only_its_rows_or_columns_of_a_safetensors_tensor():
+    """A [4, 6] float32 tensor at byte 100: rank 1 of 2 reads rows 2-3 in one read, or columns
+    3-5 of each row in one read per row (12 bytes at 100 + 12 + 24 i)."""
+    entry = TensorEntry(Path("x.safetensors"), 100, 100 + 4 * 6 * 4, torch.float32, (4, 6))
+    tp = TensorParallel(1, 2)
+    assert part_byte_ranges(entry, Part(0, tp), 48) == [(148, slice(0, 48))]
+    assert part_byte_ranges(entry, Part(1, tp), 48) == [(100 + 12 + 24 * i, slice(12 * i, 12 * (i + 1)))
+                                                   for i in range(4)]
+    assert part_byte_ranges(entry, None, 96) == [(100, slice(0, 96))]
+    assert Part(1, tp).full_shape((4, 3)) == (4, 6) and Part(0, tp).full_shape((2, 6)) == (4, 6)
