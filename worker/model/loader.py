@@ -85,6 +85,8 @@ class LoadedModel:
 
     @property
     def parameter_count(self) -> int:
+        """The parameters this process holds (under tensor parallelism: its shard, the replicated
+        embedding, norms and LM head included)."""
         return sum(p.numel() for p in self.model.parameters())
 
 
