@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,7 +22,15 @@ from tp_harness import DECODE_STEPS, PROMPTS, run_ranks, single, traced_setup
 from graphkeeper.worker.model import llama
 from graphkeeper.worker.model.catalog import DEFAULT_BUILTIN
 from graphkeeper.worker.model.config import PRESETS
-from graphkeeper.worker.model.loader import ModelSourceError, load_model, rank_part, save_hf_directory
+from graphkeeper.worker.model.loader import (
+    ModelSourceError,
+    Part,
+    TensorEntry,
+    load_model,
+    part_byte_ranges,
+    rank_part,
+    save_hf_directory,
+)
 from graphkeeper.worker.model.tensor_parallel import (
     SINGLE,
     TensorParallel,
@@ -257,3 +266,56 @@ def test_fused_row_pieces_split_over_two_ranks_compute_the_whole_models_step(tmp
             rank.kill()
     for rank, (out, err) in zip(ranks, outputs, strict=True):
         assert rank.returncode == 0 and out.strip().endswith("ok"), out[-2000:] + err[-4000:]
+
+
+DEAD_PEER_RANK = textwrap.dedent('''
+    import os, sys, time
+    import torch
+    from graphkeeper.worker.model.tensor_parallel import all_reduce, close_tensor_parallel, init_tensor_parallel
+
+    rank, init_method, fault = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+    tp = init_tensor_parallel(rank, 2, init_method, "cpu", timeout_s=4)
+    if rank == 1:
+        if fault == "stalls":
+            time.sleep(60)  # alive, connected, and never joins the collective
+        os._exit(0)  # dies without leaving the group, as a crashed rank does
+    start = time.monotonic()
+    try:
+        all_reduce(torch.ones(4), tp)
+    except RuntimeError as err:
+        print(f"raised after {time.monotonic() - start:.1f} s: {str(err).splitlines()[0]}", flush=True)
+        close_tensor_parallel(tp, peers_alive=False)
+        os._exit(3)  # as a failing rank ends: its own code, no teardown of the broken group
+    print("no error")
+''')
+
+
+@pytest.mark.parametrize(("fault", "within_s", "says"), [("dies", 3.0, "Connection"), ("stalls", 30.0, "Timed out")])
+def test_a_dead_or_stalled_peer_makes_the_all_reduce_raise_not_hang(tmp_path, fault, within_s, says):
+    """A rank that dies without a word: its peer's next all-reduce raises at once (Gloo sees the
+    connection reset). A rank that stalls: the all-reduce raises after the group's timeout (4 s
+    here). Either way the survivor gets an error naming the cause, and decides how to end."""
+    init_method = f"file://{tmp_path / 'rendezvous'}"
+    ranks = [subprocess.Popen([sys.executable, "-c", DEAD_PEER_RANK, str(rank), init_method, fault],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in range(2)]
+    try:
+        out, err = ranks[0].communicate(timeout=120)
+    finally:
+        for rank in ranks:
+            rank.kill()
+            rank.communicate()
+    assert ranks[0].returncode == 3 and out.startswith("raised after"), out + err[-3000:]
+    assert says.lower() in out.lower(), out
+    assert float(out.split()[2]) < within_s, out
+
+
+def test_a_shard_reads_only_its_rows_or_columns_of_a_safetensors_tensor():
+    """A [4, 6] float32 tensor at byte 100: rank 1 of 2 reads rows 2-3 in one read, or columns
+    3-5 of each row in one read per row (12 bytes at 100 + 12 + 24 i)."""
+    entry = TensorEntry(Path("x.safetensors"), 100, 100 + 4 * 6 * 4, torch.float32, (4, 6))
+    tp = TensorParallel(1, 2)
+    assert part_byte_ranges(entry, Part(0, tp), 48) == [(148, slice(0, 48))]
+    assert part_byte_ranges(entry, Part(1, tp), 48) == [(100 + 12 + 24 * i, slice(12 * i, 12 * (i + 1)))
+                                                   for i in range(4)]
+    assert part_byte_ranges(entry, None, 96) == [(100, slice(0, 96))]
+    assert Part(1, tp).full_shape((4, 3)) == (4, 6) and Part(0, tp).full_shape((2, 6)) == (4, 6)

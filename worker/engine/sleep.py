@@ -104,12 +104,12 @@ def wake_model(slot: ModelSlot) -> WakeOutcome:
 
 @torch.no_grad()
 def _reload_weights(slot: ModelSlot) -> None:
-    """Level 2: the weights loaded again from their source (the same loader, dtype and
-    quantization as at start) and copied into the tensors the graphs read."""
+    """Level 2: the weights loaded again from their source (the same loader, dtype,
+    quantization and tensor-parallel shard as at start) and copied into the tensors the graphs read."""
     loaded = slot.runner.loaded
     s = slot.settings
     fresh = load_model(loaded.source, device=slot.device, dtype=s.dtype, max_positions=aligned(s.max_seq_len),
-                       revision=loaded.revision, quantization=loaded.quantization)
+                       revision=loaded.revision, quantization=loaded.quantization, tp=loaded.tp)
     new = dict(fresh.model.named_parameters())
     for name, param in loaded.model.named_parameters():
         param.copy_(new[name])

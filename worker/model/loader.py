@@ -85,6 +85,8 @@ class LoadedModel:
 
     @property
     def parameter_count(self) -> int:
+        """The parameters this process holds (under tensor parallelism: its shard, the replicated
+        embedding, norms and LM head included)."""
         return sum(p.numel() for p in self.model.parameters())
 
 
@@ -460,7 +462,7 @@ class _TensorReader:
         direct = dest.device.type == "cpu" and dest.dtype == entry.dtype and dest.is_contiguous()
         staging = dest if direct else torch.empty(tuple(dest.shape), dtype=entry.dtype)
         buffer = memoryview(staging.view(-1).view(torch.uint8).numpy())
-        for start, into in _byte_ranges(entry, part, len(buffer)):
+        for start, into in part_byte_ranges(entry, part, len(buffer)):
             self._read_exactly(f, start, buffer[into], entry.file, name)
         if not direct:
             dest.copy_(staging)
@@ -494,7 +496,7 @@ class Part:
                            full.shape[self.dim] // self.tp.size)
 
 
-def _byte_ranges(entry: TensorEntry, part: Part | None, size: int) -> list[tuple[int, slice]]:
+def part_byte_ranges(entry: TensorEntry, part: Part | None, size: int) -> list[tuple[int, slice]]:
     """(file offset, destination byte slice) of each read that fills a part of ``size`` bytes:
     one for a whole tensor or a range of rows, one per row for a range of columns (pure)."""
     if part is None:

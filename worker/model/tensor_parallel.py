@@ -94,10 +94,13 @@ def init_tensor_parallel(rank: int, size: int, init_method: str, device_type: st
     torch.distributed at all): Gloo on the CPU, NCCL on CUDA (rank ``r`` on GPU ``r``, made the
     current device here so a plain ``"cuda"`` means it afterwards).
 
-    ``init_method`` is a torch.distributed URL every rank shares (``tcp://127.0.0.1:PORT``).
-    ``timeout_s`` bounds the rendezvous and every collective, so a dead peer raises instead of
-    hanging (Gloo raises in the collective; NCCL's watchdog aborts the communicator). One
-    all-reduce runs before returning: it proves every peer is there and creates the NCCL
+    ``init_method`` is a torch.distributed URL every rank shares (``tcp://HOST:PORT``, or
+    ``file://PATH`` on one machine). ``timeout_s`` bounds the rendezvous and every collective:
+    under Gloo a peer that died makes the next collective raise at once (connection reset) and one
+    that stalls makes it raise after ``timeout_s``; under NCCL the watchdog aborts the
+    communicator after ``timeout_s`` and ends the process. A collective replayed from a CUDA
+    graph is not watched by NCCL's watchdog: the engine's own stall detection must cover it.
+    One all-reduce runs before returning: it proves every peer is there and creates the NCCL
     communicator now, since one cannot be created while a CUDA graph is being captured.
     """
     if size == 1:
@@ -135,19 +138,20 @@ def first_ranks(value: Any, tp: TensorParallel) -> Any:
 
 
 def close_tensor_parallel(tp: TensorParallel, *, peers_alive: bool = True) -> None:
-    """Leaves the process group (nothing when ``tp`` is not enabled). With ``peers_alive``, a
-    barrier first: no rank tears its connections down while a peer may still be using them (a
-    rank leaving Gloo's group under a peer's feet can abort the process). Without it (a peer
-    died, or this rank is failing) the group is destroyed at once."""
-    if not tp.enabled:
+    """Leaves the process group (nothing when ``tp`` is not enabled): a barrier, so no rank tears
+    its connections down while a peer may still be using them, then the group is destroyed.
+
+    With ``peers_alive`` false (a peer died, a collective failed) nothing is done: a Gloo group
+    with a broken connection can abort the process while it is torn down ("terminate called
+    without an active exception"), so a failing rank ends with ``os._exit`` and its own exit
+    code instead, and leaves the group to the operating system."""
+    if not tp.enabled or not peers_alive:
         return
     import torch.distributed as dist
 
-    if not dist.is_initialized():
-        return
-    if peers_alive:
+    if dist.is_initialized():
         dist.barrier(group=tp.group)
-    dist.destroy_process_group()
+        dist.destroy_process_group()
 
 
 def all_reduce(x: Tensor, tp: TensorParallel) -> Tensor:
