@@ -18,7 +18,9 @@ export PYTHONUNBUFFERED=1
 # The commit to record in results: pass GRAPHKEEPER_COMMIT=$(git rev-parse HEAD) from the checkout
 # that sent this tree (a copied tree's git metadata can name an older commit).
 if [ "${TESTS:-1}" = 1 ]; then
-  # PYTEST_X="" runs every test past a failure (the whole picture in one call).
+  # PYTEST_X="" runs every test past a failure (the whole picture in one call). TEST_SELECT is
+  # pytest's arguments: files, and -k with spaces ('-k "sleep or sampling"'); a -k word that matches
+  # nothing deselects everything and the call tests nothing.
   timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -m cuda -q ${PYTEST_X--x} -p no:cacheprovider ${TEST_SELECT:-tests/gpu} 2>&1 \
     | tee "$out/pytest-cuda-h200.log" | tail -25
 fi
@@ -59,6 +61,14 @@ for b in "${benches[@]}"; do  # BENCH="" runs the tests alone
     capacity)  # llama-8b at context 8192 in 16 GiB of KV cache: short sequences at once, paged vs static
       timeout 300 python3 bench/kv_capacity.py --kv-cache-memory 16Gi --seconds "${SECONDS_PER:-12}" \
         --out "$out/kv-capacity-h200.json" ;;
+    sampling)  # issue 34: half the streams parameterised against plain, and each kind alone (~90 s)
+      timeout 200 python3 bench/sampling_bench.py --preset llama-1b --attribute --seconds "${SECONDS_PER:-12}" \
+        --out "$out/sampling-h200.json" ;;
+    openai-1b|openai-8b)  # issue 34: OpenAI HTTP (plain client) against gRPC at 1/16/64 streams (~150 s / ~250 s)
+      timeout 330 python3 bench/openai_bench.py --preset "llama-${b#openai-}" --clients plain \
+        --seconds "${SECONDS_PER:-8}" --models /tmp/obm --out "$out" ;;
+    vmm)  # issue 36: a graph replays after its memory was released and mapped again (~15 s)
+      timeout 60 python3 bench/vmm_probe.py --out "$out/vmm-probe-h200.json" ;;
     start)  # issue 36: READY cold, warm and warm again, stage by stage, llama-1b and llama-8b (3 starts each)
       timeout 470 python3 bench/start_bench.py --out "$out/start-ii-h200.json" ;;
     *) eval "$b" ;;
