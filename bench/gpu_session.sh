@@ -18,10 +18,10 @@ export PYTHONUNBUFFERED=1
 # The commit to record in results: pass GRAPHKEEPER_COMMIT=$(git rev-parse HEAD) from the checkout
 # that sent this tree (a copied tree's git metadata can name an older commit).
 if [ "${TESTS:-1}" = 1 ]; then
-  # PYTEST_X="" runs every test past a failure (the whole picture in one call). TEST_SELECT is
-  # pytest's arguments: files, and -k with spaces ('-k "sleep or sampling"'); a -k word that matches
+  # PYTEST_X="" runs every test past a failure (the whole picture in one call). TEST_SELECT: the
+  # files; TEST_K: a -k expression, spaces allowed (TEST_K="sleep or sampling"). A -k that matches
   # nothing deselects everything and the call tests nothing.
-  timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -m cuda -q ${PYTEST_X--x} -p no:cacheprovider ${TEST_SELECT:-tests/gpu} 2>&1 \
+  timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -m cuda -q ${PYTEST_X--x} -p no:cacheprovider ${TEST_SELECT:-tests/gpu} ${TEST_K:+-k "$TEST_K"} 2>&1 \
     | tee "$out/pytest-cuda-h200.log" | tail -25
 fi
 IFS=';' read -ra benches <<< "${BENCH-load}"
