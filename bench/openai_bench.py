@@ -89,9 +89,10 @@ def word_tokenizer(vocab: int, path: Path) -> None:
         "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 1 << 20}))
 
 
-def prepare_model(preset: str, device: str, dtype: str, root: Path) -> Path:
-    """``random:<preset>``'s weights as a model directory with the word-level tokenizer (made once)."""
-    path = root / f"{preset}-{dtype}"
+def prepare_model(preset: str, device: str, dtype: str, root: Path, tokenizer=None, suffix: str = "") -> Path:
+    """``random:<preset>``'s weights as a model directory with a tokenizer covering its vocabulary
+    (made once): ``tokenizer(vocab, path)`` writes it, the word-level one by default."""
+    path = root / f"{preset}-{dtype}{suffix}"
     if (path / "tokenizer.json").is_file():
         return path
     import torch
@@ -104,7 +105,7 @@ def prepare_model(preset: str, device: str, dtype: str, root: Path) -> Path:
     del loaded
     if device.startswith("cuda"):
         torch.cuda.empty_cache()
-    word_tokenizer(vocab, path)
+    (tokenizer or word_tokenizer)(vocab, path)
     return path
 
 

@@ -37,6 +37,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import openai_bench  # noqa: E402  (bench/openai_bench.py, beside this file: the model directory)
 from http_client import free_port, wait_ready  # noqa: E402  (bench/http_client.py, beside this file)
 
 SCHEMA = {"type": "array", "items": {"type": "string"}}
@@ -48,19 +49,10 @@ KINDS = {
 }
 
 
-def prepare_model(preset: str, device: str, dtype: str, root: Path) -> Path:
-    """``random:<preset>`` with a byte-level BPE tokenizer covering its whole vocabulary."""
-    path = root / f"{preset}-{dtype}-bytes"
-    if (path / "tokenizer.json").is_file():
-        return path
+def byte_tokenizer(vocab: int, path: Path) -> None:
+    """A byte-level BPE over ``vocab`` ids: the 256 byte symbols, then placeholder words."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-    from graphkeeper.worker.model.loader import load_model, save_hf_directory
-
-    loaded = load_model(f"random:{preset}", device=device, dtype=dtype, max_positions=8192)
-    save_hf_directory(loaded.model, path)
-    vocab = loaded.config.vocab_size
-    del loaded
     symbols = sorted(pre_tokenizers.ByteLevel.alphabet())
     words = {s: i for i, s in enumerate(symbols)}
     words.update({f"w{i}": i for i in range(len(symbols), vocab)})
@@ -68,7 +60,11 @@ def prepare_model(preset: str, device: str, dtype: str, root: Path) -> Path:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.save(str(path / "tokenizer.json"))
-    return path
+
+
+def prepare_model(preset: str, device: str, dtype: str, root: Path) -> Path:
+    """``random:<preset>`` with a byte-level BPE tokenizer covering its whole vocabulary."""
+    return openai_bench.prepare_model(preset, device, dtype, root, tokenizer=byte_tokenizer, suffix="-bytes")
 
 
 def start_worker(model: Path, args: argparse.Namespace, log: Path) -> tuple[subprocess.Popen, str]:

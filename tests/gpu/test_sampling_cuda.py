@@ -6,14 +6,19 @@ what they are alone. Run with ``pytest -m cuda`` on the GPU machine."""
 from __future__ import annotations
 
 import json
+import sys
 import threading
+from pathlib import Path
 
 import pytest
 import torch
 
-from graphkeeper.proto import worker_pb2 as pb
-from graphkeeper.worker.engine import Engine, EngineSettings
-from graphkeeper.worker.model.loader import load_model, save_hf_directory
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "worker"))  # the worker tests' harness
+
+from hardening_harness import build_chat_model  # noqa: E402
+
+from graphkeeper.proto import worker_pb2 as pb  # noqa: E402
+from graphkeeper.worker.engine import Engine, EngineSettings  # noqa: E402
 
 pytestmark = [
     pytest.mark.cuda,
@@ -32,16 +37,8 @@ PROMPTS = [[5 + i, 17, 42, 42, 99, 3 + i] for i in range(8)]
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    root = tmp_path_factory.mktemp("json-model")
-    save_hf_directory(load_model("random:tiny@5", device="cpu", max_positions=512).model, root)
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=400, show_progress=False,
-                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    tok.save(str(root / "tokenizer.json"))
+    root = build_chat_model(tmp_path_factory.mktemp("json-model"), 512, model="random:tiny@5", corpus=CORPUS,
+                            template=None)
     settings = EngineSettings(model=str(root), device="cuda", dtype="bfloat16", max_num_seqs=32, max_seq_len=256,
                               max_num_batched_tokens=128)
     engine = Engine(settings)

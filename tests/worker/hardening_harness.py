@@ -51,19 +51,29 @@ CHAT_TEMPLATE = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfo
                  "{% if add_generation_prompt %}<assistant>{% endif %}")
 
 
-def build_chat_model(root: Path, max_positions: int) -> Path:
-    """random:tiny saved under ``root`` with a trained byte-level BPE tokenizer (ids within its
-    vocabulary) and a chat template: chat requests, text and log probabilities run for real."""
+def train_tokenizer(corpus: list[str], root: Path, vocab: int = 400) -> Path:
+    """A byte-level BPE trained on ``corpus`` (ids below ``vocab``, within the tiny model's
+    vocabulary; characters may span tokens), saved as ``root/tokenizer.json``."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    from graphkeeper.worker.model.loader import load_model, save_hf_directory
-
-    save_hf_directory(load_model("random:tiny", device="cpu", max_positions=max_positions).model, root)
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(CHAT_CORPUS, trainers.BpeTrainer(vocab_size=400, show_progress=False,
-                                                             initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    tok.save(str(root / "tokenizer.json"))
-    (root / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE}))
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=vocab, show_progress=False,
+                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    out = root / "tokenizer.json"
+    tok.save(str(out))
+    return out
+
+
+def build_chat_model(root: Path, max_positions: int, *, model: str = "random:tiny",
+                     corpus: list[str] = CHAT_CORPUS, template: str | None = CHAT_TEMPLATE) -> Path:
+    """``model`` saved under ``root`` with a byte-level BPE trained on ``corpus`` and, unless None,
+    a chat template: chat requests, text and log probabilities run for real."""
+    from graphkeeper.worker.model.loader import load_model, save_hf_directory
+
+    save_hf_directory(load_model(model, device="cpu", max_positions=max_positions).model, root)
+    train_tokenizer(corpus, root)
+    if template is not None:
+        (root / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
     return root

@@ -15,11 +15,10 @@ import grpc
 import httpx
 import openai
 import pytest
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from hardening_harness import build_chat_model
 from worker_harness import Worker, generate, make_request, wait_until
 
 from graphkeeper.proto import worker_pb2 as pb
-from graphkeeper.worker.model.loader import load_model, save_hf_directory
 from graphkeeper.worker.model.tokenizer import load_tokenizer
 
 CORPUS = ["the graphs replay every decode step", "café crème brûlée naïve façade",
@@ -37,16 +36,7 @@ NO_EOS = {"ignore_eos": True}
 @pytest.fixture(scope="module")
 def chat_model(tmp_path_factory) -> Path:
     """random:tiny with a trained BPE tokenizer whose ids fit its vocabulary and a chat template."""
-    root = tmp_path_factory.mktemp("chat-model")
-    save_hf_directory(load_model("random:tiny", device="cpu", max_positions=LONG_SEQ_LEN).model, root)
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=400, show_progress=False,
-                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    tok.save(str(root / "tokenizer.json"))
-    (root / "tokenizer_config.json").write_text(json.dumps({"chat_template": TEMPLATE}))
-    return root
+    return build_chat_model(tmp_path_factory.mktemp("chat-model"), LONG_SEQ_LEN, corpus=CORPUS, template=TEMPLATE)
 
 
 @pytest.fixture(scope="module")

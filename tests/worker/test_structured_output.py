@@ -18,10 +18,8 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from hardening_harness import build_chat_model
 from worker_harness import Worker
-
-from graphkeeper.worker.model.loader import load_model, save_hf_directory
 
 jsonschema = pytest.importorskip("jsonschema")
 pytest.importorskip("llguidance")
@@ -67,16 +65,8 @@ SCHEMAS = [
 
 @pytest.fixture(scope="module")
 def chat_model(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("json-model")
-    save_hf_directory(load_model("random:tiny@5", device="cpu", max_positions=512).model, root)
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=400, show_progress=False,
-                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    tok.save(str(root / "tokenizer.json"))
-    (root / "tokenizer_config.json").write_text(json.dumps({"chat_template": TEMPLATE}))
-    return root
+    return build_chat_model(tmp_path_factory.mktemp("json-model"), 512, model="random:tiny@5", corpus=CORPUS,
+                            template=TEMPLATE)
 
 
 @pytest.fixture(scope="module")

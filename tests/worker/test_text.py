@@ -10,8 +10,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from hardening_harness import cpu_seconds
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from hardening_harness import cpu_seconds, train_tokenizer
 from worker_harness import GRAPHKEEPER, generate, make_request
 
 from graphkeeper.proto import worker_pb2 as pb
@@ -25,14 +24,7 @@ CORPUS = ["the graphs replay every decode step", "café crème brûlée — naï
 
 def build_tokenizer(path: Path, vocab: int = 400) -> Path:
     """A small byte-level BPE: its ids fit the tiny model's vocabulary, and characters span tokens."""
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=vocab, show_progress=False,
-                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    out = path / "tokenizer.json"
-    tok.save(str(out))
-    return out
+    return train_tokenizer(CORPUS, path, vocab)
 
 
 @pytest.fixture(scope="module")

@@ -395,11 +395,9 @@ class Engine:
         return InFlight(step, decision, desc, launched, started)
 
     def _finish(self, inflight: InFlight | None) -> None:
-        """Reads a launched step's tokens, counts it once, and publishes its outputs in one call
-        (once: a step that needs its tokens may have read them already)."""
-        if inflight is None or inflight.read:
+        """Reads a launched step's tokens, counts it once, and publishes its outputs in one call."""
+        if inflight is None:
             return
-        inflight.read = True
         try:
             self._read(inflight)
         except Exception as err:  # noqa: BLE001 - the step after it is already launched: no re-run

@@ -61,9 +61,8 @@ class ModelSlot:
         self.compile_report = CompileReport(level=self.optimization.level, reason=self.optimization.reason)
         #: Seconds the last ``load`` spent on the weights (the rest of it was the KV cache).
         self.weights_seconds = 0.0
-        #: Weights and KV cache in sleepable memory (engine/sleep.py), and the level slept at (0: awake).
+        #: Weights and KV cache in sleepable memory (engine/sleep.py).
         self.sleepable = settings.sleep_mode and device.type == "cuda"
-        self.sleep_level = 0
         #: This rank's place in the group (SINGLE until rank 0 has joined its followers).
         self.tp = tp or SINGLE
         self.ranks = (FollowerRanks(settings, device, kv_blocks)
@@ -101,6 +100,15 @@ class ModelSlot:
         log.info("KV cache: %d blocks of %d tokens for up to %d sequences of %d tokens, %s", cache.num_blocks,
                  cache.block_size, s.max_num_seqs, cache_len, gib(cache.nbytes()))
         return loaded, cache
+
+    @property
+    def sleep_level(self) -> int:
+        """The level the model sleeps at, read from its weights' region (0: awake): released with
+        the weights kept in host memory is level 1, released without them level 2."""
+        region = self.runner.loaded.weights_region if self.runner is not None else None
+        if region is None or region.mapped:
+            return 0
+        return 1 if region.kept else 2
 
     def resize_kv(self, num_blocks: int) -> KVCache:
         """Replaces the KV cache (and the runner, whose buffers were built for it) with one of

@@ -68,7 +68,7 @@ class OutputProcessor:
         grammar), builds its logits batch and queues its sampling first; the publication follows
         (``_append`` then feeds nothing twice). A step that cannot be read is left to its
         publication, which fails its sequences."""
-        if inflight is None or inflight.read:
+        if inflight is None:
             return
         try:
             tokens = inflight.launched.tokens().tolist()
@@ -151,4 +151,3 @@ class InFlight:
     desc: BatchDescriptor
     launched: Launched
     started: float
-    read: bool = False  # its tokens were read and published (``Engine._finish``)

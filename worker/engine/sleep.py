@@ -74,7 +74,6 @@ def sleep_model(slot: ModelSlot, level: int) -> SleepOutcome:
     runner.cache.region.release(keep=False)
     gc.collect()
     torch.cuda.empty_cache()  # blocks torch's allocator keeps cached go back as well
-    slot.sleep_level = level
     released = torch.cuda.mem_get_info()[0] - free_before
     outcome = SleepOutcome(level, released, time.perf_counter() - started)
     log.info("asleep at level %d: %.2f GiB given back in %.2f s", level, released / 2**30, outcome.seconds)
@@ -95,7 +94,6 @@ def wake_model(slot: ModelSlot) -> WakeOutcome:
     runner.cache.k.zero_()
     runner.cache.v.zero_()
     torch.cuda.synchronize()
-    slot.sleep_level = 0
     taken = free_before - torch.cuda.mem_get_info()[0]
     outcome = WakeOutcome(level, taken, time.perf_counter() - started)
     log.info("awake from level %d: %.2f GiB taken in %.2f s", level, taken / 2**30, outcome.seconds)

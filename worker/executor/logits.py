@@ -32,24 +32,25 @@ def process(logits: Tensor, batch: LogitsBatch, sampling: SamplingBatch | None) 
     if out.data_ptr() == logits.data_ptr():
         out = out.clone()  # the head's own output stays untouched
     device = out.device
-    rows = _dev(batch.rows, device)
+    rows = to_device(batch.rows, device)
     sub = out.index_select(0, rows)
     if len(batch.mask_rows):
-        where = _dev(batch.mask_rows, device)
-        allowed = unpack_mask(_dev(batch.masks, device), sub.shape[-1])
+        where = to_device(batch.mask_rows, device)
+        allowed = unpack_mask(to_device(batch.masks, device), sub.shape[-1])
         sub[where] = sub[where].masked_fill(~allowed, float("-inf"))
     (index, bias) = batch.bias
     if bias.size:
-        sub.index_put_((_dev(index[0], device), _dev(index[1], device)), _dev(bias, device), accumulate=True)
+        at = (to_device(index[0], device), to_device(index[1], device))
+        sub.index_put_(at, to_device(bias, device), accumulate=True)
     if batch.seen.size:
-        r, t = _dev(batch.seen[0], device), _dev(batch.seen[1], device)
-        penalty = _dev(batch.repetition, device)[r]
+        r, t = to_device(batch.seen[0], device), to_device(batch.seen[1], device)
+        penalty = to_device(batch.repetition, device)[r]
         values = sub[r, t]
         sub[r, t] = torch.where(values > 0, values / penalty, values * penalty)
     if batch.counts.size:
-        r, t = _dev(batch.counts[0], device), _dev(batch.counts[1], device)
-        count = _dev(batch.counts[2], device).float()
-        minus = _dev(batch.frequency, device)[r] * count + _dev(batch.presence, device)[r]
+        r, t = to_device(batch.counts[0], device), to_device(batch.counts[1], device)
+        count = to_device(batch.counts[2], device).float()
+        minus = to_device(batch.frequency, device)[r] * count + to_device(batch.presence, device)[r]
         sub.index_put_((r, t), -minus, accumulate=True)
     if sampling is not None and batch.min_p.any():
         _min_p(sub, batch.min_p, sampling.temperature[batch.rows])
@@ -64,9 +65,9 @@ def _min_p(sub: Tensor, min_p: np.ndarray, temperature: np.ndarray) -> None:
         return
     idx = np.flatnonzero(drawn)
     offset = temperature[idx].astype(np.float64) * np.log(min_p[idx].astype(np.float64))
-    where = _dev(idx, sub.device)
+    where = to_device(idx, sub.device)
     part = sub[where]
-    floor = part.max(dim=-1, keepdim=True).values + _dev(offset.astype(np.float32), sub.device)[:, None]
+    floor = part.max(dim=-1, keepdim=True).values + to_device(offset.astype(np.float32), sub.device)[:, None]
     sub[where] = part.masked_fill(part < floor, float("-inf"))
 
 
@@ -90,6 +91,3 @@ def pick_logprobs(logprobs: Tensor, tokens: Tensor, top: int) -> tuple[Tensor, T
     values, ids = logprobs.topk(max(top, 0), dim=-1) if top > 0 else (logprobs[:, :0], tokens[:, None][:, :0])
     return chosen, values, ids
 
-
-def _dev(array: np.ndarray, device: torch.device) -> Tensor:
-    return to_device(array, device)

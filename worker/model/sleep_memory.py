@@ -147,6 +147,11 @@ class SleepableRegion:
     def mapped(self) -> bool:
         return bool(self._handle)
 
+    @property
+    def kept(self) -> bool:
+        """Released with its contents waiting in pinned host memory."""
+        return self._kept is not None
+
     def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
         """The next free bytes as a tensor of ``shape`` and ``dtype`` (contents undefined)."""
         n = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
