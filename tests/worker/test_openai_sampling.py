@@ -21,8 +21,6 @@ from worker_harness import Worker
 
 from graphkeeper.proto import worker_pb2 as pb
 
-pytest.importorskip("transformers")
-
 PROMPT = [17, 42, 42, 99, 17, 3, 250, 42, 17, 5]
 NEW = 12
 NO_EOS = {"ignore_eos": True}

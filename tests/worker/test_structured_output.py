@@ -16,13 +16,11 @@ import json
 from pathlib import Path
 
 import httpx
+import jsonschema
 import openai
 import pytest
 from hardening_harness import build_chat_model
 from worker_harness import Worker
-
-jsonschema = pytest.importorskip("jsonschema")
-pytest.importorskip("llguidance")
 
 CORPUS = ['{"name": "ada", "age": 36, "tags": ["x", "y"]}', "the graphs replay every decode step",
           "true false null 0123456789 -+.eE", "kubernetes operator reconciles the policy"] * 20
