@@ -87,7 +87,7 @@ def resolve_step_tokens(settings: EngineSettings, device: torch.device, model_co
     settings = dataclasses.replace(settings, max_num_batched_tokens=tokens, max_num_batched_tokens_source=source)
     if settings.policy is not None and settings.policy.policy_uid:
         try:
-            validate_policy(settings.policy, settings.max_num_batched_tokens)
+            validate_policy(settings.policy, tokens)
         except PolicyError as err:
-            raise BudgetError(f"the starting policy: {err} ({settings.max_num_batched_tokens_source})") from None
+            raise BudgetError(f"the starting policy (--policy-file): {err} ({source})") from None
     return settings
