@@ -90,3 +90,18 @@ def test_a_cpu_worker_says_its_budget_was_sized_to_the_device(module_workers):
     for b in (worker.status().step_budget, worker.model_info().step_budget):
         assert b.tokens == 512 and b.tokens_source == "sized to the device: cpu -> 512"
     assert "step budget: 512 tokens a step (sized to the device: cpu -> 512; no step times measured" in worker.log()
+
+
+def test_graphkeeper_status_says_where_the_budget_came_from():
+    from graphkeeper.client import step_budget_line
+
+    fixed = pb.StepBudgetStatus(tokens=512, tokens_with_decode=512, source="no step times measured",
+                                tokens_source="sized to the device: cpu -> 512")
+    assert step_budget_line(fixed) == (
+        "budget    512 tokens a step (sized to the device: cpu -> 512) (no step times measured)")
+    targeted = pb.StepBudgetStatus(tokens=8192, tokens_with_decode=512, itl_target_seconds=0.0048,
+                                   source="derived: a 512-token step",
+                                   tokens_source="sized to the device: 139 GiB cuda -> 8192")
+    assert step_budget_line(targeted) == (
+        "budget    8192 tokens a step with no decode row (sized to the device: 139 GiB cuda -> 8192), 512 with "
+        "decode rows (inter-token target 4.80 ms: derived: a 512-token step)")
