@@ -4,14 +4,21 @@ steps of a size that was not kept (pure: the capture itself is tests/gpu/test_la
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from graphkeeper.proto import worker_pb2 as pb
-from graphkeeper.proto.policy import default_ladder
-from graphkeeper.worker.executor.graphs.controller import plan_capture
+from graphkeeper.proto.policy import PolicyError, default_ladder
+from graphkeeper.worker.engine.kv_sizing import UtilizationSizing
+from graphkeeper.worker.engine.sizing import UtilizationPlan
+from graphkeeper.worker.engine.traffic import TrafficHistogram
+from graphkeeper.worker.executor.graphs.controller import CaptureController, plan_capture
 from graphkeeper.worker.executor.graphs.dispatcher import BatchDescriptor, Dispatcher, GraphState
+from graphkeeper.worker.executor.graphs.graph_set import CapturedGraph, Skipped
 from graphkeeper.worker.executor.graphs.large_steps import coarse_sizes, judge_coarse, planned_coarse_sizes
 from graphkeeper.worker.executor.graphs.modes import FULL, PIECEWISE
+from graphkeeper.worker.metrics import WorkerMetrics
 
 M = pb.GraphMode
 DEFAULT = pb.CaptureSizes(ladder=pb.CAPTURE_LADDER_DEFAULT)
@@ -114,3 +121,20 @@ def test_steps_padded_to_a_released_coarse_size_say_compute_bound_at_the_dispatc
     decode = dispatcher.dispatch(BatchDescriptor(1500, True, True))
     assert decode.eager and decode.reason == pb.FALLBACK_REASON_COMPUTE_BOUND
     assert dispatcher.dispatch(BatchDescriptor(600, True, True)) == (PIECEWISE, 1024, pb.FALLBACK_REASON_UNSPECIFIED)
+
+
+def test_track_b_prices_a_policy_without_the_coarse_sizes_released_as_compute_bound():
+    """A coarse graph released as compute bound holds nothing after the phase: pushing the same
+    policy again is not refused for memory the 8,192-token graph would take if it were kept."""
+    controller = CaptureController(Dispatcher(), WorkerMetrics(), max_num_seqs=4, max_num_batched_tokens=2048,
+                                   inject_failures=frozenset())
+    policy = pb.GraphPolicy(policy_uid="u", generation=2, mode=M.GRAPH_MODE_PIECEWISE, capture_sizes=DEFAULT)
+    fine = {(PIECEWISE, s): CapturedGraph(PIECEWISE, s, [], 0.0, 1000, 0) for s in default_ladder(512)}
+    released = {(PIECEWISE, s): Skipped(pb.FALLBACK_REASON_COMPUTE_BOUND, "measured") for s in (1024, 2048)}
+    controller.graph_set = SimpleNamespace(captured=fine, skipped=released)
+    sizing = UtilizationSizing(0.9)
+    sizing.plan, sizing.graph_room = UtilizationPlan(1 << 20, 64, "test"), 1000 * len(fine)
+    sizing.check_graphs_fit(controller, policy, TrafficHistogram())  # the graphs held now: they fit
+    controller.graph_set.skipped = {}  # had they failed for another reason, they would be priced
+    with pytest.raises(PolicyError, match="room for"):
+        sizing.check_graphs_fit(controller, policy, TrafficHistogram())
