@@ -81,6 +81,10 @@ for b in "${benches[@]}"; do  # BENCH="" runs the tests alone
       timeout 60 python3 bench/vmm_probe.py --out "$out/vmm-probe-h200.json" ;;
     start)  # issue 36: READY cold, warm and warm again, stage by stage, llama-1b and llama-8b (3 starts each)
       timeout 470 python3 bench/start_bench.py --out "$out/start-ii-h200.json" ;;
+    defaults)  # issue 35: defaults only (the budget sized to the device, coarse graphs kept where they pay):
+      # long prompts, mixed and decode streams, 64 each (~100 s); the tests: TEST_K=large_steps
+      timeout 330 python3 bench/load_bench.py --scenarios long,mixed,decode --seconds "${SECONDS_PER:-10}" \
+        --label "defaults: budget sized to the device" --out "$out/load-defaults-h200.json" ;;
     *) eval "$b" ;;
   esac
 done

@@ -148,7 +148,9 @@ def start_worker(args: argparse.Namespace, flags: WorkerFlags, log_path: Path,
     cmd = [sys.executable, *launcher, "worker", "--model", args.model or f"random:{args.preset}",
            "--device", args.device, "--dtype", args.dtype, "--port", str(port), "--metrics-port", str(metrics),
            "--max-num-seqs", str(flags.max_num_seqs), "--max-seq-len", str(flags.max_seq_len),
-           "--max-num-batched-tokens", str(flags.budget), "--max-queue", "4096", "--log-level", "WARNING"]
+           "--max-queue", "4096", "--log-level", "WARNING"]
+    if flags.budget:  # 0: the worker's own default (sized to the device since issue 35; 512 before)
+        cmd += ["--max-num-batched-tokens", str(flags.budget)]
     if not args.legacy:
         cmd += ["--control-port", control.rsplit(":", 1)[1], "--http-port", "0"]
     cmd += [*flags.extra, *args.worker_args.split()]
@@ -202,7 +204,7 @@ def run_cell(args: argparse.Namespace, scenario: str, flags: WorkerFlags, log: P
         before = scrape(metrics)
         row.update(drive(target, scenario, args.seconds, vocab, args.client_procs))
         row.update(coverage(before, scrape(metrics)))
-        row["token_budget"] = flags.budget
+        row["token_budget"] = flags.budget or "default"
         row["max_num_seqs"] = flags.max_num_seqs
         after = scrape(metrics)
         for name in ("graphkeeper_prefix_cache_queries_tokens_total", "graphkeeper_prefix_cache_hits_tokens_total",
@@ -223,7 +225,7 @@ def run_cell(args: argparse.Namespace, scenario: str, flags: WorkerFlags, log: P
     if sample_out is not None and sample_out.exists():
         row["thread_samples"] = json.loads(sample_out.read_text())
         print(sampled_summary(row["thread_samples"]), flush=True)
-    print(f"{scenario:<9} budget {flags.budget:>5}: {row['tokens_per_s']:>8.0f} tok/s, TTFT p50 "
+    print(f"{scenario:<9} budget {str(flags.budget or 'auto'):>5}: {row['tokens_per_s']:>8.0f} tok/s, TTFT p50 "
           f"{row['ttft_ms'].get('p50', 0):.1f} ms p99 {row['ttft_ms'].get('p99', 0):.1f} ms, ITL p50 "
           f"{row['itl_ms'].get('p50', 0):.2f} ms p99 {row['itl_ms'].get('p99', 0):.2f} ms, coverage "
           f"{100 * row['coverage']:.1f}%, padding {100 * row['padding_waste']:.1f}%, errors {row['errors']}, "
@@ -420,7 +422,7 @@ def main() -> int:
     if args.budgets:
         plan += [(s, int(b)) for s in args.budget_scenarios.split(",") for b in args.budgets.split(",")]
     for scenario, budget in plan:
-        flags = scenario_flags(scenario, budget or 512)
+        flags = scenario_flags(scenario, budget)
         sample_out = logs / f"{scenario}-{budget}-threads.json" if args.sample_threads else None
         results["scenarios"].append(run_cell(args, scenario, flags, logs / f"{scenario}-{budget}.log", vocab,
                                              sample_out))
