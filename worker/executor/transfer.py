@@ -31,10 +31,6 @@ def to_device_all(arrays: list[np.ndarray], device: torch.device) -> list[Tensor
     dozen small arrays; each copy costs the host a pinned allocation and a launch."""
     if not arrays:
         return []
-    flat = np.concatenate([np.ascontiguousarray(a).reshape(-1) for a in arrays])
-    joined = to_device(flat, device)
-    out, at = [], 0
-    for a in arrays:
-        out.append(joined[at:at + a.size].view(a.shape))
-        at += a.size
-    return out
+    joined = to_device(np.concatenate([a.reshape(-1) for a in arrays]), device)
+    parts = joined.split([a.size for a in arrays])  # one dispatch for every view
+    return [part if a.ndim == 1 else part.view(a.shape) for part, a in zip(parts, arrays, strict=True)]
