@@ -49,7 +49,8 @@ class PenaltyCounts:
         self.counts.index_fill_(0, slots, 0)
         self.prompt.index_fill_(0, slots, False)
         if prompt.shape[1]:
-            self.prompt[prompt[0], prompt[1]] = True
+            marks = torch.ones(prompt.shape[1], dtype=torch.bool, device=self.prompt.device)
+            self.prompt.index_put_((prompt[0], prompt[1]), marks)
         if output.shape[1]:
             self.add(output[0], output[1])
 
