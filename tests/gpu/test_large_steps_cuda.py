@@ -6,11 +6,10 @@ pad to it. Run with ``pytest -m cuda -k large_steps`` on the GPU machine."""
 
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 import pytest
 import torch
+from test_graphs_cuda import generate  # tests/gpu
 
 from graphkeeper.proto import worker_pb2 as pb
 from graphkeeper.worker.engine import Engine, EngineSettings
@@ -62,21 +61,6 @@ def engine(mode: int) -> Engine:
     e.start()
     assert e.ready.wait(600) and e.failed is None, e.failed
     return e
-
-
-def generate(e: Engine, prompt: list[int], n: int) -> tuple[list[int], pb.Completion]:
-    done, out, result = threading.Event(), [], {}
-
-    def emit(tokens, end):
-        out.extend(tokens)
-        if end is not None:
-            result["completion"] = end
-            done.set()
-
-    e.submit(pb.GenerateRequest(prompt_token_ids=prompt, stopping=pb.StoppingCriteria(max_new_tokens=n,
-                                                                                       ignore_eos=True)), emit)
-    assert done.wait(120)
-    return out, result["completion"]
 
 
 def test_a_worker_with_budget_2048_keeps_coarse_graphs_that_pay_and_labels_the_rest_compute_bound():
