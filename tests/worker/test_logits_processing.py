@@ -158,3 +158,15 @@ def test_a_repetition_penalty_row_marks_its_prompt_once_and_its_output_as_sample
     count_sampled(pen, batch, torch.tensor([4]))
     mark_counted([seq])
     assert process(logits, build_logits_batch([seq]), None, pen).tolist() == [[1.0, 2.0, 1.0, 2.0, 1.0, 2.0]]
+
+
+def test_released_counts_grow_again_for_the_next_sequence():
+    """Sleep drops every row; the next penalised sequence starts its row over and is counted right."""
+    pen = counts(4)
+    seq = Row(LogitsState(LogitsSpec(presence_penalty=1.0)), slot=2, prompt=[1], output=[3])
+    process(torch.zeros(1, 4), build_logits_batch([seq]), None, pen)
+    pen.release()
+    assert pen.counts.shape == (0, 4)
+    after = Row(LogitsState(LogitsSpec(presence_penalty=1.0)), slot=6, prompt=[1], output=[0])
+    assert process(torch.zeros(1, 4), build_logits_batch([after]), None, pen)[0].tolist() == [-1.0, 0.0, 0.0, 0.0]
+    assert pen.counts.shape[0] >= 7

@@ -31,6 +31,12 @@ class PenaltyCounts:
         self.counts = torch.zeros((0, vocab), dtype=torch.int32, device=device)
         self.prompt = torch.zeros((0, vocab), dtype=torch.bool, device=device)
 
+    def release(self) -> None:
+        """Drops every row (a sleeping worker runs nothing; a sequence that samples after the wake
+        starts its row over, as every sequence does on a slot it has not counted on)."""
+        self.counts = self.counts.new_zeros((0, self.vocab))
+        self.prompt = self.prompt.new_zeros((0, self.vocab))
+
     def cover(self, slots: int) -> None:
         """Rows for slots ``0 .. slots - 1`` at least (new rows are zero)."""
         have = self.counts.shape[0]
