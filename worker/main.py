@@ -87,6 +87,20 @@ def itl_target_error(itl_target_ms: float) -> str | None:
     return None
 
 
+def ttft_guard_errors(itl_target_ms: float, itl_max_ms: float, ttft_target_ms: float) -> list[str]:
+    """The TTFT guard's flags: finite milliseconds, 0 or more (0: a multiple of the target), and a
+    stretch ceiling no tighter than an explicit inter-token target (a stretch never shortens a step)."""
+    errors = []
+    for flag, value, derived in (("--itl-max-ms", itl_max_ms, "2.5 x the inter-token target"),
+                                 ("--ttft-target-ms", ttft_target_ms, "10 x the inter-token target")):
+        if not math.isfinite(value) or value < 0:
+            errors.append(f"{flag} must be a finite number of milliseconds, 0 or more (0: {derived}), got {value}")
+    if not errors and itl_max_ms > 0 and itl_target_ms > 0 and itl_max_ms < itl_target_ms:
+        errors.append(f"--itl-max-ms ({itl_max_ms:g}) must be at least --itl-target-ms ({itl_target_ms:g}): "
+                      "it is the ceiling a step may stretch to past the target")
+    return errors
+
+
 def block_size_error(block_size: int) -> str | None:
     try:
         check_block_size(block_size)
@@ -252,6 +266,8 @@ def boot_errors(args: argparse.Namespace) -> list[str]:
                            itl_target_error(getattr(args, "itl_target_ms", 0.0)),
                            utilization_error(getattr(args, "gpu_memory_utilization", None), args.device,
                                              getattr(args, "kv_cache_memory", ""))) if e]
+    errors += ttft_guard_errors(getattr(args, "itl_target_ms", 0.0), getattr(args, "itl_max_ms", 0.0),
+                                getattr(args, "ttft_target_ms", 0.0))
     if not errors:  # the costlier checks only once the flags themselves make sense
         cuda = torch.cuda.is_available()
         gpus = torch.cuda.device_count() if cuda else 0
@@ -307,6 +323,7 @@ def settings_from_args(args: argparse.Namespace) -> EngineSettings:
         max_num_seqs=args.max_num_seqs, max_seq_len=args.max_seq_len, kv_cache_memory=kv_cache_memory,
         max_num_batched_tokens=args.max_num_batched_tokens, max_queue=args.max_queue,
         prefill_chunk=args.prefill_chunk, itl_target_ms=getattr(args, "itl_target_ms", 0.0), policy=policy,
+        itl_max_ms=getattr(args, "itl_max_ms", 0.0), ttft_target_ms=getattr(args, "ttft_target_ms", 0.0),
         inject_capture_failures=inject,
         inject_step_failure=_step_injection(os.environ.get(INJECT_STEP_ENV, "")),
         model_roots=tuple(args.model_root), optimization_level=args.optimization_level, compile=args.compile,

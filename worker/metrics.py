@@ -94,6 +94,10 @@ class WorkerMetrics:
                                  registry=r)
         self.running_sequences = Gauge("graphkeeper_running_sequences", "Sequences holding a KV slot.",
                                        registry=r)
+        self.steps_stretched = Counter(
+            "graphkeeper_steps_stretched", "Steps with decode rows stretched past the inter-token target for a "
+            "prompt waiting past the TTFT target.", registry=r)
+        self._stretched_seen = 0
         self.prompt_tokens = Counter("graphkeeper_prompt_tokens", "Prompt tokens admitted.", registry=r)
         self.generated_tokens = Counter("graphkeeper_generated_tokens", "Tokens generated.", registry=r)
         # Graphs.
@@ -236,6 +240,12 @@ class WorkerMetrics:
         self.prefix_hits.inc(max(0, hits - h0))
         self.preemptions.inc(max(0, preemptions - p0))
 
+    def set_stretched(self, total: int) -> None:
+        """The stretched-steps counter moved on to the scheduler's running total."""
+        if total > self._stretched_seen:
+            self.steps_stretched.inc(total - self._stretched_seen)
+            self._stretched_seen = total
+
     def set_model(self, revision: str, source: str, dtype: str, device: str) -> None:
         """The model-info series: the source's kind and name, never a filesystem path; bounded values."""
         values = (bounded_label(revision), source_label(source), bounded_label(dtype), bounded_label(device))
@@ -344,6 +354,7 @@ METRIC_NAMES = frozenset({
     "graphkeeper_prefix_cache_queries_tokens_total",
     "graphkeeper_prefix_cache_hits_tokens_total",
     "graphkeeper_preemptions_total",
+    "graphkeeper_steps_stretched_total",
 })
 
 

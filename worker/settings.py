@@ -63,6 +63,10 @@ class EngineSettings:
     #: Inter-token target bounding the prefill a step with decode rows carries, in ms (0: derived
     #: from the step times measured at capture; engine/step_budget.py).
     itl_target_ms: float = 0.0
+    #: The TTFT guard (engine/step_budget.py): once a prompt has waited ttft_target_ms for its first
+    #: token, steps with decode rows may stretch to itl_max_ms (0: 2.5 x and 10 x the target).
+    itl_max_ms: float = 0.0
+    ttft_target_ms: float = 0.0
     #: The policy to capture before READY (None or one without a uid: the default ladder).
     policy: pb.GraphPolicy | None = None
     #: Where LoadModelRevision may load from (empty: no path may be loaded; random presets only).

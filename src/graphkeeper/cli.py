@@ -96,6 +96,12 @@ def _worker(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--itl-target-ms", type=float, default=0.0,
                    help="inter-token target: a step with decode rows carries prefill only up to the size whose "
                         "measured step time fits it (0: the measured time of the largest replayed step)")
+    p.add_argument("--itl-max-ms", type=float, default=0.0,
+                   help="TTFT guard: the inter-token ceiling a step with decode rows may stretch to while a "
+                        "prompt has waited past --ttft-target-ms for its first token (0: 2.5 x the target)")
+    p.add_argument("--ttft-target-ms", type=float, default=0.0,
+                   help="TTFT guard: how long the oldest prompt may wait for its first token before steps with "
+                        "decode rows stretch to --itl-max-ms (0: 10 x the inter-token target)")
     p.add_argument("--policy-file", default="", help="GraphPolicy JSON to capture before ready")
     p.add_argument("--graph-mode", default="", help="graph mode without a policy (e.g. FullAndPiecewise)")
     p.add_argument("-O", "--optimization-level", type=int, default=d.DEFAULT_OPTIMIZATION_LEVEL, choices=(0, 1, 2),

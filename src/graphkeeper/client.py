@@ -120,12 +120,17 @@ def kv_cache_line(kv: pb.KVCacheStatus) -> str:
 
 
 def step_budget_line(b: pb.StepBudgetStatus) -> str:
-    """The step budget in one line: the whole budget, the bound with decode rows and why."""
+    """The step budget in one line: the whole budget, the bound with decode rows, the TTFT guard's
+    stretched bound, and why."""
     came = f" ({b.tokens_source})" if b.tokens_source else ""  # empty from a worker before the field
     if not b.itl_target_seconds:
         return f"budget    {b.tokens} tokens a step{came} ({b.source})"
-    return (f"budget    {b.tokens} tokens a step with no decode row{came}, {b.tokens_with_decode} with decode rows "
+    line = (f"budget    {b.tokens} tokens a step with no decode row{came}, {b.tokens_with_decode} with decode rows "
             f"(inter-token target {b.itl_target_seconds * 1e3:.2f} ms: {b.source})")
+    if b.ttft_target_seconds:  # the TTFT guard (absent from a worker before it)
+        line += (f", {b.tokens_stretched} once a prompt has waited {b.ttft_target_seconds * 1e3:.2f} ms for its "
+                 f"first token (stretch ceiling {b.itl_max_seconds * 1e3:.2f} ms: {b.guard_source})")
+    return line
 
 
 def fetch_status(args: argparse.Namespace, with_model: bool) -> tuple[pb.GetModelInfoResponse | None, pb.GraphStatus]:

@@ -357,6 +357,7 @@ class Engine:
         self.metrics.queue_depth.set(len(self.scheduler.waiting) + len(self.mailbox))
         self.metrics.running_sequences.set(len(self.scheduler.running))
         self.metrics.set_kv(b.block_size, *b.status(), self.scheduler.preemptions)
+        self.metrics.set_stretched(self.scheduler.steps_stretched)
 
     # --- one step: run, then postprocess ---------------------------------------------------
 

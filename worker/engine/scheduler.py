@@ -32,6 +32,7 @@ grows with the sequences that changed, not with the batch.
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -125,6 +126,9 @@ class Scheduler:
         #: Prefill tokens a step may carry beside its decode rows (the engine sets a latency target
         #: once step times are measured; until then every step may take the whole budget).
         self.step_budget = StepBudget.fixed(max_num_batched_tokens)
+        #: Steps with decode rows that carried more prefill than the target allows, for a prompt
+        #: past the TTFT target (the TTFT guard, step_budget.py).
+        self.steps_stretched = 0
         self.prefill_chunk = prefill_chunk or max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -237,14 +241,18 @@ class Scheduler:
         if any(s in gone for s in self.decode.seqs):
             self.decode.leave(gone)
 
-    def schedule(self) -> ScheduledStep | None:
-        """The next step, or None when there is nothing to run. Marks its work as launched."""
+    def schedule(self, now: float | None = None) -> ScheduledStep | None:
+        """The next step, or None when there is nothing to run. Marks its work as launched.
+        ``now`` (``time.perf_counter``, the clock of ``Sequence.arrived``; default: read it) is
+        when the step is planned, for how long the oldest prompt has waited (the TTFT guard)."""
         self._retire_sampled_out()
         self._grow()
         self._admit()
         batch = self.decode
         nd = len(batch)
-        budget = self.step_budget.prefill_tokens(nd)
+        waited = self.oldest_wait(time.perf_counter() if now is None else now) if self._guarded(nd) else 0.0
+        budget = self.step_budget.prefill_tokens(nd, waited)
+        normal = self.step_budget.prefill_tokens(nd) if waited else budget
         prompt_tokens: list[int] = []
         positions: list[np.ndarray] = [batch.positions]
         slots: list[np.ndarray] = [batch.slots]
@@ -279,6 +287,8 @@ class Scheduler:
                 completed.append(seq)
         if not sequences:
             return None
+        if len(prompt_tokens) > normal:
+            self.steps_stretched += 1  # carried more prefill than the target alone allows
         history = bool(self.logits_running) and any(
             s.logits is not None and s.logits.spec.needs_history for s in samplers)
         plan = StepPlan(
@@ -298,6 +308,26 @@ class Scheduler:
         if self._decoded:
             self._register_decoded()
         return ScheduledStep(plan, sequences, samplers, history)
+
+    def _guarded(self, decode_rows: int) -> bool:
+        """Whether this step's prefill depends on how long a prompt has waited (decode rows share it
+        and the budget has a TTFT guard that can stretch): the wait is looked up only then."""
+        budget = self.step_budget
+        return decode_rows > 0 and budget.ttft_target is not None and budget.stretched > budget.with_decode
+
+    def oldest_wait(self, now: float) -> float:
+        """Seconds the oldest prompt still waiting for its first token has waited at ``now``: one
+        queued, or admitted and mid-prefill (0: none). Sequences that already sampled (a preempted
+        one being recomputed) do not count. Cheap: the prefilling list is at most ``max_num_seqs``,
+        and the queue is in arrival order behind the preempted sequences at its head, so it is read
+        only up to its first new sequence."""
+        oldest = min((s.arrived for s in self.prefilling if not s.samples_scheduled), default=now)
+        for seq in self.waiting:
+            if not seq.samples_scheduled:
+                oldest = min(oldest, seq.arrived)
+            if not seq.preemptions:
+                break
+        return max(now - oldest, 0.0)
 
     def _sampling(self, samplers: list[Sequence], sample_index: np.ndarray) -> SamplingBatch | None:
         """Per-row sampling parameters, built only while some running sequence samples."""

@@ -22,7 +22,20 @@ steps with decode rows stay as short as the graph ceiling makes them, so raising
 ``--max-num-batched-tokens`` speeds up prefill without lengthening any decoding row's wait.
 ``--itl-target-ms`` sets it instead.
 
-Everything here is pure: the scheduler asks ``StepBudget.prefill_tokens(decode_rows)`` once a step.
+A target tight enough for decode rows can starve prefill under load: with 64 streams there is
+almost always a decode row, so nearly every step is held to the target and a long prompt waits for
+its first token behind many short steps. The *TTFT guard* stretches a step only for such a prompt:
+once the oldest prompt still waiting for its first token (queued, or mid-prefill) has waited
+``ttft_target`` seconds, a step with decode rows may carry prefill up to the largest step predicted
+within the stretch ceiling ``itl_max`` (never less than the normal bound). Decode rows then wait at
+most ``itl_max`` for a token, and only while a prompt is late; short-prompt traffic served within the
+TTFT target never stretches. Defaults, from the measured target T: ``itl_max`` = 2.5 x T (the ~12 ms
+the latency acceptance allows over the ~4.8 ms ceiling step on an H200) and ``ttft_target`` = 10 x T
+(a prompt is stretched for only once it has waited about ten steps). ``--itl-max-ms`` and
+``--ttft-target-ms`` set them instead. Without measurements there is no target and no guard.
+
+Everything here is pure: the scheduler asks ``StepBudget.prefill_tokens(decode_rows, waited)`` once a
+step, with how long the oldest prompt has waited for its first token.
 """
 
 from __future__ import annotations
@@ -44,6 +57,13 @@ log = logging.getLogger(__name__)
 #: Prompt tokens a step always carries while a prompt waits, whatever the target: one KV block's
 #: worth, so a prompt progresses even when the decode rows alone exceed the target (no starvation).
 MIN_PREFILL_TOKENS = 16
+
+#: The derived stretch ceiling, in units of the inter-token target: 2.5 x a ~4.8 ms target is the
+#: 12 ms inter-token bound the long-prompt acceptance allows.
+ITL_MAX_FACTOR = 2.5
+#: The derived TTFT target, in units of the inter-token target: a prompt is stretched for once it has
+#: waited about ten steps at the target, so short prompts, answered within a few steps, never are.
+TTFT_TARGET_FACTOR = 10.0
 
 
 class TimedGraph(Protocol):
@@ -117,9 +137,39 @@ class StepTimeModel:
 
 
 @dataclass(frozen=True)
+class TTFTGuard:
+    """When a step with decode rows may stretch past the target: ``ttft_target`` seconds after the
+    oldest prompt waiting for its first token arrived, up to ``itl_max`` seconds a step."""
+
+    itl_max: float
+    ttft_target: float
+    #: Where the two came from: the flags, or derived from the target (multiples stated).
+    source: str
+
+    @classmethod
+    def plan(cls, target: float, itl_max_ms: float = 0.0, ttft_target_ms: float = 0.0,
+             target_source: str = "the target") -> TTFTGuard:
+        """The guard for inter-token target ``target`` (seconds): each value from its flag when set
+        (milliseconds, > 0), else the stated multiple of the target."""
+        parts = []
+        if itl_max_ms > 0:
+            itl_max, came = itl_max_ms / 1e3, "--itl-max-ms"
+        else:
+            itl_max, came = ITL_MAX_FACTOR * target, f"{ITL_MAX_FACTOR:g} x the target"
+        parts.append(f"stretch ceiling: {came}")
+        if ttft_target_ms > 0:
+            ttft, came = ttft_target_ms / 1e3, "--ttft-target-ms"
+        else:
+            ttft, came = TTFT_TARGET_FACTOR * target, f"{TTFT_TARGET_FACTOR:g} x the target"
+        parts.append(f"TTFT target: {came}")
+        return cls(itl_max=itl_max, ttft_target=ttft, source="; ".join(parts))
+
+
+@dataclass(frozen=True)
 class StepBudget:
     """The per-step token budget: ``tokens`` in all, prefill bounded by ``target`` seconds while
-    decode rows share the step. ``target`` None: no bound (a fixed budget)."""
+    decode rows share the step, stretched to ``guard.itl_max`` while a prompt has waited past
+    ``guard.ttft_target`` for its first token. ``target`` None: no bound (a fixed budget), no guard."""
 
     tokens: int
     target: float | None = None
@@ -129,74 +179,105 @@ class StepBudget:
     tokens_source: str = "--max-num-batched-tokens"
     #: The most tokens a step with decode rows may have (decode rows included): precomputed.
     with_decode: int = 0
+    guard: TTFTGuard | None = None
+    #: The most tokens a stretched step with decode rows may have (at least ``with_decode``).
+    stretched: int = 0
 
     @classmethod
     def fixed(cls, tokens: int, source: str = "a fixed budget",
               tokens_source: str = "--max-num-batched-tokens") -> StepBudget:
-        return cls(tokens=tokens, source=source, with_decode=tokens, tokens_source=tokens_source)
+        return cls(tokens=tokens, source=source, with_decode=tokens, tokens_source=tokens_source, stretched=tokens)
 
     @classmethod
     def for_target(cls, tokens: int, target: float, model: StepTimeModel, source: str,
-                   tokens_source: str = "--max-num-batched-tokens") -> StepBudget:
-        return cls(tokens=tokens, target=target, model=model, source=source,
-                   with_decode=model.largest_within(target, tokens), tokens_source=tokens_source)
+                   tokens_source: str = "--max-num-batched-tokens", guard: TTFTGuard | None = None) -> StepBudget:
+        with_decode = model.largest_within(target, tokens)
+        stretched = max(with_decode, model.largest_within(guard.itl_max, tokens)) if guard else with_decode
+        return cls(tokens=tokens, target=target, model=model, source=source, with_decode=with_decode,
+                   tokens_source=tokens_source, guard=guard, stretched=stretched)
 
-    def prefill_tokens(self, decode_rows: int) -> int:
-        """Prompt tokens the next step may carry beside ``decode_rows`` decode rows."""
+    @property
+    def ttft_target(self) -> float | None:
+        """How long a prompt may wait for its first token before steps stretch (None: no guard)."""
+        return self.guard.ttft_target if self.guard and self.target is not None else None
+
+    def stretches(self, waited: float) -> bool:
+        """Whether a step with decode rows stretches, the oldest prompt having waited ``waited`` s."""
+        ttft = self.ttft_target
+        return ttft is not None and waited >= ttft and self.stretched > self.with_decode
+
+    def prefill_tokens(self, decode_rows: int, waited: float = 0.0) -> int:
+        """Prompt tokens the next step may carry beside ``decode_rows`` decode rows, the oldest prompt
+        still waiting for its first token having waited ``waited`` seconds (0: none waits)."""
         room = self.tokens - decode_rows
         if decode_rows == 0 or self.target is None:
             return room
-        return max(min(room, self.with_decode - decode_rows), min(room, MIN_PREFILL_TOKENS))
+        bound = self.stretched if self.stretches(waited) else self.with_decode
+        return max(min(room, bound - decode_rows), min(room, MIN_PREFILL_TOKENS))
 
     def describe(self) -> str:
-        """One line for the log: the budget, the target and where it came from."""
+        """One line for the log: the budget, the target, the guard and where they came from."""
         if self.target is None:
             return f"{self.tokens} tokens a step ({self.tokens_source}; {self.source})"
-        return (f"{self.tokens} tokens a step with no decode row ({self.tokens_source}); with decode rows at most "
+        line = (f"{self.tokens} tokens a step with no decode row ({self.tokens_source}); with decode rows at most "
                 f"{self.with_decode} (inter-token target {self.target * 1e3:.2f} ms, {self.source})")
+        if self.guard is not None:
+            line += (f"; at most {self.stretched} once a prompt has waited {self.guard.ttft_target * 1e3:.2f} ms "
+                     f"for its first token (stretch ceiling {self.guard.itl_max * 1e3:.2f} ms; {self.guard.source})")
+        return line
 
     def to_proto(self) -> pb.StepBudgetStatus:
+        guard = self.guard if self.target is not None else None
         return pb.StepBudgetStatus(tokens=self.tokens, tokens_with_decode=self.with_decode,
                                    itl_target_seconds=self.target or 0.0, source=self.source,
-                                   tokens_source=self.tokens_source)
+                                   tokens_source=self.tokens_source,
+                                   itl_max_seconds=guard.itl_max if guard else 0.0,
+                                   ttft_target_seconds=guard.ttft_target if guard else 0.0,
+                                   tokens_stretched=self.stretched if guard else self.with_decode,
+                                   guard_source=guard.source if guard else "")
 
 
 def plan_step_budget(tokens: int, itl_target_ms: float, captured: Iterable[TimedGraph], device: str,
                      released: Iterable[TimedGraph] = (),
-                     tokens_source: str = "--max-num-batched-tokens") -> StepBudget:
+                     tokens_source: str = "--max-num-batched-tokens", itl_max_ms: float = 0.0,
+                     ttft_target_ms: float = 0.0) -> StepBudget:
     """The budget a worker runs with once its graphs are captured (and again after a recapture,
     or after idle graphs were released: the steps they served run eager now).
 
     The derived target is the time of the largest replayed step of at most
     ``DEFAULT_MAX_CAPTURE_CEILING`` tokens: the coarse graphs above it (1,024 to 8,192 tokens,
-    ``large_steps.py``) make long prefill steps cheaper, never the bound on a step decode rows wait for."""
+    ``large_steps.py``) make long prefill steps cheaper, never the bound on a step decode rows wait for.
+    The TTFT guard's stretch ceiling and TTFT target are ``itl_max_ms`` and ``ttft_target_ms`` when
+    set (> 0), else multiples of the target (``TTFTGuard.plan``)."""
     model = StepTimeModel.from_captured(captured, released)
     if model is None:
         return StepBudget.fixed(tokens, f"no step times measured (no graphs recorded on {device})", tokens_source)
     if itl_target_ms > 0:
-        return StepBudget.for_target(tokens, itl_target_ms / 1e3, model, "--itl-target-ms", tokens_source)
-    ceiling = DEFAULT_MAX_CAPTURE_CEILING
-    timed = model.ceiling_within(ceiling) or max((s for s, _ in model.eager if s <= ceiling), default=model.eager[0][0])
-    largest = min(timed, tokens)
-    target = model.seconds(largest)
-    return StepBudget.for_target(tokens, target, model,
-                                 f"derived: a {largest}-token step measured at {target * 1e3:.2f} ms at capture",
-                                 tokens_source)
+        target, source = itl_target_ms / 1e3, "--itl-target-ms"
+    else:
+        ceiling = DEFAULT_MAX_CAPTURE_CEILING
+        timed = model.ceiling_within(ceiling) or max((s for s, _ in model.eager if s <= ceiling),
+                                                     default=model.eager[0][0])
+        largest = min(timed, tokens)
+        target = model.seconds(largest)
+        source = f"derived: a {largest}-token step measured at {target * 1e3:.2f} ms at capture"
+    guard = TTFTGuard.plan(target, itl_max_ms, ttft_target_ms)
+    return StepBudget.for_target(tokens, target, model, source, tokens_source, guard)
 
 
 def install_step_budget(settings: EngineSettings, graphs: HeldGraphs | None, device: str,
                         kept: StepBudget | None = None) -> StepBudget:
     """``plan_step_budget`` for the graphs the engine holds, logged: the engine's call after every
     capture phase (a recapture measures new step times and derives the target again) and after
-    idle graphs were released (``kept``: the budget in force, whose target stays; only what a step
-    is predicted to cost changes, since the released graphs' steps run eager)."""
+    idle graphs were released (``kept``: the budget in force, whose target and TTFT guard stay;
+    only what a step is predicted to cost changes, since the released graphs' steps run eager)."""
     captured = graphs.captured.values() if graphs else ()
     released = graphs.released.values() if graphs else ()
     budget = plan_step_budget(settings.max_num_batched_tokens, settings.itl_target_ms, captured, device, released,
-                              settings.max_num_batched_tokens_source)
+                              settings.max_num_batched_tokens_source, settings.itl_max_ms, settings.ttft_target_ms)
     if kept is not None and kept.target is not None and budget.model is not None:
         budget = StepBudget.for_target(budget.tokens, kept.target, budget.model,
-                                       f"{kept.source}; graphs released since", budget.tokens_source)
+                                       f"{kept.source}; graphs released since", budget.tokens_source, kept.guard)
     log.info("step budget: %s", budget.describe())
     return budget
 
