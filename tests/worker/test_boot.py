@@ -180,6 +180,12 @@ def _bad_flag_cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
         "utilization-on-a-cpu": (["--gpu-memory-utilization", "0.9"], "it needs --device cuda"),
         "negative-itl-target": (["--itl-target-ms", "-1"], "--itl-target-ms must be a finite number"),
         "infinite-itl-target": (["--itl-target-ms", "inf"], "--itl-target-ms must be a finite number"),
+        "negative-itl-max": (["--itl-max-ms", "-1"], "--itl-max-ms must be a finite number of milliseconds"),
+        "nan-itl-max": (["--itl-max-ms", "nan"], "--itl-max-ms must be a finite number of milliseconds"),
+        "itl-max-below-target": (["--itl-target-ms", "5", "--itl-max-ms", "4"],
+                                 "--itl-max-ms (4) must be at least --itl-target-ms (5)"),
+        "negative-ttft-target": (["--ttft-target-ms", "-3"], "--ttft-target-ms must be a finite number"),
+        "infinite-ttft-target": (["--ttft-target-ms", "inf"], "--ttft-target-ms must be a finite number"),
     }
 
 

@@ -15,9 +15,12 @@ from graphkeeper.proto import worker_pb2 as pb
 from graphkeeper.worker.engine.scheduler import Scheduler
 from graphkeeper.worker.engine.sequence import Sequence
 from graphkeeper.worker.engine.step_budget import (
+    ITL_MAX_FACTOR,
     MIN_PREFILL_TOKENS,
+    TTFT_TARGET_FACTOR,
     StepBudget,
     StepTimeModel,
+    TTFTGuard,
     plan_step_budget,
 )
 from graphkeeper.worker.plan import SamplingSpec
@@ -41,9 +44,13 @@ def h200_like(modes: tuple[int, ...] = (FULL, PW)) -> list[Timed]:
     return [Timed(m, s, 0.002 + 5e-6 * s, 0.004 + 6e-6 * s) for m in modes for s in LADDER]
 
 
-def seq(prompt_len: int, max_new: int, name: str) -> Sequence:
+#: The coarse PIECEWISE graphs a budget of 8,192 captures above the ladder (``large_steps.py``).
+COARSE = [Timed(PW, s, 0.002 + 5e-6 * s, 0.004 + 6e-6 * s) for s in (1024, 2048, 4096, 8192)]
+
+
+def seq(prompt_len: int, max_new: int, name: str, arrived: float = 0.0) -> Sequence:
     return Sequence(request_id=name, tenant="", prompt=list(range(3, 3 + prompt_len)), max_new_tokens=max_new,
-                    sampling=SamplingSpec(), seed=0)
+                    sampling=SamplingSpec(), seed=0, arrived=arrived)
 
 
 # --- the step-time model --------------------------------------------------------------------------
@@ -103,8 +110,7 @@ def test_coarse_graphs_above_512_price_long_prefill_but_never_widen_the_derived_
     """A budget sized to an H200 captures coarse PIECEWISE sizes (1,024 ... 8,192): a step of 1,500
     tokens is priced at the 2,048 replay, but the derived target stays the 512-token step, so
     decode rows wait no longer than at the default ceiling."""
-    coarse = [Timed(PW, s, 0.002 + 5e-6 * s, 0.004 + 6e-6 * s) for s in (1024, 2048, 4096, 8192)]
-    budget = plan_step_budget(8192, 0.0, [*h200_like(), *coarse], "cuda", tokens_source="sized to the device")
+    budget = plan_step_budget(8192, 0.0, [*h200_like(), *COARSE], "cuda", tokens_source="sized to the device")
     assert budget.model.ceiling == 8192 and budget.model.ceiling_within(512) == 512
     assert budget.model.seconds(1500) == pytest.approx(0.002 + 5e-6 * 2048)
     assert budget.source.startswith("derived: a 512-token step") and budget.with_decode == 512
@@ -158,20 +164,258 @@ def test_every_step_with_decode_rows_keeps_the_target_and_no_prompt_waits_foreve
     assert full_budget_steps > 0  # prefill alone used more than the 512-token graph ceiling
 
 
+# --- the TTFT guard ------------------------------------------------------------------------------
+
+H200_TARGET = 0.002 + 5e-6 * 512  # the derived target on h200_like: the measured 512-token step
+
+
+def test_the_guard_is_derived_from_the_target_and_stretches_only_for_a_prompt_past_the_ttft_target():
+    budget = plan_step_budget(8192, 0.0, h200_like(), "cuda")
+    guard = budget.guard
+    assert budget.target == pytest.approx(H200_TARGET)
+    assert guard.itl_max == pytest.approx(ITL_MAX_FACTOR * H200_TARGET)
+    assert guard.ttft_target == pytest.approx(TTFT_TARGET_FACTOR * H200_TARGET)
+    assert guard.source == "stretch ceiling: 2.5 x the target; TTFT target: 10 x the target"
+    # The stretched bound: the eager line solved for the ceiling (past the 512-token graphs).
+    assert abs(budget.stretched - int((guard.itl_max - 0.004) / 6e-6)) <= 1 and budget.stretched > 512
+    assert budget.prefill_tokens(64) == budget.prefill_tokens(64, guard.ttft_target * 0.99) == 512 - 64
+    assert budget.prefill_tokens(64, guard.ttft_target) == budget.stretched - 64
+    assert budget.prefill_tokens(0, 10.0) == budget.prefill_tokens(0) == 8192  # nothing decodes: the whole budget
+    assert budget.model.seconds(budget.stretched) <= guard.itl_max < budget.model.seconds(budget.stretched + 1)
+
+
+def test_the_guard_flags_set_the_ceiling_and_the_ttft_target_and_say_so():
+    budget = plan_step_budget(8192, 0.0, h200_like(), "cuda", itl_max_ms=8.0, ttft_target_ms=30.0)
+    assert budget.guard == TTFTGuard(itl_max=0.008, ttft_target=0.030,
+                                     source="stretch ceiling: --itl-max-ms; TTFT target: --ttft-target-ms")
+    assert budget.stretched == budget.model.largest_within(0.008, 8192)
+    assert not budget.stretches(0.029) and budget.stretches(0.030)
+    half = plan_step_budget(8192, 6.0, h200_like(), "cuda", ttft_target_ms=20.0)  # one flag: the other derived
+    assert half.guard.itl_max == pytest.approx(0.015) and half.guard.ttft_target == pytest.approx(0.020)
+    assert half.guard.source == "stretch ceiling: 2.5 x the target; TTFT target: --ttft-target-ms"
+
+
+def test_a_ceiling_no_larger_step_fits_never_stretches_below_the_normal_bound():
+    budget = plan_step_budget(8192, 0.0, h200_like(), "cuda", itl_max_ms=1.0)  # tighter than the target
+    assert budget.stretched == budget.with_decode == 512
+    assert not budget.stretches(100.0)
+    assert budget.prefill_tokens(64, 100.0) == 512 - 64
+
+
+def test_no_step_times_means_no_target_and_no_guard():
+    budget = plan_step_budget(512, 0.0, [], "cpu", itl_max_ms=12.0, ttft_target_ms=50.0)
+    assert budget.guard is None and budget.ttft_target is None and not budget.stretches(1e9)
+    assert budget.prefill_tokens(10, 1e9) == 502
+    b = budget.to_proto()
+    assert (b.itl_max_seconds, b.ttft_target_seconds, b.tokens_stretched, b.guard_source) == (0.0, 0.0, 512, "")
+
+
+def test_the_startup_line_and_the_status_state_the_guard_and_where_it_came_from():
+    budget = plan_step_budget(8192, 0.0, h200_like(), "cuda", tokens_source="sized to the device")
+    line = budget.describe()
+    assert line.endswith(f"; at most {budget.stretched} once a prompt has waited 45.60 ms for its first token "
+                         "(stretch ceiling 11.40 ms; stretch ceiling: 2.5 x the target; TTFT target: 10 x the target)")
+    b = budget.to_proto()
+    assert b.itl_max_seconds == pytest.approx(0.0114) and b.ttft_target_seconds == pytest.approx(0.0456)
+    assert b.tokens_stretched == budget.stretched and b.guard_source == budget.guard.source
+
+
+class Clock:
+    """Synthetic time: each step advances it by the step's predicted time (what the GPU would take)."""
+
+    def __init__(self, model: StepTimeModel) -> None:
+        self.model, self.now = model, 0.0
+
+    def run(self, sched: Scheduler) -> tuple | None:
+        step = sched.schedule(now=self.now)
+        if step is None:
+            self.now += 0.001  # idle: the engine sleeps until a request arrives
+            return None
+        self.now += self.model.seconds(step.plan.num_tokens)
+        return step
+
+
+def serve(sched: Scheduler, clock: Clock, step) -> list[Sequence]:
+    """Tokens come back at once; a sequence ends at its length. Returns those that finished."""
+    done = []
+    for s in step.samplers:
+        if not s.output:
+            s.first_token_at = clock.now
+        s.output.append(7)
+        if len(s.output) >= s.max_new_tokens and not s.finished:
+            sched.finish(s)
+            done.append(s)
+    return done
+
+
+def guarded(budget: StepBudget) -> Scheduler:
+    sched = Scheduler(max_num_seqs=64, max_num_batched_tokens=8192, prefill_chunk=0)
+    sched.step_budget = budget
+    return sched
+
+
+def long_prompts_beside_decoding_rows(budget: StepBudget) -> tuple[Scheduler, list[Sequence], int]:
+    """48 sequences decoding, then 16 prompts of 3,000 tokens at once (what the long scenario's 64
+    streams look like): steps until the last prompt's first token, every step's decode-row bound
+    checked against the stretch ceiling (or the target, without a guard)."""
+    sched, clock = guarded(budget), Clock(budget.model)
+    for i in range(48):
+        sched.add(seq(32, 10_000, f"d{i}", arrived=clock.now))
+    clock.run(sched)  # their prompts, alone: the whole budget
+    prompts = [seq(3000, 4, f"p{i}", arrived=clock.now) for i in range(16)]
+    for p in prompts:
+        sched.add(p)
+    ceiling = budget.guard.itl_max if budget.guard else budget.target
+    steps = 0
+    while not all(p.output for p in prompts):
+        step = clock.run(sched)
+        steps += 1
+        assert steps < 1000, "a prompt waited forever"
+        plan = step.plan
+        if plan.num_decode and plan.prefill:
+            within = budget.model.seconds(plan.num_tokens) <= ceiling
+            assert within or sum(c.length for c in plan.prefill) <= MIN_PREFILL_TOKENS
+        serve(sched, clock, step)
+    return sched, prompts, steps
+
+
+@pytest.mark.parametrize("coarse", [False, True], ids=["eager-above-512", "coarse-graphs"])
+def test_long_prompts_past_the_ttft_target_get_stretched_steps_and_their_first_tokens_sooner(coarse):
+    """With the coarse graphs a budget of 8,192 captures (``large_steps.py``) a stretched step replays
+    the 1,024-token graph; without them it runs eager up to the ceiling. Either way the long prompts
+    finish prefill in fewer steps and get their first tokens sooner (synthetic time)."""
+    plain_budget = plan_step_budget(8192, 0.0, [*h200_like(), *(COARSE if coarse else [])], "cuda")
+    unguarded = StepBudget.for_target(8192, plain_budget.target, plain_budget.model, "test")  # no guard
+    plain, plain_prompts, plain_steps = long_prompts_beside_decoding_rows(unguarded)
+    sched, prompts, steps = long_prompts_beside_decoding_rows(plain_budget)
+    assert plain.steps_stretched == 0
+    assert sched.steps_stretched > 0
+    assert steps < plain_steps  # the last long prompt's first token, in steps
+    ttft = sorted(p.first_token_at - p.arrived for p in prompts)
+    plain_ttft = sorted(p.first_token_at - p.arrived for p in plain_prompts)
+    assert ttft[len(ttft) // 2] < plain_ttft[len(plain_ttft) // 2] and ttft[-1] < plain_ttft[-1]
+
+
+def test_without_a_prompt_past_the_ttft_target_the_normal_target_holds():
+    """The same burst with a TTFT target no prompt reaches: no step stretches, each step with decode
+    rows keeps the inter-token target exactly as without a guard."""
+    base = plan_step_budget(8192, 0.0, h200_like(), "cuda", ttft_target_ms=1e6)
+    sched, _, _ = long_prompts_beside_decoding_rows(
+        StepBudget.for_target(8192, base.target, base.model, "test", guard=TTFTGuard(base.guard.itl_max, 1e3, "t")))
+    assert sched.steps_stretched == 0
+    budget = plan_step_budget(8192, 0.0, h200_like(), "cuda")
+    sched = guarded(budget)
+    for i in range(8):
+        sched.add(seq(32, 100, f"d{i}"))
+    sched.schedule(now=0.0)
+    sched.add(seq(3000, 4, "late", arrived=0.0))
+    step = sched.schedule(now=budget.guard.ttft_target * 0.9)
+    assert step.plan.num_decode == 8 and sum(c.length for c in step.plan.prefill) == 512 - 8
+    step = sched.schedule(now=budget.guard.ttft_target)
+    assert sum(c.length for c in step.plan.prefill) == budget.stretched - 8 and sched.steps_stretched == 1
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_short_prompt_traffic_served_within_the_ttft_target_never_stretches(seed):
+    """The mixed scenario: 64 closed-loop streams (started a step apart) of 16-400-token prompts and
+    64-256 new tokens: every first token comes within the TTFT target, so no step stretches and every
+    step with decode rows keeps the inter-token target."""
+    rng = random.Random(seed)
+    budget = plan_step_budget(8192, 0.0, h200_like(), "cuda")
+    sched, clock = guarded(budget), Clock(budget.model)
+    served: list[Sequence] = []
+    started, total, steps = 0, 400, 0
+    while len(served) < total:
+        if steps < 64 and started < total:  # the streams start one a step; then each asks again when served
+            started += 1
+            sched.add(seq(rng.randint(16, 400), rng.randint(64, 256), f"m{started}", arrived=clock.now))
+        step = clock.run(sched)
+        steps += 1
+        assert steps < 50_000, "a request waited forever"
+        if step is None:
+            continue
+        plan = step.plan
+        if plan.num_decode and plan.prefill:
+            assert budget.model.seconds(plan.num_tokens) <= budget.target or \
+                sum(c.length for c in plan.prefill) <= MIN_PREFILL_TOKENS
+        for _ in (finished := serve(sched, clock, step)):
+            if started < total:
+                started += 1
+                sched.add(seq(rng.randint(16, 400), rng.randint(64, 256), f"m{started}", arrived=clock.now))
+        served += finished
+    assert sched.steps_stretched == 0
+    assert max(s.first_token_at - s.arrived for s in served) < budget.guard.ttft_target
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_random_long_and_short_traffic_keeps_the_stretch_ceiling_and_finishes_every_request(seed):
+    rng = random.Random(seed)
+    budget = plan_step_budget(8192, 0.0, h200_like(), "cuda")
+    sched, clock = guarded(budget), Clock(budget.model)
+    pending = [seq(rng.choice([rng.randint(16, 400), rng.randint(500, 3000)]), rng.randint(8, 120), f"r{i}")
+               for i in range(200)]
+    done = 0
+    steps = 0
+    while done < len(pending):
+        if steps < len(pending):  # one arrival a step: more prompt tokens than the target lets in
+            pending[steps].arrived = clock.now
+            sched.add(pending[steps])
+        step = clock.run(sched)
+        steps += 1
+        assert steps < 50_000, "a request waited forever"
+        if step is None:
+            continue
+        plan = step.plan
+        if plan.num_decode and plan.prefill:
+            assert budget.model.seconds(plan.num_tokens) <= budget.guard.itl_max or \
+                sum(c.length for c in plan.prefill) <= MIN_PREFILL_TOKENS
+        done += len(serve(sched, clock, step))
+    assert sched.steps_stretched > 0  # the load put prompts past the TTFT target
+
+
+def test_the_oldest_wait_counts_prompts_waiting_for_a_first_token_queued_or_mid_prefill():
+    budget = plan_step_budget(8192, 0.0, h200_like(), "cuda")
+    sched = Scheduler(max_num_seqs=2, max_num_batched_tokens=8192, prefill_chunk=0)
+    sched.step_budget = budget
+    assert sched.oldest_wait(5.0) == 0.0  # nobody waits
+    a, b, c = seq(32, 50, "a", arrived=1.0), seq(3000, 5, "b", arrived=2.0), seq(32, 5, "c", arrived=3.0)
+    for s in (a, b, c):
+        sched.add(s)
+    assert sched.oldest_wait(5.0) == 4.0  # queued
+    sched.schedule(now=5.0)  # a and b admitted, both prefilled whole (no decode row yet); c waits
+    assert not a.prefilling and a.samples_scheduled == 1 and sched.oldest_wait(5.0) == 2.0  # c, queued
+    sched.preempt(a)  # a sampled already: its recompute is not waiting for a first token
+    assert sched.waiting[0] is a and sched.oldest_wait(6.0) == 3.0
+
+
+def test_graphkeeper_status_states_the_guard():
+    from graphkeeper.client import step_budget_line
+
+    b = pb.StepBudgetStatus(tokens=8192, tokens_with_decode=512, itl_target_seconds=0.0048, source="derived",
+                            tokens_source="sized to the device", itl_max_seconds=0.012, ttft_target_seconds=0.048,
+                            tokens_stretched=1300, guard_source="stretch ceiling: 2.5 x the target")
+    assert step_budget_line(b) == (
+        "budget    8192 tokens a step with no decode row (sized to the device), 512 with decode rows "
+        "(inter-token target 4.80 ms: derived), 1300 once a prompt has waited 48.00 ms for its first token "
+        "(stretch ceiling 12.00 ms: stretch ceiling: 2.5 x the target)")
+
+
 # --- a real worker ---------------------------------------------------------------------------
 
 
 def test_a_worker_states_its_budget_and_where_it_came_from(module_workers):
     worker = module_workers("--max-num-seqs", "4", "--max-seq-len", "128", "--max-num-batched-tokens", "256",
-                            "--itl-target-ms", "4")
+                            "--itl-target-ms", "4", "--itl-max-ms", "12", "--ttft-target-ms", "50")
     tokens, _ = generate(worker, make_request([5, 6, 7], 4))
     assert len(tokens) == 4
     status = worker.status().step_budget
     info = worker.model_info().step_budget
-    for b in (status, info):  # a CPU worker records no graphs: nothing measured, no target
+    for b in (status, info):  # a CPU worker records no graphs: nothing measured, no target, no TTFT guard
         assert b.tokens == 256 and b.tokens_with_decode == 256 and b.itl_target_seconds == 0
         assert b.source == "no step times measured (no graphs recorded on cpu)"
         assert b.tokens_source == "--max-num-batched-tokens"
+        assert b.itl_max_seconds == b.ttft_target_seconds == 0 and b.tokens_stretched == 256 and not b.guard_source
+    assert worker.metric("graphkeeper_steps_stretched_total") == 0
     assert "step budget: 256 tokens a step (--max-num-batched-tokens; no step times measured" in worker.log()
 
 
@@ -203,6 +447,10 @@ def test_graphs_released_idle_are_priced_eager_and_the_budget_is_planned_again()
     # Steps above the new ceiling are priced eager: fewer tokens fit the same target beside decode rows.
     assert after.with_decode < before.with_decode
     assert after.with_decode == after.model.largest_within(before.target, 8192)
+    assert after.guard == before.guard, "the TTFT guard stays with the target"
     fresh = install_step_budget(settings, graphs, "cuda")  # a capture phase derives the target again
     assert fresh.source.startswith("derived: a 128-token step")
     assert install_step_budget(settings, None, "cpu").target is None
+    flagged = install_step_budget(EngineSettings(max_num_batched_tokens=8192, itl_max_ms=9.0, ttft_target_ms=40.0),
+                                  graphs, "cuda")
+    assert flagged.guard == TTFTGuard(0.009, 0.040, "stretch ceiling: --itl-max-ms; TTFT target: --ttft-target-ms")
