@@ -1,6 +1,7 @@
 """The step budget on a real capture: the target is derived from the step times the worker measured
-(not a constant), stated in status and GetModelInfo, and a target no step can meet still moves
-every prompt on (the floor), with decode rows beside it."""
+(not a constant), stated in status and GetModelInfo with the TTFT guard derived from it, a target
+no step can meet still moves every prompt on (the floor), with decode rows beside it, and a prompt
+past the TTFT target gets stretched steps (counted in ``graphkeeper_steps_stretched_total``)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch
 
 from graphkeeper.proto import worker_pb2 as pb
 from graphkeeper.worker.engine import Engine, EngineSettings
-from graphkeeper.worker.engine.step_budget import MIN_PREFILL_TOKENS
+from graphkeeper.worker.engine.step_budget import ITL_MAX_FACTOR, MIN_PREFILL_TOKENS, TTFT_TARGET_FACTOR
 
 pytestmark = [
     pytest.mark.cuda,
@@ -48,6 +49,10 @@ def test_the_target_is_the_measured_time_of_the_largest_replayed_step():
         assert budget.tokens == 256 and budget.tokens_with_decode == 256
         assert budget.itl_target_seconds > 0
         assert budget.source.startswith("derived: a 256-token step measured at")
+        assert budget.itl_max_seconds == pytest.approx(ITL_MAX_FACTOR * budget.itl_target_seconds)
+        assert budget.ttft_target_seconds == pytest.approx(TTFT_TARGET_FACTOR * budget.itl_target_seconds)
+        assert budget.guard_source == "stretch ceiling: 2.5 x the target; TTFT target: 10 x the target"
+        assert budget.tokens_stretched == 256  # the whole budget fits the target already: nothing to stretch
         assert engine.model_info().step_budget == budget
     finally:
         engine.drain_and_stop(5)
@@ -62,5 +67,25 @@ def test_a_target_no_step_meets_still_finishes_a_long_prompt_beside_decoding_row
         long_done, long_out = submit(engine, list(range(3, 3 + 20 * MIN_PREFILL_TOKENS)), 4)
         assert long_done.wait(120) and len(long_out) == 4
         assert all(done.wait(120) and len(out) == 64 for done, out in decoding)
+    finally:
+        engine.drain_and_stop(5)
+
+
+def test_a_prompt_past_the_ttft_target_gets_stretched_steps_beside_decoding_rows():
+    """A target no step meets (decode rows leave only the floor), a ceiling every step meets and a
+    1 ms TTFT target: the long prompt's steps stretch past the floor while rows decode, the counter
+    says so, and every request finishes."""
+    engine = start(itl_target_ms=1e-6, itl_max_ms=1000.0, ttft_target_ms=1.0)
+    try:
+        budget = engine.status().step_budget
+        assert budget.tokens_with_decode == 0 and budget.tokens_stretched == 256
+        assert budget.guard_source == "stretch ceiling: --itl-max-ms; TTFT target: --ttft-target-ms"
+        decoding = [submit(engine, [5 + i, 6, 7], 200) for i in range(4)]
+        long_done, long_out = submit(engine, list(range(3, 3 + 40 * MIN_PREFILL_TOKENS)), 4)
+        assert long_done.wait(120) and len(long_out) == 4
+        assert all(done.wait(120) and len(out) == 200 for done, out in decoding)
+        assert engine.scheduler.steps_stretched > 0
+        assert engine.metrics.registry.get_sample_value("graphkeeper_steps_stretched_total") == \
+            engine.scheduler.steps_stretched
     finally:
         engine.drain_and_stop(5)
