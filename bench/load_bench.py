@@ -208,7 +208,7 @@ def run_cell(args: argparse.Namespace, scenario: str, flags: WorkerFlags, log: P
         row["max_num_seqs"] = flags.max_num_seqs
         after = scrape(metrics)
         for name in ("graphkeeper_prefix_cache_queries_tokens_total", "graphkeeper_prefix_cache_hits_tokens_total",
-                     "graphkeeper_preemptions_total"):
+                     "graphkeeper_preemptions_total", "graphkeeper_steps_stretched_total"):
             row[name.removeprefix("graphkeeper_")] = after.get(name, 0.0) - before.get(name, 0.0)
         if control:
             row.update(worker_report(control))
@@ -235,8 +235,9 @@ def run_cell(args: argparse.Namespace, scenario: str, flags: WorkerFlags, log: P
 
 def worker_report(control: str) -> dict:
     """From the worker's GraphStatus: the step budget it runs with (``step_budget``: tokens a step,
-    tokens with decode rows, the inter-token target and where it came from) and the step times it
-    measured at capture (``step_times``: replay and eager seconds per captured mode and size)."""
+    tokens with decode rows, the inter-token target and where it came from, and the TTFT guard: the
+    stretched bound, the stretch ceiling and TTFT target and where they came from) and the step times
+    it measured at capture (``step_times``: replay and eager seconds per captured mode and size)."""
     import grpc
 
     from graphkeeper.proto import worker_pb2 as pb
@@ -246,7 +247,9 @@ def worker_report(control: str) -> dict:
         status = pb_grpc.GraphControlStub(channel).GetGraphStatus(pb.GetGraphStatusRequest(), timeout=10)
     budget = status.step_budget
     return {"step_budget": {"tokens": budget.tokens, "tokens_with_decode": budget.tokens_with_decode,
-                            "itl_target_ms": 1e3 * budget.itl_target_seconds, "source": budget.source},
+                            "itl_target_ms": 1e3 * budget.itl_target_seconds, "source": budget.source,
+                            "tokens_stretched": budget.tokens_stretched, "itl_max_ms": 1e3 * budget.itl_max_seconds,
+                            "ttft_target_ms": 1e3 * budget.ttft_target_seconds, "guard_source": budget.guard_source},
             "step_times": [{"mode": g.mode, "size": g.size, "replay_seconds": g.replay_seconds,
                             "eager_seconds": g.eager_seconds} for g in status.captured]}
 

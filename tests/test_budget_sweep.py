@@ -93,6 +93,9 @@ def test_the_sweep_runs_each_setting_in_a_fresh_worker_and_writes_rows_table_and
         assert row["budget"] == row["token_budget"] == row["step_budget"]["tokens"] == budget  # as the worker says
         # A CPU worker measures no step times: whatever the target asked, it runs a fixed budget, and says so.
         assert row["itl_target_ms_reported"] == 0.0 and "no step times measured" in row["target_source"]
+        # ... and no TTFT guard: nothing stretches.
+        assert row["step_budget"]["ttft_target_ms"] == row["step_budget"]["itl_max_ms"] == 0.0
+        assert row["step_budget"]["guard_source"] == "" and row["steps_stretched_total"] == 0
         assert row["step_times"] == [] and row["prefill_allowed_ms"]["p50"]["ms"] is None
         assert "ttft_p50_over_prefill" not in row
         # Fresh prompts: every prompt asked the prefix cache and none hit.
