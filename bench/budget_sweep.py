@@ -5,9 +5,11 @@ Every cell is a fresh worker (``load_bench.run_cell``: clients in their own proc
 drawn fresh, so no request hits the prefix cache; the row says whether any did) run with
 ``--max-num-batched-tokens <budget>`` and, unless the target is ``default``, ``--itl-target-ms
 <target>``. Per cell: TTFT p50/p99, ITL p50/p99 and generated tokens/s from the clients' clocks;
-graph-step coverage and eager steps by reason from the worker's /metrics; the budget and target the
-worker says it runs with (GraphStatus.step_budget, with where the target came from: a CPU worker
-measures no step times and keeps a fixed budget, whatever the target asked).
+graph-step coverage, eager steps by reason and steps stretched by the TTFT guard from the worker's
+/metrics; the budget, target and TTFT guard the worker says it runs with (GraphStatus.step_budget,
+with where the target came from: a CPU worker measures no step times and keeps a fixed budget,
+whatever the target asked). ``--worker-args`` passes the TTFT guard's flags to every cell, e.g.
+``--worker-args="--ttft-target-ms 1000000"`` for a guard that never stretches (the target alone).
 
 Each figure also stands as a ratio to what the GPU allows: tokens/s and ITL against the FULL-graph
 decode step at the cell's stream count, timed in this process after the workers stopped (as
@@ -138,9 +140,10 @@ def markdown(results: dict) -> str:
              "FULL decode step (wall); ITL over that step; TTFT over one step of the middle (p50) or longest "
              "(p99) prompt alone, predicted from the worker's capture timings.", "",
              "| scenario | budget | target asked ms | target run ms (source) | tokens with decode | tok/s "
-             "| TTFT p50 / p99 ms | ITL p50 / p99 ms | coverage | eager steps | tok/s vs GPU | ITL p50 / p99 vs step "
+             "| TTFT p50 / p99 ms | ITL p50 / p99 ms | coverage | eager steps | stretched steps | tok/s vs GPU "
+             "| ITL p50 / p99 vs step "
              "| TTFT p50 / p99 vs prefill | fresh | errors |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def ratio(r: dict, key: str) -> str:
         return f"{r[key]:.2f}" if key in r else "–"
@@ -157,7 +160,7 @@ def markdown(results: dict) -> str:
             f"| {(r.get('step_budget') or {}).get('tokens_with_decode', '–')} | {r['tokens_per_s']:.0f} "
             f"| {r['ttft_ms'].get('p50', 0):.1f} / {r['ttft_ms'].get('p99', 0):.1f} "
             f"| {r['itl_ms'].get('p50', 0):.2f} / {r['itl_ms'].get('p99', 0):.2f} | {100 * r['coverage']:.1f}% "
-            f"| {eager} | {ratio(r, 'ratio_to_gpu_median_ms')} "
+            f"| {eager} | {r.get('steps_stretched_total', 0):.0f} | {ratio(r, 'ratio_to_gpu_median_ms')} "
             f"| {ratio(r, 'itl_p50_over_step')} / {ratio(r, 'itl_p99_over_step')} "
             f"| {ratio(r, 'ttft_p50_over_prefill')} / {ratio(r, 'ttft_p99_over_prefill')} "
             f"| {'yes' if r['fresh_prompts'] else 'NO'} | {r['errors'] or 0} |")
