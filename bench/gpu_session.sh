@@ -85,6 +85,10 @@ for b in "${benches[@]}"; do  # BENCH="" runs the tests alone
       # long prompts, mixed and decode streams, 64 each (~100 s); the tests: TEST_K=large_steps
       timeout 330 python3 bench/load_bench.py --scenarios long,mixed,decode --seconds "${SECONDS_PER:-10}" \
         --label "defaults: budget sized to the device" --out "$out/load-defaults-h200.json" ;;
+    guard-off)  # issue 35: the same long and mixed load with the TTFT guard never stretching (the target
+      # alone), beside "defaults" for what the guard buys (~70 s): BENCH="defaults;guard-off"
+      timeout 330 python3 bench/load_bench.py --scenarios long,mixed --seconds "${SECONDS_PER:-10}" \
+        --worker-args=--ttft-target-ms=1000000 --label "defaults, TTFT guard off" --out "$out/load-guard-off-h200.json" ;;
     *) eval "$b" ;;
   esac
 done
