@@ -147,8 +147,7 @@ class TTFTGuard:
     source: str
 
     @classmethod
-    def plan(cls, target: float, itl_max_ms: float = 0.0, ttft_target_ms: float = 0.0,
-             target_source: str = "the target") -> TTFTGuard:
+    def plan(cls, target: float, itl_max_ms: float = 0.0, ttft_target_ms: float = 0.0) -> TTFTGuard:
         """The guard for inter-token target ``target`` (seconds): each value from its flag when set
         (milliseconds, > 0), else the stated multiple of the target."""
         parts = []
