@@ -1,0 +1,118 @@
+"""What a start imports: the API process never loads torch (only the engine core needs it), and the
+engine core loads nothing for a path it does not take (Dynamo and sympy without compilation; GGUF,
+structured output, tokenizers for a random model). Each import named here cost the start a second
+or so before it was removed; these tests fail if one comes back."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from worker_harness import collect, make_request, start_worker
+
+from graphkeeper.worker.engine.cuda_probe import parse_device, torch_cuda_version
+
+#: Modules only the engine core needs: torch and the Triton kernels (about 1.2 s of imports).
+DEVICE_SIDE = ("torch", "triton")
+#: Modules a plain start (no compilation, no GGUF file, no tokenizer, no constraint) never needs.
+PATHS_NOT_TAKEN = ("torch._dynamo", "torch._inductor", "sympy", "torch.fx.experimental.symbolic_shapes", "gguf",
+                   "llguidance", "transformers", "tokenizers", "jinja2")
+
+
+def imported_after(code: str) -> set[str]:
+    """The modules of interest a fresh interpreter holds after running ``code``."""
+    wanted = DEVICE_SIDE + PATHS_NOT_TAKEN
+    probe = f"{code}\nimport sys\nprint(' '.join(m for m in {wanted!r} if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stderr
+    return set(out.stdout.split())
+
+
+def test_the_api_process_checks_its_flags_without_importing_torch():
+    loaded = imported_after(
+        "from graphkeeper.cli import build_parser\n"
+        "from graphkeeper.worker import main\n"
+        "args = build_parser().parse_args(['worker', '--model', 'random:tiny', '--device', 'cpu'])\n"
+        "settings = main.settings_from_args(args)\n"
+        "client = main.make_engine(args, settings)\n"
+        "assert main.device_error('cuda:1', False, 0) and main.device_error('cpu', False, 0) is None")
+    assert loaded == set(), f"the API process imported {sorted(loaded)}"
+
+
+def test_an_unusual_device_string_is_still_judged_by_torch():
+    """Only ``cpu`` and ``cuda[:N]`` are parsed without torch; anything else reads as torch reads it."""
+    from graphkeeper.worker.main import device_error, device_kind
+
+    assert device_kind("cuda:3") == ("cuda", 3) and device_kind("cpu") == ("cpu", None)
+    assert device_kind("mps") == ("mps", None)  # torch's parse
+    assert "only cpu and cuda" in device_error("mps", True, 1)
+    assert "is not a device" in device_error("cuda:x", True, 1)
+    assert "is not a device" in device_error("cuda:-1", True, 1)
+
+
+def test_the_engine_core_builds_a_cpu_engine_without_paths_it_does_not_take():
+    loaded = imported_after(
+        "import torch\n"
+        "from graphkeeper.worker.engine import process\n"
+        "from graphkeeper.worker.engine.core import Engine\n"
+        "from graphkeeper.worker.settings import EngineSettings\n"
+        "engine = Engine(EngineSettings(model='random:tiny', device='cpu', max_num_seqs=4, max_seq_len=128,\n"
+        "                               max_num_batched_tokens=64))\n"
+        "with torch.inference_mode():\n"
+        "    engine._startup()\n"
+        "assert engine.ready.is_set() and engine.failed is None")
+    assert set(DEVICE_SIDE) <= loaded  # the probe sees the engine core's imports at all
+    assert loaded.isdisjoint(PATHS_NOT_TAKEN), f"a CPU start imported {sorted(loaded & set(PATHS_NOT_TAKEN))}"
+
+
+def mapped_libraries(pid: int) -> str:
+    return Path(f"/proc/{pid}/maps").read_text()
+
+
+def children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (from /proc)."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            out.append(int(stat.parent.name))
+    return out
+
+
+def test_a_serving_worker_holds_torch_in_the_engine_core_only(tmp_path):
+    """A real worker, after READY and a request through every layer of the API process: torch's
+    library is mapped into the engine core and not into the API process."""
+    worker = start_worker(tmp_path)
+    try:
+        tokens, completion = collect(worker.inference.Generate(make_request([1, 2, 3], 4), timeout=60))
+        assert len(tokens) == 4 and worker.status().startup.stages
+        assert "libtorch" not in mapped_libraries(worker.proc.pid)
+        assert any("libtorch" in mapped_libraries(child) for child in children(worker.proc.pid))
+    finally:
+        worker.stop()
+
+
+def test_the_probe_reads_the_device_and_torch_builds_without_torch():
+    assert parse_device("cuda:0") == ("cuda", 0) and parse_device("cuda") == ("cuda", None)
+    assert parse_device("cpu") == ("cpu", None)
+    assert parse_device("cuda:01") is None and parse_device("mps") is None and parse_device(" cuda") is None
+    assert torch_cuda_version("from typing import Optional\ncuda: Optional[str] = '12.8'\n") == "12.8"
+    assert torch_cuda_version("cuda = '13.0'\nhip = None\n") == "13.0"
+    assert torch_cuda_version("cuda: Optional[str] = None\n") is None
+    assert torch_cuda_version("__version__ = '2.5.1+cpu'\n") is None
+
+
+def test_the_probe_counts_the_gpus_torch_counts():
+    """On this machine's torch and driver: no GPU here, each GPU on a GPU machine; with none visible, 0."""
+    code = ("import torch\nfrom graphkeeper.worker.engine.cuda_probe import cuda_device_count\n"
+            "print(cuda_device_count(), torch.cuda.device_count())")
+    for env in ({}, {"CUDA_VISIBLE_DEVICES": ""}):
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True,
+                             env={**os.environ, **env})
+        probe, torch_count = out.stdout.split()
+        assert probe == torch_count, env
