@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 from graphkeeper.proto import worker_pb2 as pb
 from graphkeeper.proto.enums import lifecycle_name
 from graphkeeper.proto.policy import MODE_BY_NAME, PolicyError, policy_from_json, validate_policy
+from graphkeeper.worker import engine_spawn
 from graphkeeper.worker.engine.client import EngineClient
 from graphkeeper.worker.engine.cpu_quota import size_torch_threads
 from graphkeeper.worker.engine.cuda_probe import cuda_device_count, parse_device
@@ -47,7 +48,6 @@ log = logging.getLogger("graphkeeper.worker")
 INJECT_ENV = "GRAPHKEEPER_INJECT_CAPTURE_FAILURE"
 #: ``<token>`` or ``<token>:fatal``: a step holding that prompt token fails (tests only).
 INJECT_STEP_ENV = "GRAPHKEEPER_INJECT_STEP_FAILURE"
-SWITCH_INTERVAL_SECONDS = 0.0005
 STOP_GRACE_SECONDS = 2.0
 
 
@@ -341,7 +341,9 @@ def missing_bytecode(source: str | None) -> str:
     return "" if os.path.exists(cached) else cached
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, spawned: engine_spawn.SpawnedCore | None = None) -> int:
+    """The worker until it stops; ``spawned``: its engine core, spawned already (the caller
+    abandons it if this raises before the engine takes it)."""
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     limit_logging()  # no client can fill a disk through the log
     torch_spec = importlib.util.find_spec("torch")  # the engine core imports it; this process does not
@@ -354,9 +356,9 @@ def run(args: argparse.Namespace) -> int:
     except OSError as err:
         raise SystemExit(f"--control-token-file: {err}") from None
     # The engine thread must get the interpreter back quickly from the API layer's thread.
-    sys.setswitchinterval(SWITCH_INTERVAL_SECONDS)
+    sys.setswitchinterval(engine_spawn.SWITCH_INTERVAL_SECONDS)
     try:
-        code = asyncio.run(_serve(args, settings, token))
+        code = asyncio.run(_serve(args, settings, token, spawned))
     except (SizingError, ModelSourceError) as err:
         raise SystemExit(f"graphkeeper worker: {one_line(str(err))}") from None
     except OSError as err:
@@ -378,7 +380,8 @@ def _exit_now(code: int) -> None:
     os._exit(code)
 
 
-async def _serve(args: argparse.Namespace, settings: EngineSettings, token: str) -> int:
+async def _serve(args: argparse.Namespace, settings: EngineSettings, token: str,
+                 spawned: engine_spawn.SpawnedCore | None = None) -> int:
     """Runs the servers and the engine until SIGTERM/SIGINT (drain) or an engine failure (exit 1)."""
     loop = asyncio.get_running_loop()
     engine = make_engine(args, settings)
@@ -391,7 +394,7 @@ async def _serve(args: argparse.Namespace, settings: EngineSettings, token: str)
     if isinstance(engine, EngineClient):
         # The engine core decides the sizes the servers are built with (and refuses a KV cache
         # that cannot fit) before a port is bound.
-        engine.start()
+        engine.start(spawned)
         try:
             await asyncio.to_thread(engine.wait_sized)
         except SizingError:

@@ -6,11 +6,12 @@ or so before it was removed; these tests fail if one comes back."""
 from __future__ import annotations
 
 import os
+import secrets
 import subprocess
 import sys
 from pathlib import Path
 
-from worker_harness import collect, make_request, start_worker
+from worker_harness import GRAPHKEEPER, collect, make_request, start_worker
 
 from graphkeeper.worker.engine.cuda_probe import parse_device, torch_cuda_version
 
@@ -116,3 +117,28 @@ def test_the_probe_counts_the_gpus_torch_counts():
                              env={**os.environ, **env})
         probe, torch_count = out.stdout.split()
         assert probe == torch_count, env
+
+
+def processes_with(mark: str) -> list[int]:
+    """Live processes whose environment holds ``mark`` (a worker's children inherit it)."""
+    found = []
+    for environ in Path("/proc").glob("[0-9]*/environ"):
+        try:
+            if mark.encode() in environ.read_bytes():
+                found.append(int(environ.parent.name))
+        except OSError:  # gone, or not ours to read
+            continue
+    return found
+
+
+def test_a_refused_flag_leaves_no_engine_core_behind(tmp_path):
+    """The engine core is spawned before the flags are checked; a refusal still ends with one line
+    on stderr and no process left over."""
+    mark = f"GRAPHKEEPER_TEST_MARK={secrets.token_hex(8)}"
+    name, value = mark.split("=")
+    proc = subprocess.run([str(GRAPHKEEPER), "worker", "--model", "random:nope", "--port", "0", "--metrics-port", "0",
+                           "--http-port", "0"], capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                          env={**os.environ, name: value})
+    assert proc.returncode == 1 and proc.stderr.strip().splitlines() == [
+        "graphkeeper worker: --model unknown preset 'nope'; known: llama-1b, llama-8b, tiny"], proc.stderr
+    assert processes_with(mark) == []
