@@ -65,7 +65,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--before", required=True, help="the interpreter of the install to compare against")
     parser.add_argument("--after", default=sys.executable, help="the interpreter of the changed install")
-    parser.add_argument("--preset", default="tiny")
+    parser.add_argument("--model", default="random:tiny", help="a random preset or any --model source")
+    parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--worker-args", default="-O2")
@@ -78,13 +79,14 @@ def main() -> int:
                          f"{len(__import__('os').sched_getaffinity(0))} CPUs",
               "command": " ".join([Path(sys.executable).name, *sys.argv]), "bench_commit": _commit(),
               "commits": {side: commit_of(python) for side, python in sides.items()},
-              "preset": args.preset, "device": args.device, "rounds": args.rounds, "rows": {"before": [], "after": []}}
+              "model": args.model, "max_num_seqs": args.max_num_seqs, "device": args.device, "rounds": args.rounds,
+              "rows": {"before": [], "after": []}}
     pycache, logs = tempfile.mkdtemp(prefix="pycache-"), Path(tempfile.mkdtemp(prefix="start-compare-"))
     for round_ in range(-1, args.rounds):  # round -1 fills the bytecode cache and is not counted
         for side, python in sides.items():
             cache = tempfile.mkdtemp(prefix="compile-cache-")
-            row = start(args.preset, args.worker_args.split(), cache, logs / f"{side}-{round_}.log", 64, pycache,
-                        args.device, python)
+            row = start(args.model, args.worker_args.split(), cache, logs / f"{side}-{round_}.log", args.max_num_seqs,
+                        pycache, args.device, python)
             shutil.rmtree(cache, ignore_errors=True)
             if round_ >= 0:
                 report["rows"][side].append(row)
@@ -103,15 +105,16 @@ def markdown(report: dict) -> str:
     """The result page: what was run, where, and the medians (pure)."""
     c = report["commits"]
     return "\n".join([
-        f"# Worker start on a CPU: {report['preset']}, before and after ({report['date'][:10]})", "",
+        f"## {report['model']} on a CPU ({report['date'][:10]})", "",
         "CPU figures only: they show what a start spends outside the GPU (interpreters, imports, flag "
         "checks, building the model). The H200 acceptance of issue 36 (READY warm <= 8 s for llama-1b, "
         "<= 12 s for llama-8b) is not measured here.", "",
         f"- date: {report['date']}", f"- machine: {report['machine']}",
         f"- command: `{report['command']}`",
         f"- before: commit {c['before']}; after: commit {c['after']} (bench at {report['bench_commit']})",
-        f"- {report['rounds']} rounds, each one start of either install in turn on random:{report['preset']} "
-        f"--device {report['device']}; medians per stage", "",
+        f"- {report['rounds']} rounds, each one start of either install in turn: --model {report['model']} "
+        f"--device {report['device']} --max-num-seqs {report['max_num_seqs']} --max-seq-len 1024; medians per stage",
+        "",
         *report["table"], "",
     ])
 

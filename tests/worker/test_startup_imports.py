@@ -11,7 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from worker_harness import GRAPHKEEPER, collect, make_request, start_worker
+from worker_harness import GRAPHKEEPER, children, collect, make_request, mapped_libraries, start_worker
 
 from graphkeeper.worker.engine.cuda_probe import parse_device, torch_cuda_version
 
@@ -66,23 +66,6 @@ def test_the_engine_core_builds_a_cpu_engine_without_paths_it_does_not_take():
         "assert engine.ready.is_set() and engine.failed is None")
     assert set(DEVICE_SIDE) <= loaded  # the probe sees the engine core's imports at all
     assert loaded.isdisjoint(PATHS_NOT_TAKEN), f"a CPU start imported {sorted(loaded & set(PATHS_NOT_TAKEN))}"
-
-
-def mapped_libraries(pid: int) -> str:
-    return Path(f"/proc/{pid}/maps").read_text()
-
-
-def children(pid: int) -> list[int]:
-    """The processes whose parent is ``pid`` (from /proc)."""
-    out = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            out.append(int(stat.parent.name))
-    return out
 
 
 def test_a_serving_worker_holds_torch_in_the_engine_core_only(tmp_path):

@@ -4,8 +4,8 @@ The ``gguf`` library's reader makes a numpy view of every part of every metadata
 vocabulary of 49,152 tokens and as many merges that is 2-3 s of a CPU, and both worker
 processes read the metadata before they serve (the worker process to check ``--model`` and build
 the tokenizer, the engine core to size the KV cache and build its tokenizer). This reads the same
-values in about a tenth of a second. Only the weights need the library's reader (its tensor
-data views and dequantizers); ``gguf_checkpoint.open_gguf`` keeps that.
+values in about a tenth of a second, and maps each tensor's data as the library's reader does
+(``tensor_data``), for the library's dequantizers.
 
 Anything but a well-formed little-endian GGUF version 2 or 3 whose tensors all lie inside the
 file (a bad magic, a truncation, a duplicate key, an unknown type, text that is not UTF-8) reads
@@ -96,10 +96,18 @@ class _Cursor:
         return items
 
 
-def read_header(path: Path) -> tuple[dict[str, Any], dict[str, HeaderTensor]] | None:
-    """(metadata by key, tensors by name) of the GGUF file at ``path``, as the ``gguf`` library's
-    reader gives them (``field.contents()``, without its ``GGUF.*`` entries), or None when the file
-    is not one this reader takes (the caller then uses the library's reader)."""
+class Header(NamedTuple):
+    """A GGUF file's metadata by key (as the library's ``field.contents()`` gives it, without its
+    ``GGUF.*`` entries), its tensors by name, and where the data section starts."""
+
+    metadata: dict[str, Any]
+    tensors: dict[str, HeaderTensor]
+    data_start: int
+
+
+def read_header(path: Path) -> Header | None:
+    """The header of the GGUF file at ``path``, or None when the file is not one this reader
+    takes (the caller then uses the library's reader)."""
     try:
         with path.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
             try:
@@ -110,7 +118,7 @@ def read_header(path: Path) -> tuple[dict[str, Any], dict[str, HeaderTensor]] | 
         return None
 
 
-def _parse(buf: Any) -> tuple[dict[str, Any], dict[str, HeaderTensor]]:
+def _parse(buf: Any) -> Header:
     from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
     cur = _Cursor(buf)
@@ -150,4 +158,27 @@ def _parse(buf: Any) -> tuple[dict[str, Any], dict[str, HeaderTensor]]:
         if not tensor.dims or tensor.dims[0] % block or data_start + tensor.offset + elements * type_size // block \
                 > len(buf):
             raise _Malformed("tensor data")
-    return metadata, tensors
+    return Header(metadata, tensors, data_start)
+
+
+def tensor_data(mapped: np.ndarray, header: Header, name: str) -> np.ndarray:
+    """Tensor ``name``'s data as the library's reader maps it: (rows, columns) of its dtype for the
+    plain types, (rows, bytes per row) of uint8 blocks for the quantized ones (``mapped``: the
+    whole file as a uint8 memory map)."""
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+    from gguf.quants import quant_shape_to_byte_shape
+
+    entry = header.tensors[name]
+    kind = GGMLQuantizationType(entry.type_id)
+    block, type_size = GGML_QUANT_SIZES[kind]
+    shape = tuple(reversed(entry.dims))
+    start = header.data_start + entry.offset
+    raw = mapped[start:start + int(np.prod(entry.dims, dtype=np.int64)) * type_size // block]
+    if kind.name in PLAIN:
+        return raw.view(PLAIN[kind.name]).reshape(shape)
+    return raw.reshape(quant_shape_to_byte_shape(shape, kind))
+
+
+#: Tensor types the library maps as arrays of their own dtype (the rest: uint8 blocks).
+PLAIN = {"F16": np.float16, "F32": np.float32, "F64": np.float64, "I8": np.int8, "I16": np.int16, "I32": np.int32,
+         "I64": np.int64}

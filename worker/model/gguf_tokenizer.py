@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from graphkeeper.worker.model.gguf_checkpoint import GGUFError, GGUFFile, read_metadata
+from graphkeeper.worker.model.gguf_checkpoint import GGUFError, GGUFFile, open_gguf
 from graphkeeper.worker.model.tokenizer import Tokenizer, TokenizerConfig
 
 #: llama.cpp's token types: 3 is a control token (special), 4 a user-defined one.
@@ -21,7 +21,7 @@ DIGIT_SPLIT_PRE = ("smollm",)
 
 def gguf_tokenizer(path: Path) -> Tokenizer:
     """The tokenizer of the GGUF file at ``path``."""
-    return tokenizer_from(read_metadata(path))
+    return tokenizer_from(open_gguf(path))
 
 
 def tokenizer_from(file: GGUFFile) -> Tokenizer:

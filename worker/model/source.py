@@ -80,7 +80,7 @@ def read_model_config(source: str) -> ModelConfig:
                 path = Path(source)
                 if not path.is_file():
                     raise ModelSourceError(f"{shown(source)}: no such GGUF file")
-                return gguf_ckpt.read_config(gguf_ckpt.read_metadata(path))
+                return gguf_ckpt.read_config(gguf_ckpt.open_gguf(path))
         return read_hf_config(Path(source))[0]
 
 
