@@ -137,7 +137,7 @@ def main() -> None:
         signal.signal(signal.SIGUSR1, sampler.reset)
         sampler.thread.start()
     if args.switch_interval:
-        from graphkeeper.worker import engine_spawn
+        from graphkeeper.worker.engine import spawn as engine_spawn
 
         engine_spawn.SWITCH_INTERVAL_SECONDS = args.switch_interval
     if args.flush_gap:

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 from graphkeeper.proto import worker_pb2 as pb
 from graphkeeper.proto.enums import lifecycle_name
 from graphkeeper.proto.policy import MODE_BY_NAME, PolicyError, policy_from_json, validate_policy
-from graphkeeper.worker import engine_spawn
+from graphkeeper.worker.engine import spawn as engine_spawn
 from graphkeeper.worker.engine.client import EngineClient
 from graphkeeper.worker.engine.cpu_quota import size_torch_threads
 from graphkeeper.worker.engine.cuda_probe import cuda_device_count, parse_device

@@ -192,10 +192,10 @@ def _operator(sub: argparse._SubParsersAction) -> None:
 
 def _run_worker(args: argparse.Namespace) -> int:
     """Spawns the engine core first (it imports torch while this process checks the flags and
-    imports its servers: ``worker/engine_spawn.py``), then runs the worker."""
+    imports its servers: ``worker/engine/spawn.py``), then runs the worker."""
     spawned = None
     if args.engine_process:
-        from graphkeeper.worker.engine_spawn import spawn_core  # the standard library only
+        from graphkeeper.worker.engine.spawn import spawn_core  # the standard library only
 
         spawned = spawn_core(args.log_level.upper())
     try:

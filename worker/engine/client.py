@@ -54,7 +54,7 @@ from graphkeeper.worker.engine.lifecycle import SERVING_STATES
 from graphkeeper.worker.engine.outputs import direct_publish
 from graphkeeper.worker.engine.sequence import Limits
 from graphkeeper.worker.engine.sizing import SizingError
-from graphkeeper.worker.engine_spawn import SpawnedCore, spawn_core
+from graphkeeper.worker.engine.spawn import SpawnedCore, spawn_core
 from graphkeeper.worker.metrics import WorkerMetrics
 from graphkeeper.worker.model.tokenizer import Tokenizer, load_tokenizer
 from graphkeeper.worker.settings import EngineSettings
@@ -190,7 +190,7 @@ class EngineClient:
 
     def start(self, spawned: SpawnedCore | None = None) -> None:
         """Hands the engine core its settings: ``spawned``, started while the worker checked its
-        flags (``engine_spawn``), or one spawned now (call from the main thread: the child dies
+        flags (``spawn``), or one spawned now (call from the main thread: the child dies
         with this thread)."""
         spawned = spawned or spawn_core(self.log_level)
         self.settings = dataclasses.replace(self.settings, engine_spawned_at=spawned.spawned_at)

@@ -44,7 +44,7 @@ from graphkeeper.worker.engine.ipc import (
 )
 from graphkeeper.worker.engine.sequence import Sequence
 from graphkeeper.worker.engine.sizing import SizingError
-from graphkeeper.worker.engine_spawn import die_with_parent
+from graphkeeper.worker.engine.spawn import die_with_parent
 from graphkeeper.worker.log_limits import limit_logging
 from graphkeeper.worker.model.loader import ModelSourceError
 from graphkeeper.worker.settings import EngineSettings
@@ -226,7 +226,7 @@ class EngineHost:
 
 
 def main(conn: Connection, settings: EngineSettings, parent_pid: int, log_level: str, switch_interval: float) -> None:
-    """The engine core with its settings (``engine_spawn.engine_core_main`` calls it once they came)."""
+    """The engine core with its settings (``spawn.engine_core_main`` calls it once they came)."""
     die_with_parent(parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)

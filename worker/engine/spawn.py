@@ -8,8 +8,9 @@ hands it the settings once the boot checks pass. When they do not, the worker ex
 one-line refusal and the engine core, still importing or waiting, is killed first and says
 nothing (``PR_SET_PDEATHSIG`` kills it too if the worker itself is killed).
 
-A leaf: the standard library only, outside the engine package (whose ``__init__`` imports numpy
-and protobuf), so spawning costs the worker nothing it would not spend anyway.
+This module needs only the standard library, but it lives in the engine's room, so the worker
+imports the engine package's face (numpy, protobuf, prometheus: about 0.2 s here) before it can
+spawn; it imports that face anyway.
 """
 
 from __future__ import annotations
