@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 from worker_harness import GRAPHKEEPER, children, collect, make_request, mapped_libraries, start_worker
 
 from graphkeeper.worker.engine.cuda_probe import parse_device, torch_cuda_version
@@ -69,12 +70,17 @@ def test_the_engine_core_builds_a_cpu_engine_without_paths_it_does_not_take():
 
 
 def test_a_serving_worker_holds_torch_in_the_engine_core_only(tmp_path):
-    """A real worker, after READY and a request through every layer of the API process: torch's
-    library is mapped into the engine core and not into the API process."""
+    """A real worker, after READY and a request through each front end of the API process (gRPC,
+    OpenAI HTTP, /metrics, GraphControl): torch's library is mapped into the engine core and not
+    into the API process."""
     worker = start_worker(tmp_path)
     try:
-        tokens, completion = collect(worker.inference.Generate(make_request([1, 2, 3], 4), timeout=60))
+        tokens, _ = collect(worker.inference.Generate(make_request([1, 2, 3], 4), timeout=60))
         assert len(tokens) == 4 and worker.status().startup.stages
+        reply = httpx.post(worker.http_url + "/v1/completions", timeout=60,
+                           json={"model": "random:tiny", "prompt": [1, 2, 3], "max_tokens": 2})
+        assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 2, reply.text
+        assert "graphkeeper_startup_stage_seconds" in worker.metrics_text()
         assert "libtorch" not in mapped_libraries(worker.proc.pid)
         assert any("libtorch" in mapped_libraries(child) for child in children(worker.proc.pid))
     finally:
