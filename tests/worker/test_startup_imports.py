@@ -1,7 +1,8 @@
 """What a start imports: the API process never loads torch (only the engine core needs it), and the
 engine core loads nothing for a path it does not take (Dynamo and sympy without compilation; GGUF,
-structured output, tokenizers for a random model). Each import named here cost the start a second
-or so before it was removed; these tests fail if one comes back."""
+structured output, tokenizers for a random model). Torch in the API process and Dynamo with sympy
+in a CPU start each cost about a second before they were removed; the others were lazy already
+and stay so. These tests fail if one comes back."""
 
 from __future__ import annotations
 
