@@ -42,6 +42,16 @@ for b in "${benches[@]}"; do  # BENCH="" runs the tests alone
         --label "engine core apart" --out "$out/load-engine-apart-h200.json" ;;
     sweep) timeout 300 python3 bench/load_bench.py --scenarios "" --budgets 128,256,512,1024 \
         --seconds "${SECONDS_PER:-12}" --out "$out/load-budget-sweep-h200.json" ;;
+    budget-sweep)  # issue 35: TTFT against ITL per (token budget, ITL target), long/mixed/decode. Run it
+      # alone (TESTS=0 BENCH=budget-sweep): 3 scenarios x 5 settings = 15 fresh workers. A cell is ~20 s
+      # to READY + ~2 s client spawn + SECONDS_PER (6) of load + ~3 s for the last requests to finish
+      # = ~31 s; 15 x 31 = 465 s, + ~30 s the first start's empty compile/tuning caches, + ~30 s timing
+      # the FULL decode step afterwards, + ~10 s install = ~535 s of the call's 570. The JSON is
+      # written after every cell, so a cut-short run keeps what it measured.
+      # Plot elsewhere: python bench/plot_budget_sweep.py gpu-out/budget-sweep-h200.json
+      timeout 540 python3 bench/budget_sweep.py --preset llama-1b --scenarios long,mixed,decode \
+        --settings "${SETTINGS:-512:default,2048:default,8192:default,8192:8,8192:12}" \
+        --seconds "${SECONDS_PER:-6}" --logs "$out/logs-$b" --label "${LABEL:-}" --out "$out/budget-sweep-h200" ;;
     economics-1b|economics-8b)  # the graph-economics sweep: 2 modes x 3 ladders, a fresh worker per cell
       preset=llama-${b#economics-}
       timeout 570 python3 bench/sweep.py --preset "$preset" --modes "${MODES:-FullAndPiecewise,FullDecodeOnly}" \
@@ -71,6 +81,10 @@ for b in "${benches[@]}"; do  # BENCH="" runs the tests alone
       timeout 60 python3 bench/vmm_probe.py --out "$out/vmm-probe-h200.json" ;;
     start)  # issue 36: READY cold, warm and warm again, stage by stage, llama-1b and llama-8b (3 starts each)
       timeout 470 python3 bench/start_bench.py --out "$out/start-ii-h200.json" ;;
+    defaults)  # issue 35: defaults only (the budget sized to the device, coarse graphs kept where they pay):
+      # long prompts, mixed and decode streams, 64 each (~100 s); the tests: TEST_K=large_steps
+      timeout 330 python3 bench/load_bench.py --scenarios long,mixed,decode --seconds "${SECONDS_PER:-10}" \
+        --label "defaults: budget sized to the device" --out "$out/load-defaults-h200.json" ;;
     *) eval "$b" ;;
   esac
 done

@@ -74,7 +74,7 @@ def main() -> int:
     flags = load_bench.WorkerFlags(max_num_seqs=args.max_num_seqs, budget=args.budget, max_seq_len=args.context,
                                    extra=("--kv-cache-memory", args.kv_cache_memory))
     logs = Path(tempfile.mkdtemp(prefix="kv-capacity-"))
-    proc, target, metrics = load_bench.start_worker(args, flags, logs / "worker.log")
+    proc, target, metrics, _ = load_bench.start_worker(args, flags, logs / "worker.log")
     peak, stop = [0.0], threading.Event()
 
     def poll() -> None:

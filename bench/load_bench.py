@@ -47,6 +47,7 @@ import time
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 SCENARIOS = {
     # name: (streams, prompt range, output range, stagger seconds)
@@ -115,13 +116,31 @@ def add_worker_arguments(parser: argparse.ArgumentParser, *, preset: str) -> Non
                         help="run the workers with this stream pacing per open stream, seconds (0: their own)")
 
 
+class Worker(NamedTuple):
+    """A started worker: its process, inference target, metrics URL and control target ("" for a
+    ``--legacy`` worker, which has no control port)."""
+
+    proc: subprocess.Popen
+    target: str
+    metrics: str
+    control: str
+
+
+def scenario_flags(scenario: str, budget: int, extra: tuple[str, ...] = ()) -> WorkerFlags:
+    """The worker flags a scenario runs under: room for its streams and its longest sequence."""
+    streams, prompt, output, _ = scenario_spec(scenario)
+    return WorkerFlags(max_num_seqs=max(64, streams), budget=budget,
+                       max_seq_len=CONTEXT.get(scenario, max(1024, prompt[1] + output[1])),
+                       extra=(*SCENARIO_FLAGS.get(scenario, ()), *extra))
+
+
 def start_worker(args: argparse.Namespace, flags: WorkerFlags, log_path: Path,
-                 sample_out: Path | None = None) -> tuple[subprocess.Popen, str, str]:
+                 sample_out: Path | None = None) -> Worker:
     """A worker process for one scenario (under ``thread_sampler`` when ``sample_out`` is given)."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    port, metrics = free_port(), free_port()
+    port, metrics, control = free_port(), free_port(), "" if args.legacy else f"127.0.0.1:{free_port()}"
     launcher = ["-m", "graphkeeper.cli"]
     if sample_out is not None or args.switch_interval or args.flush_gap:
         launcher = [str(Path(__file__).parent / "thread_sampler.py"), "--out", str(sample_out or ""),
@@ -129,9 +148,11 @@ def start_worker(args: argparse.Namespace, flags: WorkerFlags, log_path: Path,
     cmd = [sys.executable, *launcher, "worker", "--model", args.model or f"random:{args.preset}",
            "--device", args.device, "--dtype", args.dtype, "--port", str(port), "--metrics-port", str(metrics),
            "--max-num-seqs", str(flags.max_num_seqs), "--max-seq-len", str(flags.max_seq_len),
-           "--max-num-batched-tokens", str(flags.budget), "--max-queue", "4096", "--log-level", "WARNING"]
+           "--max-queue", "4096", "--log-level", "WARNING"]
+    if flags.budget:  # 0: the worker's own default (sized to the device since issue 35; 512 before)
+        cmd += ["--max-num-batched-tokens", str(flags.budget)]
     if not args.legacy:
-        cmd += ["--control-port", str(free_port()), "--http-port", "0"]
+        cmd += ["--control-port", control.rsplit(":", 1)[1], "--http-port", "0"]
     cmd += [*flags.extra, *args.worker_args.split()]
     env = dict(os.environ)
     if args.worker_pythonpath:
@@ -148,7 +169,7 @@ def start_worker(args: argparse.Namespace, flags: WorkerFlags, log_path: Path,
             reply = stub.Check(health_pb2.HealthCheckRequest(service="graphkeeper.worker.v1.InferenceWorker"),
                                timeout=2)
             if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                return proc, target, f"http://127.0.0.1:{metrics}/metrics"
+                return Worker(proc, target, f"http://127.0.0.1:{metrics}/metrics", control)
         except grpc.RpcError:
             pass
         time.sleep(0.5)
@@ -169,6 +190,65 @@ def scrape(url: str) -> dict[str, float]:
             key = name_labels
         out[key] = out.get(key, 0.0) + float(value)
     return out
+
+
+def run_cell(args: argparse.Namespace, scenario: str, flags: WorkerFlags, log: Path, vocab: int,
+             sample_out: Path | None = None) -> dict:
+    """One fresh worker under one scenario's load: the clients' figures, the worker's /metrics over
+    the load, and what the worker says of its step budget and step times (``worker_report``)."""
+    proc, target, metrics, control = start_worker(args, flags, log, sample_out)
+    row: dict = {}
+    try:
+        if sample_out is not None:
+            proc.send_signal(signal.SIGUSR1)  # the sampler counts the load only, not the startup
+        before = scrape(metrics)
+        row.update(drive(target, scenario, args.seconds, vocab, args.client_procs))
+        row.update(coverage(before, scrape(metrics)))
+        row["token_budget"] = flags.budget or "default"
+        row["max_num_seqs"] = flags.max_num_seqs
+        after = scrape(metrics)
+        for name in ("graphkeeper_prefix_cache_queries_tokens_total", "graphkeeper_prefix_cache_hits_tokens_total",
+                     "graphkeeper_preemptions_total"):
+            row[name.removeprefix("graphkeeper_")] = after.get(name, 0.0) - before.get(name, 0.0)
+        if control:
+            row.update(worker_report(control))
+    finally:
+        stopping = time.perf_counter()
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:  # a finding, not the benchmark's end
+            proc.kill()
+            proc.wait()
+            print(f"{scenario}: the worker had not exited 60 s after SIGTERM; killed", flush=True)
+        row["exit_seconds"] = time.perf_counter() - stopping  # SIGTERM to exit (drain included)
+    if sample_out is not None and sample_out.exists():
+        row["thread_samples"] = json.loads(sample_out.read_text())
+        print(sampled_summary(row["thread_samples"]), flush=True)
+    print(f"{scenario:<9} budget {str(flags.budget or 'auto'):>5}: {row['tokens_per_s']:>8.0f} tok/s, TTFT p50 "
+          f"{row['ttft_ms'].get('p50', 0):.1f} ms p99 {row['ttft_ms'].get('p99', 0):.1f} ms, ITL p50 "
+          f"{row['itl_ms'].get('p50', 0):.2f} ms p99 {row['itl_ms'].get('p99', 0):.2f} ms, coverage "
+          f"{100 * row['coverage']:.1f}%, padding {100 * row['padding_waste']:.1f}%, errors {row['errors']}, "
+          f"min requests/stream {row['min_requests_per_stream']}, exit {row['exit_seconds']:.1f} s", flush=True)
+    return row
+
+
+def worker_report(control: str) -> dict:
+    """From the worker's GraphStatus: the step budget it runs with (``step_budget``: tokens a step,
+    tokens with decode rows, the inter-token target and where it came from) and the step times it
+    measured at capture (``step_times``: replay and eager seconds per captured mode and size)."""
+    import grpc
+
+    from graphkeeper.proto import worker_pb2 as pb
+    from graphkeeper.proto import worker_pb2_grpc as pb_grpc
+
+    with grpc.insecure_channel(control) as channel:
+        status = pb_grpc.GraphControlStub(channel).GetGraphStatus(pb.GetGraphStatusRequest(), timeout=10)
+    budget = status.step_budget
+    return {"step_budget": {"tokens": budget.tokens, "tokens_with_decode": budget.tokens_with_decode,
+                            "itl_target_ms": 1e3 * budget.itl_target_seconds, "source": budget.source},
+            "step_times": [{"mode": g.mode, "size": g.size, "replay_seconds": g.replay_seconds,
+                            "eager_seconds": g.eager_seconds} for g in status.captured]}
 
 
 # --- the client processes -------------------------------------------------------------------------
@@ -295,6 +375,22 @@ def full_step_times(args: argparse.Namespace, batches: list[int], context: int) 
     return {r["batch"]: r for r in rows}
 
 
+def add_gpu_ratios(args: argparse.Namespace, rows: list[dict]) -> dict[str, dict]:
+    """Times the FULL-graph decode step at each row's stream count (``full_step_times``) and puts
+    each row's throughput and inter-token latency beside it; returns the step times by batch."""
+    steps = full_step_times(args, sorted({row["streams"] for row in rows}), context=256)
+    for row in rows:
+        step = steps[row["streams"]]
+        for kind in ("median_ms", "gpu_median_ms"):
+            if kind in step:  # on a CPU there are no CUDA events: wall time only
+                allowed = row["streams"] / (step[kind] / 1e3)
+                row[f"gpu_allows_tokens_per_s_{kind}"] = allowed
+                row[f"ratio_to_gpu_{kind}"] = row["tokens_per_s"] / allowed
+        row["itl_p50_over_step"] = row["itl_ms"].get("p50", 0) / step["median_ms"]
+        row["itl_p99_over_step"] = row["itl_ms"].get("p99", 0) / step["median_ms"]
+    return {str(b): r for b, r in steps.items()}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_worker_arguments(parser, preset="llama-1b")
@@ -326,45 +422,10 @@ def main() -> int:
     if args.budgets:
         plan += [(s, int(b)) for s in args.budget_scenarios.split(",") for b in args.budgets.split(",")]
     for scenario, budget in plan:
-        spec = scenario_spec(scenario)
-        streams = spec[0]
-        flags = WorkerFlags(max_num_seqs=max(64, streams), budget=budget or 512,
-                            max_seq_len=CONTEXT.get(scenario, max(1024, spec[1][1] + spec[2][1])),
-                            extra=tuple(SCENARIO_FLAGS.get(scenario, ())))
+        flags = scenario_flags(scenario, budget)
         sample_out = logs / f"{scenario}-{budget}-threads.json" if args.sample_threads else None
-        proc, target, metrics = start_worker(args, flags, logs / f"{scenario}-{budget}.log", sample_out)
-        row: dict = {}
-        try:
-            if sample_out is not None:
-                proc.send_signal(signal.SIGUSR1)  # the sampler counts the load only, not the startup
-            before = scrape(metrics)
-            row.update(drive(target, scenario, args.seconds, vocab, args.client_procs))
-            row.update(coverage(before, scrape(metrics)))
-            row["token_budget"] = flags.budget
-            row["max_num_seqs"] = flags.max_num_seqs
-            after = scrape(metrics)
-            for name in ("graphkeeper_prefix_cache_queries_tokens_total", "graphkeeper_prefix_cache_hits_tokens_total",
-                         "graphkeeper_preemptions_total"):
-                row[name.removeprefix("graphkeeper_")] = after.get(name, 0.0) - before.get(name, 0.0)
-        finally:
-            stopping = time.perf_counter()
-            proc.terminate()
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:  # a finding, not the benchmark's end
-                proc.kill()
-                proc.wait()
-                print(f"{scenario}: the worker had not exited 60 s after SIGTERM; killed", flush=True)
-            row["exit_seconds"] = time.perf_counter() - stopping  # SIGTERM to exit (drain included)
-        if sample_out is not None and sample_out.exists():
-            row["thread_samples"] = json.loads(sample_out.read_text())
-            print(sampled_summary(row["thread_samples"]), flush=True)
-        results["scenarios"].append(row)
-        print(f"{scenario:<9} budget {flags.budget:>5}: {row['tokens_per_s']:>8.0f} tok/s, TTFT p50 "
-              f"{row['ttft_ms'].get('p50', 0):.1f} ms p99 {row['ttft_ms'].get('p99', 0):.1f} ms, ITL p50 "
-              f"{row['itl_ms'].get('p50', 0):.2f} ms p99 {row['itl_ms'].get('p99', 0):.2f} ms, coverage "
-              f"{100 * row['coverage']:.1f}%, padding {100 * row['padding_waste']:.1f}%, errors {row['errors']}, "
-              f"min requests/stream {row['min_requests_per_stream']}, exit {row['exit_seconds']:.1f} s", flush=True)
+        results["scenarios"].append(run_cell(args, scenario, flags, logs / f"{scenario}-{budget}.log", vocab,
+                                             sample_out))
     by_name = {row["scenario"]: row for row in results["scenarios"]}
     if "shared" in by_name and "shared_nocache" in by_name:
         on, off = by_name["shared"]["ttft_ms"].get("p50", 0), by_name["shared_nocache"]["ttft_ms"].get("p50", 0)
@@ -372,16 +433,7 @@ def main() -> int:
         print(f"shared prefix: TTFT p50 {on:.1f} ms with prefix caching, {off:.1f} ms without "
               f"({results['shared_prefix_ttft_p50_off_over_on']:.1f}x)", flush=True)
     if args.device == "cuda" and not args.legacy and not args.no_step_times:
-        batches = sorted({scenario_spec(s)[0] for s, _ in plan})
-        steps = full_step_times(args, batches, context=256)
-        results["full_step"] = {str(b): r for b, r in steps.items()}
-        for row in results["scenarios"]:
-            step = steps[row["streams"]]
-            for kind in ("median_ms", "gpu_median_ms"):
-                allowed = row["streams"] / (step[kind] / 1e3)
-                row[f"gpu_allows_tokens_per_s_{kind}"] = allowed
-                row[f"ratio_to_gpu_{kind}"] = row["tokens_per_s"] / allowed
-            row["itl_p50_over_step"] = row["itl_ms"].get("p50", 0) / step["median_ms"]
+        results["full_step"] = add_gpu_ratios(args, results["scenarios"])
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
     print(json.dumps({k: v for k, v in results.items() if k != "scenarios"}, indent=1)[:2000])

@@ -59,8 +59,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 import http_client  # noqa: E402  (bench/http_client.py, beside this file)
 from http_client import free_port, wait_ready  # noqa: E402
 
-#: load_bench.py's token budget per step (its worker's --max-num-batched-tokens): the HTTP worker
-#: gets the same, and the same --max-num-seqs, so the two paths differ only in the API.
+#: The token budget per step both workers get (load_bench.py's --budget, the HTTP worker's
+#: --max-num-batched-tokens), and the same --max-num-seqs, so the two paths differ only in the API.
 GRPC_BENCH_BUDGET = 512
 
 
@@ -202,7 +202,8 @@ def run_grpc(model: Path, args: argparse.Namespace, out: Path) -> dict:
     scenarios = ",".join(f"c{c}-p{args.prompt_tokens}-o{args.output_tokens}" for c in args.concurrency.split(","))
     subprocess.run([sys.executable, str(ROOT / "bench" / "load_bench.py"), "--preset", args.preset,
                     "--model", str(model), "--device", args.device, "--dtype", args.dtype, "--scenarios", scenarios,
-                    "--seconds", str(args.seconds), "--no-step-times", "--label", "gRPC, same workload as openai_bench",
+                    "--seconds", str(args.seconds), "--budget", str(GRPC_BENCH_BUDGET), "--no-step-times",
+                    "--label", "gRPC, same workload as openai_bench",
                     "--worker-args", f"--max-seq-len {args.max_seq_len} {args.worker_args}".strip(), "--out",
                     str(out)], check=True, timeout=args.seconds * 3 * len(scenarios.split(",")) + 1800)
     return json.loads(out.read_text())

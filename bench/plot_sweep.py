@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 MARKERS = {"FullAndPiecewise": "o", "FullDecodeOnly": "s", "Piecewise": "^", "Full": "D", "None": "x"}
@@ -46,16 +47,21 @@ def plot(results: dict, out: Path) -> None:
     fig.savefig(out, dpi=120)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def draw_from_json(draw: Callable[[dict, Path], None], doc: str, argv: list[str] | None = None) -> int:
+    """The command line of a plot script: a results JSON in, a PNG beside it (or ``--out``)."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("json")
     parser.add_argument("--out", default="", help="PNG path (default: the JSON's, .png)")
     args = parser.parse_args(argv)
     source = Path(args.json)
     out = Path(args.out) if args.out else source.with_suffix(".png")
-    plot(json.loads(source.read_text()), out)
+    draw(json.loads(source.read_text()), out)
     print(f"wrote {out}")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return draw_from_json(plot, __doc__, argv)
 
 
 if __name__ == "__main__":

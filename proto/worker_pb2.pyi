@@ -548,16 +548,18 @@ class SleepStatus(_message.Message):
     def __init__(self, level: _Optional[int] = ..., pending_level: _Optional[int] = ..., since_unix_seconds: _Optional[float] = ..., released_bytes: _Optional[int] = ..., sleeps: _Optional[int] = ..., wakes: _Optional[int] = ..., last_wake_seconds: _Optional[float] = ..., unavailable_reason: _Optional[str] = ...) -> None: ...
 
 class StepBudgetStatus(_message.Message):
-    __slots__ = ("tokens", "tokens_with_decode", "itl_target_seconds", "source")
+    __slots__ = ("tokens", "tokens_with_decode", "itl_target_seconds", "source", "tokens_source")
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     TOKENS_WITH_DECODE_FIELD_NUMBER: _ClassVar[int]
     ITL_TARGET_SECONDS_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_SOURCE_FIELD_NUMBER: _ClassVar[int]
     tokens: int
     tokens_with_decode: int
     itl_target_seconds: float
     source: str
-    def __init__(self, tokens: _Optional[int] = ..., tokens_with_decode: _Optional[int] = ..., itl_target_seconds: _Optional[float] = ..., source: _Optional[str] = ...) -> None: ...
+    tokens_source: str
+    def __init__(self, tokens: _Optional[int] = ..., tokens_with_decode: _Optional[int] = ..., itl_target_seconds: _Optional[float] = ..., source: _Optional[str] = ..., tokens_source: _Optional[str] = ...) -> None: ...
 
 class StartupStatus(_message.Message):
     __slots__ = ("stages", "ready_seconds", "started_unix_seconds", "compile_cache", "tuning_cache", "caches")

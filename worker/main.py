@@ -60,15 +60,16 @@ PORT_FLAGS = ("port", "control_port", "metrics_port", "http_port")
 # --- boot checks: pure functions that return one line per problem (empty when all is well) ---
 
 
-def limit_errors(max_num_seqs: int, max_seq_len: int, max_num_batched_tokens: int, max_queue: int,
-                 prefill_chunk: int = 0) -> list[str]:
-    """The engine's size limits: each must leave the worker able to serve at least one request."""
+def limit_errors(max_num_seqs: int | None, max_seq_len: int | None, max_num_batched_tokens: int | None,
+                 max_queue: int, prefill_chunk: int = 0) -> list[str]:
+    """The engine's size limits: each must leave the worker able to serve at least one request.
+    An unset budget (None: sized to the device by the engine) is never below ``max_num_seqs``."""
     errors = []
     if max_num_seqs is not None and max_num_seqs < 1:
         errors.append(f"--max-num-seqs must be at least 1, got {max_num_seqs}")
     if max_seq_len is not None and max_seq_len < 2:
         errors.append(f"--max-seq-len must be at least 2 (one prompt token and one new token), got {max_seq_len}")
-    if max_num_batched_tokens < max(1, max_num_seqs or 1):
+    if max_num_batched_tokens is not None and max_num_batched_tokens < max(1, max_num_seqs or 1):
         errors.append(f"--max-num-batched-tokens ({max_num_batched_tokens}) must be at least "
                       f"--max-num-seqs ({max_num_seqs}): every running sequence needs a token per step")
     if max_queue < 1:
@@ -221,11 +222,12 @@ def _is_dir(path: str) -> bool:
         return False
 
 
-def read_policy_file(path: str, max_num_batched_tokens: int) -> tuple[pb.GraphPolicy | None, str | None]:
+def read_policy_file(path: str, max_num_batched_tokens: int | None) -> tuple[pb.GraphPolicy | None, str | None]:
     """(policy, None), or (None, error), or (None, None) when the file does not exist yet.
 
     A missing file is not an error (the ConfigMap may appear later); a directory, unreadable
-    bytes, text that is not UTF-8 JSON or an invalid policy is.
+    bytes, text that is not UTF-8 JSON or an invalid policy is. With the budget unset (sized to
+    the device) the engine judges the sizes against it once it is known (``token_budget.py``).
     """
     file = Path(path)
     try:

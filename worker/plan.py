@@ -117,18 +117,23 @@ class LogitsSpec:
 
     @property
     def needs_history(self) -> bool:
-        """Whether the row needs every earlier token on the host before it is scheduled (penalty
-        counts, the grammar's state), so the step before it must be read first."""
-        return self.penalised or self.constrained
+        """Whether the row needs every earlier token on the host before its logits are processed
+        (the grammar's state), so the step before it must be read first. Penalties need no such
+        thing: their counts are kept on the device (``executor/penalty_counts.py``)."""
+        return self.constrained
 
 
 @dataclass
 class LogitsBatch:
     """A step's logits processing, host arrays; built only when some sample row asks for any.
 
-    ``rows`` are the sample rows whose logits change; the per-row arrays follow ``rows``. Token
-    lists are sparse: ``(index into rows, token, value)`` triples. ``masks`` holds a grammar's
-    allowed-token bitmask (32 tokens an int32 word) for each index in ``mask_rows``.
+    ``rows`` are the sample rows whose logits change; the per-row arrays follow ``rows``.
+    ``penalised`` indexes the entries of ``rows`` with penalties and ``penalty_slots`` holds their
+    KV slots: their counts live on the device, a row per slot (``executor/penalty_counts.py``),
+    and the ``reset_*`` arrays (re)start the rows of sequences sampling on a slot for the first
+    time: ``reset_prompt`` and ``reset_output`` are ``[2, k]`` (slot, token). Token lists are
+    sparse: ``bias`` is ``(index into rows, token)`` pairs and their values. ``masks`` holds a
+    grammar's allowed-token bitmask (32 tokens an int32 word) for each index in ``mask_rows``.
     ``logprobs`` has one entry per sample row (-1: none).
     """
 
@@ -137,12 +142,15 @@ class LogitsBatch:
     frequency: np.ndarray
     repetition: np.ndarray
     min_p: np.ndarray
-    counts: np.ndarray  # [3, k] int64: (index into rows, token, times in the output)
-    seen: np.ndarray  # [2, k] int64: (index into rows, token in the prompt or the output)
     bias: tuple[np.ndarray, np.ndarray]  # ([2, k] int64 (index into rows, token), [k] float32)
     mask_rows: np.ndarray  # int64 indices into rows
     masks: np.ndarray  # [len(mask_rows), words] int32
     logprobs: np.ndarray  # int64, per sample row
+    penalised: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # indices into rows
+    penalty_slots: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # per penalised
+    reset_slots: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    reset_prompt: np.ndarray = field(default_factory=lambda: np.zeros((2, 0), dtype=np.int64))
+    reset_output: np.ndarray = field(default_factory=lambda: np.zeros((2, 0), dtype=np.int64))
 
     @property
     def top_logprobs(self) -> int:
@@ -150,26 +158,25 @@ class LogitsBatch:
         return int(self.logprobs.max()) if len(self.logprobs) else -1
 
     def select(self, keep: list[int]) -> LogitsBatch:
-        """The batch for the sample rows ``keep`` (in that order), for a step re-run without a culprit."""
+        """The batch for the sample rows ``keep`` (in that order), for a step re-run without a
+        culprit. Every reset stays: starting a row over twice is the same as once."""
         new_of = {old: new for new, old in enumerate(keep)}
         entries = [i for i, row in enumerate(self.rows) if int(row) in new_of]
         renumber = np.full(len(self.rows) + 1, -1, dtype=np.int64)
         renumber[entries] = np.arange(len(entries))
-
-        def sparse(arr: np.ndarray) -> np.ndarray:
-            kept = arr[:, renumber[arr[0]] >= 0]
-            return np.concatenate([renumber[kept[0]][None], kept[1:]]) if kept.size else arr[:, :0]
-
         bias_kept = renumber[self.bias[0][0]] >= 0
         mask_kept = renumber[self.mask_rows] >= 0 if len(self.mask_rows) else np.zeros(0, dtype=bool)
+        penalised_kept = renumber[self.penalised] >= 0 if len(self.penalised) else np.zeros(0, dtype=bool)
+        bias_at = self.bias[0][:, bias_kept]
         return LogitsBatch(
             rows=np.array([new_of[int(self.rows[i])] for i in entries], dtype=np.int64),
             presence=self.presence[entries], frequency=self.frequency[entries],
             repetition=self.repetition[entries], min_p=self.min_p[entries],
-            counts=sparse(self.counts), seen=sparse(self.seen),
-            bias=(sparse(self.bias[0]), self.bias[1][bias_kept]),
+            bias=(np.stack([renumber[bias_at[0]], bias_at[1]]), self.bias[1][bias_kept]),
             mask_rows=renumber[self.mask_rows[mask_kept]], masks=self.masks[mask_kept],
             logprobs=self.logprobs[keep],
+            penalised=renumber[self.penalised[penalised_kept]], penalty_slots=self.penalty_slots[penalised_kept],
+            reset_slots=self.reset_slots, reset_prompt=self.reset_prompt, reset_output=self.reset_output,
         )
 
 

@@ -23,8 +23,10 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 #: DEFAULT_MAX_NUM_SEQS); a random preset serves 512 tokens and 16 sequences.
 DEFAULT_MAX_NUM_SEQS: int | None = None
 DEFAULT_MAX_SEQ_LEN: int | None = None
-#: Tokens per step: decode rows plus prefill chunks.
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 512
+#: Tokens per step: decode rows plus prefill chunks. Unset (None, ``auto`` on the CLI), sized to the
+#: device in the engine core (engine/token_budget.py: 8192 on a GPU of >= 70 GiB, 2048 on a smaller
+#: one, 512 on a CPU, at most max_num_seqs x max_seq_len).
+DEFAULT_MAX_NUM_BATCHED_TOKENS: int | None = None
 #: Queued requests before RESOURCE_EXHAUSTED.
 DEFAULT_MAX_QUEUE = 256
 #: -O2: compile the step, then capture graphs.
@@ -61,7 +63,9 @@ class EngineSettings:
     #: weights, the measured activation peak and the measured graph memory (0: off; the KV cache is
     #: sized by kv_cache_memory or a share of free memory before anything is captured).
     gpu_memory_utilization: float = 0.0
-    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
+    max_num_batched_tokens: int | None = DEFAULT_MAX_NUM_BATCHED_TOKENS
+    #: Where the budget came from: the flag, or how the engine sized it to the device (set with it).
+    max_num_batched_tokens_source: str = "--max-num-batched-tokens"
     max_queue: int = DEFAULT_MAX_QUEUE
     #: Longest prefill chunk (0: the token budget).
     prefill_chunk: int = 0

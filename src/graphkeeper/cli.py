@@ -33,6 +33,16 @@ def _one_line_errors(parser: argparse.ArgumentParser) -> None:
     parser.error = error  # type: ignore[method-assign]
 
 
+def _tokens_or_auto(text: str) -> int | None:
+    """``--max-num-batched-tokens``: a whole number, or ``auto`` (None: sized to the device)."""
+    if text.strip().lower() == "auto":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text[:32]!r} is neither a whole number nor auto") from None
+
+
 def _worker(sub: argparse._SubParsersAction) -> None:
     from graphkeeper.worker import settings as d  # the engine's defaults (a leaf: no torch)
 
@@ -76,8 +86,10 @@ def _worker(sub: argparse._SubParsersAction) -> None:
                    help="tokens per KV cache block, a power of two (default 16)")
     p.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV blocks of prompt prefixes computed before (default: on)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=d.DEFAULT_MAX_NUM_BATCHED_TOKENS,
-                   help="token budget per step")
+    p.add_argument("--max-num-batched-tokens", type=_tokens_or_auto, default=d.DEFAULT_MAX_NUM_BATCHED_TOKENS,
+                   metavar="N|auto",
+                   help="token budget per step (default auto: 8192 on a GPU of >= 70 GiB, 2048 on a smaller one, "
+                        "512 on a CPU; at most --max-num-seqs x --max-seq-len)")
     p.add_argument("--max-queue", type=int, default=d.DEFAULT_MAX_QUEUE,
                    help="queued requests before RESOURCE_EXHAUSTED")
     p.add_argument("--prefill-chunk", type=int, default=0, help="longest prefill chunk (0: token budget)")

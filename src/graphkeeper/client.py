@@ -121,9 +121,10 @@ def kv_cache_line(kv: pb.KVCacheStatus) -> str:
 
 def step_budget_line(b: pb.StepBudgetStatus) -> str:
     """The step budget in one line: the whole budget, the bound with decode rows and why."""
+    came = f" ({b.tokens_source})" if b.tokens_source else ""  # empty from a worker before the field
     if not b.itl_target_seconds:
-        return f"budget    {b.tokens} tokens a step ({b.source})"
-    return (f"budget    {b.tokens} tokens a step with no decode row, {b.tokens_with_decode} with decode rows "
+        return f"budget    {b.tokens} tokens a step{came} ({b.source})"
+    return (f"budget    {b.tokens} tokens a step with no decode row{came}, {b.tokens_with_decode} with decode rows "
             f"(inter-token target {b.itl_target_seconds * 1e3:.2f} ms: {b.source})")
 
 

@@ -104,12 +104,14 @@ def test_a_mixed_batch_replays_graphs_and_keeps_plain_rows_exact(engine):
 
 
 def test_drawing_tokens_and_processing_logits_never_stall_the_host_on_the_stream():
-    """Every per-step host array (temperatures, seeds, top-k/p, penalty counts, a grammar mask)
-    reaches the device through pinned memory: with torch's sync debug mode set to error, a
+    """Every per-step host array (temperatures, seeds, top-k/p, penalised rows and the resets of
+    their device counts, a grammar mask) reaches the device through pinned memory, and the counts
+    grow and take each sampled token on the device: with torch's sync debug mode set to error, a
     blocking copy (which waits for the step queued before it) would raise here."""
     import numpy as np
 
-    from graphkeeper.worker.executor.logits import process
+    from graphkeeper.worker.executor.logits import count_sampled, process
+    from graphkeeper.worker.executor.penalty_counts import PenaltyCounts
     from graphkeeper.worker.executor.sampling import sample
     from graphkeeper.worker.plan import LogitsBatch, SamplingBatch, SamplingSpec
 
@@ -120,14 +122,18 @@ def test_drawing_tokens_and_processing_logits_never_stall_the_host_on_the_stream
     batch = LogitsBatch(
         rows=np.arange(2, dtype=np.int64), presence=np.full(2, 0.5, np.float32), frequency=np.full(2, 0.5, np.float32),
         repetition=np.full(2, 1.1, np.float32), min_p=np.zeros(2, np.float32),
-        counts=np.array([[0, 1], [7, 9], [2, 1]], np.int64), seen=np.array([[0, 1], [7, 9]], np.int64),
         bias=(np.array([[0], [11]], np.int64), np.array([3.0], np.float32)),
         mask_rows=np.array([1], np.int64), masks=np.full((1, vocab // 32), -1, np.int32),
-        logprobs=np.full(rows, -1, np.int64))
+        logprobs=np.full(rows, -1, np.int64), penalised=np.arange(2, dtype=np.int64),
+        penalty_slots=np.array([5, 20], np.int64), reset_slots=np.array([5, 20], np.int64),
+        reset_prompt=np.array([[5, 20], [7, 9]], np.int64), reset_output=np.array([[5, 5, 20], [7, 7, 9]], np.int64))
+    penalties = PenaltyCounts(vocab, torch.device("cuda"))
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        tokens = sample(process(logits, batch, sampling), sampling)
+        tokens = sample(process(logits, batch, sampling, penalties), sampling)
+        count_sampled(penalties, batch, tokens)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert tokens.shape == (rows,) and int(tokens.max()) < vocab
+    assert int(penalties.counts[5, 7]) >= 2 and int(penalties.counts.sum()) == 5  # 3 from the resets, 2 drawn

@@ -26,7 +26,8 @@ from graphkeeper.proto import worker_pb2 as pb  # noqa: E402
 pytestmark = [
     pytest.mark.cuda,
     pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
-                       reason="needs an NVIDIA GPU on each of two ranks: two GPUs (run pytest -m cuda on nvidia-h200-x2)"),
+                       reason="needs an NVIDIA GPU on each of two ranks: two GPUs "
+                              "(run pytest -m cuda on nvidia-h200-x2)"),
 ]
 
 MODEL = "random:llama-1b"

@@ -152,6 +152,8 @@ def _bad_flag_cases(tmp: Path) -> dict[str, tuple[list[str], str]]:
     empty_token = tmp / "token"
     empty_token.write_text("")
     return {
+        "budget-not-a-number": (["--max-num-batched-tokens", "lots"], "neither a whole number nor auto"),
+
         "policy-not-utf8": (["--policy-file", str(not_utf8)], "not UTF-8"),
         "policy-not-json": (["--policy-file", str(not_json)], "not a GraphPolicy JSON"),
         "policy-is-a-directory": (["--policy-file", str(tmp)], "not a regular file"),
@@ -192,6 +194,19 @@ def test_bad_flag_is_one_line_and_a_nonzero_exit(tmp_path, case):
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1, proc.stderr
     assert needle in lines[0]
+
+
+def test_a_policy_file_past_the_budget_sized_to_the_device_is_refused_once_the_engine_knows_it(tmp_path):
+    """With the budget unset the CLI cannot judge explicit sizes against it; the engine core does,
+    once it has sized the budget to the device, and the worker exits naming the size and why."""
+    too_large = tmp_path / "policy.json"
+    too_large.write_text(policy_to_json(pb.GraphPolicy(policy_uid="u", generation=1, capture_sizes=pb.CaptureSizes(
+        explicit=pb.ExplicitSizes(sizes=[8, 1024])))))
+    proc = run_worker("--model", "random:tiny", "--policy-file", str(too_large), cwd=tmp_path)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr + proc.stdout
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last == ("graphkeeper worker: the starting policy (--policy-file): capture_sizes.explicit.sizes[1]: 1024 "
+                    "exceeds this worker's token budget per step (512) (sized to the device: cpu -> 512)")
 
 
 @pytest.mark.parametrize("command", ["status", "graphs"])

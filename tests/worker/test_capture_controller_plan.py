@@ -51,7 +51,7 @@ def graphs(reserved: int = 0, **device_bytes) -> SimpleNamespace:
     mode = {"f": FULL, "p": PIECEWISE}
     keys = {k: (mode[k[0]], int(k[1:])) for k in device_bytes}
     return SimpleNamespace(captured={keys[k]: CapturedGraph(*keys[k], [], 0.0, b, reserved)
-                                     for k, b in device_bytes.items()})
+                                     for k, b in device_bytes.items()}, skipped={})
 
 
 # --- the plan ------------------------------------------------------------------------------------

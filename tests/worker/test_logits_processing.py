@@ -1,29 +1,40 @@
 """Logits processing on its own: rows that ask for nothing keep their logits bit for bit, the
-mask, bias and penalties change exactly the entries they name, a step re-run without a culprit
-keeps every other row's processing, and a runner step mixing plain and processed rows samples
-the plain rows' tokens exactly as a step without processing does."""
+mask, bias and penalties change exactly the entries they name, penalty counts kept on the device
+follow each sampled token and start over on a new slot, a step re-run without a culprit keeps
+every other row's processing, and a runner step mixing plain and processed rows samples the plain
+rows' tokens exactly as a step without processing does."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from graphkeeper.worker.engine.logits_state import LogitsState, build_logits_batch
-from graphkeeper.worker.executor.logits import pick_logprobs, process, unpack_mask
+from graphkeeper.worker.engine.logits_state import LogitsState, build_logits_batch, mark_counted
+from graphkeeper.worker.executor.logits import count_sampled, pick_logprobs, process, unpack_mask
+from graphkeeper.worker.executor.penalty_counts import PenaltyCounts
 from graphkeeper.worker.plan import LogitsSpec, SamplingBatch, SamplingSpec, StepPlan
 
 
-def states(*specs: LogitsSpec | None, outputs=((),), prompt=(1, 2, 3)) -> list[LogitsState | None]:
-    out = []
-    for i, spec in enumerate(specs):
-        if spec is None:
-            out.append(None)
-            continue
-        state = LogitsState(spec, list(prompt))
-        for token in outputs[i % len(outputs)]:
-            state.accept(token)
-        out.append(state)
-    return out
+@dataclass
+class Row:
+    """What the batch builder reads of a sampling sequence."""
+
+    logits: LogitsState | None
+    slot: int
+    prompt: list[int]
+    output: list[int] = field(default_factory=list)
+
+
+def states(*specs: LogitsSpec | None, outputs=((),), prompt=(1, 2, 3)) -> list[Row]:
+    """A sample row per spec, row ``i`` on slot ``i`` with output ``outputs[i % len(outputs)]``."""
+    return [Row(None if spec is None else LogitsState(spec), i, list(prompt), list(outputs[i % len(outputs)]))
+            for i, spec in enumerate(specs)]
+
+
+def counts(vocab: int = 64) -> PenaltyCounts:
+    return PenaltyCounts(vocab, torch.device("cpu"))
 
 
 def test_plain_rows_keep_their_logits_bit_for_bit():
@@ -31,7 +42,7 @@ def test_plain_rows_keep_their_logits_bit_for_bit():
     logits = torch.randn(4, 50)
     batch = build_logits_batch(states(None, LogitsSpec(frequency_penalty=1.0, logit_bias=((3, 2.0),)), None,
                                       LogitsSpec(logprobs=2), outputs=((), (4, 4, 9))))
-    out = process(logits, batch, None)
+    out = process(logits, batch, None, counts(50))
     assert list(batch.rows) == [1]  # log probabilities alone change no logits
     for row in (0, 2, 3):
         assert torch.equal(out[row], logits[row])
@@ -45,7 +56,7 @@ def test_plain_rows_keep_their_logits_bit_for_bit():
 def test_repetition_penalty_divides_positive_and_multiplies_negative_logits():
     logits = torch.tensor([[2.0, -2.0, 2.0, -2.0, 1.0]])
     batch = build_logits_batch(states(LogitsSpec(repetition_penalty=2.0), prompt=(0, 1), outputs=((4,),)))
-    out = process(logits, batch, None)
+    out = process(logits, batch, None, counts(5))
     assert out.tolist() == [[1.0, -4.0, 2.0, -2.0, 0.5]]
 
 
@@ -53,11 +64,11 @@ def test_min_p_drops_tokens_below_the_floor_at_the_rows_temperature():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
     batch = build_logits_batch(states(LogitsSpec(min_p=0.5)))
     sampling = SamplingBatch.build([SamplingSpec(temperature=1.0)], [0], np.zeros(1, np.int64))
-    out = process(logits, batch, sampling)
+    out = process(logits, batch, sampling, counts())
     assert torch.isinf(out[0, 2:]).all() and torch.isfinite(out[0, :2]).all()
     # At temperature 2 the distribution is flatter: 0.15 is now within half of the most likely.
     hot = SamplingBatch.build([SamplingSpec(temperature=2.0)], [0], np.zeros(1, np.int64))
-    assert torch.isfinite(process(logits, batch, hot)[0, :3]).all()
+    assert torch.isfinite(process(logits, batch, hot, counts())[0, :3]).all()
 
 
 def test_a_grammar_mask_allows_exactly_its_bits():
@@ -78,8 +89,10 @@ def test_a_re_run_without_a_culprit_keeps_the_other_rows_processing():
                                       LogitsSpec(logit_bias=((5, -3.0),), logprobs=1), outputs=((7,),)))
     kept = batch.select([2, 3])  # rows 0 and 1 are gone; 2 and 3 become 0 and 1
     assert kept.rows.tolist() == [0, 1]
-    assert kept.counts.tolist() == [[0], [7], [1]] and kept.bias[0].tolist() == [[1], [5]]
+    assert kept.penalised.tolist() == [0] and kept.penalty_slots.tolist() == [2]
+    assert kept.bias[0].tolist() == [[1], [5]]
     assert kept.bias[1].tolist() == [-3.0] and kept.logprobs.tolist() == [-1, 1]
+    assert kept.reset_slots.tolist() == [2] and kept.reset_output.tolist() == [[2], [7]]
 
 
 def test_a_runner_step_mixing_plain_and_processed_rows_keeps_the_plain_tokens(runner):
@@ -99,3 +112,61 @@ def test_a_runner_step_mixing_plain_and_processed_rows_keeps_the_plain_tokens(ru
     logprobs = launched.token_logprobs()
     assert len(logprobs) == 4 and len(logprobs[3].top) == 3 and logprobs[3].token == tokens[3]
     assert logprobs[:3] == [None, None, None]  # computed only for the row that asked
+
+
+def test_penalty_counts_follow_each_sampled_token_and_start_over_on_a_new_slot():
+    """The device adds each penalised row's sampled token to its slot's counts; the next step's
+    batch carries no history, and its penalties still see every token. A sequence moved to a new
+    slot (a preemption) starts that row over from the host's output; a slot's next owner does not
+    inherit its counts; a step that failed before its sampling leaves the rows to be started over."""
+    pen = counts(8)
+    flat = torch.zeros(1, 8)
+    seq = Row(LogitsState(LogitsSpec(frequency_penalty=1.0)), slot=3, prompt=[1], output=[5])
+
+    def step(token: int | None) -> torch.Tensor:
+        batch = build_logits_batch([seq])
+        out = process(flat, batch, None, pen)
+        if token is not None:
+            count_sampled(pen, batch, torch.tensor([token]))
+            mark_counted([seq])
+            seq.output.append(token)
+        return out[0]
+
+    first = build_logits_batch([seq])
+    assert first.reset_slots.tolist() == [3] and first.reset_output.tolist() == [[3], [5]]
+    assert step(6).tolist() == [0, 0, 0, 0, 0, -1, 0, 0]  # the output so far: one 5
+    assert build_logits_batch([seq]).reset_slots.tolist() == []  # set up: nothing to send again
+    assert step(6).tolist() == [0, 0, 0, 0, 0, -1, -1, 0]  # the 6 the device counted
+    assert step(None).tolist() == [0, 0, 0, 0, 0, -1, -2, 0]
+    seq.logits.counted_slot, seq.slot = None, 0  # preempted, then admitted again on slot 0
+    assert build_logits_batch([seq]).reset_output.tolist() == [[0, 0, 0], [5, 6, 6]]
+    assert step(None).tolist() == [0, 0, 0, 0, 0, -1, -2, 0]
+    newcomer = Row(LogitsState(LogitsSpec(frequency_penalty=1.0)), slot=3, prompt=[1])
+    assert process(flat, build_logits_batch([newcomer]), None, pen)[0].tolist() == [0.0] * 8
+    failed = Row(LogitsState(LogitsSpec(presence_penalty=1.0)), slot=5, prompt=[1], output=[2])
+    build_logits_batch([failed])  # the step raised before its sampling: mark_counted never ran
+    assert build_logits_batch([failed]).reset_output.tolist() == [[5], [2]]
+
+
+def test_a_repetition_penalty_row_marks_its_prompt_once_and_its_output_as_sampled():
+    pen = counts(6)
+    logits = torch.tensor([[2.0, 2.0, 2.0, 2.0, 2.0, 2.0]])
+    seq = Row(LogitsState(LogitsSpec(repetition_penalty=2.0)), slot=1, prompt=[0, 0, 2])
+    batch = build_logits_batch([seq])
+    assert batch.reset_prompt.tolist() == [[1, 1], [0, 2]]  # distinct prompt tokens
+    assert process(logits, batch, None, pen).tolist() == [[1.0, 2.0, 1.0, 2.0, 2.0, 2.0]]
+    count_sampled(pen, batch, torch.tensor([4]))
+    mark_counted([seq])
+    assert process(logits, build_logits_batch([seq]), None, pen).tolist() == [[1.0, 2.0, 1.0, 2.0, 1.0, 2.0]]
+
+
+def test_released_counts_grow_again_for_the_next_sequence():
+    """Sleep drops every row; the next penalised sequence starts its row over and is counted right."""
+    pen = counts(4)
+    seq = Row(LogitsState(LogitsSpec(presence_penalty=1.0)), slot=2, prompt=[1], output=[3])
+    process(torch.zeros(1, 4), build_logits_batch([seq]), None, pen)
+    pen.release()
+    assert pen.counts.shape == (0, 4)
+    after = Row(LogitsState(LogitsSpec(presence_penalty=1.0)), slot=6, prompt=[1], output=[0])
+    assert process(torch.zeros(1, 4), build_logits_batch([after]), None, pen)[0].tolist() == [-1.0, 0.0, 0.0, 0.0]
+    assert pen.counts.shape[0] >= 7

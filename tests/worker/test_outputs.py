@@ -159,9 +159,9 @@ def test_end_without_an_outcome_fails_the_stream_but_counts_no_request():
 
 
 def test_tokens_fed_ahead_to_the_logits_state_are_not_fed_again_when_the_step_is_published():
-    """A step whose rows need every earlier token feeds the step before's tokens to the penalty
-    counts before that step is published (``accept_ahead``); publishing it then appends the
-    token without counting it twice. A finished sequence's token is fed to nothing."""
+    """A step whose rows need every earlier token feeds the step before's tokens to the grammar
+    matchers before that step is published (``accept_ahead``); publishing it then appends the
+    token without feeding it twice. A finished sequence's token is fed to nothing."""
     import torch
 
     from graphkeeper.worker.engine.logits_state import LogitsState
@@ -174,16 +174,30 @@ def test_tokens_fed_ahead_to_the_logits_state_are_not_fed_again_when_the_step_is
     seq, done = sequence(max_new_tokens=8, request_id="a"), sequence(max_new_tokens=8, request_id="b")
     running(scheduler, seq, done)
     for s in (seq, done):
-        s.logits = LogitsState(LogitsSpec(frequency_penalty=0.5), s.prompt)
+        s.logits = LogitsState(LogitsSpec(constrained=True), Consumed(), vocab_size=64)
     done.finished = True  # cancelled: its late token is dropped
     step = ScheduledStep(plan=None, sequences=[seq, done], samplers=[seq, done])
     inflight = InFlight(step, None, None, Launched(torch.tensor([7, 8]), None, 2), 0.0)
     out.accept_ahead(inflight)
-    assert seq.logits.counts == {7: 1} and seq.logits.accepted == 1 and seq.output == []
-    assert done.logits.counts == {}
+    assert seq.logits.matcher.tokens == [7] and seq.logits.accepted == 1 and seq.output == []
+    assert done.logits.matcher.tokens == []
     out.accept_ahead(inflight)  # a second look feeds nothing more
-    assert seq.logits.counts == {7: 1}
+    assert seq.logits.matcher.tokens == [7]
     out.step_outputs([seq, done], [7, 8], time.perf_counter())
-    assert seq.output == [7] and seq.logits.counts == {7: 1} and seq.logits.accepted == 1
+    assert seq.output == [7] and seq.logits.matcher.tokens == [7] and seq.logits.accepted == 1
     out.step_outputs([seq], [7], time.perf_counter())  # the next token, not fed ahead: fed here
-    assert seq.logits.counts == {7: 2} and seq.logits.accepted == 2
+    assert seq.logits.matcher.tokens == [7, 7] and seq.logits.accepted == 2
+
+
+class Consumed:
+    """What a grammar matcher is told, in order (llguidance's ``consume_token``/``is_stopped``)."""
+
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+
+    def consume_token(self, token: int) -> bool:
+        self.tokens.append(token)
+        return True
+
+    def is_stopped(self) -> bool:
+        return False

@@ -99,6 +99,20 @@ def test_a_large_budget_keeps_steps_with_decode_rows_at_the_target_and_gives_pre
     assert loose.prefill_tokens(64) == loose.with_decode - 64
 
 
+def test_coarse_graphs_above_512_price_long_prefill_but_never_widen_the_derived_target():
+    """A budget sized to an H200 captures coarse PIECEWISE sizes (1,024 ... 8,192): a step of 1,500
+    tokens is priced at the 2,048 replay, but the derived target stays the 512-token step, so
+    decode rows wait no longer than at the default ceiling."""
+    coarse = [Timed(PW, s, 0.002 + 5e-6 * s, 0.004 + 6e-6 * s) for s in (1024, 2048, 4096, 8192)]
+    budget = plan_step_budget(8192, 0.0, [*h200_like(), *coarse], "cuda", tokens_source="sized to the device")
+    assert budget.model.ceiling == 8192 and budget.model.ceiling_within(512) == 512
+    assert budget.model.seconds(1500) == pytest.approx(0.002 + 5e-6 * 2048)
+    assert budget.source.startswith("derived: a 512-token step") and budget.with_decode == 512
+    assert budget.prefill_tokens(0) == 8192 and budget.tokens_source == "sized to the device"
+    assert budget.to_proto().tokens_source == "sized to the device"
+    assert budget.describe().startswith("8192 tokens a step with no decode row (sized to the device); with decode")
+
+
 def test_a_target_tighter_than_the_decode_rows_still_moves_prefill_on():
     budget = plan_step_budget(8192, 0.5, h200_like(), "cuda")  # 0.5 ms: below any measured step
     assert budget.with_decode == 0
@@ -157,7 +171,8 @@ def test_a_worker_states_its_budget_and_where_it_came_from(module_workers):
     for b in (status, info):  # a CPU worker records no graphs: nothing measured, no target
         assert b.tokens == 256 and b.tokens_with_decode == 256 and b.itl_target_seconds == 0
         assert b.source == "no step times measured (no graphs recorded on cpu)"
-    assert "step budget: 256 tokens a step (no step times measured" in worker.log()
+        assert b.tokens_source == "--max-num-batched-tokens"
+    assert "step budget: 256 tokens a step (--max-num-batched-tokens; no step times measured" in worker.log()
 
 
 

@@ -1,9 +1,8 @@
 """The lockstep protocol of tensor parallel ranks, in one process: a follower fed rank 0's commands
 (each pickled and unpickled, as the pipe carries it) must end with rank 0's KV cache and sampled
 tokens, bit for bit, after prefills, decodes, a prefix-cache hit, a batch, a drawn (not greedy)
-row, and rows whose logits processing is built between the forward pass and sampling
-(penalties). With one rank on each side (no collective), what is checked is that the commands
-carry everything a rank needs."""
+row, and penalised rows (whose counts each rank keeps on its own device). With one rank on each
+side (no collective), what is checked is that the commands carry everything a rank needs."""
 
 from __future__ import annotations
 
@@ -81,7 +80,10 @@ def test_a_follower_fed_rank_0s_commands_holds_rank_0s_kv_cache_and_tokens():
         steps = [c for c in ranks.sent if isinstance(c, Step | Sample)]
         assert steps and all(isinstance(a, Step) and isinstance(b, Sample) for a, b in zip(steps[::2], steps[1::2],
                                                                                           strict=True))
-        # Penalised rows build their logits processing after the forward pass: it travels with Sample.
-        assert any(c.changed and c.logits is not None for c in steps if isinstance(c, Sample))
+        # Penalised rows' processing travels in the plan; each rank keeps the counts on its device.
+        assert any(c.plan.logits is not None and len(c.plan.logits.penalised) for c in steps if isinstance(c, Step))
+        assert local.penalties.counts.sum() > 0
+        assert torch.equal(mine.penalties.counts, local.penalties.counts)
+        assert torch.equal(mine.penalties.prompt, local.penalties.prompt)
     finally:
         engine.drain_and_stop(5)

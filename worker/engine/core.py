@@ -43,7 +43,7 @@ from graphkeeper.worker.engine.isolation import fail_step, isolate
 from graphkeeper.worker.engine.kv_sizing import UtilizationSizing
 from graphkeeper.worker.engine.ledger import Ledger
 from graphkeeper.worker.engine.lifecycle import Lifecycle
-from graphkeeper.worker.engine.logits_state import build_logits_batch, logits_state_for
+from graphkeeper.worker.engine.logits_state import build_logits_batch, logits_state_for, mark_counted
 from graphkeeper.worker.engine.mailbox import Mailbox
 from graphkeeper.worker.engine.model_roots import check_model_root
 from graphkeeper.worker.engine.model_slot import ModelSlot
@@ -151,7 +151,7 @@ class Engine:
         if self.scheduler.queued(len(self.mailbox)) >= self.settings.max_queue:
             raise QueueFull(f"queue is full ({self.settings.max_queue} requests waiting)")
         seq = sequence_for(req, stream, self.slot.eos_ids)
-        seq.logits = logits_state_for(req, seq.prompt, self.grammars, self.tokenizer, loaded.config.vocab_size,
+        seq.logits = logits_state_for(req, self.grammars, self.tokenizer, loaded.config.vocab_size,
                                       next(iter(loaded.config.eos_token_ids), 0))
         need = blocks_for(len(seq.prompt) + seq.max_new_tokens, self.blocks.block_size)
         if need > self.blocks.num_blocks:
@@ -389,8 +389,10 @@ class Engine:
         hidden = runner.execute(plan, decision, self.capture.graph_set)
         if step.needs_history:
             self.outputs.accept_ahead(before)
-            plan.logits = build_logits_batch([s.logits for s in step.samplers])
+            plan.logits = build_logits_batch(step.samplers)
         launched = runner.sample_and_send(hidden, plan)
+        if plan.logits is not None:
+            mark_counted(step.samplers)
         return InFlight(step, decision, desc, launched, started)
 
     def _finish(self, inflight: InFlight | None) -> None:

@@ -106,6 +106,9 @@ class UtilizationSizing:
         if self.plan is None or graphs is None or not graphs.captured:
             return
         keys = capture.plan(policy, traffic.tokens()).keys  # none for a policy of mode NONE
+        # A coarse size released as compute bound will be again: it holds nothing once the phase
+        # ends (its transient pool is an eager step's activations, which the plan keeps free).
+        keys = [k for k in keys if getattr(graphs.skipped.get(k), "reason", 0) != pb.FALLBACK_REASON_COMPUTE_BOUND]
         # Device memory a key took to capture: its pool's growth and what its capture stream
         # allocated beside the pool (library workspaces), as the allocator reserved them; graph
         # memory (device_bytes) counts the pool alone, and the room is device memory.

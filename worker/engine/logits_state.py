@@ -2,19 +2,23 @@
 built from it (host data; the device work is ``executor/logits.py``).
 
 A sequence that asks for nothing beyond temperature, top-k and top-p has no state here and adds
-nothing to a step. One that asks for penalties keeps its output tokens' counts (and, for the
-repetition penalty, its prompt's distinct tokens); one with a grammar keeps the grammar's matcher,
-advanced by each token it receives. Both need every earlier token before their next row is
-sampled (``LogitsSpec.needs_history``): the engine queues such a step's forward pass, then reads
-the step before it and feeds its tokens to these states (``OutputProcessor.accept_ahead``; the
-device computes meanwhile), builds the batch here and queues the sampling; the step before is
-published after that, off the path between the two steps' sampling. Bias, min-p and log
-probabilities need nothing of the kind and are built with the plan.
+nothing to a step. One with a grammar keeps the grammar's matcher, advanced by each token it
+receives; it needs every earlier token before its next row is sampled
+(``LogitsSpec.needs_history``): the engine queues such a step's forward pass, then reads the step
+before it and feeds its tokens to the matchers (``OutputProcessor.accept_ahead``; the device
+computes meanwhile), builds the batch here and queues the sampling; the step before is published
+after that, off the path between the two steps' sampling. The masks of a step's grammars are
+computed together, on llguidance's threads.
+
+Penalties keep their counts on the device (``executor/penalty_counts.py``, a row per KV slot that
+the device updates with each token it samples); the host only says, the first time a sequence
+samples on a slot, what its row starts from (its prompt and its output so far). Bias, min-p, log
+probabilities and penalties are built with the plan.
 """
 
 from __future__ import annotations
 
-from collections import Counter
+import functools
 from typing import Any
 
 import numpy as np
@@ -36,25 +40,25 @@ def logits_spec(req: pb.GenerateRequest) -> LogitsSpec:
 
 
 class LogitsState:
-    """One sequence's penalty counts and grammar matcher."""
+    """One sequence's grammar matcher and where its penalty counts live."""
 
-    def __init__(self, spec: LogitsSpec, prompt: list[int], matcher: Any = None) -> None:
+    def __init__(self, spec: LogitsSpec, matcher: Any = None, vocab_size: int = 0) -> None:
         self.spec = spec
         self.matcher = matcher
-        self.counts: Counter[int] = Counter()
+        #: Words of the grammar's bitmask (32 tokens a word).
+        self.mask_words = (vocab_size + 31) // 32
+        #: The KV slot whose device row holds this sequence's penalty counts; None until a step
+        #: that samples it on its slot is queued (the scheduler clears it when the slot is given up).
+        self.counted_slot: int | None = None
         #: Output tokens consumed so far: a token fed ahead of its step's publication is not fed twice.
         self.accepted = 0
         #: The prompt's log probabilities as the prefill computes them (one per prompt token after
         #: the first), and the prompt positions whose chunks were scheduled to compute them.
         self.prompt_entries: list = []
         self.prompt_scheduled = 0
-        self.prompt_tokens = (np.unique(np.asarray(prompt, dtype=np.int64)) if spec.repetition_penalty != 1.0
-                              else np.zeros(0, dtype=np.int64))
 
     def accept(self, token: int) -> None:
         """A token the sequence received (once per token, in order)."""
-        if self.spec.penalised:
-            self.counts[token] += 1
         if self.matcher is not None:
             self.matcher.consume_token(token)
         self.accepted += 1
@@ -63,10 +67,6 @@ class LogitsState:
     def grammar_done(self) -> bool:
         """The grammar is complete (or failed): nothing more may be generated."""
         return self.matcher is not None and self.matcher.is_stopped()
-
-    def mask(self) -> np.ndarray:
-        """The grammar's allowed-token bitmask for the next token, int32 words."""
-        return np.frombuffer(self.matcher.compute_bitmask(), dtype=np.int32)
 
 
 def schedule_prompt_logprobs(seq: Any, start: int, length: int) -> PromptLogprobs | None:
@@ -83,39 +83,37 @@ def schedule_prompt_logprobs(seq: Any, start: int, length: int) -> PromptLogprob
     return PromptLogprobs(0, state.spec.prompt_logprobs, np.asarray(seq.prompt[start + 1:end], dtype=np.int64))
 
 
-def logits_state_for(req: pb.GenerateRequest, prompt: list[int], grammars: Any, tokenizer: Any, vocab_size: int,
+def logits_state_for(req: pb.GenerateRequest, grammars: Any, tokenizer: Any, vocab_size: int,
                      eos_id: int) -> LogitsState | None:
     """The state of a new sequence; None when it asks for nothing (the common case)."""
     spec = logits_spec(req)
     if spec == LogitsSpec():
         return None
     matcher = grammars.matcher(req.constraint, tokenizer, vocab_size, eos_id) if spec.constrained else None
-    return LogitsState(spec, prompt, matcher)
+    return LogitsState(spec, matcher, vocab_size)
 
 
-def build_logits_batch(states: list[LogitsState | None]) -> LogitsBatch | None:
-    """A step's ``LogitsBatch`` for its sample rows' states (None when no row asks for anything)."""
+def build_logits_batch(samplers: list[Any]) -> LogitsBatch | None:
+    """A step's ``LogitsBatch`` for its sample rows' sequences (each with ``logits``, ``slot``,
+    ``prompt`` and ``output``); None when no row asks for anything."""
+    states: list[LogitsState | None] = [s.logits for s in samplers]
     if all(s is None for s in states):
         return None
     rows = [i for i, s in enumerate(states) if s is not None and s.spec.changes_logits]
     specs = [states[i].spec for i in rows]
-    counts, seen, bias_at, bias, mask_rows, masks = [], [], [], [], [], []
+    penalised, bias_at, bias, grammars = [], [], [], []
+    resets = _Resets()
     for k, i in enumerate(rows):
-        state = states[i]
-        spec = state.spec
-        if spec.presence_penalty or spec.frequency_penalty:
-            tokens = np.fromiter(state.counts.keys(), dtype=np.int64, count=len(state.counts))
-            times = np.fromiter(state.counts.values(), dtype=np.int64, count=len(state.counts))
-            counts.append(np.stack([np.full(len(tokens), k), tokens, times]))
-        if spec.repetition_penalty != 1.0:
-            tokens = np.union1d(state.prompt_tokens, np.fromiter(state.counts.keys(), dtype=np.int64))
-            seen.append(np.stack([np.full(len(tokens), k), tokens]))
-        for token, value in spec.logit_bias:
+        seq, state = samplers[i], states[i]
+        if state.spec.penalised:
+            penalised.append(k)
+            if state.counted_slot != seq.slot:
+                resets.add(seq, state)
+        for token, value in state.spec.logit_bias:
             bias_at.append((k, token))
             bias.append(value)
         if state.matcher is not None and not state.grammar_done:  # done: its row's token is dropped
-            mask_rows.append(k)
-            masks.append(state.mask())
+            grammars.append((k, state))
     f32 = np.float32
     return LogitsBatch(
         rows=np.asarray(rows, dtype=np.int64),
@@ -123,10 +121,66 @@ def build_logits_batch(states: list[LogitsState | None]) -> LogitsBatch | None:
         frequency=np.array([s.frequency_penalty for s in specs], dtype=f32),
         repetition=np.array([s.repetition_penalty for s in specs], dtype=f32),
         min_p=np.array([s.min_p for s in specs], dtype=f32),
-        counts=np.concatenate(counts, axis=1) if counts else np.zeros((3, 0), dtype=np.int64),
-        seen=np.concatenate(seen, axis=1) if seen else np.zeros((2, 0), dtype=np.int64),
         bias=(np.asarray(bias_at, dtype=np.int64).reshape(-1, 2).T.copy(), np.asarray(bias, dtype=f32)),
-        mask_rows=np.asarray(mask_rows, dtype=np.int64),
-        masks=np.stack(masks) if masks else np.zeros((0, 0), dtype=np.int32),
+        mask_rows=np.asarray([k for k, _ in grammars], dtype=np.int64),
+        masks=grammar_masks([state for _, state in grammars]),
         logprobs=np.array([-1 if s is None else s.spec.logprobs for s in states], dtype=np.int64),
+        penalised=np.asarray(penalised, dtype=np.int64),
+        penalty_slots=np.asarray([samplers[rows[k]].slot for k in penalised], dtype=np.int64),
+        **resets.arrays(),
     )
+
+
+def mark_counted(samplers: list[Any]) -> None:
+    """After a step's sampling is queued: its penalised sequences' rows are set up on their slots
+    (a step that failed before marks nothing, and the next step starts the rows over again)."""
+    for seq in samplers:
+        state = seq.logits
+        if state is not None and state.spec.penalised:
+            state.counted_slot = seq.slot
+
+
+class _Resets:
+    """The penalty rows a step starts over: each sequence sampling on its slot for the first time."""
+
+    def __init__(self) -> None:
+        self.slots: list[int] = []
+        self.prompt: list[np.ndarray] = []
+        self.output: list[np.ndarray] = []
+
+    def add(self, seq: Any, state: LogitsState) -> None:
+        self.slots.append(seq.slot)
+        if state.spec.repetition_penalty != 1.0:
+            tokens = np.unique(np.asarray(seq.prompt, dtype=np.int64))
+            self.prompt.append(np.stack([np.full(len(tokens), seq.slot), tokens]))
+        if seq.output:
+            tokens = np.asarray(seq.output, dtype=np.int64)
+            self.output.append(np.stack([np.full(len(tokens), seq.slot), tokens]))
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        def pairs(parts: list[np.ndarray]) -> np.ndarray:
+            return np.concatenate(parts, axis=1) if parts else np.zeros((2, 0), dtype=np.int64)
+
+        return {"reset_slots": np.asarray(self.slots, dtype=np.int64), "reset_prompt": pairs(self.prompt),
+                "reset_output": pairs(self.output)}
+
+
+def grammar_masks(states: list[LogitsState]) -> np.ndarray:
+    """The next token's allowed-token bitmasks of these sequences' grammars, ``[n, words]`` int32,
+    computed together on llguidance's threads (a mask takes tens of microseconds at a large
+    vocabulary; one after another they would add up on the step's path)."""
+    if not states:
+        return np.zeros((0, 0), dtype=np.int32)
+    from llguidance.numpy import fill_next_token_bitmask_par
+
+    masks = np.full((len(states), states[0].mask_words), -1, dtype=np.int32)
+    fill_next_token_bitmask_par(_executor(), [(s.matcher, j) for j, s in enumerate(states)], masks)
+    return masks
+
+
+@functools.cache
+def _executor() -> Any:
+    """llguidance's thread pool for masks, made once."""
+    import llguidance
+
+    return llguidance.LLExecutor()

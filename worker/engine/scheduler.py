@@ -229,6 +229,8 @@ class Scheduler:
         self.free_slots.append(seq.slot)
         self.sampled_running -= not seq.sampling.greedy
         self.logits_running -= seq.logits is not None
+        if seq.logits is not None:
+            seq.logits.counted_slot = None  # its penalty counts start over on the next slot
         seq.slot = None
 
     def _leave_decode(self, gone: set[Sequence]) -> None:
@@ -284,7 +286,7 @@ class Scheduler:
             num_decode=nd, prefill=chunks, sample_rows=np.asarray(sample_rows, dtype=np.int64),
             sample_slots=np.array([s.slot for s in samplers], dtype=np.int64),
             sampling=self._sampling(samplers, np.concatenate([batch.sample_index, np.asarray(sample_index, np.int64)])),
-            logits=build_logits_batch([s.logits for s in samplers]) if self.logits_running and not history else None,
+            logits=build_logits_batch(samplers) if self.logits_running and not history else None,
             block_updates=self._take_table_updates(), prompt_logprobs=prompt_logprobs,
         )
         # Launched: decoding sequences move one position on, and finished prefills join the batch.

@@ -200,8 +200,9 @@ def weights_bytes(config, dtype_bytes: int) -> int:
 
 
 def settle(settings, device) -> tuple[object, Sizes]:
-    """``settings`` with ``max_seq_len`` and ``max_num_seqs`` decided (and checked against memory),
-    and how they were decided. Reads the model's config (no weights) and the device's memory.
+    """``settings`` with the token budget per step (sized to the device when unset:
+    ``token_budget.py``), ``max_seq_len`` and ``max_num_seqs`` decided (and checked against
+    memory), and how they were decided. Reads the model's config (no weights) and the device.
 
     With tensor parallel ranks every figure is one rank's: its shard's weights and KV heads
     against its own device's memory (``--kv-cache-memory`` is per rank); every rank gets as many
@@ -210,6 +211,7 @@ def settle(settings, device) -> tuple[object, Sizes]:
 
     import torch
 
+    from graphkeeper.worker.engine.token_budget import resolve_step_tokens
     from graphkeeper.worker.model.loader import model_dtype
     from graphkeeper.worker.model.source import read_model_config
     from graphkeeper.worker.model.tensor_parallel import shard_config
@@ -218,6 +220,9 @@ def settle(settings, device) -> tuple[object, Sizes]:
     dtype_bytes = model_dtype(settings.model, settings.dtype, device).itemsize
     random_preset = settings.model.startswith("random:")
     context = RANDOM_PRESET_CONTEXT if random_preset else config.max_position_embeddings
+    fixed_seqs = DEFAULT_MAX_NUM_SEQS.get(device.type, DEFAULT_MAX_NUM_SEQS["cpu"])
+    most_seqs = RANDOM_PRESET_SEQS if random_preset else fixed_seqs
+    settings = resolve_step_tokens(settings, device, context, most_seqs)
     default_seqs = default_max_num_seqs(device.type, settings.max_num_batched_tokens)
     if random_preset:
         default_seqs = (min(RANDOM_PRESET_SEQS, default_seqs[0]), "a random preset's default")

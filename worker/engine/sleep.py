@@ -72,6 +72,7 @@ def sleep_model(slot: ModelSlot, level: int) -> SleepOutcome:
     free_before = torch.cuda.mem_get_info()[0]
     runner.loaded.weights_region.release(keep=level == 1)
     runner.cache.region.release(keep=False)
+    runner.penalties.release()
     gc.collect()
     torch.cuda.empty_cache()  # blocks torch's allocator keeps cached go back as well
     released = torch.cuda.mem_get_info()[0] - free_before

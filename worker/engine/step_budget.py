@@ -15,10 +15,12 @@ runs eager and costs the eager time, interpolated between measured sizes and ext
 past the largest. Without measurements (a CPU worker records no graphs) there is no target and
 every step may take the whole budget, as before.
 
-The default target is the measured time of the largest step the worker replays (the capture
-ceiling, or the budget when that is smaller): steps with decode rows stay as short as the graph
-ceiling makes them, so raising ``--max-num-batched-tokens`` speeds up prefill without lengthening
-any decoding row's wait. ``--itl-target-ms`` sets it instead.
+The default target is the measured time of the largest step the worker replays of at most 512
+tokens (the default capture ceiling, or the budget when that is smaller; the coarse graphs above
+it, ``executor/graphs/large_steps.py``, speed up long prefill steps and never widen the target):
+steps with decode rows stay as short as the graph ceiling makes them, so raising
+``--max-num-batched-tokens`` speeds up prefill without lengthening any decoding row's wait.
+``--itl-target-ms`` sets it instead.
 
 Everything here is pure: the scheduler asks ``StepBudget.prefill_tokens(decode_rows)`` once a step.
 """
@@ -32,6 +34,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from graphkeeper.proto import worker_pb2 as pb
+from graphkeeper.proto.policy import DEFAULT_MAX_CAPTURE_CEILING
 
 if TYPE_CHECKING:
     from graphkeeper.worker.settings import EngineSettings
@@ -88,6 +91,10 @@ class StepTimeModel:
         """The largest step with prompt tokens that replays a graph (0: every such step is eager)."""
         return self.replay[-1][0] if self.replay else 0
 
+    def ceiling_within(self, most: int) -> int:
+        """The largest replayed size of at most ``most`` tokens (0: none)."""
+        return max((size for size, _ in self.replay if size <= most), default=0)
+
     def seconds(self, tokens: int) -> float:
         """Time of a step of ``tokens`` tokens (decode rows and prompt tokens together)."""
         sizes = [s for s, _ in self.replay]
@@ -118,17 +125,21 @@ class StepBudget:
     target: float | None = None
     model: StepTimeModel | None = None
     source: str = "a fixed budget"
+    #: Where ``tokens`` came from: ``--max-num-batched-tokens`` or sized to the device (token_budget.py).
+    tokens_source: str = "--max-num-batched-tokens"
     #: The most tokens a step with decode rows may have (decode rows included): precomputed.
     with_decode: int = 0
 
     @classmethod
-    def fixed(cls, tokens: int, source: str = "a fixed budget") -> StepBudget:
-        return cls(tokens=tokens, source=source, with_decode=tokens)
+    def fixed(cls, tokens: int, source: str = "a fixed budget",
+              tokens_source: str = "--max-num-batched-tokens") -> StepBudget:
+        return cls(tokens=tokens, source=source, with_decode=tokens, tokens_source=tokens_source)
 
     @classmethod
-    def for_target(cls, tokens: int, target: float, model: StepTimeModel, source: str) -> StepBudget:
+    def for_target(cls, tokens: int, target: float, model: StepTimeModel, source: str,
+                   tokens_source: str = "--max-num-batched-tokens") -> StepBudget:
         return cls(tokens=tokens, target=target, model=model, source=source,
-                   with_decode=model.largest_within(target, tokens))
+                   with_decode=model.largest_within(target, tokens), tokens_source=tokens_source)
 
     def prefill_tokens(self, decode_rows: int) -> int:
         """Prompt tokens the next step may carry beside ``decode_rows`` decode rows."""
@@ -140,28 +151,37 @@ class StepBudget:
     def describe(self) -> str:
         """One line for the log: the budget, the target and where it came from."""
         if self.target is None:
-            return f"{self.tokens} tokens a step ({self.source})"
-        return (f"{self.tokens} tokens a step with no decode row; with decode rows at most {self.with_decode} "
-                f"(inter-token target {self.target * 1e3:.2f} ms, {self.source})")
+            return f"{self.tokens} tokens a step ({self.tokens_source}; {self.source})"
+        return (f"{self.tokens} tokens a step with no decode row ({self.tokens_source}); with decode rows at most "
+                f"{self.with_decode} (inter-token target {self.target * 1e3:.2f} ms, {self.source})")
 
     def to_proto(self) -> pb.StepBudgetStatus:
         return pb.StepBudgetStatus(tokens=self.tokens, tokens_with_decode=self.with_decode,
-                                   itl_target_seconds=self.target or 0.0, source=self.source)
+                                   itl_target_seconds=self.target or 0.0, source=self.source,
+                                   tokens_source=self.tokens_source)
 
 
 def plan_step_budget(tokens: int, itl_target_ms: float, captured: Iterable[TimedGraph], device: str,
-                     released: Iterable[TimedGraph] = ()) -> StepBudget:
+                     released: Iterable[TimedGraph] = (),
+                     tokens_source: str = "--max-num-batched-tokens") -> StepBudget:
     """The budget a worker runs with once its graphs are captured (and again after a recapture,
-    or after idle graphs were released: the steps they served run eager now)."""
+    or after idle graphs were released: the steps they served run eager now).
+
+    The derived target is the time of the largest replayed step of at most
+    ``DEFAULT_MAX_CAPTURE_CEILING`` tokens: the coarse graphs above it (1,024 to 8,192 tokens,
+    ``large_steps.py``) make long prefill steps cheaper, never the bound on a step decode rows wait for."""
     model = StepTimeModel.from_captured(captured, released)
     if model is None:
-        return StepBudget.fixed(tokens, f"no step times measured (no graphs recorded on {device})")
+        return StepBudget.fixed(tokens, f"no step times measured (no graphs recorded on {device})", tokens_source)
     if itl_target_ms > 0:
-        return StepBudget.for_target(tokens, itl_target_ms / 1e3, model, "--itl-target-ms")
-    largest = min(model.ceiling or model.eager[-1][0], tokens)
+        return StepBudget.for_target(tokens, itl_target_ms / 1e3, model, "--itl-target-ms", tokens_source)
+    ceiling = DEFAULT_MAX_CAPTURE_CEILING
+    timed = model.ceiling_within(ceiling) or max((s for s, _ in model.eager if s <= ceiling), default=model.eager[0][0])
+    largest = min(timed, tokens)
     target = model.seconds(largest)
     return StepBudget.for_target(tokens, target, model,
-                                 f"derived: a {largest}-token step measured at {target * 1e3:.2f} ms at capture")
+                                 f"derived: a {largest}-token step measured at {target * 1e3:.2f} ms at capture",
+                                 tokens_source)
 
 
 def install_step_budget(settings: EngineSettings, graphs: HeldGraphs | None, device: str,
@@ -172,10 +192,11 @@ def install_step_budget(settings: EngineSettings, graphs: HeldGraphs | None, dev
     is predicted to cost changes, since the released graphs' steps run eager)."""
     captured = graphs.captured.values() if graphs else ()
     released = graphs.released.values() if graphs else ()
-    budget = plan_step_budget(settings.max_num_batched_tokens, settings.itl_target_ms, captured, device, released)
+    budget = plan_step_budget(settings.max_num_batched_tokens, settings.itl_target_ms, captured, device, released,
+                              settings.max_num_batched_tokens_source)
     if kept is not None and kept.target is not None and budget.model is not None:
         budget = StepBudget.for_target(budget.tokens, kept.target, budget.model,
-                                       f"{kept.source}; graphs released since")
+                                       f"{kept.source}; graphs released since", budget.tokens_source)
     log.info("step budget: %s", budget.describe())
     return budget
 

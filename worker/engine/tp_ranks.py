@@ -399,6 +399,8 @@ class Follower:
             policy = pb.GraphPolicy.FromString(policy_bytes)
             policy.memory_budget_bytes = 0  # rank 0 judges the budget; nothing is dropped here alone
             self.capture.begin(policy, self.slot.runner, traffic)
+            if self.capture.job is not None:
+                self.capture.job.coarse = ()  # rank 0 judges what coarse graphs buy, as the budget
         elif call.method == "key":
             self.capture.job.step(*call.args)
         elif call.method == "finish":

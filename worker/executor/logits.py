@@ -9,8 +9,9 @@ that ask for nothing are never written: their logits, and so their tokens, are b
 they would be in a batch where no row asks for anything.
 
 Order, as vLLM v1 applies it: the grammar's mask (before the sampler), then the logit bias,
-then the penalties (repetition, then frequency and presence), then, for drawn rows, min-p on
-the temperature-scaled distribution (before top-k and top-p). Log probabilities are those of the
+then the penalties (repetition, then frequency and presence; their counts are on the device,
+``penalty_counts.py``), then, for drawn rows, min-p on the temperature-scaled distribution (before
+top-k and top-p). The step's index arrays reach the device in one copy. Log probabilities are those of the
 model's own distribution, before any of this (vLLM's default, ``raw_logprobs``).
 """
 
@@ -20,41 +21,53 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from graphkeeper.worker.executor.transfer import to_device
+from graphkeeper.worker.executor.penalty_counts import PenaltyCounts
+from graphkeeper.worker.executor.transfer import to_device, to_device_all
 from graphkeeper.worker.plan import LogitsBatch, SamplingBatch
 
 
-def process(logits: Tensor, batch: LogitsBatch, sampling: SamplingBatch | None) -> Tensor:
-    """Float32 logits with the batch's rows processed; every other row keeps its values."""
+def process(logits: Tensor, batch: LogitsBatch, sampling: SamplingBatch | None, penalties: PenaltyCounts) -> Tensor:
+    """Float32 logits with the batch's rows processed; every other row keeps its values.
+    ``penalties`` holds the penalised sequences' counts; the batch's resets are applied first."""
     out = logits.float()
     if not len(batch.rows):
         return out
     if out.data_ptr() == logits.data_ptr():
         out = out.clone()  # the head's own output stays untouched
     device = out.device
-    rows = to_device(batch.rows, device)
+    at = batch.penalised
+    rows, mask_rows, bias_at, penalised, slots, reset_slots, reset_prompt, reset_output = to_device_all(
+        [batch.rows, batch.mask_rows, batch.bias[0], at, batch.penalty_slots, batch.reset_slots, batch.reset_prompt,
+         batch.reset_output], device)
+    bias, repetition, frequency, presence = to_device_all(
+        [batch.bias[1], batch.repetition[at], batch.frequency[at], batch.presence[at]], device)
     sub = out.index_select(0, rows)
     if len(batch.mask_rows):
-        where = to_device(batch.mask_rows, device)
         allowed = unpack_mask(to_device(batch.masks, device), sub.shape[-1])
-        sub[where] = sub[where].masked_fill(~allowed, float("-inf"))
-    (index, bias) = batch.bias
-    if bias.size:
-        at = (to_device(index[0], device), to_device(index[1], device))
-        sub.index_put_(at, to_device(bias, device), accumulate=True)
-    if batch.seen.size:
-        r, t = to_device(batch.seen[0], device), to_device(batch.seen[1], device)
-        penalty = to_device(batch.repetition, device)[r]
-        values = sub[r, t]
-        sub[r, t] = torch.where(values > 0, values / penalty, values * penalty)
-    if batch.counts.size:
-        r, t = to_device(batch.counts[0], device), to_device(batch.counts[1], device)
-        count = to_device(batch.counts[2], device).float()
-        minus = to_device(batch.frequency, device)[r] * count + to_device(batch.presence, device)[r]
-        sub.index_put_((r, t), -minus, accumulate=True)
+        sub[mask_rows] = sub[mask_rows].masked_fill(~allowed, float("-inf"))
+    if batch.bias[1].size:
+        sub.index_put_((bias_at[0], bias_at[1]), bias, accumulate=True)
+    if len(batch.reset_slots):
+        penalties.cover(int(batch.reset_slots.max()) + 1)
+        penalties.reset(reset_slots, reset_prompt, reset_output)
+    if len(at):  # a kind of penalty no penalised row uses is skipped
+        counts = bool(batch.frequency[at].any() or batch.presence[at].any())
+        done = penalties.apply(sub.index_select(0, penalised), slots,
+                               repetition if (batch.repetition[at] != 1.0).any() else None,
+                               frequency if counts else None, presence if counts else None)
+        sub.index_copy_(0, penalised, done)
     if sampling is not None and batch.min_p.any():
         _min_p(sub, batch.min_p, sampling.temperature[batch.rows])
     return out.index_copy_(0, rows, sub)
+
+
+def count_sampled(penalties: PenaltyCounts, batch: LogitsBatch, tokens: Tensor) -> None:
+    """Adds each penalised row's sampled token to its sequence's counts, on the device, queued
+    right after the sampling: the next step's penalties find them there."""
+    if not len(batch.penalised):
+        return
+    sample_rows, slots = to_device_all([batch.rows[batch.penalised], batch.penalty_slots], tokens.device)
+    penalties.add(slots, tokens.index_select(0, sample_rows))
 
 
 def _min_p(sub: Tensor, min_p: np.ndarray, temperature: np.ndarray) -> None:

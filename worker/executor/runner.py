@@ -20,7 +20,8 @@ import torch
 from torch import Tensor
 
 from graphkeeper.worker.executor.graphs.dispatcher import Decision
-from graphkeeper.worker.executor.logits import pick_logprobs, process, raw_logprobs
+from graphkeeper.worker.executor.logits import count_sampled, pick_logprobs, process, raw_logprobs
+from graphkeeper.worker.executor.penalty_counts import PenaltyCounts
 from graphkeeper.worker.executor.sampling import sample
 from graphkeeper.worker.executor.transfer import to_device
 from graphkeeper.worker.kernels.linear_kernel import warm_rows
@@ -98,6 +99,8 @@ class ModelRunner:
         self.inputs = torch.zeros(len(self.ROWS), max_tokens, dtype=torch.long, device=self.device)
         self.hidden = torch.zeros(max_tokens, loaded.config.dim, dtype=loaded.dtype, device=self.device)
         self.last_tokens = torch.zeros(cache.num_slots + cache.scratch_slots, dtype=torch.long, device=self.device)
+        #: Penalised sequences' output-token counts, a row per slot, made as penalised requests come.
+        self.penalties = PenaltyCounts(loaded.config.vocab_size, self.device)
         cuda = self.device.type == "cuda"
         # Two pinned buffers each way, taken in turn with an event recorded after each copy. In:
         # a copy from pageable memory may make the host wait for the step still running, one from
@@ -265,8 +268,10 @@ class ModelRunner:
             if len(wanted):  # only the rows that asked: a [rows, vocab] softmax and top-k each
                 at = to_device(wanted, self.device)
                 raw = raw_logprobs(logits.index_select(0, at))
-            logits = process(logits, extra, plan.sampling)
+            logits = process(logits, extra, plan.sampling, self.penalties)
         tokens = sample(logits, plan.sampling)
+        if extra is not None:
+            count_sampled(self.penalties, extra, tokens)
         self.last_tokens.index_copy_(0, self._row(self.SAMPLE_SLOTS, ns), tokens)
         host, done = self._host[self._turn], self._sent[self._turn]
         self._turn ^= 1

@@ -23,3 +23,14 @@ def to_device(array: np.ndarray, device: torch.device) -> Tensor:
     if device.type != "cuda":
         return host
     return host.pin_memory().to(device, non_blocking=True)
+
+
+def to_device_all(arrays: list[np.ndarray], device: torch.device) -> list[Tensor]:
+    """Arrays of one dtype as tensors on ``device``, through one copy: joined on the host, copied
+    once, split on the device into views of their shapes. A step's logits processing sends a
+    dozen small arrays; each copy costs the host a pinned allocation and a launch."""
+    if not arrays:
+        return []
+    joined = to_device(np.concatenate([a.reshape(-1) for a in arrays]), device)
+    parts = joined.split([a.size for a in arrays])  # one dispatch for every view
+    return [part if a.ndim == 1 else part.view(a.shape) for part, a in zip(parts, arrays, strict=True)]

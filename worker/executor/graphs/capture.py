@@ -27,7 +27,8 @@ from graphkeeper.proto import worker_pb2 as pb
 from graphkeeper.proto.enums import mode_name
 from graphkeeper.worker.executor.graphs.economics import over_budget_drops
 from graphkeeper.worker.executor.graphs.graph_set import CapturedGraph, GraphSet, Skipped, device_used
-from graphkeeper.worker.executor.graphs.modes import Key
+from graphkeeper.worker.executor.graphs.large_steps import judge_coarse
+from graphkeeper.worker.executor.graphs.modes import PIECEWISE, Key
 from graphkeeper.worker.executor.runner import ModelRunner
 from graphkeeper.worker.plan import StepPlan
 
@@ -62,6 +63,10 @@ class CaptureJob:
     #: Each size's eager step time, measured once: the FULL and PIECEWISE keys of a size time the
     #: same eager step (the model's forward on the same probe), so the second key does not run it again.
     eager_seconds: dict[int, float] = field(default_factory=dict)
+    #: Coarse PIECEWISE sizes judged at ``finish`` (kept only where they pay: ``large_steps.py``)
+    #: and the padding ladder they sit in. Empty on a tensor parallel follower: rank 0 judges.
+    coarse: tuple[int, ...] = ()
+    ladder: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         with self._timed("setup"):
@@ -98,6 +103,7 @@ class CaptureJob:
             self._finish()
 
     def _finish(self) -> None:
+        self._release_unpaid()
         gc.collect()
         held = self.measure()
         while self.budget_bytes and held > self.budget_bytes and self.graphs.captured:
@@ -114,6 +120,18 @@ class CaptureJob:
             held = self.measure()
         self.graphs.memory_bytes = held
         self.graphs.report_held_without_graphs()
+
+    def _release_unpaid(self) -> None:
+        """Coarse graphs whose replay does not beat the eager steps they serve are released; their
+        steps run eager with COMPUTE_BOUND (before the budget is judged: what they held goes back)."""
+        replay = {size: g.replay_seconds for (mode, size), g in self.graphs.captured.items() if mode == PIECEWISE}
+        for verdict in judge_coarse(list(self.coarse), list(self.ladder), replay, self.eager_seconds):
+            if verdict.kept:
+                log.info("keeping PIECEWISE size %d: %s", verdict.size, verdict.message())
+                continue
+            self.graphs.drop((PIECEWISE, verdict.size))
+            self.graphs.renew_pool()
+            self._skip(PIECEWISE, verdict.size, pb.FALLBACK_REASON_COMPUTE_BOUND, verdict.message())
 
     def run_all(self) -> None:
         gc.collect()

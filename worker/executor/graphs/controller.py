@@ -11,6 +11,7 @@ both take it from ``CaptureController.plan``, so the two cannot disagree.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ from graphkeeper.worker.executor.graphs.capture import CaptureJob
 from graphkeeper.worker.executor.graphs.dispatcher import Dispatcher, GraphState
 from graphkeeper.worker.executor.graphs.economics import IdleRelease, compute_bound_above, limit_plan
 from graphkeeper.worker.executor.graphs.graph_set import GraphSet, Skipped
+from graphkeeper.worker.executor.graphs.large_steps import planned_coarse_sizes
 from graphkeeper.worker.executor.graphs.modes import Key, capture_plan, downgrade_mode
 from graphkeeper.worker.executor.runner import ModelRunner
 from graphkeeper.worker.metrics import WorkerMetrics
@@ -40,11 +42,14 @@ class CapturePlan:
     effective_mode: int
     #: Why the effective mode differs from the requested one ("" when it does not).
     downgrade_reason: str
+    #: The padding ladder: the policy's sizes, then any coarse ones (``large_steps.py``).
     ladder: list[int]
     #: The keys to capture, largest size first within each runtime mode (at most ``max_graphs``).
     keys: list[Key]
     #: The keys a ``max_graphs`` limit leaves out (skipped with SIZE_OVER_MAX_GRAPHS).
     left_out: list[Key]
+    #: PIECEWISE sizes above the default ceiling, kept at the end of the phase only where they pay.
+    coarse: list[int] = dataclasses.field(default_factory=list)
 
 
 def plan_capture(policy: pb.GraphPolicy, traffic: Mapping[tuple[int, bool], int] | None, *, cuda: bool,
@@ -53,13 +58,17 @@ def plan_capture(policy: pb.GraphPolicy, traffic: Mapping[tuple[int, bool], int]
 
     ``traffic`` (steps per (real tokens, uniform decode), observed under the previous policy)
     chooses which keys a ``max_graphs`` limit keeps; without it, the smallest sizes. Without CUDA,
-    or with an effective mode of NONE, nothing is captured.
+    or with an effective mode of NONE, nothing is captured. A budget above the default ceiling
+    adds coarse PIECEWISE sizes (``large_steps.planned_coarse_sizes``) to the ladder and the keys.
     """
     requested = effective_requested_mode(policy)
     effective, why = downgrade_mode(requested, graph_support, cuda)
     ladder = resolve_capture_sizes(policy.capture_sizes, max_num_seqs, max_num_batched_tokens)
-    keys, left_out = limit_plan(capture_plan(effective, ladder, max_num_seqs), policy.max_graphs, ladder, traffic)
-    return CapturePlan(requested, effective, why, ladder, keys, left_out)
+    coarse = planned_coarse_sizes(policy.capture_sizes, effective, max_num_batched_tokens)
+    plan = capture_plan(effective, ladder, max_num_seqs, coarse)
+    ladder = [*ladder, *coarse]
+    keys, left_out = limit_plan(plan, policy.max_graphs, ladder, traffic)
+    return CapturePlan(requested, effective, why, ladder, keys, left_out, coarse)
 
 
 class CaptureController:
@@ -131,7 +140,8 @@ class CaptureController:
                 pb.FALLBACK_REASON_SIZE_OVER_MAX_GRAPHS,
                 f"the policy keeps at most {policy.max_graphs} graphs; this one served the fewest observed steps")
         tolerance = 1e-4 if runner.loaded.dtype == torch.float32 else 2e-2
-        self.job = CaptureJob(self.graph_set, plan.keys, policy.memory_budget_bytes, self.inject_failures, tolerance)
+        self.job = CaptureJob(self.graph_set, plan.keys, policy.memory_budget_bytes, self.inject_failures, tolerance,
+                              coarse=tuple(plan.coarse), ladder=tuple(plan.ladder))
         self.dispatcher.update(GraphState(effective_mode=self.effective_mode, ladder=tuple(self.ladder),
                                           recapturing=True))
         log.info("capturing %d graphs (%s, sizes %s..%s, budget %s B)", len(plan.keys),

@@ -85,8 +85,10 @@ def decide(desc: BatchDescriptor, state: GraphState, table: list[int]) -> Decisi
             return Decision(mode, padded)
     if (modes[0], padded) in state.released:
         return Decision(NONE, n, pb.FALLBACK_REASON_GRAPH_RELEASED_IDLE)
-    reason = state.skipped.get((modes[0], padded), pb.FALLBACK_REASON_SIZE_CAPTURE_FAILED)
-    return Decision(NONE, n, reason)
+    # The best mode's reason; a coarse size has no FULL key, so a decode batch padded to one reads
+    # its PIECEWISE key's (the first mode that recorded a skip).
+    skipped = [state.skipped[(mode, padded)] for mode in modes if (mode, padded) in state.skipped]
+    return Decision(NONE, n, skipped[0] if skipped else pb.FALLBACK_REASON_SIZE_CAPTURE_FAILED)
 
 
 def _candidate_modes(desc: BatchDescriptor, mode: int) -> list[int]:

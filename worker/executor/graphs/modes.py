@@ -23,14 +23,16 @@ def full_sizes(ladder: list[int], max_num_seqs: int) -> list[int]:
     return sorted({table[n] for n in range(1, top + 1)})
 
 
-def capture_plan(effective_mode: int, ladder: list[int], max_num_seqs: int) -> list[Key]:
+def capture_plan(effective_mode: int, ladder: list[int], max_num_seqs: int,
+                 coarse: list[int] | tuple[int, ...] = ()) -> list[Key]:
     """The keys to capture for a mode and ladder, largest size first within each runtime mode (the
-    first capture sizes the shared memory pool; smaller ones reuse its blocks)."""
+    first capture sizes the shared memory pool; smaller ones reuse its blocks). ``coarse`` sizes
+    (above the ladder, ``large_steps.py``) are PIECEWISE only: no decode batch is that large."""
     plan: list[Key] = []
     if mode_has_full(effective_mode):
         plan += [(FULL, n) for n in reversed(full_sizes(ladder, max_num_seqs))]
     if mode_has_piecewise(effective_mode):
-        plan += [(PIECEWISE, n) for n in reversed(ladder)]
+        plan += [(PIECEWISE, n) for n in reversed([*ladder, *coarse])]
     return plan
 
 
