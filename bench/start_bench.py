@@ -68,7 +68,9 @@ def ready_now(metrics_port: int) -> bool:
 
 
 def start(preset: str, flags: list[str], cache_dir: str, log_path: Path, max_num_seqs: int, pycache: str,
-          device: str = "cuda") -> dict:
+          device: str = "cuda", python: str = sys.executable) -> dict:
+    """One worker start (``python``: the interpreter whose installed worker starts) until READY;
+    ``preset`` is a random preset's name, or any ``--model`` source (``builtin:...``, a path)."""
     import grpc
     from google.protobuf import json_format
 
@@ -76,7 +78,8 @@ def start(preset: str, flags: list[str], cache_dir: str, log_path: Path, max_num
     from graphkeeper.proto import worker_pb2_grpc as pbg
 
     port, control, metrics = free_port(), free_port(), free_port()
-    cmd = [sys.executable, "-m", "graphkeeper.cli", "worker", "--model", f"random:{preset}", "--device", device,
+    model = preset if ":" in preset or "/" in preset else f"random:{preset}"
+    cmd = [python, "-m", "graphkeeper.cli", "worker", "--model", model, "--device", device,
            "--port", str(port), "--control-port", str(control), "--metrics-port", str(metrics), "--http-port", "0",
            "--max-num-seqs", str(max_num_seqs), "--max-seq-len", "1024", "--compile-cache-dir", cache_dir,
            "--log-level", "INFO", *flags]

@@ -137,9 +137,9 @@ def main() -> None:
         signal.signal(signal.SIGUSR1, sampler.reset)
         sampler.thread.start()
     if args.switch_interval:
-        from graphkeeper.worker import main as worker_main
+        from graphkeeper.worker.engine import spawn as engine_spawn
 
-        worker_main.SWITCH_INTERVAL_SECONDS = args.switch_interval
+        engine_spawn.SWITCH_INTERVAL_SECONDS = args.switch_interval
     if args.flush_gap:
         from graphkeeper.worker.serving import streams
 

@@ -20,10 +20,10 @@ from graphkeeper.worker.model.loader import (
     ModelSourceError,
     _empty_model,
     _fill_random,
-    check_source,
     load_model,
     save_hf_directory,
 )
+from graphkeeper.worker.model.source import check_source
 
 # ~150 MB in bf16: large enough that the interpreter's own noise is a few percent of it.
 BIG = ModelConfig(vocab_size=32000, dim=1024, n_layers=4, n_heads=8, n_kv_heads=4, intermediate_size=4096,

@@ -21,26 +21,25 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import torch
-
 from graphkeeper.proto import worker_pb2 as pb
 from graphkeeper.proto.enums import lifecycle_name
 from graphkeeper.proto.policy import MODE_BY_NAME, PolicyError, policy_from_json, validate_policy
+from graphkeeper.worker.engine import spawn as engine_spawn
 from graphkeeper.worker.engine.client import EngineClient
 from graphkeeper.worker.engine.cpu_quota import size_torch_threads
+from graphkeeper.worker.engine.cuda_probe import cuda_device_count, parse_device
 from graphkeeper.worker.engine.sizing import SizingError, parse_bytes, utilization_error
 from graphkeeper.worker.engine.startup import ReadyReport, process_started_at
 from graphkeeper.worker.engine.watchdog import StepWatchdog, in_process_pending
 from graphkeeper.worker.log_limits import limit_logging
-from graphkeeper.worker.model.kv_cache import check_block_size
-from graphkeeper.worker.model.loader import ModelSourceError, check_source
 from graphkeeper.worker.model.presets import resolve as resolve_optimization
+from graphkeeper.worker.model.source import ModelSourceError, check_source
 from graphkeeper.worker.serving.grpc_server import build_servers, track_health
 from graphkeeper.worker.serving.limits import apply_fd_limit, limits_errors, limits_from_args
 from graphkeeper.worker.serving.metrics_server import serve_http
 from graphkeeper.worker.serving.streams import StreamHub
 from graphkeeper.worker.serving.vllm_metrics import exported_registry
-from graphkeeper.worker.settings import DTYPES, EngineSettings
+from graphkeeper.worker.settings import DTYPES, EngineSettings, check_block_size
 
 if TYPE_CHECKING:
     from graphkeeper.worker.engine.core import Engine
@@ -49,7 +48,6 @@ log = logging.getLogger("graphkeeper.worker")
 INJECT_ENV = "GRAPHKEEPER_INJECT_CAPTURE_FAILURE"
 #: ``<token>`` or ``<token>:fatal``: a step holding that prompt token fails (tests only).
 INJECT_STEP_ENV = "GRAPHKEEPER_INJECT_STEP_FAILURE"
-SWITCH_INTERVAL_SECONDS = 0.0005
 STOP_GRACE_SECONDS = 2.0
 
 
@@ -122,19 +120,35 @@ def dtype_error(dtype: str) -> str | None:
     return None
 
 
+def device_kind(device: str) -> tuple[str, int | None]:
+    """``--device``'s type and index, as ``torch.device`` reads it (ValueError when it reads
+    none). ``cpu`` and ``cuda[:N]`` are parsed without torch, which the API process never
+    imports for them; anything else is torch's to judge (the refusal's path only)."""
+    parsed = parse_device(device)
+    if parsed is not None:
+        return parsed
+    import torch
+
+    try:
+        other = torch.device(device)
+    except (RuntimeError, ValueError) as err:
+        raise ValueError(str(err)) from None
+    return other.type, other.index
+
+
 def device_error(device: str, cuda_available: bool, cuda_devices: int) -> str | None:
     """Only ``cpu`` and ``cuda[:N]`` serve; a CUDA device must exist on this machine."""
     try:
-        parsed = torch.device(device)
-    except (RuntimeError, ValueError):
+        kind, index = device_kind(device)
+    except ValueError:
         return f"--device {device!r} is not a device (cpu, cuda or cuda:N)"
-    if parsed.type == "cpu":
+    if kind == "cpu":
         return None
-    if parsed.type != "cuda":
+    if kind != "cuda":
         return f"--device {device!r}: only cpu and cuda are supported"
     if not cuda_available:
         return f"--device {device}: CUDA is not available on this machine"
-    if parsed.index is not None and parsed.index >= cuda_devices:
+    if index is not None and index >= cuda_devices:
         return f"--device {device}: this machine has {cuda_devices} CUDA device(s)"
     return None
 
@@ -151,10 +165,10 @@ def tensor_parallel_error(size: int, device: str, cuda_devices: int, sleep_mode:
         return f"--tensor-parallel-size must be in 1..{MAX_TENSOR_PARALLEL} (the GPUs of one node), got {size}"
     if size == 1:
         return None
-    parsed = torch.device(device)
-    if parsed.type == "cuda" and (parsed.index or 0) != 0:
+    kind, index = device_kind(device)
+    if kind == "cuda" and (index or 0) != 0:
         return f"--tensor-parallel-size {size}: rank r runs on cuda:r, so --device must be cuda or cuda:0, got {device}"
-    if parsed.type == "cuda" and size > cuda_devices:
+    if kind == "cuda" and size > cuda_devices:
         return f"--tensor-parallel-size {size}: this machine shows {cuda_devices} CUDA device(s)"
     if sleep_mode:
         return f"--enable-sleep-mode is not supported with --tensor-parallel-size {size}"
@@ -165,7 +179,7 @@ def tensor_parallel_model_error(model: str, size: int) -> str | None:
     """Whether ``model``'s heads, KV heads and MLP divide across ``size`` ranks (its config only)."""
     if size == 1:
         return None
-    from graphkeeper.worker.model.loader import read_model_config
+    from graphkeeper.worker.model.source import read_model_config
     from graphkeeper.worker.model.tensor_parallel import tp_config_error
 
     try:
@@ -269,8 +283,8 @@ def boot_errors(args: argparse.Namespace) -> list[str]:
     errors += ttft_guard_errors(getattr(args, "itl_target_ms", 0.0), getattr(args, "itl_max_ms", 0.0),
                                 getattr(args, "ttft_target_ms", 0.0))
     if not errors:  # the costlier checks only once the flags themselves make sense
-        cuda = torch.cuda.is_available()
-        gpus = torch.cuda.device_count() if cuda else 0
+        gpus = cuda_device_count() if device_kind(args.device)[0] == "cuda" else 0
+        cuda = gpus > 0
         tp = getattr(args, "tensor_parallel_size", 1)
         errors += [e for e in (device_error(args.device, cuda, gpus), model_error(args.model),
                                tensor_parallel_error(tp, args.device, gpus, getattr(args, "enable_sleep_mode", False)))
@@ -300,7 +314,7 @@ def settings_from_args(args: argparse.Namespace) -> EngineSettings:
         else:
             policy = loaded
     try:
-        optimization = resolve_optimization(args.optimization_level, args.compile, torch.device(args.device).type)
+        optimization = resolve_optimization(args.optimization_level, args.compile, device_kind(args.device)[0])
     except ValueError as err:
         raise SystemExit(f"graphkeeper worker: -O: {err}") from None
     if not policy.policy_uid and not args.graph_mode:
@@ -336,20 +350,23 @@ def settings_from_args(args: argparse.Namespace) -> EngineSettings:
     )
 
 
-def missing_bytecode(module) -> str:
-    """The bytecode file ``module`` would load from, when it does not exist (else ''): without it
-    Python compiles the module's source at every start, which for torch costs seconds."""
-    source = getattr(module, "__file__", None)
+def missing_bytecode(source: str | None) -> str:
+    """The bytecode file the module at ``source`` would load from, when it does not exist (else
+    ''): without it Python compiles the module's source at every start, which for torch costs
+    seconds."""
     if not source or not source.endswith(".py"):
         return ""
     cached = importlib.util.cache_from_source(source)
     return "" if os.path.exists(cached) else cached
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, spawned: engine_spawn.SpawnedCore | None = None) -> int:
+    """The worker until it stops; ``spawned``: its engine core, spawned already (the caller
+    abandons it if this raises before the engine takes it)."""
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     limit_logging()  # no client can fill a disk through the log
-    if missing := missing_bytecode(torch):
+    torch_spec = importlib.util.find_spec("torch")  # the engine core imports it; this process does not
+    if missing := missing_bytecode(torch_spec.origin if torch_spec else None):
         log.warning("no compiled bytecode for torch (%s): every start compiles its modules from source; install "
                     "with bytecode (pip's default) or set PYTHONPYCACHEPREFIX to a writable directory", missing)
     settings = settings_from_args(args)
@@ -358,9 +375,9 @@ def run(args: argparse.Namespace) -> int:
     except OSError as err:
         raise SystemExit(f"--control-token-file: {err}") from None
     # The engine thread must get the interpreter back quickly from the API layer's thread.
-    sys.setswitchinterval(SWITCH_INTERVAL_SECONDS)
+    sys.setswitchinterval(engine_spawn.SWITCH_INTERVAL_SECONDS)
     try:
-        code = asyncio.run(_serve(args, settings, token))
+        code = asyncio.run(_serve(args, settings, token, spawned))
     except (SizingError, ModelSourceError) as err:
         raise SystemExit(f"graphkeeper worker: {one_line(str(err))}") from None
     except OSError as err:
@@ -382,7 +399,8 @@ def _exit_now(code: int) -> None:
     os._exit(code)
 
 
-async def _serve(args: argparse.Namespace, settings: EngineSettings, token: str) -> int:
+async def _serve(args: argparse.Namespace, settings: EngineSettings, token: str,
+                 spawned: engine_spawn.SpawnedCore | None = None) -> int:
     """Runs the servers and the engine until SIGTERM/SIGINT (drain) or an engine failure (exit 1)."""
     loop = asyncio.get_running_loop()
     engine = make_engine(args, settings)
@@ -395,7 +413,7 @@ async def _serve(args: argparse.Namespace, settings: EngineSettings, token: str)
     if isinstance(engine, EngineClient):
         # The engine core decides the sizes the servers are built with (and refuses a KV cache
         # that cannot fit) before a port is bound.
-        engine.start()
+        engine.start(spawned)
         try:
             await asyncio.to_thread(engine.wait_sized)
         except SizingError:

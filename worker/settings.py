@@ -33,6 +33,15 @@ DEFAULT_MAX_QUEUE = 256
 DEFAULT_OPTIMIZATION_LEVEL = 2
 DEFAULT_COMPILE_CACHE_DIR = "~/.cache/graphkeeper/compile"
 QUANTIZATIONS = ("none", "fp8", "fp8-tensor")
+#: KV cache tokens per block when nothing else is asked (``--kv-block-size``).
+DEFAULT_BLOCK_SIZE = 16
+
+
+def check_block_size(block_size: int) -> int:
+    """``block_size`` when it is a power of two of at least 1; a ValueError naming the flag otherwise."""
+    if not isinstance(block_size, int) or block_size < 1 or block_size & (block_size - 1):
+        raise ValueError(f"--kv-block-size must be a power of two (1, 2, 4, ... 16, 32 ...), got {block_size}")
+    return block_size
 
 
 @dataclass

@@ -209,9 +209,21 @@ def _operator(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_worker(args: argparse.Namespace) -> int:
-    from graphkeeper.worker.main import run
+    """Spawns the engine core first (it imports torch while this process checks the flags and
+    imports its servers: ``worker/engine/spawn.py``), then runs the worker."""
+    spawned = None
+    if args.engine_process:
+        from graphkeeper.worker.engine.spawn import spawn_core  # the standard library only
 
-    return run(args)
+        spawned = spawn_core(args.log_level.upper())
+    try:
+        from graphkeeper.worker.main import run
+
+        return run(args, spawned)
+    except BaseException:
+        if spawned is not None:  # a refused flag or a failure before the engine took its settings
+            spawned.abandon()
+        raise
 
 
 def _run_generate(args: argparse.Namespace) -> int:

@@ -10,7 +10,6 @@ import py_compile
 import socket
 import subprocess
 import time
-import types
 from pathlib import Path
 
 import grpc
@@ -315,8 +314,7 @@ def test_port_in_use_is_one_line_and_a_nonzero_exit(tmp_path):
 def test_missing_bytecode_names_the_file_python_would_otherwise_compile_at_every_start(tmp_path):
     source = tmp_path / "module.py"
     source.write_text("x = 1\n")
-    module = types.SimpleNamespace(__file__=str(source))
-    assert missing_bytecode(module).endswith(".pyc")
+    assert missing_bytecode(str(source)).endswith(".pyc")
     py_compile.compile(str(source))  # where the import system looks (pycache prefix included)
-    assert missing_bytecode(module) == ""
-    assert missing_bytecode(types.SimpleNamespace()) == ""  # a built-in module has no source
+    assert missing_bytecode(str(source)) == ""
+    assert missing_bytecode(None) == "" and missing_bytecode("built-in") == ""  # no source file

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from worker_harness import CONTROL_SERVICE, INFERENCE_SERVICE, Worker, generate, make_request
 
 from graphkeeper.proto import worker_pb2 as pb
-from graphkeeper.worker.model.loader import ModelSourceError, check_source
+from graphkeeper.worker.model.source import ModelSourceError, check_source
 
 ALLOWED = {
     grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.FAILED_PRECONDITION,

@@ -294,3 +294,21 @@ def wait_until(predicate: Callable[[], bool], timeout: float = 20.0, what: str =
 
 def eager_reasons(completion: pb.Completion) -> dict[int, int]:
     return {e.reason: e.steps for e in completion.execution.eager_steps}
+
+
+def mapped_libraries(pid: int) -> str:
+    """What ``pid`` has mapped (/proc/PID/maps): which shared libraries a process loaded."""
+    return Path(f"/proc/{pid}/maps").read_text()
+
+
+def children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (from /proc)."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            out.append(int(stat.parent.name))
+    return out

@@ -27,10 +27,7 @@ import dataclasses
 import itertools
 import logging
 import multiprocessing
-import os
-import sys
 import threading
-import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -57,6 +54,7 @@ from graphkeeper.worker.engine.lifecycle import SERVING_STATES
 from graphkeeper.worker.engine.outputs import direct_publish
 from graphkeeper.worker.engine.sequence import Limits
 from graphkeeper.worker.engine.sizing import SizingError
+from graphkeeper.worker.engine.spawn import SpawnedCore, spawn_core
 from graphkeeper.worker.metrics import WorkerMetrics
 from graphkeeper.worker.model.tokenizer import Tokenizer, load_tokenizer
 from graphkeeper.worker.settings import EngineSettings
@@ -157,13 +155,6 @@ class RemoteSleep:
         return self.client.deferred_call("wake")
 
 
-def engine_core_main(*args: Any) -> None:
-    """The engine-core process's entry point: imports the device side there, never here."""
-    from graphkeeper.worker.engine import process
-
-    process.main(*args)
-
-
 class EngineClient:
     """The API process's handle on the engine-core process."""
 
@@ -197,16 +188,15 @@ class EngineClient:
 
     # --- start and stop -----------------------------------------------------------------------
 
-    def start(self) -> None:
-        """Spawns the engine core (call from the main thread: the child dies with this thread)."""
-        ctx = multiprocessing.get_context("spawn")
-        ours, theirs = ctx.Pipe(duplex=True)
-        self.settings = dataclasses.replace(self.settings, engine_spawned_at=time.time())
-        self.proc = ctx.Process(target=engine_core_main, name="engine-core",
-                                args=(theirs, self.settings, os.getpid(), self.log_level, sys.getswitchinterval()))
-        self.proc.start()
-        theirs.close()
-        self._channel = Channel(ours)
+    def start(self, spawned: SpawnedCore | None = None) -> None:
+        """Hands the engine core its settings: ``spawned``, started while the worker checked its
+        flags (``spawn``), or one spawned now (call from the main thread: the child dies
+        with this thread)."""
+        spawned = spawned or spawn_core(self.log_level)
+        self.settings = dataclasses.replace(self.settings, engine_spawned_at=spawned.spawned_at)
+        self.proc = spawned.proc
+        spawned.send_settings(self.settings)
+        self._channel = Channel(spawned.conn)
         self._receiver.start()
         log.info("engine core started in process %d", self.proc.pid)
 

@@ -61,11 +61,10 @@ from graphkeeper.worker.engine.structured import Grammars
 from graphkeeper.worker.engine.tp_ranks import capture_controller, reload_refusal
 from graphkeeper.worker.executor.graphs.dispatcher import BatchDescriptor, Dispatcher
 from graphkeeper.worker.metrics import WorkerMetrics
-from graphkeeper.worker.model.kv_cache import check_block_size
-from graphkeeper.worker.model.loader import ModelSourceError, check_source
+from graphkeeper.worker.model.source import ModelSourceError, check_source
 from graphkeeper.worker.model.step import forbid_recompiles
 from graphkeeper.worker.model.tokenizer import Tokenizer
-from graphkeeper.worker.settings import EngineSettings
+from graphkeeper.worker.settings import EngineSettings, check_block_size
 
 log = logging.getLogger(__name__)
 S = pb.LifecycleState

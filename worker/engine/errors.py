@@ -10,9 +10,8 @@ the gRPC server looks up.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
-
-import torch
 
 
 class QueueFull(RuntimeError):
@@ -101,8 +100,11 @@ def error_message(err: BaseException) -> str:
 
 
 def device_broken(err: BaseException) -> bool:
-    """CUDA errors other than out-of-memory leave the context unusable: the engine must stop."""
-    if isinstance(err, torch.cuda.OutOfMemoryError):
+    """CUDA errors other than out-of-memory leave the context unusable: the engine must stop.
+    (Torch is looked up, not imported: the API process never imports it, and an error raised
+    where torch is not loaded is no torch error.)"""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(err, torch.cuda.OutOfMemoryError):
         return False
     text = str(err)
     return "CUDA error" in text or "cudaError" in text or "CUBLAS_STATUS" in text

@@ -24,6 +24,7 @@ from graphkeeper.worker.engine.model_slot import ModelSlot
 from graphkeeper.worker.engine.sizing import UtilizationPlan, aligned, estimate_graph_bytes, plan_kv_by_utilization
 from graphkeeper.worker.engine.traffic import TrafficHistogram
 from graphkeeper.worker.executor.graphs.controller import CaptureController
+from graphkeeper.worker.model.step import default_stance
 from graphkeeper.worker.settings import EngineSettings
 
 log = logging.getLogger(__name__)
@@ -69,7 +70,7 @@ class UtilizationSizing:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)
-        with torch.compiler.set_stance("default"):
+        with default_stance():
             runner.warm_up(step_tokens)
         peak = torch.cuda.max_memory_allocated(device) - base
         torch.cuda.empty_cache()

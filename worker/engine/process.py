@@ -14,8 +14,6 @@ ignored here: the API process owns shutdown and drains the engine through the ch
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import logging
 import os
 import signal
@@ -46,26 +44,18 @@ from graphkeeper.worker.engine.ipc import (
 )
 from graphkeeper.worker.engine.sequence import Sequence
 from graphkeeper.worker.engine.sizing import SizingError
+from graphkeeper.worker.engine.spawn import die_with_parent
 from graphkeeper.worker.log_limits import limit_logging
 from graphkeeper.worker.model.loader import ModelSourceError
 from graphkeeper.worker.settings import EngineSettings
 
 log = logging.getLogger(__name__)
-PR_SET_PDEATHSIG = 1
 #: How often the sender looks for a newly installed model when no step publishes anything.
 IDLE_POLL_SECONDS = 0.05
 #: Control calls answered in a thread of their own, so the receiver keeps taking cancels meanwhile.
 SLOW_CALLS = frozenset({"drain_and_stop"})
 #: Control calls the API process may make, and nothing else.
 CALLS = frozenset({"apply_policy", "status", "load_revision", "sleep", "wake", "metrics", "drain_and_stop"})
-
-
-def die_with_parent(parent_pid: int) -> None:
-    """SIGKILL when the parent dies (Linux); exits at once if it is already gone."""
-    with contextlib.suppress(OSError, AttributeError):  # not Linux: the channel's EOF still ends this process
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != parent_pid:
-        os._exit(1)
 
 
 class Outbox:
@@ -236,7 +226,7 @@ class EngineHost:
 
 
 def main(conn: Connection, settings: EngineSettings, parent_pid: int, log_level: str, switch_interval: float) -> None:
-    """The engine-core process's entry point (``multiprocessing`` spawn target)."""
+    """The engine core with its settings (``spawn.engine_core_main`` calls it once they came)."""
     die_with_parent(parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)

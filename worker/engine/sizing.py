@@ -212,7 +212,8 @@ def settle(settings, device) -> tuple[object, Sizes]:
     import torch
 
     from graphkeeper.worker.engine.token_budget import resolve_step_tokens
-    from graphkeeper.worker.model.loader import model_dtype, read_model_config
+    from graphkeeper.worker.model.loader import model_dtype
+    from graphkeeper.worker.model.source import read_model_config
     from graphkeeper.worker.model.tensor_parallel import shard_config
 
     config = shard_config(read_model_config(settings.model), settings.tensor_parallel_size)

@@ -7,9 +7,11 @@ what a client polling readiness waits for, and the stages add up to it exactly.
 
 Stages, in order (a stage that does not happen on this worker reads 0 s):
 
-- ``before_engine``: the worker process's interpreter, imports and flag checks, until it spawns
-  the engine core (with ``--no-engine-process``: until the engine is built);
-- ``engine_process``: the engine core's interpreter and imports;
+- ``before_engine``: the worker process's interpreter and command line, until it spawns the
+  engine core (``engine.spawn``; with ``--no-engine-process``: its imports and flag checks too,
+  until the engine is built);
+- ``engine_process``: the engine core's interpreter and imports, while the worker process checks
+  its flags and imports its servers, until the settings reach it;
 - ``engine_setup``: deciding the sizes (with ``--no-engine-process``, binding the servers too);
 - ``device_context``, ``weights``, ``kv_cache``, ``tokenizer``;
 - ``kernel_tuning`` (or reading it from the cache), ``compile`` (tracing and compiling, or

@@ -421,7 +421,7 @@ def follower_device(device_type: str, rank: int) -> torch.device:
 def follower_main(pipe: Connection, settings: EngineSettings, rank: int, init_method: str,
                   kv_blocks: int | None, parent_pid: int, log_level: str) -> None:
     """A follower process's entry point (``multiprocessing`` spawn target)."""
-    from graphkeeper.worker.engine.process import die_with_parent
+    from graphkeeper.worker.engine.spawn import die_with_parent
 
     die_with_parent(parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 owns shutdown; the follower ends with it

@@ -43,7 +43,8 @@ def is_gguf(source: str) -> bool:
 
 @dataclass
 class GGUFFile:
-    """An opened GGUF file: its metadata by key and its tensors by name (memory-mapped)."""
+    """An opened GGUF file: its metadata by key and its tensors by name (each with its
+    ``tensor_type`` and its ``data``, memory-mapped)."""
 
     path: Path
     metadata: dict[str, Any]
@@ -61,8 +62,11 @@ class GGUFFile:
 def open_gguf(path: Path) -> GGUFFile:
     """Reads the header, the metadata and the tensor index (the data stays mapped, unread).
 
-    The ``gguf`` reader takes seconds to parse a vocabulary's arrays, and one load reads the file
-    three times (config, weights, tokenizer): the last file opened is kept, keyed by its identity.
+    The header is read directly (``gguf_header``: 0.13 s for the built-in model, where the ``gguf``
+    library's reader takes 2.1 s to make views of a vocabulary's arrays); a file that reader does
+    not take goes to the library's, which says what is wrong with it. Both worker processes read
+    the file more than once (config, tokenizer, and in the engine core the weights): the last file
+    opened is kept, keyed by its identity.
     """
     try:
         stat = path.stat()
@@ -75,6 +79,12 @@ def open_gguf(path: Path) -> GGUFFile:
 def _open_cached(path: Path, mtime_ns: int, size: int, inode: int) -> GGUFFile:
     import gguf
 
+    from graphkeeper.worker.model.gguf_header import read_header
+
+    header = read_header(path)
+    if header is not None:
+        mapped = np.memmap(path, mode="r")
+        return GGUFFile(path, header.metadata, {name: MappedTensor(mapped, header, name) for name in header.tensors})
     try:
         reader = gguf.GGUFReader(path)
     except (ValueError, IndexError, KeyError, struct.error, OSError) as err:
@@ -90,6 +100,26 @@ def _open_cached(path: Path, mtime_ns: int, size: int, inode: int) -> GGUFFile:
             raise GGUFError(f"{path.name}: metadata key {key!r} is unreadable: {err}") from None
     tensors = {t.name: t for t in reader.tensors}
     return GGUFFile(path, metadata, tensors)
+
+
+class MappedTensor:
+    """A tensor of a file ``gguf_header`` read: its type, and its data mapped as the library's
+    reader maps it (made when first asked for)."""
+
+    def __init__(self, mapped: np.ndarray, header: Any, name: str) -> None:
+        self.mapped, self.header, self.name = mapped, header, name
+
+    @property
+    def tensor_type(self) -> Any:
+        from gguf.constants import GGMLQuantizationType
+
+        return GGMLQuantizationType(self.header.tensors[self.name].type_id)
+
+    @property
+    def data(self) -> np.ndarray:
+        from graphkeeper.worker.model.gguf_header import tensor_data
+
+        return tensor_data(self.mapped, self.header, self.name)
 
 
 def read_config(file: GGUFFile) -> ModelConfig:

@@ -29,16 +29,7 @@ from torch import Tensor
 from graphkeeper.worker.kernels import kv_write_kernel
 from graphkeeper.worker.model.config import ModelConfig
 from graphkeeper.worker.model.sleep_memory import ALIGNMENT, SleepableRegion
-
-#: Tokens per block when nothing else is asked (``--kv-block-size``).
-DEFAULT_BLOCK_SIZE = 16
-
-
-def check_block_size(block_size: int) -> int:
-    """``block_size`` when it is a power of two of at least 1; a ValueError naming the flag otherwise."""
-    if not isinstance(block_size, int) or block_size < 1 or block_size & (block_size - 1):
-        raise ValueError(f"--kv-block-size must be a power of two (1, 2, 4, ... 16, 32 ...), got {block_size}")
-    return block_size
+from graphkeeper.worker.settings import DEFAULT_BLOCK_SIZE, check_block_size
 
 
 class KVCache:

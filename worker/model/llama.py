@@ -235,15 +235,20 @@ class Transformer(nn.Module):
         super().__init__()
         self.config = config
         self.tp = tp
-        self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
+        # Parameters and RoPE tables are left uninitialised here, as ``Linear``'s are: the model is
+        # built on the meta device and the loader fills them all (``loader._empty_model``).
+        # Computing on the meta device (an init's ``normal_``, ``rope_tables``' arithmetic) goes
+        # through torch's reference ops, which import torch._dynamo (1 s) that a step without
+        # compilation never needs.
+        self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim,
+                                           _weight=torch.empty(config.vocab_size, config.dim))
         self.layers = nn.ModuleList(TransformerBlock(config) for _ in range(config.n_layers))
         self.norm = RMSNorm(config.dim, config.norm_eps)
         self.output = Linear(config.dim, config.vocab_size)
         if config.tie_word_embeddings:
             self.output.weight = self.tok_embeddings.weight
-        cos, sin = rope_tables(config, max_positions)
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
+        self.register_buffer("rope_cos", torch.empty(max_positions, config.head_dim), persistent=False)
+        self.register_buffer("rope_sin", torch.empty(max_positions, config.head_dim), persistent=False)
         self.use_pieces(make_pieces(config, tp=tp), "torch")
 
     def use_pieces(self, pieces: PieceFunctions, kernels: str, row_pieces: PieceFunctions | None = None) -> None:

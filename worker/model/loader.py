@@ -16,12 +16,10 @@ sliced). The embedding, the norms and the LM head are loaded whole on every rank
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import math
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,31 +29,25 @@ from torch import Tensor
 
 from graphkeeper.proto.field_checks import clipped_repr
 from graphkeeper.worker.model import gguf_checkpoint as gguf_ckpt
-from graphkeeper.worker.model.catalog import BuiltinModelError, resolve_builtin
 from graphkeeper.worker.model.config import PRESETS, ModelConfig
 from graphkeeper.worker.model.llama import Transformer, rope_tables
 from graphkeeper.worker.model.quantization import quantize_model
 from graphkeeper.worker.model.sleep_memory import SleepableRegion
+from graphkeeper.worker.model.source import (
+    INDEX_FILE,
+    ModelSourceError,
+    filesystem_errors,
+    gguf_errors,
+    parse_random,
+    read_hf_config,
+    resolve_source,
+    shown,
+    weight_files,
+)
 from graphkeeper.worker.model.tensor_parallel import SINGLE, TensorParallel, shard_config, shard_range, tp_config_error
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-DEFAULT_SEED = 0
 INIT_STD = 0.02
-
-
-class ModelSourceError(ValueError):
-    """The model source cannot be loaded (missing files, unknown preset, bad config)."""
-
-
-#: The longest path a loader error repeats; the tail is kept, since it names the model.
-SHOWN_PATH_CHARS = 96
-
-
-def shown(path: str | Path) -> str:
-    """``path`` for an error message: a source comes from LoadModelRevision callers and may be
-    4 KiB long; the message keeps its last characters, which name the model and the file."""
-    text = str(path)
-    return text if len(text) <= SHOWN_PATH_CHARS else "…" + text[-(SHOWN_PATH_CHARS - 1):]
 
 
 @dataclass
@@ -110,9 +102,9 @@ def load_model(
     change for models whose vocabulary makes the head's memory matter.
     """
     device = torch.device(device)
-    where = _resolve(source)
+    where = resolve_source(source)
     if gguf_ckpt.is_gguf(where):
-        with _filesystem_errors(source), _gguf_errors(source):
+        with filesystem_errors(source), gguf_errors(source):
             file = gguf_ckpt.open_gguf(Path(where))
             config = gguf_ckpt.read_config(file)
             torch_dtype = _pick_dtype(dtype, device, None)
@@ -120,16 +112,16 @@ def load_model(
             _load_gguf(model, config, file)
             revision = revision or digest_files([Path(where)], names=False)
     elif source.startswith("random:"):
-        preset, seed = _parse_random(source)
+        preset, seed = parse_random(source)
         config = PRESETS[preset]
         torch_dtype = _pick_dtype(dtype, device, None)
         model = _empty_model(_rank_config(source, config, tp), max_positions, device, torch_dtype, tp)
         _fill_random(model, seed, device, config)
         revision = revision or _hash_text(f"{source}|{seed}|{json.dumps(config.as_dict(), sort_keys=True)}")
     else:
-        with _filesystem_errors(source):
+        with filesystem_errors(source):
             path = Path(source)
-            config, hf_dtype = _read_config(path)
+            config, hf_dtype = read_hf_config(path)
             torch_dtype = _pick_dtype(dtype, device, hf_dtype)
             model = _empty_model(_rank_config(source, config, tp), max_positions, device, torch_dtype, tp)
             _load_safetensors(model, config, path)
@@ -148,98 +140,15 @@ def _rank_config(source: str, config: ModelConfig, tp: TensorParallel) -> ModelC
     return shard_config(config, tp.size)
 
 
-def check_source(source: str) -> None:
-    """Raises ModelSourceError when ``source`` cannot be loaded, without reading any weights.
-
-    A random preset must exist and its seed parse; a directory must hold a readable, valid
-    ``config.json`` and at least one ``*.safetensors`` file. Cheap, so the worker can refuse a
-    bad ``--model`` before it starts serving anything.
-    """
-    source = _resolve(source)
-    if source.startswith("random:"):
-        _parse_random(source)
-        return
-    if gguf_ckpt.is_gguf(source):
-        read_model_config(source)
-        return
-    with _filesystem_errors(source):
-        path = Path(source)
-        if not path.is_dir():
-            raise ModelSourceError(f"{shown(source)}: not a directory, and not random:<preset>[@seed]")
-        _read_config(path)
-        _weight_files(path)
-
-
 def model_dtype(source: str, dtype: str, device: str | torch.device) -> torch.dtype:
     """The dtype ``load_model`` will serve ``source`` in (read from its config, no weights)."""
     device = torch.device(device)
-    where = _resolve(source)
+    where = resolve_source(source)
     hf_dtype = None
     if not where.startswith("random:") and not gguf_ckpt.is_gguf(where):
-        with _filesystem_errors(source):
-            hf_dtype = _read_config(Path(where))[1]
+        with filesystem_errors(source):
+            hf_dtype = read_hf_config(Path(where))[1]
     return _pick_dtype(dtype, device, hf_dtype)
-
-
-def _resolve(source: str) -> str:
-    """The path a ``builtin:`` source names (any other source unchanged), as a ModelSourceError."""
-    try:
-        return resolve_builtin(source)
-    except BuiltinModelError as err:
-        raise ModelSourceError(str(err)) from None
-
-
-def read_model_config(source: str) -> ModelConfig:
-    """The config of ``source`` without reading any weights (the worker sizes its KV cache by it)."""
-    source = _resolve(source)
-    if source.startswith("random:"):
-        return PRESETS[_parse_random(source)[0]]
-    with _filesystem_errors(source):
-        if gguf_ckpt.is_gguf(source):
-            with _gguf_errors(source):
-                path = Path(source)
-                if not path.is_file():
-                    raise ModelSourceError(f"{shown(source)}: no such GGUF file")
-                return gguf_ckpt.read_config(gguf_ckpt.open_gguf(path))
-        return _read_config(Path(source))[0]
-
-
-
-@contextmanager
-def _gguf_errors(source: str) -> Iterator[None]:
-    """A GGUF file this decoder cannot serve is a ModelSourceError naming the file."""
-    try:
-        yield
-    except gguf_ckpt.GGUFError as err:
-        raise ModelSourceError(f"{shown(source)}: {err}") from None
-
-
-@contextmanager
-def _filesystem_errors(source: str) -> Iterator[None]:
-    """An OSError (name too long, permission denied, I/O error) or a path the OS refuses (a NUL
-    byte) while reading ``source`` is a ModelSourceError naming the source, clipped."""
-    try:
-        yield
-    except ModelSourceError:
-        raise
-    except OSError as err:
-        raise ModelSourceError(f"{shown(source)}: {err.strerror or type(err).__name__}") from None
-    except ValueError as err:
-        raise ModelSourceError(f"{shown(source)}: {clipped_repr(str(err))}") from None
-
-
-def _parse_random(source: str) -> tuple[str, int]:
-    spec = source.removeprefix("random:")
-    preset, _, seed_text = spec.partition("@")
-    if preset not in PRESETS:
-        raise ModelSourceError(f"unknown preset {clipped_repr(preset)}; known: {', '.join(sorted(PRESETS))}")
-    try:
-        seed = int(seed_text) if seed_text else DEFAULT_SEED
-    except ValueError:
-        raise ModelSourceError(f"seed {clipped_repr(seed_text)} in {clipped_repr(source)} is not an integer") from None
-    if not 0 <= seed < 2**64:  # what a torch generator takes
-        raise ModelSourceError(f"seed {clipped_repr(seed_text)} in {clipped_repr(source)} is not in [0, 2**64)")
-    return preset, seed
 
 
 def _pick_dtype(dtype: str, device: torch.device, hf_dtype: str | None) -> torch.dtype:
@@ -258,11 +167,14 @@ def _empty_model(config: ModelConfig, max_positions: int, device: torch.device, 
     allocated once, directly in ``dtype`` on ``device``.
 
     Built on the meta device and cast there (free), so no float32 copy ever exists: the
-    parameters take exactly the weights' size, which is what loading fills in place.
+    parameters take exactly the weights' size, which is what loading fills in place. Each is
+    then allocated with ``torch.empty`` of its shape, which is what ``Module.to_empty`` does but
+    without its ``empty_like`` of a meta tensor: that runs torch's Python reference op, whose
+    first call imports sympy and torch.fx's symbolic shapes (0.7 s), needed only to compile.
     """
     with torch.device("meta"):
         model = Transformer(config, max_positions, tp).to(dtype)
-    model = model.to_empty(device=device).requires_grad_(False)
+    model = model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device)).requires_grad_(False)
     if config.tie_word_embeddings:
         model.output.weight = model.tok_embeddings.weight
     cos, sin = rope_tables(config, max_positions)
@@ -314,38 +226,6 @@ def rank_part(name: str, full: Tensor, config: ModelConfig, tp: TensorParallel) 
     return full
 
 
-def _generation_eos(file: Path) -> tuple[int, ...]:
-    """The EOS ids ``generation_config.json`` lists (Llama 3 Instruct ends turns on several)."""
-    if not file.is_file():
-        return ()
-    try:
-        eos = json.loads(file.read_bytes().decode("utf-8")).get("eos_token_id")
-    except (OSError, UnicodeDecodeError, ValueError, AttributeError):
-        return ()
-    ids = eos if isinstance(eos, list) else [eos]
-    return tuple(i for i in ids if isinstance(i, int) and not isinstance(i, bool))
-
-
-def _read_config(path: Path) -> tuple[ModelConfig, str | None]:
-    config_file = path / "config.json"
-    if not config_file.is_file():
-        raise ModelSourceError(f"{shown(path)}: no config.json (expected a Hugging Face style directory)")
-    try:
-        hf = json.loads(config_file.read_bytes().decode("utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as err:
-        raise ModelSourceError(f"{shown(config_file)}: not a readable JSON document: {err}") from None
-    if not isinstance(hf, dict):
-        raise ModelSourceError(f"{shown(config_file)}: not a JSON object")
-    try:
-        config = ModelConfig.from_hf(hf)
-    except (KeyError, ValueError, TypeError) as err:
-        raise ModelSourceError(f"{shown(config_file)}: {err!r}") from None
-    extra = _generation_eos(path / "generation_config.json")
-    if extra:
-        config = dataclasses.replace(config, eos_token_ids=tuple(dict.fromkeys((*config.eos_token_ids, *extra))))
-    return config, hf.get("torch_dtype") or hf.get("dtype")
-
-
 # --- safetensors, one tensor at a time -------------------------------------------------------
 #
 # The format is an 8-byte little-endian header length, a JSON header mapping each name to its
@@ -357,7 +237,6 @@ def _read_config(path: Path) -> tuple[ModelConfig, str | None]:
 
 _ST_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 _MAX_HEADER_BYTES = 100 << 20
-INDEX_FILE = "model.safetensors.index.json"
 
 
 @dataclass(frozen=True)
@@ -397,31 +276,10 @@ def read_safetensors_header(file: Path) -> dict[str, TensorEntry]:
         raise ModelSourceError(f"{shown(file)}: unreadable safetensors header: {err!r}") from None
 
 
-def _weight_files(path: Path) -> list[Path]:
-    """The checkpoint's files: those ``model.safetensors.index.json`` names, else every ``*.safetensors``."""
-    index = path / INDEX_FILE
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_bytes().decode("utf-8"))["weight_map"]
-            names = sorted(set(weight_map.values()))
-        except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as err:
-            raise ModelSourceError(f"{shown(index)}: not a safetensors index: {err!r}") from None
-        files = [path / name for name in names]
-        missing = [f.name for f in files if not f.is_file() or f.parent != path]
-        if missing:
-            listed = ", ".join(clipped_repr(name) for name in missing[:4])
-            raise ModelSourceError(f"{shown(index)}: names files that are not in {shown(path)}: {listed}")
-        return files
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise ModelSourceError(f"{shown(path)}: no *.safetensors files")
-    return files
-
-
 def checkpoint_index(path: Path) -> dict[str, TensorEntry]:
     """Every tensor of the checkpoint by its name without the ``model.`` prefix (headers only)."""
     entries: dict[str, TensorEntry] = {}
-    for file in _weight_files(path):
+    for file in weight_files(path):
         for key, entry in read_safetensors_header(file).items():
             entries[key.removeprefix("model.")] = entry
     return entries
@@ -575,7 +433,7 @@ def _hash_text(text: str) -> str:
 def _hash_directory(path: Path) -> str:
     """A content hash of config.json and the weights: a changed file is a new revision."""
     index = [path / INDEX_FILE] if (path / INDEX_FILE).is_file() else []
-    return digest_files([path / "config.json", *index, *_weight_files(path)])
+    return digest_files([path / "config.json", *index, *weight_files(path)])
 
 
 def digest_files(files: list[Path], names: bool = True) -> str:

@@ -105,6 +105,16 @@ def forbid_recompiles() -> None:
     torch.compiler.set_stance("fail_on_recompile")
 
 
+def default_stance() -> contextlib.AbstractContextManager:
+    """Dynamo's default stance for a block (compiling allowed again), when Dynamo is loaded. A
+    stance is Dynamo's state: in a process that never imported it (no step compiled, so no
+    stance set) there is nothing to lift, and importing it here would cost a second of the start
+    for nothing."""
+    if "torch._dynamo" not in sys.modules:
+        return contextlib.nullcontext()
+    return torch.compiler.set_stance("default")
+
+
 def compile_counters() -> dict[str, int]:
     """Cache hits and misses (Inductor's FX graph cache or AOTAutograd's cache above it, whichever
     answered) and the graphs Dynamo has compiled."""
@@ -235,9 +245,9 @@ def prepare_step(model, *, compile: bool, cache_root: str, quantization: str, wa
         torch.compiler.reset()  # one engine per process: its previous step's compiled code is dropped
         pieces = compile_pieces(pieces)
     model.use_pieces(pieces, name)
-    before = compile_counters()
+    before = compile_counters() if compile else {}
     start = time.perf_counter()
-    with torch.compiler.set_stance("default"):
+    with default_stance():
         warm_up()
     if compile:
         report.seconds = time.perf_counter() - start
@@ -253,7 +263,7 @@ def _choose_row_step(model, report: CompileReport) -> None:
     """Times a pass of every layer's middle piece at one token with the installed pieces and with
     the fused row pieces, as CUDA graphs, and keeps the row pieces if they are faster."""
     row = make_row_pieces(model.config, model.tp)
-    with torch.compiler.set_stance("default"):
+    with default_stance():
         mine, theirs = _one_token_pass_seconds(model, row), _one_token_pass_seconds(model, model.pieces)
     won = first_ranks(mine < theirs, model.tp)  # every rank runs rank 0's choice
     report.row_step = (f"{'fused row kernels' if won else 'the general step'} for one token: "
