@@ -315,6 +315,29 @@ def test_without_a_prompt_past_the_ttft_target_the_normal_target_holds():
     assert sum(c.length for c in step.plan.prefill) == budget.stretched - 8 and sched.steps_stretched == 1
 
 
+def test_a_stretched_step_grows_only_by_what_the_late_prompts_need():
+    """Late short prompts past the normal bound get a step that carries them whole and no more (the
+    prompt served ahead of a late one counts, since steps serve in order); a prompt behind them that
+    is not late does not widen the step; late long prompts take the whole stretch."""
+    budget = plan_step_budget(8192, 0.0, h200_like(), "cuda")
+    ttft = budget.guard.ttft_target
+    sched = guarded(budget)
+    for i in range(8):
+        sched.add(seq(32, 100, f"d{i}"))
+    sched.schedule(now=0.0)  # the decoding rows' prompts
+    first = seq(400, 4, "first", arrived=0.0)
+    late = seq(300, 4, "late", arrived=0.0)
+    fresh = seq(2000, 4, "fresh", arrived=ttft)
+    for s in (first, late, fresh):
+        sched.add(s)
+    assert sched.late_prefill(ttft) == 0  # queued, not admitted: a stretch cannot serve them yet
+    step = sched.schedule(now=ttft)  # admits all three, then sizes the step
+    assert step.plan.num_decode == 8
+    assert [c.length for c in step.plan.prefill] == [400, 300]  # both whole, nothing of the fresh one
+    assert budget.prefill_tokens(8, ttft, 700) == 700 and budget.prefill_tokens(8, ttft, 10) == 512 - 8
+    assert budget.prefill_tokens(8, ttft, 100_000) == budget.prefill_tokens(8, ttft) == budget.stretched - 8
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_short_prompt_traffic_served_within_the_ttft_target_never_stretches(seed):
     """The mixed scenario: 64 closed-loop streams (started a step apart) of 16-400-token prompts and

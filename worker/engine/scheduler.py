@@ -250,8 +250,11 @@ class Scheduler:
         self._admit()
         batch = self.decode
         nd = len(batch)
-        waited = self.oldest_wait(time.perf_counter() if now is None else now) if self._guarded(nd) else 0.0
-        budget = self.step_budget.prefill_tokens(nd, waited)
+        waited, late = 0.0, None
+        if self._guarded(nd):
+            now = time.perf_counter() if now is None else now
+            waited, late = self.oldest_wait(now), self.late_prefill(now)
+        budget = self.step_budget.prefill_tokens(nd, waited, late)
         normal = self.step_budget.prefill_tokens(nd) if waited else budget
         prompt_tokens: list[int] = []
         positions: list[np.ndarray] = [batch.positions]
@@ -328,6 +331,20 @@ class Scheduler:
             if not seq.preemptions:
                 break
         return max(now - oldest, 0.0)
+
+    def late_prefill(self, now: float) -> int:
+        """Prompt tokens still to prefill, in the order steps serve them, up to and including the
+        last admitted prompt that has waited at least the TTFT target for its first token (0: none):
+        what a stretched step needs to carry (``StepBudget.prefill_tokens``)."""
+        ttft = self.step_budget.ttft_target
+        if ttft is None:
+            return 0
+        ahead = late = 0
+        for seq in self.prefilling:
+            ahead += len(seq.to_prefill) - seq.computed
+            if not seq.samples_scheduled and now - seq.arrived >= ttft:
+                late = ahead
+        return late
 
     def _sampling(self, samplers: list[Sequence], sample_index: np.ndarray) -> SamplingBatch | None:
         """Per-row sampling parameters, built only while some running sequence samples."""

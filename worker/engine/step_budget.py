@@ -27,8 +27,10 @@ almost always a decode row, so nearly every step is held to the target and a lon
 its first token behind many short steps. The *TTFT guard* stretches a step only for such a prompt:
 once the oldest prompt still waiting for its first token (queued, or mid-prefill) has waited
 ``ttft_target`` seconds, a step with decode rows may carry prefill up to the largest step predicted
-within the stretch ceiling ``itl_max`` (never less than the normal bound). Decode rows then wait at
-most ``itl_max`` for a token, and only while a prompt is late; short-prompt traffic served within the
+within the stretch ceiling ``itl_max`` (never less than the normal bound), and no further than the
+late prompts need (the prefill up to the last admitted late one, ``Scheduler.late_prefill``), so a
+late short prompt lengthens its step by its own tokens only. Decode rows then wait at most
+``itl_max`` for a token, and only while a prompt is late; short-prompt traffic served within the
 TTFT target never stretches. Defaults, from the measured target T: ``itl_max`` = 2.5 x T (the ~12 ms
 the latency acceptance allows over the ~4.8 ms ceiling step on an H200) and ``ttft_target`` = 10 x T
 (a prompt is stretched for only once it has waited about ten steps). ``--itl-max-ms`` and
@@ -205,13 +207,21 @@ class StepBudget:
         ttft = self.ttft_target
         return ttft is not None and waited >= ttft and self.stretched > self.with_decode
 
-    def prefill_tokens(self, decode_rows: int, waited: float = 0.0) -> int:
+    def prefill_tokens(self, decode_rows: int, waited: float = 0.0, late: int | None = None) -> int:
         """Prompt tokens the next step may carry beside ``decode_rows`` decode rows, the oldest prompt
-        still waiting for its first token having waited ``waited`` seconds (0: none waits)."""
+        still waiting for its first token having waited ``waited`` seconds (0: none waits).
+
+        A stretched step grows only as far as the late prompts need: ``late`` is the prefill, in
+        the order it is served, up to and including the last admitted prompt past the TTFT target
+        (None: not known, the whole stretch). A short late prompt in short-prompt traffic then
+        lengthens its step by its own tokens, not to the ceiling; long late prompts take it all."""
         room = self.tokens - decode_rows
         if decode_rows == 0 or self.target is None:
             return room
-        bound = self.stretched if self.stretches(waited) else self.with_decode
+        bound = self.with_decode
+        if self.stretches(waited):
+            need = self.stretched if late is None else decode_rows + late
+            bound = min(self.stretched, max(self.with_decode, need))
         return max(min(room, bound - decode_rows), min(room, MIN_PREFILL_TOKENS))
 
     def describe(self) -> str:
