@@ -6,30 +6,25 @@ rows' tokens exactly as a step without processing does."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import numpy as np
 import torch
 
 from graphkeeper.worker.engine.logits_state import LogitsState, build_logits_batch, mark_counted
+from graphkeeper.worker.engine.sequence import Sequence
 from graphkeeper.worker.executor.logits import count_sampled, pick_logprobs, process, unpack_mask
 from graphkeeper.worker.executor.penalty_counts import PenaltyCounts
 from graphkeeper.worker.plan import LogitsSpec, SamplingBatch, SamplingSpec, StepPlan
 
 
-@dataclass
-class Row:
-    """What the batch builder reads of a sampling sequence."""
-
-    logits: LogitsState | None
-    slot: int
-    prompt: list[int]
-    output: list[int] = field(default_factory=list)
+def sampler(logits: LogitsState | None, slot: int, prompt: list[int], output: list[int] | None = None) -> Sequence:
+    """A sampling sequence with what the batch builder reads: its logits state, slot, prompt and output."""
+    return Sequence(request_id=f"r{slot}", tenant="", prompt=prompt, max_new_tokens=64, sampling=SamplingSpec(),
+                    logits=logits, slot=slot, output=list(output or ()))
 
 
-def states(*specs: LogitsSpec | None, outputs=((),), prompt=(1, 2, 3)) -> list[Row]:
+def states(*specs: LogitsSpec | None, outputs=((),), prompt=(1, 2, 3)) -> list[Sequence]:
     """A sample row per spec, row ``i`` on slot ``i`` with output ``outputs[i % len(outputs)]``."""
-    return [Row(None if spec is None else LogitsState(spec), i, list(prompt), list(outputs[i % len(outputs)]))
+    return [sampler(None if spec is None else LogitsState(spec), i, list(prompt), list(outputs[i % len(outputs)]))
             for i, spec in enumerate(specs)]
 
 
@@ -121,7 +116,7 @@ def test_penalty_counts_follow_each_sampled_token_and_start_over_on_a_new_slot()
     inherit its counts; a step that failed before its sampling leaves the rows to be started over."""
     pen = counts(8)
     flat = torch.zeros(1, 8)
-    seq = Row(LogitsState(LogitsSpec(frequency_penalty=1.0)), slot=3, prompt=[1], output=[5])
+    seq = sampler(LogitsState(LogitsSpec(frequency_penalty=1.0)), slot=3, prompt=[1], output=[5])
 
     def step(token: int | None) -> torch.Tensor:
         batch = build_logits_batch([seq])
@@ -141,9 +136,9 @@ def test_penalty_counts_follow_each_sampled_token_and_start_over_on_a_new_slot()
     seq.logits.counted_slot, seq.slot = None, 0  # preempted, then admitted again on slot 0
     assert build_logits_batch([seq]).reset_output.tolist() == [[0, 0, 0], [5, 6, 6]]
     assert step(None).tolist() == [0, 0, 0, 0, 0, -1, -2, 0]
-    newcomer = Row(LogitsState(LogitsSpec(frequency_penalty=1.0)), slot=3, prompt=[1])
+    newcomer = sampler(LogitsState(LogitsSpec(frequency_penalty=1.0)), slot=3, prompt=[1])
     assert process(flat, build_logits_batch([newcomer]), None, pen)[0].tolist() == [0.0] * 8
-    failed = Row(LogitsState(LogitsSpec(presence_penalty=1.0)), slot=5, prompt=[1], output=[2])
+    failed = sampler(LogitsState(LogitsSpec(presence_penalty=1.0)), slot=5, prompt=[1], output=[2])
     build_logits_batch([failed])  # the step raised before its sampling: mark_counted never ran
     assert build_logits_batch([failed]).reset_output.tolist() == [[5], [2]]
 
@@ -151,7 +146,7 @@ def test_penalty_counts_follow_each_sampled_token_and_start_over_on_a_new_slot()
 def test_a_repetition_penalty_row_marks_its_prompt_once_and_its_output_as_sampled():
     pen = counts(6)
     logits = torch.tensor([[2.0, 2.0, 2.0, 2.0, 2.0, 2.0]])
-    seq = Row(LogitsState(LogitsSpec(repetition_penalty=2.0)), slot=1, prompt=[0, 0, 2])
+    seq = sampler(LogitsState(LogitsSpec(repetition_penalty=2.0)), slot=1, prompt=[0, 0, 2])
     batch = build_logits_batch([seq])
     assert batch.reset_prompt.tolist() == [[1, 1], [0, 2]]  # distinct prompt tokens
     assert process(logits, batch, None, pen).tolist() == [[1.0, 2.0, 1.0, 2.0, 2.0, 2.0]]
@@ -163,10 +158,10 @@ def test_a_repetition_penalty_row_marks_its_prompt_once_and_its_output_as_sample
 def test_released_counts_grow_again_for_the_next_sequence():
     """Sleep drops every row; the next penalised sequence starts its row over and is counted right."""
     pen = counts(4)
-    seq = Row(LogitsState(LogitsSpec(presence_penalty=1.0)), slot=2, prompt=[1], output=[3])
+    seq = sampler(LogitsState(LogitsSpec(presence_penalty=1.0)), slot=2, prompt=[1], output=[3])
     process(torch.zeros(1, 4), build_logits_batch([seq]), None, pen)
     pen.release()
     assert pen.counts.shape == (0, 4)
-    after = Row(LogitsState(LogitsSpec(presence_penalty=1.0)), slot=6, prompt=[1], output=[0])
+    after = sampler(LogitsState(LogitsSpec(presence_penalty=1.0)), slot=6, prompt=[1], output=[0])
     assert process(torch.zeros(1, 4), build_logits_batch([after]), None, pen)[0].tolist() == [-1.0, 0.0, 0.0, 0.0]
     assert pen.counts.shape[0] >= 7

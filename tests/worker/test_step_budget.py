@@ -248,6 +248,15 @@ def serve(sched: Scheduler, clock: Clock, step) -> list[Sequence]:
     return done
 
 
+def within(step, model: StepTimeModel, ceiling: float):
+    """``step`` (None: idle), checked: one with decode rows and prefill is predicted within
+    ``ceiling``, or carries no more than the starvation floor of prefill."""
+    if step is not None and step.plan.num_decode and step.plan.prefill:
+        assert model.seconds(step.plan.num_tokens) <= ceiling or \
+            sum(c.length for c in step.plan.prefill) <= MIN_PREFILL_TOKENS
+    return step
+
+
 def guarded(budget: StepBudget) -> Scheduler:
     sched = Scheduler(max_num_seqs=64, max_num_batched_tokens=8192, prefill_chunk=0)
     sched.step_budget = budget
@@ -268,13 +277,9 @@ def long_prompts_beside_decoding_rows(budget: StepBudget) -> tuple[Scheduler, li
     ceiling = budget.guard.itl_max if budget.guard else budget.target
     steps = 0
     while not all(p.output for p in prompts):
-        step = clock.run(sched)
+        step = within(clock.run(sched), budget.model, ceiling)
         steps += 1
         assert steps < 1000, "a prompt waited forever"
-        plan = step.plan
-        if plan.num_decode and plan.prefill:
-            within = budget.model.seconds(plan.num_tokens) <= ceiling
-            assert within or sum(c.length for c in plan.prefill) <= MIN_PREFILL_TOKENS
         serve(sched, clock, step)
     return sched, prompts, steps
 
@@ -352,15 +357,11 @@ def test_short_prompt_traffic_served_within_the_ttft_target_never_stretches(seed
         if steps < 64 and started < total:  # the streams start one a step; then each asks again when served
             started += 1
             sched.add(seq(rng.randint(16, 400), rng.randint(64, 256), f"m{started}", arrived=clock.now))
-        step = clock.run(sched)
+        step = within(clock.run(sched), budget.model, budget.target)
         steps += 1
         assert steps < 50_000, "a request waited forever"
         if step is None:
             continue
-        plan = step.plan
-        if plan.num_decode and plan.prefill:
-            assert budget.model.seconds(plan.num_tokens) <= budget.target or \
-                sum(c.length for c in plan.prefill) <= MIN_PREFILL_TOKENS
         for _ in (finished := serve(sched, clock, step)):
             if started < total:
                 started += 1
@@ -383,15 +384,11 @@ def test_random_long_and_short_traffic_keeps_the_stretch_ceiling_and_finishes_ev
         if steps < len(pending):  # one arrival a step: more prompt tokens than the target lets in
             pending[steps].arrived = clock.now
             sched.add(pending[steps])
-        step = clock.run(sched)
+        step = within(clock.run(sched), budget.model, budget.guard.itl_max)
         steps += 1
         assert steps < 50_000, "a request waited forever"
         if step is None:
             continue
-        plan = step.plan
-        if plan.num_decode and plan.prefill:
-            assert budget.model.seconds(plan.num_tokens) <= budget.guard.itl_max or \
-                sum(c.length for c in plan.prefill) <= MIN_PREFILL_TOKENS
         done += len(serve(sched, clock, step))
     assert sched.steps_stretched > 0  # the load put prompts past the TTFT target
 

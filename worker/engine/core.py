@@ -392,7 +392,7 @@ class Engine:
             self.outputs.accept_ahead(before)
             plan.logits = build_logits_batch(step.samplers)
         launched = runner.sample_and_send(hidden, plan)
-        if plan.logits is not None:
+        if plan.logits is not None and len(plan.logits.reset_slots):
             mark_counted(step.samplers)
         return InFlight(step, decision, desc, launched, started)
 

@@ -133,7 +133,8 @@ def build_logits_batch(samplers: list[Any]) -> LogitsBatch | None:
 
 def mark_counted(samplers: list[Any]) -> None:
     """After a step's sampling is queued: its penalised sequences' rows are set up on their slots
-    (a step that failed before marks nothing, and the next step starts the rows over again)."""
+    (a step that failed before marks nothing, and the next step starts the rows over again). Only
+    a step whose batch started rows over has any to mark."""
     for seq in samplers:
         state = seq.logits
         if state is not None and state.spec.penalised:

@@ -253,7 +253,8 @@ class Scheduler:
         waited, late = 0.0, None
         if self._guarded(nd):
             now = time.perf_counter() if now is None else now
-            waited, late = self.oldest_wait(now), self.late_prefill(now)
+            waited = self.oldest_wait(now)
+            late = self.late_prefill(now) if self.step_budget.stretches(waited) else None
         budget = self.step_budget.prefill_tokens(nd, waited, late)
         normal = self.step_budget.prefill_tokens(nd) if waited else budget
         prompt_tokens: list[int] = []

@@ -38,7 +38,6 @@ LARGE_GPU_TOKENS = 8192
 SMALL_GPU_TOKENS = 2048
 #: A CPU keeps the budget it always had.
 CPU_TOKENS = 512
-EXPLICIT_SOURCE = "--max-num-batched-tokens"
 
 
 class BudgetError(SizingError):
