@@ -42,6 +42,12 @@ def submit(engine: Engine, prompt: list[int], n: int) -> tuple[threading.Event, 
     return done, out
 
 
+def long_prompt(n: int) -> list[int]:
+    """``n`` token ids inside the tiny model's vocabulary (512: a longer ``range`` would index past
+    its embedding table, which the gRPC layer refuses but ``Engine.submit`` does not check)."""
+    return [3 + i % 500 for i in range(n)]
+
+
 def test_the_target_is_the_measured_time_of_the_largest_replayed_step():
     engine = start()
     try:
@@ -64,7 +70,7 @@ def test_a_target_no_step_meets_still_finishes_a_long_prompt_beside_decoding_row
         budget = engine.status().step_budget
         assert budget.tokens_with_decode == 0 and budget.source == "--itl-target-ms"
         decoding = [submit(engine, [5 + i, 6, 7], 64) for i in range(4)]
-        long_done, long_out = submit(engine, list(range(3, 3 + 20 * MIN_PREFILL_TOKENS)), 4)
+        long_done, long_out = submit(engine, long_prompt(20 * MIN_PREFILL_TOKENS), 4)
         assert long_done.wait(120) and len(long_out) == 4
         assert all(done.wait(120) and len(out) == 64 for done, out in decoding)
     finally:
@@ -81,7 +87,7 @@ def test_a_prompt_past_the_ttft_target_gets_stretched_steps_beside_decoding_rows
         assert budget.tokens_with_decode == 0 and budget.tokens_stretched == 256
         assert budget.guard_source == "stretch ceiling: --itl-max-ms; TTFT target: --ttft-target-ms"
         decoding = [submit(engine, [5 + i, 6, 7], 200) for i in range(4)]
-        long_done, long_out = submit(engine, list(range(3, 3 + 40 * MIN_PREFILL_TOKENS)), 4)
+        long_done, long_out = submit(engine, long_prompt(40 * MIN_PREFILL_TOKENS), 4)
         assert long_done.wait(120) and len(long_out) == 4
         assert all(done.wait(120) and len(out) == 200 for done, out in decoding)
         assert engine.scheduler.steps_stretched > 0
