@@ -116,6 +116,50 @@ CHECKS = textwrap.dedent('''
     print("ok")
 ''')
 
+PENALTY_CHECKS = textwrap.dedent('''
+    import numpy as np
+    import torch
+    from graphkeeper.worker.executor.penalty_counts import PenaltyCounts
+    from graphkeeper.worker.kernels import penalty_kernel as pk
+
+    torch.manual_seed(0)
+    V = 3000  # one whole block of 2,048 and a partial one
+    pen = PenaltyCounts(V, torch.device("cpu"))
+    pen.cover(8)
+    pen.counts.copy_(torch.randint(0, 4, (8, V), dtype=torch.int32) * (torch.rand(8, V) < 0.2))
+    pen.prompt.copy_(torch.rand(8, V) < 0.1)
+    sub = torch.randn(5, V) * 3
+    sub[0, :5] = float("-inf")
+    sub[2, 10:20] = 0.0
+    entries, sample_rows, slots = np.array([0, 2, 4]), np.array([1, 3, 6]), np.array([5, 0, 3])
+    rep = np.array([1.3, 1.0, 0.8], np.float32)
+    freq, pres = np.array([0.5, 0.0, -0.3], np.float32), np.array([0.5, 0.0, 1.0], np.float32)
+    block = torch.from_numpy(pk.params(entries, sample_rows, slots, rep, freq, pres))
+    want = sub.clone()
+    want[entries] = pen.apply(want[entries], torch.from_numpy(slots), torch.from_numpy(rep), torch.from_numpy(freq),
+                              torch.from_numpy(pres))
+    got = sub.clone()
+    pk.apply(got, pen.counts, pen.prompt, block, 3)
+    assert torch.equal(got[[1, 3]], sub[[1, 3]])  # rows not named are not touched
+    assert torch.equal(got[2], sub[2])  # repetition 1, frequency and presence 0: exactly as it was
+    assert torch.allclose(got, want, rtol=1e-6, atol=1e-6, equal_nan=True), (got - want).abs().max()
+    tokens = torch.tensor([9, 2999, 4, 0, 11, 12, 2047])
+    expect = pen.counts.clone()
+    for r, s in zip(sample_rows, slots):
+        expect[s, tokens[r]] += 1
+    pk.count(tokens, pen.counts, block, 3)
+    assert torch.equal(pen.counts, expect)
+    print("ok")
+''')
+
+
+def test_the_penalty_kernels_match_penalty_counts_in_the_triton_interpreter():
+    """One launch applies the penalties of the rows a parameter block names (others untouched, a
+    neutral row bit for bit) as ``PenaltyCounts.apply`` does; one more counts the sampled tokens."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    out = subprocess.run([sys.executable, "-c", PENALTY_CHECKS], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stdout[-2000:] + out.stderr[-4000:]
+
 
 def test_kernels_match_their_references_in_the_triton_interpreter():
     env = {**os.environ, "TRITON_INTERPRET": "1"}

@@ -35,27 +35,20 @@ def process(logits: Tensor, batch: LogitsBatch, sampling: SamplingBatch | None, 
     if out.data_ptr() == logits.data_ptr():
         out = out.clone()  # the head's own output stays untouched
     device = out.device
-    at = batch.penalised
-    rows, mask_rows, bias_at, penalised, slots, reset_slots, reset_prompt, reset_output = to_device_all(
-        [batch.rows, batch.mask_rows, batch.bias[0], at, batch.penalty_slots, batch.reset_slots, batch.reset_prompt,
-         batch.reset_output], device)
-    bias, repetition, frequency, presence = to_device_all(
-        [batch.bias[1], batch.repetition[at], batch.frequency[at], batch.presence[at]], device)
+    rows, mask_rows, bias_at, reset_slots, reset_prompt, reset_output = to_device_all(
+        [batch.rows, batch.mask_rows, batch.bias[0], batch.reset_slots, batch.reset_prompt, batch.reset_output],
+        device)
     sub = out.index_select(0, rows)
     if len(batch.mask_rows):
         allowed = unpack_mask(to_device(batch.masks, device), sub.shape[-1])
         sub[mask_rows] = sub[mask_rows].masked_fill(~allowed, float("-inf"))
     if batch.bias[1].size:
-        sub.index_put_((bias_at[0], bias_at[1]), bias, accumulate=True)
+        sub.index_put_((bias_at[0], bias_at[1]), to_device(batch.bias[1], device), accumulate=True)
     if len(batch.reset_slots):
         penalties.cover(int(batch.reset_slots.max()) + 1)
         penalties.reset(reset_slots, reset_prompt, reset_output)
-    if len(at):  # a kind of penalty no penalised row uses is skipped
-        counts = bool(batch.frequency[at].any() or batch.presence[at].any())
-        done = penalties.apply(sub.index_select(0, penalised), slots,
-                               repetition if (batch.repetition[at] != 1.0).any() else None,
-                               frequency if counts else None, presence if counts else None)
-        sub.index_copy_(0, penalised, done)
+    if len(batch.penalised):
+        penalties.penalise(sub, batch)
     if sampling is not None and batch.min_p.any():
         _min_p(sub, batch.min_p, sampling.temperature[batch.rows])
     return out.index_copy_(0, rows, sub)
@@ -64,10 +57,8 @@ def process(logits: Tensor, batch: LogitsBatch, sampling: SamplingBatch | None, 
 def count_sampled(penalties: PenaltyCounts, batch: LogitsBatch, tokens: Tensor) -> None:
     """Adds each penalised row's sampled token to its sequence's counts, on the device, queued
     right after the sampling: the next step's penalties find them there."""
-    if not len(batch.penalised):
-        return
-    sample_rows, slots = to_device_all([batch.rows[batch.penalised], batch.penalty_slots], tokens.device)
-    penalties.add(slots, tokens.index_select(0, sample_rows))
+    if len(batch.penalised):
+        penalties.count_step(batch, tokens)
 
 
 def _min_p(sub: Tensor, min_p: np.ndarray, temperature: np.ndarray) -> None:

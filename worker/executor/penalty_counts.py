@@ -22,6 +22,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from graphkeeper.worker.executor.transfer import to_device, to_device_all
+from graphkeeper.worker.kernels import penalty_kernel
+from graphkeeper.worker.plan import LogitsBatch
+
 
 class PenaltyCounts:
     """Output-token counts (int32) and prompt-token marks (bool), ``[slots, vocab]``, on the device."""
@@ -30,6 +34,9 @@ class PenaltyCounts:
         self.vocab = vocab
         self.counts = torch.zeros((0, vocab), dtype=torch.int32, device=device)
         self.prompt = torch.zeros((0, vocab), dtype=torch.bool, device=device)
+        #: On CUDA, the step's penalty parameter block (``penalty_kernel``), sent once by
+        #: ``penalise`` and read again by ``count_step`` after the sampling.
+        self._block: Tensor | None = None
 
     def release(self) -> None:
         """Drops every row (a sleeping worker runs nothing; a sequence that samples after the wake
@@ -64,6 +71,34 @@ class PenaltyCounts:
         """One more of ``tokens[i]`` in row ``slots[i]`` (repeats accumulate)."""
         ones = torch.ones(len(slots), dtype=torch.int32, device=self.counts.device)
         self.counts.index_put_((slots, tokens), ones, accumulate=True)
+
+    def penalise(self, sub: Tensor, batch: LogitsBatch) -> None:
+        """Applies the batch's penalties in place to ``sub`` (float32, a row per entry of
+        ``batch.rows``): on CUDA in one kernel launch, elsewhere through ``apply``."""
+        at = batch.penalised
+        if penalty_kernel.usable(sub.device):
+            block = penalty_kernel.params(at, batch.rows[at], batch.penalty_slots, batch.repetition[at],
+                                          batch.frequency[at], batch.presence[at])
+            self._block = to_device(block, sub.device)
+            penalty_kernel.apply(sub, self.counts, self.prompt, self._block, len(at))
+            return
+        penalised, slots = to_device_all([at, batch.penalty_slots], sub.device)
+        repetition, frequency, presence = to_device_all(
+            [batch.repetition[at], batch.frequency[at], batch.presence[at]], sub.device)
+        counted = bool(batch.frequency[at].any() or batch.presence[at].any())
+        done = self.apply(sub.index_select(0, penalised), slots,
+                          repetition if (batch.repetition[at] != 1.0).any() else None,
+                          frequency if counted else None, presence if counted else None)
+        sub.index_copy_(0, penalised, done)
+
+    def count_step(self, batch: LogitsBatch, tokens: Tensor) -> None:
+        """Adds each penalised row's sampled token (``tokens``, per sample row) to its counts."""
+        if self._block is not None:
+            penalty_kernel.count(tokens, self.counts, self._block, len(batch.penalised))
+            self._block = None
+            return
+        sample_rows, slots = to_device_all([batch.rows[batch.penalised], batch.penalty_slots], tokens.device)
+        self.add(slots, tokens.index_select(0, sample_rows))
 
     def apply(self, logits: Tensor, slots: Tensor, repetition: Tensor | None, frequency: Tensor | None,
               presence: Tensor | None) -> Tensor:
