@@ -24,6 +24,22 @@ if [ "${TESTS:-1}" = 1 ]; then
   timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -m cuda -q ${PYTEST_X--x} -p no:cacheprovider ${TEST_SELECT:-tests/gpu} ${TEST_K:+-k "$TEST_K"} 2>&1 \
     | tee "$out/pytest-cuda-h200.log" | tail -25
 fi
+# py-spy (a static binary: carry it as .whl/py-spy) on the worker and its engine core while the
+# benchmark with pid $2 runs: 3-second raw records, headed "### <n> <unix time>", into $out/$1.txt.gz
+# (read them with bench/spy_report.py).
+spy() {
+  local worker="" i
+  for i in $(seq 240); do worker=$(pgrep -f "graphkeeper.cli worker" | head -1); [ -n "$worker" ] && break; sleep 0.5; done
+  : > "/tmp/$1.txt"
+  for i in $(seq 1 60); do
+    kill -0 "$2" 2>/dev/null || break
+    timeout 12 .whl/py-spy record -d 3 -r 250 --idle --subprocesses --format raw -o /tmp/spy-block.txt \
+      --pid "$worker" >/dev/null 2>&1
+    echo "### $i $(date +%s)" >> "/tmp/$1.txt"; cat /tmp/spy-block.txt >> "/tmp/$1.txt" 2>/dev/null
+    rm -f /tmp/spy-block.txt
+  done
+  wait "$2"; gzip -c "/tmp/$1.txt" > "$out/$1.txt.gz"
+}
 IFS=';' read -ra benches <<< "${BENCH-load}"
 for b in "${benches[@]}"; do  # BENCH="" runs the tests alone
   case $b in
@@ -89,6 +105,15 @@ for b in "${benches[@]}"; do  # BENCH="" runs the tests alone
       # alone), beside "defaults" for what the guard buys (~70 s): BENCH="defaults;guard-off"
       timeout 330 python3 bench/load_bench.py --scenarios long,mixed --seconds "${SECONDS_PER:-10}" \
         --worker-args=--ttft-target-ms=1000000 --label "defaults, TTFT guard off" --out "$out/load-guard-off-h200.json" ;;
+    profile-penalties|profile-logprobs|profile-json_schema)  # issue 34: plain, then half the streams
+      # with one kind, the engine profiled throughout (~100 s); report: bench/spy_report.py
+      timeout 200 python3 bench/sampling_bench.py --preset llama-1b --only "${b#profile-}" --seconds 12 \
+        --out "$out/sampling-$b-h200.json" > "$out/$b.txt" 2>&1 &
+      spy "spy-${b#profile-}" $!; tail -3 "$out/$b.txt" ;;
+    profile-long)  # issue 35: the long scenario at the defaults, the engine profiled throughout (~60 s)
+      timeout 200 python3 bench/load_bench.py --scenarios long --seconds 10 --no-step-times \
+        --out "$out/load-long-profiled-h200.json" > "$out/$b.txt" 2>&1 &
+      spy spy-long $!; grep "^long" "$out/$b.txt" ;;
     *) eval "$b" ;;
   esac
 done

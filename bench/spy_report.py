@@ -1,0 +1,82 @@
+"""Where the engine thread's time goes, from py-spy recordings of a worker under load.
+
+``gpu_session.sh``'s ``profile-*`` entries record the worker and its engine core with
+``py-spy record --idle --subprocesses --format raw`` in 3-second blocks while a benchmark runs,
+each block headed ``### <n> <unix time>``, gzipped. This prints, per block, the engine thread's
+sample count and its largest parts, then each function's inclusive and self share of the engine
+thread's samples over the blocks chosen (all by default). ``--idle`` keeps the samples where the
+thread waits (``Event.synchronize``: for the device; ``Mailbox.sleep``: for work), so a share of
+1.0 for the loop with little waiting means the host, not the device, sets the step's pace.
+
+    python bench/spy_report.py gpu-out/spy-penalties.txt.gz --blocks 34,35,36
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gzip
+import re
+from collections.abc import Iterator
+
+ENGINE = "Engine._loop (core.py)"
+
+
+def blocks(path: str) -> Iterator[tuple[str, list[tuple[list[str], int]]]]:
+    """(block name, [(frames, samples)]) per recorded block."""
+    name, rows = None, []
+    with gzip.open(path, "rt") as f:
+        for line in f:
+            if line.startswith("### "):
+                if rows:
+                    yield name, rows
+                name, rows = line.split()[1], []
+                continue
+            stack, _, n = line.rstrip("\n").rpartition(" ")
+            if stack:
+                rows.append(([short(frame) for frame in stack.split(";")], int(n)))
+    if rows:
+        yield name, rows
+
+
+def short(frame: str) -> str:
+    """``func (path/file.py:line)`` as ``func (file.py)``."""
+    m = re.match(r"(.*?) \((.*?)(:\d+)?\)$", frame)
+    return f"{m.group(1)} ({m.group(2).split('/')[-1]})" if m else frame
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("path")
+    parser.add_argument("--blocks", default="", help="comma-separated block numbers (default: all)")
+    parser.add_argument("--top", type=int, default=45)
+    args = parser.parse_args()
+    chosen = set(args.blocks.split(",")) if args.blocks else None
+    inclusive, own, total = collections.Counter(), collections.Counter(), 0
+    for name, rows in blocks(args.path):
+        engine = [(frames, n) for frames, n in rows if ENGINE in frames]
+        if not engine or (chosen and name not in chosen):
+            continue
+        samples = sum(n for _, n in engine)
+        marks = collections.Counter()
+        for frames, n in engine:
+            for frame in set(frames):
+                marks[frame] += n
+            own[frames[-1]] += n
+        inclusive.update(marks)
+        total += samples
+        parts = [f for f, _ in marks.most_common(14) if f.endswith(("(core.py)", "(runner.py)"))][2:6]
+        print(f"block {name}: {samples} engine-thread samples; "
+              + ", ".join(f"{f.split(' (')[0]} {marks[f] / samples:.2f}" for f in parts))
+    print(f"\ninclusive share of {total} engine-thread samples")
+    for frame, n in inclusive.most_common(args.top):
+        if not frame.startswith(("process ", "Thread.", " spawn_main")):
+            print(f"{n / max(total, 1):6.3f}  {frame}")
+    print("\nself share")
+    for frame, n in own.most_common(args.top // 2):
+        print(f"{n / max(total, 1):6.3f}  {frame}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
