@@ -13,6 +13,7 @@ from graphkeeper.worker.engine.errors import (
     UNKNOWN_ERROR,
     CannotFit,
     InjectedFailure,
+    InvalidTokens,
     NotServing,
     QueueFull,
     ReloadBusy,
@@ -29,6 +30,7 @@ from graphkeeper.worker.serving.streams import count_refusal
 EXPECTED = {
     QueueFull: ("RESOURCE_EXHAUSTED", 429, "queue_full", "rate_limit_error", "queue_full"),
     CannotFit: ("INVALID_ARGUMENT", 400, "oversize", "invalid_request_error", None),
+    InvalidTokens: ("INVALID_ARGUMENT", 400, "invalid", "invalid_request_error", None),
     NotServing: ("UNAVAILABLE", 503, "unavailable", "service_unavailable_error", "not_ready"),
     StepFailed: ("INTERNAL", 500, "error", "server_error", "step_failed"),
 }

@@ -16,6 +16,7 @@ from graphkeeper.worker.engine.errors import (
     UNKNOWN_ERROR,
     CannotFit,
     ErrorStatus,
+    InvalidTokens,
     NotServing,
     QueueFull,
     ReloadUnsupported,
@@ -57,7 +58,7 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "SERVING_STATES", "CannotFit", "ChatError", "Engine", "EngineClient", "EngineFace", "EngineSettings",
-    "ErrorStatus", "IncrementalDetokenizer", "LifecycleView", "Limits", "NotServing", "QueueFull", "ReloadRefused",
-    "ReloadUnsupported", "SleepRefused", "SleepWithdrawn", "StalePolicy", "StepFailed", "StepWatchdog", "UNKNOWN_ERROR",
-    "classify", "constraint_error", "error_message", "ready",
+    "ErrorStatus", "IncrementalDetokenizer", "InvalidTokens", "LifecycleView", "Limits", "NotServing", "QueueFull",
+    "ReloadRefused", "ReloadUnsupported", "SleepRefused", "SleepWithdrawn", "StalePolicy", "StepFailed", "StepWatchdog",
+    "UNKNOWN_ERROR", "classify", "constraint_error", "error_message", "ready",
 ]

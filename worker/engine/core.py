@@ -33,6 +33,7 @@ from graphkeeper.worker.engine.control import Control, Reload, starting_policy
 from graphkeeper.worker.engine.drain import refuse_unstarted
 from graphkeeper.worker.engine.errors import (
     CannotFit,
+    InvalidTokens,
     NotServing,
     QueueFull,
     ReloadBusy,
@@ -144,13 +145,17 @@ class Engine:
                       chat=tok is not None and tok.has_chat_template, max_token_bytes=self.slot.max_token_bytes)
 
     def submit(self, req: pb.GenerateRequest, stream: Any) -> Sequence:
-        """Queues an admitted request (the API layer validated it); raises QueueFull or NotServing."""
+        """Queues an admitted request (the API layer validated it); raises QueueFull, NotServing,
+        CannotFit or InvalidTokens."""
         loaded = self.slot.loaded
         if self._draining or self.failed is not None or not self.lifecycle.serving or loaded is None:
             raise NotServing(f"worker is {lifecycle_name(self.lifecycle.state)}")
         if self.scheduler.queued(len(self.mailbox)) >= self.settings.max_queue:
             raise QueueFull(f"queue is full ({self.settings.max_queue} requests waiting)")
         seq = sequence_for(req, stream, self.slot.eos_ids)
+        vocab = loaded.config.vocab_size
+        if seq.prompt and (min(seq.prompt) < 0 or max(seq.prompt) >= vocab):
+            raise InvalidTokens(f"prompt_token_ids: a token id is outside the vocabulary [0, {vocab})")
         seq.logits = logits_state_for(req, self.grammars, self.tokenizer, loaded.config.vocab_size,
                                       next(iter(loaded.config.eos_token_ids), 0))
         need = blocks_for(len(seq.prompt) + seq.max_new_tokens, self.blocks.block_size)

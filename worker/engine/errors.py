@@ -46,6 +46,12 @@ class CannotFit(ValueError):
     it could never run, so it is refused at admission, as the caller's bad input."""
 
 
+class InvalidTokens(ValueError):
+    """A prompt with a token id outside the model's vocabulary. The API layers refuse those at
+    admission; the engine checks again because one such id reaching the embedding on a GPU trips a
+    device-side assert that leaves the CUDA context, and so the whole worker, unusable."""
+
+
 class StalePolicy(RuntimeError):
     """A policy generation older than one this worker holds or was sent (FAILED_PRECONDITION)."""
 
@@ -76,6 +82,7 @@ class ErrorStatus:
 ERROR_STATUSES: tuple[tuple[type[Exception], ErrorStatus], ...] = (
     (QueueFull, ErrorStatus("RESOURCE_EXHAUSTED", 429, "queue_full", "rate_limit_error", "queue_full")),
     (CannotFit, ErrorStatus("INVALID_ARGUMENT", 400, "oversize", "invalid_request_error")),
+    (InvalidTokens, ErrorStatus("INVALID_ARGUMENT", 400, "invalid", "invalid_request_error")),
     (NotServing, ErrorStatus("UNAVAILABLE", 503, "unavailable", "service_unavailable_error", "not_ready")),
     (StepFailed, ErrorStatus("INTERNAL", 500, "error", "server_error", "step_failed")),
 )
