@@ -43,8 +43,8 @@ def submit(engine: Engine, prompt: list[int], n: int) -> tuple[threading.Event, 
 
 
 def long_prompt(n: int) -> list[int]:
-    """``n`` token ids inside the tiny model's vocabulary (512: a longer ``range`` would index past
-    its embedding table, which the gRPC layer refuses but ``Engine.submit`` does not check)."""
+    """``n`` token ids inside the tiny model's vocabulary (512; ``Engine.submit`` refuses ids past
+    it, as the API layers do)."""
     return [3 + i % 500 for i in range(n)]
 
 
