@@ -137,3 +137,40 @@ def test_drawing_tokens_and_processing_logits_never_stall_the_host_on_the_stream
         torch.cuda.set_sync_debug_mode("default")
     assert tokens.shape == (rows,) and int(tokens.max()) < vocab
     assert int(penalties.counts[5, 7]) >= 2 and int(penalties.counts.sum()) == 5  # 3 from the resets, 2 drawn
+
+
+def test_the_penalty_kernels_equal_the_pytorch_path_at_a_full_vocabulary():
+    """The two launches penalties take on CUDA (``penalty_kernel``) against ``PenaltyCounts``'
+    PyTorch operations on the same device, at llama's vocabulary: penalised rows alike to float32
+    rounding, a neutral row and the rows not named bit for bit, each sampled token counted once."""
+    import numpy as np
+
+    from graphkeeper.worker.executor.penalty_counts import PenaltyCounts
+    from graphkeeper.worker.kernels import penalty_kernel as pk
+
+    vocab, device = 128_256, torch.device("cuda")
+    g = torch.Generator(device="cuda").manual_seed(11)
+    pen = PenaltyCounts(vocab, device)
+    pen.cover(16)
+    pen.counts.copy_(torch.randint(0, 4, (16, vocab), device="cuda", generator=g, dtype=torch.int32)
+                     * (torch.rand(16, vocab, device="cuda", generator=g) < 0.01))
+    pen.prompt.copy_(torch.rand(16, vocab, device="cuda", generator=g) < 0.005)
+    sub = torch.randn(24, vocab, device="cuda", generator=g) * 4
+    entries, sample_rows, slots = np.arange(0, 24, 2), np.arange(1, 25, 2), np.arange(12) + 3
+    rep = np.linspace(0.7, 1.5, 12).astype(np.float32)
+    freq, pres = np.linspace(-0.5, 1.0, 12).astype(np.float32), np.linspace(1.0, -0.2, 12).astype(np.float32)
+    rep[5], freq[5], pres[5] = 1.0, 0.0, 0.0
+    dev = {k: torch.from_numpy(v).cuda() for k, v in dict(slots=slots, rep=rep, freq=freq, pres=pres).items()}
+    want = sub.clone()
+    want[entries] = pen.apply(want[entries], dev["slots"], dev["rep"], dev["freq"], dev["pres"])
+    got = sub.clone()
+    block = torch.from_numpy(pk.params(entries, sample_rows, slots, rep, freq, pres)).cuda()
+    pk.apply(got, pen.counts, pen.prompt, block, len(entries))
+    assert torch.equal(got[1::2], sub[1::2]) and torch.equal(got[10], sub[10])
+    assert torch.allclose(got, want, rtol=1e-6, atol=1e-5)
+    tokens = torch.randint(0, vocab, (25,), device="cuda", generator=g)
+    expect = pen.counts.clone()
+    for r, s in zip(sample_rows, slots, strict=True):
+        expect[s, tokens[r]] += 1
+    pk.count(tokens, pen.counts, block, len(entries))
+    assert torch.equal(pen.counts, expect)

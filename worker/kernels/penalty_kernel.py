@@ -72,8 +72,9 @@ def apply(logits: Tensor, counts: Tensor, prompt: Tensor, block: Tensor, penalis
     """Applies the penalties in place to ``logits`` ``[N, V]`` (float32, rows contiguous) for the
     ``penalised`` rows the parameter ``block`` (int32, on the device) names."""
     vocab = logits.shape[1]
-    _apply_kernel[(penalised, triton.cdiv(vocab, BLOCK))](logits, logits.stride(0), counts, prompt, block,
-                                                         penalised, vocab, BLOCK=BLOCK, num_warps=4)
+    # The prompt marks as bytes: the same memory, a pointer type every Triton build loads alike.
+    _apply_kernel[(penalised, triton.cdiv(vocab, BLOCK))](logits, logits.stride(0), counts, prompt.view(torch.uint8),
+                                                         block, penalised, vocab, BLOCK=BLOCK, num_warps=4)
 
 
 def count(tokens: Tensor, counts: Tensor, block: Tensor, penalised: int) -> None:
