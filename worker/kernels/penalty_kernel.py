@@ -41,7 +41,8 @@ if triton is not None:
         counts = tl.load(counts_ptr + slot * V + cols, mask=ok, other=0)
         in_prompt = tl.load(prompt_ptr + slot * V + cols, mask=ok, other=0) != 0
         seen = (counts > 0) | in_prompt
-        x = tl.where(seen, tl.where(x > 0, x / repetition, x * repetition), x)
+        # Division rounded to nearest, as PyTorch's (Triton may lower a float32 "/" to an approximate one).
+        x = tl.where(seen, tl.where(x > 0, tl.div_rn(x, repetition), x * repetition), x)
         x = x - (frequency * counts.to(tl.float32) + presence * (counts > 0).to(tl.float32))
         tl.store(logits_ptr + row * stride_l + cols, x, mask=ok)
 
