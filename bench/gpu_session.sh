@@ -117,3 +117,8 @@ for b in "${benches[@]}"; do  # BENCH="" runs the tests alone
     *) eval "$b" ;;
   esac
 done
+# PACK=1: everything in $out as one gpu-out.tgz (a device call brings back at most 8 files; a few
+# benchmarks and profiles together write more).
+if [ "${PACK:-0}" = 1 ]; then
+  (cd "$out" && tar czf /tmp/gpu-out.tgz --exclude=gpu-out.tgz . && rm -rf ./* && mv /tmp/gpu-out.tgz .)
+fi
