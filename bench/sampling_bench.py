@@ -151,9 +151,10 @@ def main() -> int:
     try:
         asyncio.run(drive(url, argparse.Namespace(**{**vars(args), "seconds": min(5.0, args.seconds)}), tuple(KINDS),
                           vocab))
-        mixes = [(), tuple(KINDS)] + ([(k,) for k in KINDS] if args.attribute else [])
         if args.only:
             mixes = [(), (args.only,)]
+        else:
+            mixes = [(), tuple(KINDS)] + ([(k,) for k in KINDS] if args.attribute else [])
         runs = [asyncio.run(drive(url, args, mix, vocab)) for mix in mixes]
     finally:
         proc.terminate()

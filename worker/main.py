@@ -79,20 +79,22 @@ def limit_errors(max_num_seqs: int | None, max_seq_len: int | None, max_num_batc
     return errors
 
 
-def itl_target_error(itl_target_ms: float) -> str | None:
-    if not math.isfinite(itl_target_ms) or itl_target_ms < 0:
-        return f"--itl-target-ms must be a finite number of milliseconds, 0 or more (0: derived), got {itl_target_ms}"
+def ms_flag_error(flag: str, value: float, zero: str) -> str | None:
+    """A milliseconds flag that must be finite and 0 or more; ``zero`` says what 0 stands for."""
+    if not math.isfinite(value) or value < 0:
+        return f"{flag} must be a finite number of milliseconds, 0 or more (0: {zero}), got {value}"
     return None
+
+
+def itl_target_error(itl_target_ms: float) -> str | None:
+    return ms_flag_error("--itl-target-ms", itl_target_ms, "derived")
 
 
 def ttft_guard_errors(itl_target_ms: float, itl_max_ms: float, ttft_target_ms: float) -> list[str]:
     """The TTFT guard's flags: finite milliseconds, 0 or more (0: a multiple of the target), and a
     stretch ceiling no tighter than an explicit inter-token target (a stretch never shortens a step)."""
-    errors = []
-    for flag, value, derived in (("--itl-max-ms", itl_max_ms, "2.5 x the inter-token target"),
-                                 ("--ttft-target-ms", ttft_target_ms, "10 x the inter-token target")):
-        if not math.isfinite(value) or value < 0:
-            errors.append(f"{flag} must be a finite number of milliseconds, 0 or more (0: {derived}), got {value}")
+    errors = [e for e in (ms_flag_error("--itl-max-ms", itl_max_ms, "2.5 x the inter-token target"),
+                          ms_flag_error("--ttft-target-ms", ttft_target_ms, "10 x the inter-token target")) if e]
     if not errors and itl_max_ms > 0 and itl_target_ms > 0 and itl_max_ms < itl_target_ms:
         errors.append(f"--itl-max-ms ({itl_max_ms:g}) must be at least --itl-target-ms ({itl_target_ms:g}): "
                       "it is the ceiling a step may stretch to past the target")

@@ -156,7 +156,7 @@ class Engine:
         vocab = loaded.config.vocab_size
         if seq.prompt and (min(seq.prompt) < 0 or max(seq.prompt) >= vocab):
             raise InvalidTokens(f"prompt_token_ids: a token id is outside the vocabulary [0, {vocab})")
-        seq.logits = logits_state_for(req, self.grammars, self.tokenizer, loaded.config.vocab_size,
+        seq.logits = logits_state_for(req, self.grammars, self.tokenizer, vocab,
                                       next(iter(loaded.config.eos_token_ids), 0))
         need = blocks_for(len(seq.prompt) + seq.max_new_tokens, self.blocks.block_size)
         if need > self.blocks.num_blocks:

@@ -251,12 +251,12 @@ class Scheduler:
         batch = self.decode
         nd = len(batch)
         waited, late = 0.0, None
-        if self._guarded(nd):
+        if nd and self.step_budget.can_stretch:  # the wait matters only then
             now = time.perf_counter() if now is None else now
             waited = self.oldest_wait(now)
             late = self.late_prefill(now) if self.step_budget.stretches(waited) else None
         budget = self.step_budget.prefill_tokens(nd, waited, late)
-        normal = self.step_budget.prefill_tokens(nd) if waited else budget
+        normal = self.step_budget.prefill_tokens(nd) if late is not None else budget  # not stretching: the same
         prompt_tokens: list[int] = []
         positions: list[np.ndarray] = [batch.positions]
         slots: list[np.ndarray] = [batch.slots]
@@ -312,12 +312,6 @@ class Scheduler:
         if self._decoded:
             self._register_decoded()
         return ScheduledStep(plan, sequences, samplers, history)
-
-    def _guarded(self, decode_rows: int) -> bool:
-        """Whether this step's prefill depends on how long a prompt has waited (decode rows share it
-        and the budget has a TTFT guard that can stretch): the wait is looked up only then."""
-        budget = self.step_budget
-        return decode_rows > 0 and budget.ttft_target is not None and budget.stretched > budget.with_decode
 
     def oldest_wait(self, now: float) -> float:
         """Seconds the oldest prompt still waiting for its first token has waited at ``now``: one

@@ -202,10 +202,15 @@ class StepBudget:
         """How long a prompt may wait for its first token before steps stretch (None: no guard)."""
         return self.guard.ttft_target if self.guard and self.target is not None else None
 
+    @property
+    def can_stretch(self) -> bool:
+        """Whether any wait would stretch a step: a guard, and a stretched bound above the normal one
+        (the scheduler looks up how long a prompt has waited only then)."""
+        return self.ttft_target is not None and self.stretched > self.with_decode
+
     def stretches(self, waited: float) -> bool:
         """Whether a step with decode rows stretches, the oldest prompt having waited ``waited`` s."""
-        ttft = self.ttft_target
-        return ttft is not None and waited >= ttft and self.stretched > self.with_decode
+        return self.can_stretch and waited >= self.ttft_target
 
     def prefill_tokens(self, decode_rows: int, waited: float = 0.0, late: int | None = None) -> int:
         """Prompt tokens the next step may carry beside ``decode_rows`` decode rows, the oldest prompt

@@ -24,6 +24,7 @@ from torch import Tensor
 
 from graphkeeper.worker.executor.transfer import to_device, to_device_all
 from graphkeeper.worker.kernels import penalty_kernel
+from graphkeeper.worker.kernels.triton_support import available
 from graphkeeper.worker.plan import LogitsBatch
 
 
@@ -76,7 +77,7 @@ class PenaltyCounts:
         """Applies the batch's penalties in place to ``sub`` (float32, a row per entry of
         ``batch.rows``): on CUDA in one kernel launch, elsewhere through ``apply``."""
         at = batch.penalised
-        if penalty_kernel.usable(sub.device):
+        if available(sub.device):
             block = penalty_kernel.params(at, batch.rows[at], batch.penalty_slots, batch.repetition[at],
                                           batch.frequency[at], batch.presence[at])
             self._block = to_device(block, sub.device)

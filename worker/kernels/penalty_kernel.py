@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from graphkeeper.worker.kernels.triton_support import available, tl, triton
+from graphkeeper.worker.kernels.triton_support import tl, triton
 
 #: Vocabulary entries one program of the penalty kernel processes.
 BLOCK = 2048
@@ -53,12 +53,6 @@ if triton is not None:
         slot = tl.load(params_ptr + 2 * P + k).to(tl.int64)
         token = tl.load(tokens_ptr + sample_row).to(tl.int64)
         tl.atomic_add(counts_ptr + slot * V + token, 1)
-
-
-def usable(device: torch.device) -> bool:
-    """Whether the kernels run on ``device`` (CUDA with Triton); elsewhere ``PenaltyCounts``'
-    PyTorch operations do the same work."""
-    return available(device)
 
 
 def params(entries: np.ndarray, sample_rows: np.ndarray, slots: np.ndarray, repetition: np.ndarray,
