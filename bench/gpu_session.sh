@@ -110,10 +110,16 @@ for b in "${benches[@]}"; do  # BENCH="" runs the tests alone
       timeout 200 python3 bench/sampling_bench.py --preset llama-1b --only "${b#profile-}" --seconds 12 \
         --out "$out/sampling-$b-h200.json" > "$out/$b.txt" 2>&1 &
       spy "spy-${b#profile-}" $!; tail -3 "$out/$b.txt" ;;
-    profile-long)  # issue 35: the long scenario at the defaults, the engine profiled throughout (~60 s)
-      timeout 200 python3 bench/load_bench.py --scenarios long --seconds 10 --no-step-times \
-        --out "$out/load-long-profiled-h200.json" > "$out/$b.txt" 2>&1 &
-      spy spy-long $!; grep "^long" "$out/$b.txt" ;;
+    profile-long|profile-mixed)  # issue 35: one scenario at the defaults, the engine profiled throughout (~60 s)
+      timeout 200 python3 bench/load_bench.py --scenarios "${b#profile-}" --seconds 10 --no-step-times \
+        --out "$out/load-${b#profile-}-profiled-h200.json" > "$out/$b.txt" 2>&1 &
+      spy "spy-${b#profile-}" $!; grep "^${b#profile-}" "$out/$b.txt" ;;
+    pacing)  # issue 35: long and decode streams with the stream pacing capped at 8 ms (the default since
+      # 2026-12-05), then at 16 ms (before: 12.8 ms at 64 streams); both through thread_sampler (~150 s)
+      timeout 200 python3 bench/load_bench.py --scenarios long,decode --seconds "${SECONDS_PER:-8}" \
+        --max-flush-gap 0.008 --label "pacing capped at 8 ms" --out "$out/load-pacing-8ms-h200.json"
+      timeout 200 python3 bench/load_bench.py --scenarios long,decode --seconds "${SECONDS_PER:-8}" --no-step-times \
+        --max-flush-gap 0.016 --label "pacing capped at 16 ms (before)" --out "$out/load-pacing-16ms-h200.json" ;;
     *) eval "$b" ;;
   esac
 done

@@ -114,6 +114,8 @@ def add_worker_arguments(parser: argparse.ArgumentParser, *, preset: str) -> Non
                         help="run the workers with this interpreter switch interval, seconds (0: their own)")
     parser.add_argument("--flush-gap", type=float, default=0.0,
                         help="run the workers with this stream pacing per open stream, seconds (0: their own)")
+    parser.add_argument("--max-flush-gap", type=float, default=0.0,
+                        help="run the workers with this cap on the stream pacing, seconds (0: their own)")
 
 
 class Worker(NamedTuple):
@@ -142,9 +144,10 @@ def start_worker(args: argparse.Namespace, flags: WorkerFlags, log_path: Path,
 
     port, metrics, control = free_port(), free_port(), "" if args.legacy else f"127.0.0.1:{free_port()}"
     launcher = ["-m", "graphkeeper.cli"]
-    if sample_out is not None or args.switch_interval or args.flush_gap:
+    if sample_out is not None or args.switch_interval or args.flush_gap or args.max_flush_gap:
         launcher = [str(Path(__file__).parent / "thread_sampler.py"), "--out", str(sample_out or ""),
-                    "--switch-interval", str(args.switch_interval), "--flush-gap", str(args.flush_gap), "--"]
+                    "--switch-interval", str(args.switch_interval), "--flush-gap", str(args.flush_gap),
+                    "--max-flush-gap", str(args.max_flush_gap), "--"]
     cmd = [sys.executable, *launcher, "worker", "--model", args.model or f"random:{args.preset}",
            "--device", args.device, "--dtype", args.dtype, "--port", str(port), "--metrics-port", str(metrics),
            "--max-num-seqs", str(flags.max_num_seqs), "--max-seq-len", str(flags.max_seq_len),

@@ -128,6 +128,8 @@ def main() -> None:
     parser.add_argument("--flush-gap", type=float, default=0.0,
                         help="the API layer's pacing per open stream, seconds, with 200 times it as its cap "
                              "(0: the worker's own)")
+    parser.add_argument("--max-flush-gap", type=float, default=0.0,
+                        help="the pacing's cap, seconds (0: the worker's own, or 200 times --flush-gap with it)")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="-- then graphkeeper's command line")
     args = parser.parse_args()
     worker_args = args.args[1:] if args.args[:1] == ["--"] else args.args
@@ -144,6 +146,10 @@ def main() -> None:
         from graphkeeper.worker.serving import streams
 
         streams.FLUSH_GAP_PER_STREAM, streams.MAX_FLUSH_GAP = args.flush_gap, 200 * args.flush_gap
+    if args.max_flush_gap:
+        from graphkeeper.worker.serving import streams
+
+        streams.MAX_FLUSH_GAP = args.max_flush_gap
     from graphkeeper.cli import main as graphkeeper_main
 
     sys.argv = ["graphkeeper", *worker_args]

@@ -40,13 +40,18 @@ log = logging.getLogger(__name__)
 #: Prompts longer than this are tokenized off the event loop.
 INLINE_TOKENIZE_CHARS = 4096
 #: Pacing under load: a stream writes at most once per (this many seconds x open streams), at most
-#: MAX_FLUSH_GAP, so the API layer's share of the interpreter stays bounded while the engine runs at
-#: the GPU's pace; tokens that arrive in between go out together in the next message. Each write
-#: costs the event loop tens of microseconds under the interpreter lock the engine thread needs: on
-#: the H200 with 64 decoding streams, 0.1 ms per stream held the engine to 0.72 of its FULL-graph
+#: MAX_FLUSH_GAP, so the API layer's writes stay bounded while the engine runs at the GPU's pace;
+#: tokens that arrive in between go out together in the next message. Each write costs the event
+#: loop tens of microseconds: on the H200 with 64 decoding streams, when the engine thread still
+#: shared the API process's interpreter, 0.1 ms per stream held the engine to 0.72 of its FULL-graph
 #: step and 0.2 ms let it reach 0.89 (bench/results/README.md).
 FLUSH_GAP_PER_STREAM = 0.0002
-MAX_FLUSH_GAP = 0.016
+#: The cap is also the longest a token waits for its stream's next write, so it bounds the
+#: inter-token gaps a client sees whenever steps are slower than half of it: with 64 streams and
+#: long prompts (7 ms steps) a 12.8 ms gap left one token per message 12.8 ms after the last, and
+#: put the p99 inter-token gap at 13.8 ms although no step took 9 ms. 8 ms keeps that gap under the
+#: slowest step the step budget plans; the engine core's own process no longer pays for the writes.
+MAX_FLUSH_GAP = 0.008
 #: Niceness of the threads that tokenize long prompts, which also run under SCHED_IDLE: the lowest
 #: priority, so that a flood of expensive requests gets only CPU time that the engine core, the
 #: event loop and the streams leave over (niceness alone still cost the streams 0.8 of their pace on
