@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from graphkeeper.worker.kernels import pdl
+from graphkeeper.worker.kernels.launch_memo import LaunchMemo
 from graphkeeper.worker.kernels.triton_support import available, tl, triton
 
 #: Elements each program of the first kernel reduces.
@@ -51,6 +52,9 @@ if triton is not None:
         # Chunks are in column order, so the smallest index among the best chunks is the first.
         tl.store(out_ptr + row, tl.min(tl.where(values == best, index, n), axis=0).to(tl.int64))
 
+    _chunks = LaunchMemo(_chunk_kernel)
+    _rows = LaunchMemo(_row_kernel)
+
 
 def argmax(x: Tensor) -> Tensor:
     """``torch.argmax(x, dim=-1)`` for a ``[rows, n]`` tensor, as int64; the two kernels on CUDA
@@ -63,8 +67,8 @@ def argmax(x: Tensor) -> Tensor:
     index = torch.empty(rows, chunks, dtype=torch.int32, device=x.device)
     out = torch.empty(rows, dtype=torch.int64, device=x.device)
     if rows:
-        _chunk_kernel[(rows, chunks)](x, values, index, n, x.stride(0), chunks, CHUNK=CHUNK, num_warps=8,
-                                      **pdl.launch_options())
-        _row_kernel[(rows,)](values, index, out, n, chunks, CHUNKS_PAD=triton.next_power_of_2(chunks), num_warps=1,
-                             **pdl.launch_options())
+        _chunks.launch((rows, chunks), x, values, index, n, x.stride(0), chunks, CHUNK=CHUNK, num_warps=8,
+                       **pdl.launch_options())
+        _rows.launch((rows,), values, index, out, n, chunks, CHUNKS_PAD=triton.next_power_of_2(chunks), num_warps=1,
+                     **pdl.launch_options())
     return out

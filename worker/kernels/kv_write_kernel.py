@@ -9,6 +9,7 @@ from __future__ import annotations
 from torch import Tensor
 
 from graphkeeper.worker.kernels import pdl
+from graphkeeper.worker.kernels.launch_memo import LaunchMemo
 from graphkeeper.worker.kernels.triton_support import available, tl, triton
 
 if triton is not None:
@@ -29,6 +30,8 @@ if triton is not None:
         else:
             tl.store(v_cache_ptr + dest + cols, tl.load(v_ptr + token * stride_v + cols, mask=ok), mask=ok)
 
+    _write = LaunchMemo(_write_kernel)
+
 
 def fits(k: Tensor, v: Tensor) -> bool:
     """Whether the kernel can write ``k``/``v`` ``[T, n_kv, head_dim]`` (CUDA, heads contiguous)."""
@@ -39,5 +42,5 @@ def write(k: Tensor, v: Tensor, k_layer: Tensor, v_layer: Tensor, rows: Tensor) 
     """Stores ``k``/``v`` at the flat cache ``rows`` of one layer's views; no host sync."""
     t, row = k.shape[0], k.shape[1] * k.shape[2]
     if t:
-        _write_kernel[(t, 2)](k, v, k_layer, v_layer, rows, k.stride(0), v.stride(0),
-                              ROW=row, BLOCK=triton.next_power_of_2(row), num_warps=1, **pdl.launch_options())
+        _write.launch((t, 2), k, v, k_layer, v_layer, rows, k.stride(0), v.stride(0),
+                      ROW=row, BLOCK=triton.next_power_of_2(row), num_warps=1, **pdl.launch_options())

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from graphkeeper.worker.kernels.launch_memo import LaunchMemo
 from graphkeeper.worker.kernels.timing import graph_time, weight_copies
 from graphkeeper.worker.kernels.triton_support import tl, triton
 
@@ -198,6 +199,8 @@ if triton is not None:
         tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], out.to(out_ptr.dtype.element_ty),
                  mask=row_ok[:, None] & col_ok[None, :])
 
+    _skinny = LaunchMemo(_skinny_kernel)
+
 
 def skinny_linear(x: Tensor, weight: Tensor, scale: Tensor | None = None, tile: Tile | None = None) -> Tensor:
     """``x [M, K] @ weight[N, K]^T`` (times ``scale`` per output channel or per tensor) in one launch."""
@@ -212,7 +215,8 @@ def skinny_linear(x: Tensor, weight: Tensor, scale: Tensor | None = None, tile: 
     if block_m > 1:
         block_n = max(16, block_n)  # tl.dot needs 16 columns
     grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m))
-    _skinny_kernel[grid](
+    _skinny.launch(
+        grid,
         x, weight, scale if scale is not None else weight, out, m, n, x.stride(0), weight.stride(0),
         out.stride(0), K=k, HAS_SCALE=scale is not None, SCALE_PER_CHANNEL=scale is not None and scale.numel() > 1,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=tile.warps, num_stages=tile.stages,

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from graphkeeper.worker.kernels.launch_memo import LaunchMemo
 from graphkeeper.worker.kernels.triton_support import tl, triton
 
 #: Vocabulary entries one program of the penalty kernel processes.
@@ -54,6 +55,9 @@ if triton is not None:
         token = tl.load(tokens_ptr + sample_row).to(tl.int64)
         tl.atomic_add(counts_ptr + slot * V + token, 1)
 
+    _apply = LaunchMemo(_apply_kernel)
+    _count = LaunchMemo(_count_kernel)
+
 
 def params(entries: np.ndarray, sample_rows: np.ndarray, slots: np.ndarray, repetition: np.ndarray,
            frequency: np.ndarray, presence: np.ndarray) -> np.ndarray:
@@ -68,10 +72,10 @@ def apply(logits: Tensor, counts: Tensor, prompt: Tensor, block: Tensor, penalis
     ``penalised`` rows the parameter ``block`` (int32, on the device) names."""
     vocab = logits.shape[1]
     # The prompt marks as bytes: the same memory, a pointer type every Triton build loads alike.
-    _apply_kernel[(penalised, triton.cdiv(vocab, BLOCK))](logits, logits.stride(0), counts, prompt.view(torch.uint8),
-                                                         block, penalised, vocab, BLOCK=BLOCK, num_warps=4)
+    _apply.launch((penalised, triton.cdiv(vocab, BLOCK)), logits, logits.stride(0), counts, prompt.view(torch.uint8),
+                  block, penalised, vocab, BLOCK=BLOCK, num_warps=4)
 
 
 def count(tokens: Tensor, counts: Tensor, block: Tensor, penalised: int) -> None:
     """Adds each penalised row's sampled token (``tokens``, per sample row) to its slot's counts."""
-    _count_kernel[(penalised,)](tokens, counts, block, penalised, counts.shape[1], num_warps=1)
+    _count.launch((penalised,), tokens, counts, block, penalised, counts.shape[1], num_warps=1)

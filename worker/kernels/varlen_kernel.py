@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from graphkeeper.worker.kernels.launch_memo import LaunchMemo
 from graphkeeper.worker.kernels.triton_support import tl, triton
 
 #: Query tokens per block (a prefill chunk of n tokens makes ceil(n / BLOCK_Q) blocks).
@@ -67,6 +68,8 @@ if triton is not None:
         o_offsets = (first_row + token)[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :]
         tl.store(out_ptr + o_offsets, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
+    _varlen = LaunchMemo(_varlen_kernel)
+
 
 def varlen_attention(
     q: Tensor, k_cache: Tensor, v_cache: Tensor, block_row: Tensor, block_len: Tensor, block_slot: Tensor,
@@ -88,7 +91,8 @@ def varlen_attention(
     out3 = out.view(rows, heads, head_dim)
     if num_blocks:
         group_pad = triton.next_power_of_2(group)
-        _varlen_kernel[(num_blocks, kv_heads)](
+        _varlen.launch(
+            (num_blocks, kv_heads),
             q, k_cache, v_cache, out3, block_row, block_len, block_slot, block_pos, block_table, head_dim ** -0.5,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(2), k_cache.stride(1),
             out3.stride(0), out3.stride(1), block_table.stride(0),
