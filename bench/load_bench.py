@@ -419,7 +419,7 @@ def main() -> int:
     results: dict = {
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), "command": " ".join(sys.argv),
         "commit": _commit(), "label": args.label, "switch_interval": args.switch_interval,
-        "flush_gap": args.flush_gap, "preset": args.preset, "dtype": args.dtype,
+        "flush_gap": args.flush_gap, "max_flush_gap": args.max_flush_gap, "preset": args.preset, "dtype": args.dtype,
         "gpu": _gpu_name(args.device), "host": platform.node(), "scenarios": [],
     }
     logs = Path(args.logs) if args.logs else Path(tempfile.mkdtemp(prefix="load-bench-"))
