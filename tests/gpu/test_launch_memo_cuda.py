@@ -13,7 +13,10 @@ import torch
 
 from graphkeeper.worker.kernels import argmax_kernel, kv_write_kernel, varlen_kernel
 
-pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")]
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU (run pytest -m cuda on one)"),
+]
 
 
 class Counting:
