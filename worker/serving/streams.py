@@ -49,8 +49,9 @@ FLUSH_GAP_PER_STREAM = 0.0002
 #: The cap is also the longest a token waits for its stream's next write, so it bounds the
 #: inter-token gaps a client sees whenever steps are slower than half of it: with 64 streams and
 #: long prompts (7 ms steps) a 12.8 ms gap left one token per message 12.8 ms after the last, and
-#: put the p99 inter-token gap at 13.8 ms although no step took 9 ms. 8 ms keeps that gap under the
-#: slowest step the step budget plans; the engine core's own process no longer pays for the writes.
+#: put the p99 inter-token gap at 13.8 ms although no step was planned above 8.5 ms. 8 ms keeps
+#: that gap under the slowest step the step budget plans; the engine core's own process no longer
+#: pays for the writes.
 MAX_FLUSH_GAP = 0.008
 #: Niceness of the threads that tokenize long prompts, which also run under SCHED_IDLE: the lowest
 #: priority, so that a flood of expensive requests gets only CPU time that the engine core, the
