@@ -142,14 +142,13 @@ def main() -> None:
         from graphkeeper.worker.engine import spawn as engine_spawn
 
         engine_spawn.SWITCH_INTERVAL_SECONDS = args.switch_interval
-    if args.flush_gap:
+    if args.flush_gap or args.max_flush_gap:
         from graphkeeper.worker.serving import streams
 
-        streams.FLUSH_GAP_PER_STREAM, streams.MAX_FLUSH_GAP = args.flush_gap, 200 * args.flush_gap
-    if args.max_flush_gap:
-        from graphkeeper.worker.serving import streams
-
-        streams.MAX_FLUSH_GAP = args.max_flush_gap
+        if args.flush_gap:
+            streams.FLUSH_GAP_PER_STREAM, streams.MAX_FLUSH_GAP = args.flush_gap, 200 * args.flush_gap
+        if args.max_flush_gap:
+            streams.MAX_FLUSH_GAP = args.max_flush_gap
     from graphkeeper.cli import main as graphkeeper_main
 
     sys.argv = ["graphkeeper", *worker_args]

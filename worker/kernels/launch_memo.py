@@ -43,7 +43,8 @@ class LaunchMemo:
 
     def __init__(self, kernel: Any) -> None:
         self.kernel = kernel
-        self._compiled: dict[tuple, Any] = {}
+        #: key -> (the compiled kernel, the parameters the call named by keyword, in signature order)
+        self._compiled: dict[tuple, tuple[Any, tuple[str, ...]]] = {}
         self._direct = _direct_supported() and type(kernel).__name__ == "JITFunction"
         self._params = tuple(getattr(kernel, "arg_names", ()))
         self._knobs: Any = None  # Triton's runtime knobs and driver, bound at the first launch: a
@@ -62,15 +63,19 @@ class LaunchMemo:
         device = self._device()
         key = (device, *kwargs.items(), *[(a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, Tensor) else a
                                           for a in args])
-        compiled = self._compiled.get(key)
-        if compiled is None:
+        seen = self._compiled.get(key)
+        if seen is None:
             compiled = self.kernel[grid](*args, **kwargs)
-            if self._complete(args, kwargs):
-                self._compiled[key] = compiled
+            named = self._params[len(args):]
+            # Only a call that named every later parameter by keyword: one left to its default
+            # could not be listed in order.
+            if all(name in kwargs for name in named):
+                self._compiled[key] = (compiled, named)
             return
+        compiled, named = seen
         x, y, z = grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1
         compiled.run(x, y, z, self._stream(device), compiled.function, compiled.packed_metadata, None, None, None,
-                     *args, *[kwargs[name] for name in self._params[len(args):]])
+                     *args, *[kwargs[name] for name in named])
 
     def _bind(self) -> None:
         from triton import knobs
@@ -79,11 +84,6 @@ class LaunchMemo:
         self._knobs = knobs.runtime
         self._device = driver.active.get_current_device
         self._stream = driver.active.get_current_stream
-
-    def _complete(self, args: tuple, kwargs: dict) -> bool:
-        """Whether the call named every parameter after its positional ones by keyword, so the
-        direct path can list every parameter in order (one left to its default could not be)."""
-        return all(name in kwargs for name in self._params[len(args):])
 
     def __len__(self) -> int:
         """Specializations seen (for tests)."""
