@@ -2,15 +2,20 @@
 streams where every request is plain, against the same batch where half the streams ask for log
 probabilities (5 alternatives), penalties (frequency, presence, repetition) or a JSON schema, a
 third of that half each (``--attribute``: also half the streams with each kind alone, to see which
-kind costs what). Every request is greedy with ``ignore_eos``; a JSON-schema request still ends
-when its grammar does (an array of strings the model may close at any token: on the H200 they
-averaged 63 of 128 tokens), so that kind starts more requests per token. Tokens/s over
-``--seconds`` per run, and the share of each request's steps that replayed graphs (its
-``graphkeeper.execution`` summary), which must stay 1.0.
+kind costs what). Every request is greedy with ``ignore_eos``. A JSON-schema request would still end
+when its grammar does, so its schema (an array of at least ``--output-tokens`` strings, each at
+least three tokens of this tokenizer) cannot be complete before ``max_tokens``: every kind runs
+the same number of tokens a request and starts the same number of requests, and the comparison
+prices the grammar, not shorter requests. (Before 2026-12-05 the array had no minimum: the model
+closed it after 58-63 of 128 tokens on the H200, and that kind started twice the requests.)
+Tokens/s over ``--seconds`` per run, and the share of each request's steps that replayed graphs
+(its ``graphkeeper.execution`` summary), which must stay 1.0.
 
 The client is one asyncio process of plain HTTP (aiohttp, the worker's own dependency), one
 connection per stream and one non-streaming response per request, so its work per token is nil;
-the run also records its CPU time against its wall time to show it is not the limit.
+the run also records its CPU time against its wall time to show it is not the limit. It records the
+worker's two processes' CPU the same way (the API process, and the engine core, its busiest
+child): a process near a whole core is the one that sets the pace.
 
 The model is ``random:<preset>`` saved with a byte-level tokenizer of the model's vocabulary (the
 256 byte symbols, then placeholder words), so JSON can be spelt and every id decodes; prompts are
@@ -40,13 +45,47 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import openai_bench  # noqa: E402  (bench/openai_bench.py, beside this file: the model directory)
 from http_client import free_port, wait_ready  # noqa: E402  (bench/http_client.py, beside this file)
 
-SCHEMA = {"type": "array", "items": {"type": "string"}}
-#: What the parameterised half of the streams asks for, in turn.
+#: What the parameterised half of the streams asks for, in turn (the schema's minItems is set to
+#: the run's output tokens: ``asked``).
 KINDS = {
     "logprobs": {"logprobs": 5},
     "penalties": {"frequency_penalty": 0.5, "presence_penalty": 0.5, "repetition_penalty": 1.1},
-    "json_schema": {"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA}}},
+    "json_schema": {"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {
+        "type": "array", "items": {"type": "string"}}}}},
 }
+
+
+def asked(output_tokens: int) -> dict[str, dict]:
+    """``KINDS`` for requests of ``output_tokens`` tokens: the schema asks for at least that many
+    strings, so a request cannot close its array before ``max_tokens``."""
+    out = json.loads(json.dumps(KINDS))
+    out["json_schema"]["response_format"]["json_schema"]["schema"]["minItems"] = output_tokens
+    return out
+
+
+def cpu_seconds(pid: int) -> dict[int, float]:
+    """CPU seconds (user and system) of ``pid`` and each of its descendants, by pid; a process
+    that is gone is left out."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[int, float] = {}
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        out[pid] = (int(fields[11]) + int(fields[12])) / tick
+        children = [int(c) for task in Path(f"/proc/{pid}/task").iterdir()
+                    for c in (task / "children").read_text().split()]
+    except (OSError, ValueError):
+        return out
+    for child in children:
+        out.update(cpu_seconds(child))
+    return out
+
+
+def worker_cpu_share(worker: int, before: dict[int, float], after: dict[int, float], wall: float) -> dict:
+    """The worker's processes' CPU over ``wall`` seconds, in cores: the API process (``worker``)
+    and the engine core (its busiest child)."""
+    used = {pid: after[pid] - before.get(pid, 0.0) for pid in after}
+    children = [v for pid, v in used.items() if pid != worker]
+    return {"api_process": used.get(worker, 0.0) / wall, "engine_process": max(children, default=0.0) / wall}
 
 
 def byte_tokenizer(vocab: int, path: Path) -> None:
@@ -80,12 +119,14 @@ def start_worker(model: Path, args: argparse.Namespace, log: Path) -> tuple[subp
     return proc, url
 
 
-async def drive(url: str, args: argparse.Namespace, mix: tuple[str, ...], vocab: int) -> dict:
+async def drive(url: str, args: argparse.Namespace, mix: tuple[str, ...], vocab: int, worker: int) -> dict:
     """``--streams`` loops of requests for ``--seconds``, every other one asking for a kind of
-    ``mix`` in turn (none: all plain); counts tokens and graph steps by kind."""
+    ``mix`` in turn (none: all plain); counts tokens and graph steps by kind, and the CPU of the
+    client and of the ``worker`` process's tree."""
     import aiohttp
 
     rng = random.Random(7)
+    asks = asked(args.output_tokens)
     kinds = ["plain"] * args.streams
     if mix:
         for i in range(args.streams // 2):
@@ -96,7 +137,7 @@ async def drive(url: str, args: argparse.Namespace, mix: tuple[str, ...], vocab:
     async def stream(session: aiohttp.ClientSession, kind: str) -> None:
         while time.perf_counter() < deadline:
             body = {"model": "bench", "prompt": [rng.randrange(256, vocab) for _ in range(args.prompt_tokens)],
-                    "max_tokens": args.output_tokens, "temperature": 0, "ignore_eos": True, **KINDS.get(kind, {})}
+                    "max_tokens": args.output_tokens, "temperature": 0, "ignore_eos": True, **asks.get(kind, {})}
             async with session.post(url + "/v1/completions", json=body) as resp:
                 reply = await resp.json()
             row = stats[kind]
@@ -110,19 +151,20 @@ async def drive(url: str, args: argparse.Namespace, mix: tuple[str, ...], vocab:
             row["graph_steps"] += graphs
             row["steps"] += graphs + sum(int(e["steps"]) for e in execution.get("eager_steps", []))
 
-    cpu0, wall0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+    cpu0, wall0, tree0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter(), cpu_seconds(worker)
     connector = aiohttp.TCPConnector(limit=args.streams)
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=600)) as session:
         await asyncio.gather(*(stream(session, k) for k in kinds))
     wall = time.perf_counter() - wall0
-    cpu1 = resource.getrusage(resource.RUSAGE_SELF)
+    cpu1, tree1 = resource.getrusage(resource.RUSAGE_SELF), cpu_seconds(worker)
     tokens = sum(r["tokens"] for r in stats.values())
     steps = sum(r["steps"] for r in stats.values())
     name = "plain" if not mix else "half parameterised" if len(mix) > 1 else f"half {mix[0]}"
     return {"mix": name, "seconds": wall, "tokens": tokens,
             "tokens_per_s": tokens / wall, "graph_step_share": sum(r["graph_steps"] for r in stats.values()) / steps
             if steps else None, "client_cpu_share": (cpu1.ru_utime + cpu1.ru_stime - cpu0.ru_utime - cpu0.ru_stime)
-            / wall, "by_kind": {k: v for k, v in stats.items() if v["requests"] or v["errors"]}}
+            / wall, "worker_cpu": worker_cpu_share(worker, tree0, tree1, wall),
+            "by_kind": {k: v for k, v in stats.items() if v["requests"] or v["errors"]}}
 
 
 def main() -> int:
@@ -150,12 +192,12 @@ def main() -> int:
     proc, url = start_worker(model, args, out.with_suffix(".worker.log"))
     try:
         asyncio.run(drive(url, argparse.Namespace(**{**vars(args), "seconds": min(5.0, args.seconds)}), tuple(KINDS),
-                          vocab))
+                          vocab, proc.pid))
         if args.only:
             mixes = [(), (args.only,)]
         else:
             mixes = [(), tuple(KINDS)] + ([(k,) for k in KINDS] if args.attribute else [])
-        runs = [asyncio.run(drive(url, args, mix, vocab)) for mix in mixes]
+        runs = [asyncio.run(drive(url, args, mix, vocab, proc.pid)) for mix in mixes]
     finally:
         proc.terminate()
         proc.wait(120)
@@ -171,7 +213,9 @@ def main() -> int:
     out.write_text(json.dumps(result, indent=2) + "\n")
     for run in runs:
         print(f"{run['mix']:>22}: {run['tokens_per_s']:9.1f} tokens/s, graph steps {run['graph_step_share']}, "
-              f"client CPU {run['client_cpu_share']:.2f}", flush=True)
+              f"client CPU {run['client_cpu_share']:.2f}, worker CPU: API {run['worker_cpu']['api_process']:.2f}, "
+              f"engine {run['worker_cpu']['engine_process']:.2f}, tokens/request "
+              f"{run['tokens'] / max(1, sum(r['requests'] for r in run['by_kind'].values())):.1f}", flush=True)
     print(f"{runs[1]['mix']} / plain: {result['mixed_over_plain']:.3f} (acceptance, all kinds: >= 0.90)", flush=True)
     return 0
 
