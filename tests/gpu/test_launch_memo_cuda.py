@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from graphkeeper.worker.kernels import argmax_kernel, kv_write_kernel, varlen_kernel
+from graphkeeper.worker.kernels import argmax_kernel, kv_write_kernel, mask_kernel, varlen_kernel
 
 pytestmark = [
     pytest.mark.cuda,
@@ -59,6 +59,13 @@ def write(kv, rows, k_layer, v_layer):
 def attend(q, k, v, work, blocks, table):
     """``varlen_attention`` over the first ``blocks`` of the work list ``work`` ``[4, 16]``."""
     return (varlen_kernel.varlen_attention(q, k, v, work[0], work[1], work[2], work[3], blocks, table),)
+
+
+def masked(logits, words, rows):
+    """A copy of ``logits`` with the grammar bitmasks ``words`` applied to its ``rows``."""
+    out = logits.clone()
+    mask_kernel.apply(out, words, rows)
+    return (out,)
 
 
 def test_kv_writes_through_the_memo_equal_triton_launches_across_layers_and_views():
@@ -124,3 +131,26 @@ def test_argmax_through_the_memo_equals_triton_launches_and_torch():
         missed.append(misses)
         assert torch.equal(direct[0], through_triton[0]) and torch.equal(direct[0], x.argmax(dim=-1))
     assert missed[1] == 0  # the same shape again: both kernels launched directly
+
+
+def test_grammar_masks_through_the_memo_equal_triton_launches_and_unpacked_masks():
+    """At llama's vocabulary: the mask kernel, launched directly and through Triton, writes what
+    unpacking the bitmasks and filling writes; a second step of other rows launches directly."""
+    from graphkeeper.worker.executor.logits import unpack_mask
+
+    vocab = 128_256
+    g = torch.Generator(device="cuda").manual_seed(3)
+    missed = []
+    for rows in ([0, 5, 9], [2, 3, 11]):
+        at = torch.tensor(rows, device="cuda")
+        words = torch.randint(-2**31, 2**31 - 1, (3, (vocab + 31) // 32), device="cuda", dtype=torch.int32,
+                              generator=g)
+        words[1] = -1  # allows everything: the row stays as it was
+        sub = torch.randn(12, vocab, device="cuda", generator=g)
+        want = sub.clone()
+        want[at] = want[at].masked_fill(~unpack_mask(words, vocab), float("-inf"))
+        direct, through_triton, misses = both([mask_kernel._mask], masked, sub, words, at)
+        missed.append(misses)
+        assert torch.equal(direct[0], through_triton[0]) and torch.equal(direct[0], want)
+        assert torch.equal(direct[0][rows[1]], sub[rows[1]])
+    assert missed[1] == 0

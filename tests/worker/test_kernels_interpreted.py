@@ -161,6 +161,37 @@ def test_the_penalty_kernels_match_penalty_counts_in_the_triton_interpreter():
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stdout[-2000:] + out.stderr[-4000:]
 
 
+MASK_CHECKS = textwrap.dedent('''
+    import torch
+    from graphkeeper.worker.executor.logits import unpack_mask
+    from graphkeeper.worker.kernels import mask_kernel as mk
+
+    torch.manual_seed(0)
+    V = 3000  # two whole blocks of 1,024 and a partial one; 94 words, the last one cut at the vocabulary
+    words = torch.randint(-2**31, 2**31 - 1, (3, (V + 31) // 32), dtype=torch.int32)
+    words[1] = -1  # a grammar that allows everything: its row stays exactly as it was
+    words[2, 5] = 0  # 32 tokens refused at once
+    sub = torch.randn(5, V) * 3
+    rows = torch.tensor([4, 0, 2])
+    want = sub.clone()
+    want[rows] = want[rows].masked_fill(~unpack_mask(words, V), float("-inf"))
+    got = sub.clone()
+    mk.apply(got, words, rows)
+    assert torch.equal(got, want)
+    assert torch.equal(got[[1, 3]], sub[[1, 3]]) and torch.equal(got[0], sub[0])
+    assert torch.isinf(got[2, 160:192]).all()
+    print("ok")
+''')
+
+
+def test_the_mask_kernel_matches_unpacked_masks_in_the_triton_interpreter():
+    """One launch applies a step's grammar bitmasks to the rows they name exactly as unpacking
+    them and filling does (rows not named, and tokens allowed, untouched)."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    out = subprocess.run([sys.executable, "-c", MASK_CHECKS], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stdout[-2000:] + out.stderr[-4000:]
+
+
 def test_kernels_match_their_references_in_the_triton_interpreter():
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     out = subprocess.run([sys.executable, "-c", CHECKS], env=env, capture_output=True, text=True, timeout=600)

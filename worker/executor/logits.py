@@ -23,6 +23,8 @@ from torch import Tensor
 
 from graphkeeper.worker.executor.penalty_counts import PenaltyCounts
 from graphkeeper.worker.executor.transfer import to_device, to_device_all
+from graphkeeper.worker.kernels import mask_kernel
+from graphkeeper.worker.kernels.triton_support import available
 from graphkeeper.worker.plan import LogitsBatch, SamplingBatch
 
 
@@ -40,8 +42,7 @@ def process(logits: Tensor, batch: LogitsBatch, sampling: SamplingBatch | None, 
         device)
     sub = out.index_select(0, rows)
     if len(batch.mask_rows):
-        allowed = unpack_mask(to_device(batch.masks, device), sub.shape[-1])
-        sub[mask_rows] = sub[mask_rows].masked_fill(~allowed, float("-inf"))
+        apply_masks(sub, to_device(batch.masks, device), mask_rows)
     if batch.bias[1].size:
         sub.index_put_((bias_at[0], bias_at[1]), to_device(batch.bias[1], device), accumulate=True)
     if len(batch.reset_slots):
@@ -73,6 +74,17 @@ def _min_p(sub: Tensor, min_p: np.ndarray, temperature: np.ndarray) -> None:
     part = sub[where]
     floor = part.max(dim=-1, keepdim=True).values + to_device(offset.astype(np.float32), sub.device)[:, None]
     sub[where] = part.masked_fill(part < floor, float("-inf"))
+
+
+def apply_masks(sub: Tensor, masks: Tensor, rows: Tensor) -> None:
+    """Sets to ``-inf``, in ``sub``'s rows ``rows``, every token their grammars' bitmasks
+    ``masks`` (``[len(rows), words]`` int32) do not allow: on CUDA in one launch
+    (``mask_kernel``), elsewhere by unpacking the masks."""
+    if available(sub.device):
+        mask_kernel.apply(sub, masks, rows)
+        return
+    allowed = unpack_mask(masks, sub.shape[-1])
+    sub[rows] = sub[rows].masked_fill(~allowed, float("-inf"))
 
 
 def unpack_mask(words: Tensor, vocab: int) -> Tensor:
