@@ -12,6 +12,8 @@ decode steps of all four. Every rank is given the same plans, as rank 0's engine
 
 from __future__ import annotations
 
+import os
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -183,6 +185,9 @@ def rank_main(rank: int, size: int, init_method: str, source: str, device: str, 
         close_tensor_parallel(tp, peers_alive=False)
         raise
     close_tensor_parallel(tp)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # as a worker's ranks end: the group is not torn down (close_tensor_parallel says why)
 
 
 def run_ranks(size: int, source: str, device: str, out_dir: Path, setup: Setup = eager_setup,

@@ -138,20 +138,22 @@ def first_ranks(value: Any, tp: TensorParallel) -> Any:
 
 
 def close_tensor_parallel(tp: TensorParallel, *, peers_alive: bool = True) -> None:
-    """Leaves the process group (nothing when ``tp`` is not enabled): a barrier, so no rank tears
-    its connections down while a peer may still be using them, then the group is destroyed.
+    """Ends this rank's part in the process group (nothing when ``tp`` is not enabled): a barrier,
+    so no rank exits while a peer may still be using its connections. The group is not torn
+    down: the rank's process then ends with ``os._exit``, as a worker's ranks do, and leaves the
+    group to the operating system. Gloo's teardown can abort a process whose peer closed its
+    connections first ("terminate called without an active exception": a two-rank CPU test's
+    rank 0 ended so once in a whole-suite run, and not in 9 runs alone), and so could the
+    interpreter's own finalisation, which destroys the group's objects.
 
-    With ``peers_alive`` false (a peer died, a collective failed) nothing is done: a Gloo group
-    with a broken connection can abort the process while it is torn down ("terminate called
-    without an active exception"), so a failing rank ends with ``os._exit`` and its own exit
-    code instead, and leaves the group to the operating system."""
+    With ``peers_alive`` false (a peer died, a collective failed) there is no barrier: a failing
+    rank ends with ``os._exit`` and its own exit code."""
     if not tp.enabled or not peers_alive:
         return
     import torch.distributed as dist
 
     if dist.is_initialized():
         dist.barrier(group=tp.group)
-        dist.destroy_process_group()
 
 
 def all_reduce(x: Tensor, tp: TensorParallel) -> Tensor:
