@@ -15,7 +15,11 @@ The client is one asyncio process of plain HTTP (aiohttp, the worker's own depen
 connection per stream and one non-streaming response per request, so its work per token is nil;
 the run also records its CPU time against its wall time to show it is not the limit. It records the
 worker's two processes' CPU the same way (the API process, and the engine core, its busiest
-child): a process near a whole core is the one that sets the pace.
+child): a process near a whole core is the one that sets the pace. From the worker's ``/metrics``
+it records the engine's steps over the run: their mean wall time, the sequences in a step, and the
+share of the run spent stepping. A kind that costs throughput through slower steps is host or
+device work on the step's path; one that costs it through fewer sequences a step is time between
+a request's end and its stream's next request entering a step (the response, the client, admission).
 
 The model is ``random:<preset>`` saved with a byte-level tokenizer of the model's vocabulary (the
 256 byte symbols, then placeholder words), so JSON can be spelt and every id decodes; prompts are
@@ -80,6 +84,35 @@ def cpu_seconds(pid: int) -> dict[int, float]:
     return out
 
 
+def engine_steps(metrics_port: int) -> dict[str, float]:
+    """The engine's step counters from the worker's ``/metrics``: the steps' wall time (sum and
+    count over every mode) and sequences per step (sum and count), summed over their labels."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    wanted = {"graphkeeper_step_duration_seconds_sum": "seconds", "graphkeeper_step_duration_seconds_count": "steps",
+              "graphkeeper_step_sequences_sum": "sequences", "graphkeeper_step_sequences_count": "sequence_steps"}
+    out = dict.fromkeys(wanted.values(), 0.0)
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in wanted:
+                out[wanted[sample.name]] += sample.value
+    return out
+
+
+def step_summary(before: dict[str, float], after: dict[str, float], wall: float) -> dict:
+    """What the engine's steps did over a run: how many, their mean wall time, the sequences in
+    a step, and the share of the run the engine spent stepping (below 1: it waited for work, so
+    what limits the run is outside the engine)."""
+    d = {k: after[k] - before[k] for k in after}
+    return {"steps": d["steps"], "mean_step_ms": 1e3 * d["seconds"] / d["steps"] if d["steps"] else None,
+            "sequences_per_step": d["sequences"] / d["sequence_steps"] if d["sequence_steps"] else None,
+            "stepping_share": d["seconds"] / wall}
+
+
 def worker_cpu_share(worker: int, before: dict[int, float], after: dict[int, float], wall: float) -> dict:
     """The worker's processes' CPU over ``wall`` seconds, in cores: the API process (``worker``)
     and the engine core (its busiest child)."""
@@ -108,9 +141,10 @@ def prepare_model(preset: str, device: str, dtype: str, root: Path) -> Path:
 
 def start_worker(model: Path, args: argparse.Namespace, log: Path) -> tuple[subprocess.Popen, str]:
     http = free_port()
+    args.metrics_port = free_port()
     cmd = [sys.executable, "-m", "graphkeeper.cli", "worker", "--model", str(model), "--device", args.device,
            "--dtype", args.dtype, "--port", str(free_port()), "--control-port", str(free_port()),
-           "--metrics-port", "0", "--http-port", str(http), "--served-model-name", "bench",
+           "--metrics-port", str(args.metrics_port), "--http-port", str(http), "--served-model-name", "bench",
            "--max-num-seqs", str(max(64, args.streams)), "--max-seq-len", str(args.max_seq_len),
            "--max-num-batched-tokens", "512", "--log-level", "WARNING", *args.worker_args.split()]
     proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
@@ -151,19 +185,21 @@ async def drive(url: str, args: argparse.Namespace, mix: tuple[str, ...], vocab:
             row["graph_steps"] += graphs
             row["steps"] += graphs + sum(int(e["steps"]) for e in execution.get("eager_steps", []))
 
+    steps0 = engine_steps(args.metrics_port)
     cpu0, wall0, tree0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter(), cpu_seconds(worker)
     connector = aiohttp.TCPConnector(limit=args.streams)
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=600)) as session:
         await asyncio.gather(*(stream(session, k) for k in kinds))
     wall = time.perf_counter() - wall0
     cpu1, tree1 = resource.getrusage(resource.RUSAGE_SELF), cpu_seconds(worker)
+    steps = step_summary(steps0, engine_steps(args.metrics_port), wall)
     tokens = sum(r["tokens"] for r in stats.values())
-    steps = sum(r["steps"] for r in stats.values())
+    seen = sum(r["steps"] for r in stats.values())
     name = "plain" if not mix else "half parameterised" if len(mix) > 1 else f"half {mix[0]}"
     return {"mix": name, "seconds": wall, "tokens": tokens,
-            "tokens_per_s": tokens / wall, "graph_step_share": sum(r["graph_steps"] for r in stats.values()) / steps
-            if steps else None, "client_cpu_share": (cpu1.ru_utime + cpu1.ru_stime - cpu0.ru_utime - cpu0.ru_stime)
-            / wall, "worker_cpu": worker_cpu_share(worker, tree0, tree1, wall),
+            "tokens_per_s": tokens / wall, "graph_step_share": sum(r["graph_steps"] for r in stats.values()) / seen
+            if seen else None, "client_cpu_share": (cpu1.ru_utime + cpu1.ru_stime - cpu0.ru_utime - cpu0.ru_stime)
+            / wall, "worker_cpu": worker_cpu_share(worker, tree0, tree1, wall), "engine_steps": steps,
             "by_kind": {k: v for k, v in stats.items() if v["requests"] or v["errors"]}}
 
 
@@ -214,7 +250,9 @@ def main() -> int:
     for run in runs:
         print(f"{run['mix']:>22}: {run['tokens_per_s']:9.1f} tokens/s, graph steps {run['graph_step_share']}, "
               f"client CPU {run['client_cpu_share']:.2f}, worker CPU: API {run['worker_cpu']['api_process']:.2f}, "
-              f"engine {run['worker_cpu']['engine_process']:.2f}, tokens/request "
+              f"engine {run['worker_cpu']['engine_process']:.2f}; steps {run['engine_steps']['mean_step_ms']:.2f} ms, "
+              f"{run['engine_steps']['sequences_per_step']:.1f} sequences, stepping "
+              f"{run['engine_steps']['stepping_share']:.2f} of the run; tokens/request "
               f"{run['tokens'] / max(1, sum(r['requests'] for r in run['by_kind'].values())):.1f}", flush=True)
     print(f"{runs[1]['mix']} / plain: {result['mixed_over_plain']:.3f} (acceptance, all kinds: >= 0.90)", flush=True)
     return 0
