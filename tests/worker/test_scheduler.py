@@ -8,6 +8,7 @@ import asyncio
 
 import numpy as np
 
+from graphkeeper.proto import worker_pb2 as pb
 from graphkeeper.worker.engine.scheduler import Scheduler, sub_step
 from graphkeeper.worker.engine.sequence import Sequence
 from graphkeeper.worker.plan import SamplingSpec
@@ -138,6 +139,26 @@ def test_steps_published_before_the_loop_runs_wake_it_once_and_keep_their_order(
     tokens, wakes = asyncio.run(scenario())
     assert tokens == [0, 1, 2, 3, 4, 5]
     assert wakes == [1, 2]
+
+
+def test_a_streams_end_cuts_its_pacing_gap_short():
+    """A handler waiting out its pacing gap is released by its stream's end (the completion goes
+    out at once); a pause after the end does not wait; one with no end waits its gap and leaves
+    nothing behind."""
+    async def scenario() -> tuple[list[int], object, bool, object]:
+        hub = StreamHub(asyncio.get_running_loop())
+        plain, ending = TokenStream(), TokenStream()
+        await plain.pause(0.001)  # no end: the gap passes
+        paused = asyncio.ensure_future(ending.pause(60.0))
+        await asyncio.sleep(0)
+        assert not paused.done()
+        hub.publish([(ending, [7], pb.Completion(request_id="r"))])
+        await asyncio.wait_for(paused, 10)  # released by the end, far before its 60 s
+        await asyncio.wait_for(ending.pause(60.0), 10)  # ended already: no wait at all
+        return ending.tokens, ending.end, ending.wake.is_set(), plain.pausing
+
+    tokens, end, woken, left = asyncio.run(scenario())
+    assert tokens == [7] and end.request_id == "r" and woken and left is None
 
 
 def test_pacing_grows_with_open_streams_and_is_off_for_one():

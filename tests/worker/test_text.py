@@ -45,6 +45,16 @@ def test_deltas_add_up_to_the_decoded_ids_one_id_at_a_time(tmp_path):
         assert all("\ufffd" not in p for p in pieces)  # an incomplete character is held back, never sent
 
 
+def test_a_tokens_text_is_its_own_decoding_every_time_it_is_asked(tmp_path):
+    """``token_text`` keeps what it decoded: asked again, it answers the same text, and each
+    answer is the token decoded alone with special tokens kept."""
+    tok = WorkerTokenizer.from_file(build_tokenizer(tmp_path))
+    ids = [*tok.encode_ids(CORPUS[1]), 0, 399]
+    first = [tok.token_text(i) for i in ids]
+    assert first == [tok._tok.decode([i], skip_special_tokens=False) for i in ids]
+    assert [tok.token_text(i) for i in reversed(ids)] == first[::-1]
+
+
 def test_a_text_prompt_streams_text_beside_the_ids(fresh_workers, text_model):
     worker = fresh_workers("--max-seq-len", "256", "--max-num-batched-tokens", "64", model=str(text_model))
     tok = WorkerTokenizer.from_file(text_model / "tokenizer.json")

@@ -73,6 +73,7 @@ class Tokenizer:
         self.special_tokens = tuple(sorted(
             t.content for t in self._tok.get_added_tokens_decoder().values() if t.special))
         self._template = _compile_template(config.chat_template) if config.chat_template else None
+        self._texts: dict[int, str] = {}  # token_text's
 
     @classmethod
     def from_file(cls, path: Path, config: TokenizerConfig | None = None) -> Tokenizer:
@@ -128,8 +129,15 @@ class Tokenizer:
         return self._tok.decode(ids, skip_special_tokens=True)
 
     def token_text(self, token: int) -> str:
-        """One token's own text, special tokens included (how log probabilities name tokens)."""
-        return self._tok.decode([token], skip_special_tokens=False)
+        """One token's own text, special tokens included (how log probabilities name tokens).
+
+        Kept once decoded: a response with log probabilities names six tokens for each one it
+        returns, on the API process's event loop, and the same ids come back again and again. At
+        most one string per vocabulary entry."""
+        text = self._texts.get(token)
+        if text is None:
+            text = self._texts[token] = self._tok.decode([token], skip_special_tokens=False)
+        return text
 
     def backend_json(self) -> str:
         """The whole tokenizer as ``tokenizer.json`` text (what a grammar library wraps)."""

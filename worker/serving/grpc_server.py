@@ -117,7 +117,7 @@ class InferenceServicer(pb_grpc.InferenceWorkerServicer):
                 if isinstance(end, BaseException):  # a failed step, or refused by an engine core in its own process
                     await _abort_for(context, end)
                 if hub is not None and (gap := hub.flush_gap()):
-                    await asyncio.sleep(gap)
+                    await stream.pause(gap)
         except asyncio.CancelledError:
             # The client cancelled or went away, or the server is stopping: free the slot.
             engine.cancel(seq)

@@ -468,7 +468,7 @@ class _Run:
     async def pace(self) -> None:
         """After a write, as the gRPC streams do: tokens that arrive meanwhile go out together."""
         if not self.ended and (gap := self.hub.flush_gap()):
-            await asyncio.sleep(gap)
+            await self.stream.pause(gap)
 
     def _token_ids(self, tokens: list[int]) -> list[int] | None:
         return None if self.detok is not None else tokens

@@ -93,6 +93,35 @@ class TokenStream:
     prompt_logprobs: list | None = None
     end: pb.Completion | BaseException | None = None
     wake: asyncio.Event = field(default_factory=asyncio.Event)
+    #: The handler's wait between two writes, while it lasts (``pause``).
+    pausing: asyncio.Future | None = field(default=None, repr=False)
+
+    async def pause(self, seconds: float) -> None:
+        """The pacing gap between two writes (``StreamHub.flush_gap``), cut short when the stream
+        ends: its last tokens and its completion leave at once, not up to a gap later (half a
+        gap on average: 4 ms at 64 streams, on every answer)."""
+        if self.end is not None:
+            return
+        loop = asyncio.get_running_loop()
+        waiter = self.pausing = loop.create_future()
+        timer = loop.call_later(seconds, _release, waiter)
+        try:
+            await waiter
+        finally:
+            timer.cancel()
+            self.pausing = None
+
+    def finish(self, end: pb.Completion | BaseException) -> None:
+        """Event loop: the stream's end arrived (a completion, or the exception that fails it)."""
+        self.end = end
+        if self.pausing is not None:
+            _release(self.pausing)
+        self.wake.set()
+
+
+def _release(waiter: asyncio.Future) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
 
 
 class StreamHub:
@@ -136,7 +165,7 @@ class StreamHub:
                     if (prompt := getattr(tokens, "prompt_logprobs", None)) is not None:
                         stream.prompt_logprobs = prompt
                 if end is not None:
-                    stream.end = end
+                    stream.finish(end)
                 stream.wake.set()
 
 
