@@ -165,15 +165,18 @@ async def drive(url: str, args: argparse.Namespace, mix: tuple[str, ...], vocab:
     if mix:
         for i in range(args.streams // 2):
             kinds[2 * i + 1] = mix[i % len(mix)]
-    stats = {k: {"requests": 0, "tokens": 0, "graph_steps": 0, "steps": 0, "errors": 0} for k in ("plain", *KINDS)}
+    stats = {k: {"requests": 0, "tokens": 0, "graph_steps": 0, "steps": 0, "errors": 0, "client_seconds": 0.0,
+                 "engine_seconds": 0.0} for k in ("plain", *KINDS)}
     deadline = time.perf_counter() + args.seconds
 
     async def stream(session: aiohttp.ClientSession, kind: str) -> None:
         while time.perf_counter() < deadline:
             body = {"model": "bench", "prompt": [rng.randrange(256, vocab) for _ in range(args.prompt_tokens)],
                     "max_tokens": args.output_tokens, "temperature": 0, "ignore_eos": True, **asks.get(kind, {})}
+            sent = time.perf_counter()
             async with session.post(url + "/v1/completions", json=body) as resp:
                 reply = await resp.json()
+            answered = time.perf_counter() - sent
             row = stats[kind]
             if resp.status != 200:
                 row["errors"] += 1
@@ -184,6 +187,8 @@ async def drive(url: str, args: argparse.Namespace, mix: tuple[str, ...], vocab:
             row["tokens"] += reply["usage"]["completion_tokens"]
             row["graph_steps"] += graphs
             row["steps"] += graphs + sum(int(e["steps"]) for e in execution.get("eager_steps", []))
+            row["client_seconds"] += answered
+            row["engine_seconds"] += reply["graphkeeper"]["total_seconds"]
 
     steps0 = engine_steps(args.metrics_port)
     cpu0, wall0, tree0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter(), cpu_seconds(worker)
@@ -200,7 +205,8 @@ async def drive(url: str, args: argparse.Namespace, mix: tuple[str, ...], vocab:
             "tokens_per_s": tokens / wall, "graph_step_share": sum(r["graph_steps"] for r in stats.values()) / seen
             if seen else None, "client_cpu_share": (cpu1.ru_utime + cpu1.ru_stime - cpu0.ru_utime - cpu0.ru_stime)
             / wall, "worker_cpu": worker_cpu_share(worker, tree0, tree1, wall), "engine_steps": steps,
-            "by_kind": {k: v for k, v in stats.items() if v["requests"] or v["errors"]}}
+            "by_kind": {k: {**v, "outside_engine_ms": 1e3 * (v["client_seconds"] - v["engine_seconds"]) / v["requests"]
+                            if v["requests"] else None} for k, v in stats.items() if v["requests"] or v["errors"]}}
 
 
 def main() -> int:
@@ -248,6 +254,9 @@ def main() -> int:
     }
     out.write_text(json.dumps(result, indent=2) + "\n")
     for run in runs:
+        outside = ", ".join(f"{k} {v['outside_engine_ms']:.1f} ms" for k, v in run["by_kind"].items()
+                            if v["outside_engine_ms"] is not None)
+        print(f"{run['mix']:>22}: a request's time outside the engine (client minus engine): {outside}")
         print(f"{run['mix']:>22}: {run['tokens_per_s']:9.1f} tokens/s, graph steps {run['graph_step_share']}, "
               f"client CPU {run['client_cpu_share']:.2f}, worker CPU: API {run['worker_cpu']['api_process']:.2f}, "
               f"engine {run['worker_cpu']['engine_process']:.2f}; steps {run['engine_steps']['mean_step_ms']:.2f} ms, "
