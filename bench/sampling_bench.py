@@ -20,6 +20,8 @@ it records the engine's steps over the run: their mean wall time, the sequences 
 share of the run spent stepping. A kind that costs throughput through slower steps is host or
 device work on the step's path; one that costs it through fewer sequences a step is time between
 a request's end and its stream's next request entering a step (the response, the client, admission).
+Per kind it records that time directly: a request's time outside the engine, the client's wait
+less the engine's own ``total_seconds``.
 
 The model is ``random:<preset>`` saved with a byte-level tokenizer of the model's vocabulary (the
 256 byte symbols, then placeholder words), so JSON can be spelt and every id decodes; prompts are
