@@ -120,6 +120,7 @@ class TokenStream:
 
 
 def _release(waiter: asyncio.Future) -> None:
+    """Ends a pause: its timer or the stream's end, whichever comes first (the other finds it done)."""
     if not waiter.done():
         waiter.set_result(None)
 
