@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import statistics
 import subprocess
@@ -39,6 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "bench")]
 
 from operator_reconcile import audit_count, head_commit, make_namespace  # noqa: E402
+from proc_stats import cpu_seconds  # noqa: E402
 
 from tests.cluster.conftest import (  # noqa: E402
     Cluster,
@@ -53,12 +53,6 @@ from tests.cluster.conftest import (  # noqa: E402
 SIZES = [[1, 2, 4, 8], [1, 2, 4, 8, 16], [2, 4, 8, 16, 32], [1, 4, 16], [8, 16, 32, 64]]
 READS = "graphkeeper_operator_status_reads_total"
 STREAMS = "graphkeeper_operator_status_streams"
-TICKS = os.sysconf("SC_CLK_TCK")
-
-
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICKS  # utime + stime
 
 
 def rss_mib(pid: int) -> float:

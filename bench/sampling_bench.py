@@ -50,40 +50,27 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import openai_bench  # noqa: E402  (bench/openai_bench.py, beside this file: the model directory)
 from http_client import free_port, wait_ready  # noqa: E402  (bench/http_client.py, beside this file)
+from proc_stats import tree_cpu_seconds  # noqa: E402  (bench/proc_stats.py, beside this file)
 
-#: What the parameterised half of the streams asks for, in turn (the schema's minItems is set to
-#: the run's output tokens: ``asked``).
+
+def json_schema_kind(min_items: int = 0) -> dict:
+    """A JSON-schema request's fields: an array of strings, at least ``min_items`` of them."""
+    schema = {"type": "array", "items": {"type": "string"}, **({"minItems": min_items} if min_items else {})}
+    return {"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}}
+
+
+#: What the parameterised half of the streams asks for, in turn (``asked``: as a run sends it).
 KINDS = {
     "logprobs": {"logprobs": 5},
     "penalties": {"frequency_penalty": 0.5, "presence_penalty": 0.5, "repetition_penalty": 1.1},
-    "json_schema": {"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {
-        "type": "array", "items": {"type": "string"}}}}},
+    "json_schema": json_schema_kind(),
 }
 
 
 def asked(output_tokens: int) -> dict[str, dict]:
     """``KINDS`` for requests of ``output_tokens`` tokens: the schema asks for at least that many
     strings, so a request cannot close its array before ``max_tokens``."""
-    out = json.loads(json.dumps(KINDS))
-    out["json_schema"]["response_format"]["json_schema"]["schema"]["minItems"] = output_tokens
-    return out
-
-
-def cpu_seconds(pid: int) -> dict[int, float]:
-    """CPU seconds (user and system) of ``pid`` and each of its descendants, by pid; a process
-    that is gone is left out."""
-    tick = os.sysconf("SC_CLK_TCK")
-    out: dict[int, float] = {}
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        out[pid] = (int(fields[11]) + int(fields[12])) / tick
-        children = [int(c) for task in Path(f"/proc/{pid}/task").iterdir()
-                    for c in (task / "children").read_text().split()]
-    except (OSError, ValueError):
-        return out
-    for child in children:
-        out.update(cpu_seconds(child))
-    return out
+    return {**KINDS, "json_schema": json_schema_kind(output_tokens)}
 
 
 def engine_steps(metrics_port: int) -> dict[str, float]:
@@ -193,12 +180,12 @@ async def drive(url: str, args: argparse.Namespace, mix: tuple[str, ...], vocab:
             row["engine_seconds"] += reply["graphkeeper"]["total_seconds"]
 
     steps0 = engine_steps(args.metrics_port)
-    cpu0, wall0, tree0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter(), cpu_seconds(worker)
+    cpu0, wall0, tree0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter(), tree_cpu_seconds(worker)
     connector = aiohttp.TCPConnector(limit=args.streams)
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=600)) as session:
         await asyncio.gather(*(stream(session, k) for k in kinds))
     wall = time.perf_counter() - wall0
-    cpu1, tree1 = resource.getrusage(resource.RUSAGE_SELF), cpu_seconds(worker)
+    cpu1, tree1 = resource.getrusage(resource.RUSAGE_SELF), tree_cpu_seconds(worker)
     steps = step_summary(steps0, engine_steps(args.metrics_port), wall)
     tokens = sum(r["tokens"] for r in stats.values())
     seen = sum(r["steps"] for r in stats.values())

@@ -112,11 +112,11 @@ class TokenStream:
             self.pausing = None
 
     def finish(self, end: pb.Completion | BaseException) -> None:
-        """Event loop: the stream's end arrived (a completion, or the exception that fails it)."""
+        """Event loop: the stream's end arrived (a completion, or the exception that fails it); the
+        hub wakes the handler, as for any update."""
         self.end = end
         if self.pausing is not None:
             _release(self.pausing)
-        self.wake.set()
 
 
 def _release(waiter: asyncio.Future) -> None:
