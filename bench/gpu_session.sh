@@ -93,6 +93,9 @@ for b in "${benches[@]}"; do  # BENCH="" runs the tests alone
     openai-1b|openai-8b)  # issue 34: OpenAI HTTP (plain client) against gRPC at 1/16/64 streams (~150 s / ~250 s)
       timeout 330 python3 bench/openai_bench.py --preset "llama-${b#openai-}" --clients plain \
         --seconds "${SECONDS_PER:-8}" --models /tmp/obm --out "$out" ;;
+    sleep)  # issue 36: sleep (levels 1 and 2) and wake on one worker each of llama-1b and llama-8b:
+      # memory given back, a request's wake to its first token, tokens and graphs kept (~4 min)
+      timeout 300 python3 bench/sleep_bench.py --out "$out/sleep-h200.json" ;;
     vmm)  # issue 36: a graph replays after its memory was released and mapped again (~15 s)
       timeout 60 python3 bench/vmm_probe.py --out "$out/vmm-probe-h200.json" ;;
     start)  # issue 36: READY cold, warm and warm again, stage by stage, llama-1b and llama-8b (3 starts each)
