@@ -37,6 +37,12 @@ def _direct_supported() -> bool:
     return triton is not None and ".".join(triton.__version__.split(".")[:2]) in CHECKED_VERSIONS
 
 
+def hooked(hook: Any) -> bool:
+    """Whether a launch hook is installed. Triton 3.6's knobs hold an empty ``HookChain``, not
+    None, when nothing is installed: that counts as no hook (else no launch would ever be direct)."""
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
 class LaunchMemo:
     """One Triton kernel's launches: ``memo.launch(grid, *args, **kwargs)`` does what
     ``kernel[grid](*args, **kwargs)`` does, skipping Triton's binding for a call it has seen."""
@@ -57,7 +63,7 @@ class LaunchMemo:
             return
         if self._knobs is None:
             self._bind()
-        if self._knobs.launch_enter_hook is not None or self._knobs.launch_exit_hook is not None:
+        if hooked(self._knobs.launch_enter_hook) or hooked(self._knobs.launch_exit_hook):
             self.kernel[grid](*args, **kwargs)
             return
         device = self._device()
