@@ -181,7 +181,12 @@ def start_worker(args: argparse.Namespace, flags: WorkerFlags, log_path: Path,
 
 def scrape(url: str) -> dict[str, float]:
     """Sums of the series the coverage figures need."""
-    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    return parse_metrics(urllib.request.urlopen(url, timeout=10).read().decode())
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus text, each series summed by name: eager steps by reason, histogram buckets by
+    bound, everything else over all its labels (pure)."""
     out: dict[str, float] = {}
     for line in text.splitlines():
         if line.startswith("#") or not line:
@@ -191,6 +196,9 @@ def scrape(url: str) -> dict[str, float]:
         key = name
         if name == "graphkeeper_eager_steps_total":
             key = name_labels
+        elif name.endswith("_bucket"):  # summed over every other label, per bucket
+            bound = name_labels.split('le="', 1)[1].split('"', 1)[0]
+            key = f'{name}{{le="{bound}"}}'
         out[key] = out.get(key, 0.0) + float(value)
     return out
 
@@ -213,6 +221,7 @@ def run_cell(args: argparse.Namespace, scenario: str, flags: WorkerFlags, log: P
         for name in ("graphkeeper_prefix_cache_queries_tokens_total", "graphkeeper_prefix_cache_hits_tokens_total",
                      "graphkeeper_preemptions_total", "graphkeeper_steps_stretched_total"):
             row[name.removeprefix("graphkeeper_")] = after.get(name, 0.0) - before.get(name, 0.0)
+        row.update(engine_tails(before, after))
         if control:
             row.update(worker_report(control))
     finally:
@@ -233,7 +242,20 @@ def run_cell(args: argparse.Namespace, scenario: str, flags: WorkerFlags, log: P
           f"{row['itl_ms'].get('p50', 0):.2f} ms p99 {row['itl_ms'].get('p99', 0):.2f} ms, coverage "
           f"{100 * row['coverage']:.1f}%, padding {100 * row['padding_waste']:.1f}%, errors {row['errors']}, "
           f"min requests/stream {row['min_requests_per_stream']}, exit {row['exit_seconds']:.1f} s", flush=True)
+    if "engine_itl_ms" in row:
+        print(f"{'':<9} in the engine: {tails_line(row)}", flush=True)
     return row
+
+
+def tails_line(row: dict) -> str:
+    """The engine's inter-token gaps and step times over the load, in a line (pure)."""
+    def one(label: str) -> str:
+        t = row[label]
+        if t["p99"] is None:
+            return f"{label} none"
+        return (f"{label} p50 {t['p50']:.2f} p99 {t['p99']:.2f}, over 12 ms "
+                f"{100 * (t['over_12'] or 0.0):.2f}%")
+    return "; ".join(one(label) for label in ENGINE_HISTOGRAMS)
 
 
 def worker_report(control: str) -> dict:
@@ -364,6 +386,60 @@ def coverage(before: dict[str, float], after: dict[str, float]) -> dict:
     real, padded = delta.get("graphkeeper_real_tokens_total", 0.0), delta.get("graphkeeper_padded_tokens_total", 0.0)
     return {"steps": steps, "graph_steps": graph, "eager_steps": eager,
             "coverage": graph / steps if steps else 0.0, "padding_waste": 1 - real / padded if padded else 0.0}
+
+
+#: The worker's own histograms set beside the client's inter-token gaps: the gaps between a
+#: request's tokens as the engine hands them out, and every step's wall time.
+ENGINE_HISTOGRAMS = {"engine_itl_ms": "graphkeeper_inter_token_latency_seconds",
+                     "step_ms": "graphkeeper_step_duration_seconds"}
+#: Shares above these bounds (ms; each a bucket bound of the worker's histograms).
+TAIL_BOUNDS_MS = (8, 12, 16)
+
+
+def buckets(before: dict[str, float], after: dict[str, float], name: str) -> list[tuple[float, float]]:
+    """A histogram's cumulative (upper bound in seconds, count) over the load, bounds ascending (pure)."""
+    prefix = f'{name}_bucket{{le="'
+    out = []
+    for key, value in after.items():
+        if key.startswith(prefix):
+            bound = key[len(prefix):-2]
+            out.append((float("inf") if bound == "+Inf" else float(bound), value - before.get(key, 0.0)))
+    return sorted(out)
+
+
+def quantile(cumulative: list[tuple[float, float]], q: float) -> float | None:
+    """Prometheus's ``histogram_quantile``: linear within the bucket that holds the q-th observation;
+    the largest finite bound when it falls in +Inf; None without observations (pure)."""
+    if not cumulative or cumulative[-1][1] <= 0:
+        return None
+    rank, lower, below = q * cumulative[-1][1], 0.0, 0.0
+    for bound, count in cumulative:
+        if count >= rank:
+            if bound == float("inf"):
+                return lower
+            return lower + (bound - lower) * ((rank - below) / (count - below) if count > below else 1.0)
+        lower, below = bound, count
+    return lower
+
+
+def share_above(cumulative: list[tuple[float, float]], bound: float) -> float | None:
+    """The share of observations above ``bound`` seconds, which must be a bucket bound (pure)."""
+    total = cumulative[-1][1] if cumulative else 0.0
+    at = next((count for b, count in cumulative if abs(b - bound) < 1e-12), None)
+    return None if not total or at is None else 1.0 - at / total
+
+
+def engine_tails(before: dict[str, float], after: dict[str, float]) -> dict:
+    """p50, p99 and the shares above ``TAIL_BOUNDS_MS`` of the engine's inter-token gaps and step
+    times over the load, from the worker's histograms: set beside the client's gaps, they say
+    whether a long gap was a long step, a row left out of a step, or the way to the client (pure)."""
+    out = {}
+    for label, name in ENGINE_HISTOGRAMS.items():
+        cum = buckets(before, after, name)
+        p50, p99 = quantile(cum, 0.5), quantile(cum, 0.99)
+        out[label] = {"p50": None if p50 is None else 1e3 * p50, "p99": None if p99 is None else 1e3 * p99,
+                      **{f"over_{ms}": share_above(cum, ms / 1e3) for ms in TAIL_BOUNDS_MS}}
+    return out
 
 
 # --- what the GPU allows ----------------------------------------------------------------------------

@@ -1,0 +1,72 @@
+"""``bench/load_bench.py``'s reading of the worker's own histograms: the engine's inter-token gaps
+and step times over a load, from the worker's real metrics registry rendered as Prometheus text,
+with quantiles as Prometheus's ``histogram_quantile`` computes them."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+from prometheus_client import generate_latest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+
+from load_bench import buckets, engine_tails, parse_metrics, quantile, share_above, tails_line  # noqa: E402
+
+from graphkeeper.worker.metrics import WorkerMetrics  # noqa: E402
+
+ITL = "graphkeeper_inter_token_latency_seconds"
+
+
+def text(metrics: WorkerMetrics) -> str:
+    return generate_latest(metrics.registry).decode()
+
+
+def test_a_quantile_interpolates_within_its_bucket_as_prometheus_does():
+    cum = [(0.005, 0.0), (0.01, 50.0), (0.02, 100.0), (float("inf"), 100.0)]
+    assert quantile(cum, 0.5) == 0.01  # the 50th of 100 is the top of the 5-10 ms bucket
+    assert abs(quantile(cum, 0.75) - 0.015) < 1e-12  # halfway through 10-20 ms
+    assert quantile([(0.01, 0.0), (float("inf"), 4.0)], 0.99) == 0.01  # in +Inf: the largest finite bound
+    assert quantile([(0.01, 0.0), (float("inf"), 0.0)], 0.5) is None
+    assert quantile([], 0.5) is None
+
+
+def test_shares_above_a_bound_count_what_the_bucket_does_not():
+    cum = [(0.008, 90.0), (0.012, 98.0), (0.016, 99.0), (float("inf"), 100.0)]
+    assert abs(share_above(cum, 0.012) - 0.02) < 1e-12
+    assert share_above(cum, 0.009) is None  # not a bucket bound: no share is made up
+    assert share_above([], 0.012) is None
+
+
+def test_the_engine_tails_over_a_load_come_from_the_workers_own_histograms():
+    metrics = WorkerMetrics()
+    metrics.inter_token_latency.observe(0.5)  # before the load: not counted
+    before = parse_metrics(text(metrics))
+    gaps = [0.0035] * 900 + [0.007] * 85 + [0.011] * 10 + [0.015] * 5  # 1.5% above 8 ms, 0.5% above 12
+    for gap in gaps:
+        metrics.inter_token_latency.observe(gap)
+    for seconds in (0.0034, 0.0085):  # two execution modes: summed per bucket
+        metrics.step_duration.labels("piecewise", "varlen").observe(seconds)
+        metrics.step_duration.labels("full", "decode").observe(seconds)
+    after = parse_metrics(text(metrics))
+
+    cum = buckets(before, after, ITL)
+    assert cum[-1] == (float("inf"), 1000.0)
+    tails = engine_tails(before, after)
+    itl = tails["engine_itl_ms"]
+    assert abs(itl["over_8"] - 0.015) < 1e-12 and abs(itl["over_12"] - 0.005) < 1e-12 and itl["over_16"] == 0.0
+    assert 3.0 < itl["p50"] < 4.0  # the 3-4 ms bucket holds the median
+    assert itl["p99"] == 11.0  # the 990th of 1,000 halfway through the 10-12 ms bucket
+    assert abs(np.percentile(gaps, 99) * 1e3 - itl["p99"]) < 4.0  # within the bucket's width
+    steps = tails["step_ms"]
+    assert steps["over_8"] == 0.5 and steps["over_12"] == 0.0
+    assert "engine_itl_ms p50" in tails_line(tails) and "over 12 ms 0.50%" in tails_line(tails)
+
+
+def test_a_load_with_no_steps_says_none():
+    metrics = WorkerMetrics()
+    same = parse_metrics(text(metrics))
+    tails = engine_tails(same, same)
+    assert tails["step_ms"] == {"p50": None, "p99": None, "over_8": None, "over_12": None, "over_16": None}
+    assert "step_ms none" in tails_line(tails)
