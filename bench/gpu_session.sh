@@ -5,9 +5,10 @@
 # Everything lands in $OUT (or ./gpu-out).
 set -uo pipefail
 out=${OUT:-gpu-out}; mkdir -p "$out"
-# Wheels the GPU image lacks (bench/gpu_wheels.sh fills .whl; carry it): grpc health and reflection (pure Python) and, since the worker serves
-# OpenAI HTTP, aiohttp and its closure for CPython 3.12 (aiohttp, aiohappyeyeballs, aiosignal, attrs,
-# frozenlist, multidict, propcache, yarl: bench/openai_bench_wheels.sh puts them in .benchwhl-b).
+# Wheels the GPU image lacks, from .whl (bench/gpu_wheels.sh fills it; carry it): grpc health and
+# reflection (pure Python), llguidance, gguf; py-spy's binary beside them. For OpenAI HTTP benches,
+# aiohttp's closure for CPython 3.12 (aiohttp, aiohappyeyeballs, aiosignal, attrs, frozenlist,
+# multidict, propcache, yarl: bench/openai_bench_wheels.sh puts them in .benchwhl-b).
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
   export PYTHONPATH=/tmp/site
