@@ -15,6 +15,10 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || exit 1
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv | tee "$out/gpu.txt"
+# The card in every output's name (h200, h100, or gpu): a call may get either kind.
+case $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1) in
+  *H200*) card=h200 ;; *H100*) card=h100 ;; *) card=gpu ;;
+esac
 export PYTHONUNBUFFERED=1
 # The commit to record in results: pass GRAPHKEEPER_COMMIT=$(git rev-parse HEAD) from the checkout
 # that sent this tree (a copied tree's git metadata can name an older commit).
@@ -23,7 +27,7 @@ if [ "${TESTS:-1}" = 1 ]; then
   # files; TEST_K: a -k expression, spaces allowed (TEST_K="sleep or sampling"). A -k that matches
   # nothing deselects everything and the call tests nothing.
   timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -m cuda -q ${PYTEST_X--x} -p no:cacheprovider ${TEST_SELECT:-tests/gpu} ${TEST_K:+-k "$TEST_K"} 2>&1 \
-    | tee "$out/pytest-cuda-h200.log" | tail -25
+    | tee "$out/pytest-cuda-$card.log" | tail -25
 fi
 # py-spy (a static binary: carry it as .whl/py-spy) on the worker and its engine core while the
 # benchmark with pid $2 runs: 3-second raw records, headed "### <n> <unix time>", into $out/$1.txt.gz
@@ -45,85 +49,85 @@ IFS=';' read -ra benches <<< "${BENCH-load}"
 for b in "${benches[@]}"; do  # BENCH="" runs the tests alone
   case $b in
     load) timeout 330 python3 bench/load_bench.py --seconds "${SECONDS_PER:-12}" ${SCENARIOS:+--scenarios "$SCENARIOS"} \
-        --label "${LABEL:-}" --out "$out/load-h200.json" ;;
+        --label "${LABEL:-}" --out "$out/load-$card.json" ;;
     baseline)
       python3 -m pip install -q --no-deps --no-build-isolation --target /tmp/oldpkg ./.baseline >/dev/null 2>&1
       # BASELINE_ARGS="" for a baseline that has --control-port (newer than 8e2591a).
       timeout 330 python3 bench/load_bench.py --scenarios "${SCENARIOS:-mixed}" ${BASELINE_ARGS---legacy} \
         --worker-pythonpath /tmp/oldpkg:/tmp/site \
-        --seconds "${SECONDS_PER:-12}" --label "baseline ${BASELINE:-8e2591a}" --out "$out/load-baseline-h200.json" ;;
+        --seconds "${SECONDS_PER:-12}" --label "baseline ${BASELINE:-8e2591a}" --out "$out/load-baseline-$card.json" ;;
     apart)  # the engine core in its own process (the default) against it on a thread of the API process
       timeout 330 python3 bench/load_bench.py --scenarios one,decode,mixed --seconds "${SECONDS_PER:-12}" \
-        --worker-args=--no-engine-process --no-step-times --label "engine core in-process" --out "$out/load-engine-inproc-h200.json"
+        --worker-args=--no-engine-process --no-step-times --label "engine core in-process" --out "$out/load-engine-inproc-$card.json"
       timeout 330 python3 bench/load_bench.py --scenarios one,decode,mixed --seconds "${SECONDS_PER:-12}" \
-        --label "engine core apart" --out "$out/load-engine-apart-h200.json" ;;
+        --label "engine core apart" --out "$out/load-engine-apart-$card.json" ;;
     sweep) timeout 300 python3 bench/load_bench.py --scenarios "" --budgets 128,256,512,1024 \
-        --seconds "${SECONDS_PER:-12}" --out "$out/load-budget-sweep-h200.json" ;;
+        --seconds "${SECONDS_PER:-12}" --out "$out/load-budget-sweep-$card.json" ;;
     budget-sweep)  # issue 35: TTFT against ITL per (token budget, ITL target), long/mixed/decode. Run it
       # alone (TESTS=0 BENCH=budget-sweep): 3 scenarios x 5 settings = 15 fresh workers. A cell is ~20 s
       # to READY + ~2 s client spawn + SECONDS_PER (6) of load + ~3 s for the last requests to finish
       # = ~31 s; 15 x 31 = 465 s, + ~30 s the first start's empty compile/tuning caches, + ~30 s timing
       # the FULL decode step afterwards, + ~10 s install = ~535 s of the call's 570. The JSON is
       # written after every cell, so a cut-short run keeps what it measured.
-      # Plot elsewhere: python bench/plot_budget_sweep.py gpu-out/budget-sweep-h200.json
+      # Plot elsewhere: python bench/plot_budget_sweep.py gpu-out/budget-sweep-$card.json
       timeout 540 python3 bench/budget_sweep.py --preset llama-1b --scenarios long,mixed,decode \
         --settings "${SETTINGS:-512:default,2048:default,8192:default,8192:8,8192:12}" \
-        --seconds "${SECONDS_PER:-6}" --logs "$out/logs-$b" --label "${LABEL:-}" --out "$out/budget-sweep-h200" ;;
+        --seconds "${SECONDS_PER:-6}" --logs "$out/logs-$b" --label "${LABEL:-}" --out "$out/budget-sweep-$card" ;;
     economics-1b|economics-8b)  # the graph-economics sweep: 2 modes x 3 ladders, a fresh worker per cell
       preset=llama-${b#economics-}
       timeout 570 python3 bench/sweep.py --preset "$preset" --modes "${MODES:-FullAndPiecewise,FullDecodeOnly}" \
         --ladders "${LADDERS:-default,traffic,fixed:1,2,4,8,16,32,64}" --budgets 0 \
         --traffic-max-graphs "${MAX_GRAPHS:-16}" --scenario mixed \
         --seconds "${SECONDS_PER:-10}" --worker-args=-O1 --logs "$out/logs-$b" \
-        --out "$out/sweep-${preset/-/}-h200" ;;
+        --out "$out/sweep-${preset/-/}-$card" ;;
     graph-memory)  # graph memory through a fresh capture, a reload, idle release, an empty budget; track B
-      timeout 300 python3 bench/graph_memory.py --preset llama-1b --out "$out/graph-memory-h200.json" ;;
+      timeout 300 python3 bench/graph_memory.py --preset llama-1b --out "$out/graph-memory-$card.json" ;;
     economics-nothing)  # a graph memory budget that fits no graph: what stays held
       timeout 300 python3 bench/sweep.py --preset llama-1b --modes FullAndPiecewise --ladders default \
         --budgets 1Mi --scenario mixed --seconds "${SECONDS_PER:-10}" --worker-args=-O1 \
-        --logs "$out/logs-$b" --out "$out/sweep-llama1b-budget-nothing-h200" ;;
+        --logs "$out/logs-$b" --out "$out/sweep-llama1b-budget-nothing-$card" ;;
     shared)  # 64 streams on one 2,000-token prefix: TTFT p50 with prefix caching against without
       timeout 330 python3 bench/load_bench.py --scenarios shared,shared_nocache --no-step-times \
-        --seconds "${SECONDS_PER:-12}" --out "$out/load-shared-prefix-h200.json" ;;
+        --seconds "${SECONDS_PER:-12}" --out "$out/load-shared-prefix-$card.json" ;;
     capacity)  # llama-8b at context 8192 in 16 GiB of KV cache: short sequences at once, paged vs static
       timeout 300 python3 bench/kv_capacity.py --kv-cache-memory 16Gi --seconds "${SECONDS_PER:-12}" \
-        --out "$out/kv-capacity-h200.json" ;;
+        --out "$out/kv-capacity-$card.json" ;;
     sampling)  # issue 34: half the streams parameterised against plain, and each kind alone (~90 s)
       timeout 200 python3 bench/sampling_bench.py --preset llama-1b --attribute --seconds "${SECONDS_PER:-12}" \
-        --out "$out/sampling-h200.json" ;;
+        --out "$out/sampling-$card.json" ;;
     openai-1b|openai-8b)  # issue 34: OpenAI HTTP (plain client) against gRPC at 1/16/64 streams (~150 s / ~250 s)
       timeout 330 python3 bench/openai_bench.py --preset "llama-${b#openai-}" --clients plain \
         --seconds "${SECONDS_PER:-8}" --models /tmp/obm --out "$out" ;;
     sleep)  # issue 36: sleep (levels 1 and 2) and wake on one worker each of llama-1b and llama-8b:
       # memory given back, a request's wake to its first token, tokens and graphs kept (~4 min)
-      timeout 300 python3 bench/sleep_bench.py --out "$out/sleep-h200.json" ;;
+      timeout 300 python3 bench/sleep_bench.py --out "$out/sleep-$card.json" ;;
     vmm)  # issue 36: a graph replays after its memory was released and mapped again (~15 s)
-      timeout 60 python3 bench/vmm_probe.py --out "$out/vmm-probe-h200.json" ;;
+      timeout 60 python3 bench/vmm_probe.py --out "$out/vmm-probe-$card.json" ;;
     start)  # issue 36: READY cold, warm and warm again, stage by stage, llama-1b and llama-8b (3 starts each)
-      timeout 470 python3 bench/start_bench.py --out "$out/start-ii-h200.json" ;;
+      timeout 470 python3 bench/start_bench.py --out "$out/start-ii-$card.json" ;;
     defaults)  # issue 35: defaults only (the budget sized to the device, coarse graphs kept where they pay):
       # long prompts, mixed and decode streams, 64 each (~100 s); the tests: TEST_K=large_steps
       timeout 330 python3 bench/load_bench.py --scenarios long,mixed,decode --seconds "${SECONDS_PER:-10}" \
-        --label "defaults: budget sized to the device" --out "$out/load-defaults-h200.json" ;;
+        --label "defaults: budget sized to the device" --out "$out/load-defaults-$card.json" ;;
     guard-off)  # issue 35: the same long and mixed load with the TTFT guard never stretching (the target
       # alone), beside "defaults" for what the guard buys (~70 s): BENCH="defaults;guard-off"
       timeout 330 python3 bench/load_bench.py --scenarios long,mixed --seconds "${SECONDS_PER:-10}" \
-        --worker-args=--ttft-target-ms=1000000 --label "defaults, TTFT guard off" --out "$out/load-guard-off-h200.json" ;;
+        --worker-args=--ttft-target-ms=1000000 --label "defaults, TTFT guard off" --out "$out/load-guard-off-$card.json" ;;
     profile-penalties|profile-logprobs|profile-json_schema)  # issue 34: plain, then half the streams
       # with one kind, the engine profiled throughout (~100 s); report: bench/spy_report.py
       timeout 200 python3 bench/sampling_bench.py --preset llama-1b --only "${b#profile-}" --seconds 12 \
-        --out "$out/sampling-$b-h200.json" > "$out/$b.txt" 2>&1 &
+        --out "$out/sampling-$b-$card.json" > "$out/$b.txt" 2>&1 &
       spy "spy-${b#profile-}" $!; tail -3 "$out/$b.txt" ;;
     profile-long|profile-mixed)  # issue 35: one scenario at the defaults, the engine profiled throughout (~60 s)
       timeout 200 python3 bench/load_bench.py --scenarios "${b#profile-}" --seconds 10 --no-step-times \
-        --out "$out/load-${b#profile-}-profiled-h200.json" > "$out/$b.txt" 2>&1 &
+        --out "$out/load-${b#profile-}-profiled-$card.json" > "$out/$b.txt" 2>&1 &
       spy "spy-${b#profile-}" $!; grep "^${b#profile-}" "$out/$b.txt" ;;
     pacing)  # issue 35: long and decode streams with the stream pacing capped at 8 ms (the default since
       # 2026-12-05), then at 16 ms (before: 12.8 ms at 64 streams); both through thread_sampler (~150 s)
       timeout 200 python3 bench/load_bench.py --scenarios long,decode --seconds "${SECONDS_PER:-8}" \
-        --max-flush-gap 0.008 --label "pacing capped at 8 ms" --out "$out/load-pacing-8ms-h200.json"
+        --max-flush-gap 0.008 --label "pacing capped at 8 ms" --out "$out/load-pacing-8ms-$card.json"
       timeout 200 python3 bench/load_bench.py --scenarios long,decode --seconds "${SECONDS_PER:-8}" --no-step-times \
-        --max-flush-gap 0.016 --label "pacing capped at 16 ms (before)" --out "$out/load-pacing-16ms-h200.json" ;;
+        --max-flush-gap 0.016 --label "pacing capped at 16 ms (before)" --out "$out/load-pacing-16ms-$card.json" ;;
     *) eval "$b" ;;
   esac
 done
