@@ -44,10 +44,12 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from metrics_text import fetch, summed  # noqa: E402  (bench/metrics_text.py, beside this file)
 
 SCENARIOS = {
     # name: (streams, prompt range, output range, stagger seconds)
@@ -180,27 +182,8 @@ def start_worker(args: argparse.Namespace, flags: WorkerFlags, log_path: Path,
 
 
 def scrape(url: str) -> dict[str, float]:
-    """Sums of the series the coverage figures need."""
-    return parse_metrics(urllib.request.urlopen(url, timeout=10).read().decode())
-
-
-def parse_metrics(text: str) -> dict[str, float]:
-    """Prometheus text, each series summed by name: eager steps by reason, histogram buckets by
-    bound, everything else over all its labels (pure)."""
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith("#") or not line:
-            continue
-        name_labels, value = line.rsplit(" ", 1)
-        name = name_labels.split("{", 1)[0]
-        key = name
-        if name == "graphkeeper_eager_steps_total":
-            key = name_labels
-        elif name.endswith("_bucket"):  # summed over every other label, per bucket
-            bound = name_labels.split('le="', 1)[1].split('"', 1)[0]
-            key = f'{name}{{le="{bound}"}}'
-        out[key] = out.get(key, 0.0) + float(value)
-    return out
+    """Sums of the series the coverage figures need (``metrics_text.summed``)."""
+    return summed(fetch(url))
 
 
 def run_cell(args: argparse.Namespace, scenario: str, flags: WorkerFlags, log: Path, vocab: int,

@@ -46,10 +46,12 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import openai_bench  # noqa: E402  (bench/openai_bench.py, beside this file: the model directory)
 from http_client import free_port, wait_ready  # noqa: E402  (bench/http_client.py, beside this file)
+from metrics_text import fetch, summed  # noqa: E402  (bench/metrics_text.py, beside this file)
 from proc_stats import tree_cpu_seconds  # noqa: E402  (bench/proc_stats.py, beside this file)
 
 
@@ -73,23 +75,13 @@ def asked(output_tokens: int) -> dict[str, dict]:
     return {**KINDS, "json_schema": json_schema_kind(output_tokens)}
 
 
-def engine_steps(metrics_port: int) -> dict[str, float]:
+def engine_steps(metrics_url: str) -> dict[str, float]:
     """The engine's step counters from the worker's ``/metrics``: the steps' wall time (sum and
     count over every mode) and sequences per step (sum and count), summed over their labels."""
-    import urllib.request
-
-    from prometheus_client.parser import text_string_to_metric_families
-
-    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as resp:
-        text = resp.read().decode()
+    sums = summed(fetch(metrics_url))
     wanted = {"graphkeeper_step_duration_seconds_sum": "seconds", "graphkeeper_step_duration_seconds_count": "steps",
               "graphkeeper_step_sequences_sum": "sequences", "graphkeeper_step_sequences_count": "sequence_steps"}
-    out = dict.fromkeys(wanted.values(), 0.0)
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name in wanted:
-                out[wanted[sample.name]] += sample.value
-    return out
+    return {short: sums.get(name, 0.0) for name, short in wanted.items()}
 
 
 def step_summary(before: dict[str, float], after: dict[str, float], wall: float) -> dict:
@@ -128,24 +120,31 @@ def prepare_model(preset: str, device: str, dtype: str, root: Path) -> Path:
     return openai_bench.prepare_model(preset, device, dtype, root, tokenizer=byte_tokenizer, suffix="-bytes")
 
 
-def start_worker(model: Path, args: argparse.Namespace, log: Path) -> tuple[subprocess.Popen, str]:
-    http = free_port()
-    args.metrics_port = free_port()
+class Served(NamedTuple):
+    """A started worker: its process, its OpenAI HTTP base URL and its ``/metrics`` URL."""
+
+    proc: subprocess.Popen
+    url: str
+    metrics: str
+
+
+def start_worker(model: Path, args: argparse.Namespace, log: Path) -> Served:
+    http, metrics = free_port(), free_port()
     cmd = [sys.executable, "-m", "graphkeeper.cli", "worker", "--model", str(model), "--device", args.device,
            "--dtype", args.dtype, "--port", str(free_port()), "--control-port", str(free_port()),
-           "--metrics-port", str(args.metrics_port), "--http-port", str(http), "--served-model-name", "bench",
+           "--metrics-port", str(metrics), "--http-port", str(http), "--served-model-name", "bench",
            "--max-num-seqs", str(max(64, args.streams)), "--max-seq-len", str(args.max_seq_len),
            "--max-num-batched-tokens", "512", "--log-level", "WARNING", *args.worker_args.split()]
     proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{http}"
     wait_ready(proc, url, log)
-    return proc, url
+    return Served(proc, url, f"http://127.0.0.1:{metrics}/metrics")
 
 
-async def drive(url: str, args: argparse.Namespace, mix: tuple[str, ...], vocab: int, worker: int) -> dict:
+async def drive(worker: Served, args: argparse.Namespace, mix: tuple[str, ...], vocab: int) -> dict:
     """``--streams`` loops of requests for ``--seconds``, every other one asking for a kind of
     ``mix`` in turn (none: all plain); counts tokens and graph steps by kind, and the CPU of the
-    client and of the ``worker`` process's tree."""
+    client and of the worker's process tree."""
     import aiohttp
 
     rng = random.Random(7)
@@ -163,7 +162,7 @@ async def drive(url: str, args: argparse.Namespace, mix: tuple[str, ...], vocab:
             body = {"model": "bench", "prompt": [rng.randrange(256, vocab) for _ in range(args.prompt_tokens)],
                     "max_tokens": args.output_tokens, "temperature": 0, "ignore_eos": True, **asks.get(kind, {})}
             sent = time.perf_counter()
-            async with session.post(url + "/v1/completions", json=body) as resp:
+            async with session.post(worker.url + "/v1/completions", json=body) as resp:
                 reply = await resp.json()
             answered = time.perf_counter() - sent
             row = stats[kind]
@@ -179,21 +178,22 @@ async def drive(url: str, args: argparse.Namespace, mix: tuple[str, ...], vocab:
             row["client_seconds"] += answered
             row["engine_seconds"] += reply["graphkeeper"]["total_seconds"]
 
-    steps0 = engine_steps(args.metrics_port)
-    cpu0, wall0, tree0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter(), tree_cpu_seconds(worker)
+    steps0 = engine_steps(worker.metrics)
+    cpu0, wall0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+    tree0 = tree_cpu_seconds(worker.proc.pid)
     connector = aiohttp.TCPConnector(limit=args.streams)
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=600)) as session:
         await asyncio.gather(*(stream(session, k) for k in kinds))
     wall = time.perf_counter() - wall0
-    cpu1, tree1 = resource.getrusage(resource.RUSAGE_SELF), tree_cpu_seconds(worker)
-    steps = step_summary(steps0, engine_steps(args.metrics_port), wall)
+    cpu1, tree1 = resource.getrusage(resource.RUSAGE_SELF), tree_cpu_seconds(worker.proc.pid)
+    steps = step_summary(steps0, engine_steps(worker.metrics), wall)
     tokens = sum(r["tokens"] for r in stats.values())
     seen = sum(r["steps"] for r in stats.values())
     name = "plain" if not mix else "half parameterised" if len(mix) > 1 else f"half {mix[0]}"
     return {"mix": name, "seconds": wall, "tokens": tokens,
             "tokens_per_s": tokens / wall, "graph_step_share": sum(r["graph_steps"] for r in stats.values()) / seen
             if seen else None, "client_cpu_share": (cpu1.ru_utime + cpu1.ru_stime - cpu0.ru_utime - cpu0.ru_stime)
-            / wall, "worker_cpu": worker_cpu_share(worker, tree0, tree1, wall), "engine_steps": steps,
+            / wall, "worker_cpu": worker_cpu_share(worker.proc.pid, tree0, tree1, wall), "engine_steps": steps,
             "by_kind": {k: {**v, "outside_engine_ms": 1e3 * (v["client_seconds"] - v["engine_seconds"]) / v["requests"]
                             if v["requests"] else None} for k, v in stats.items() if v["requests"] or v["errors"]}}
 
@@ -220,18 +220,18 @@ def main() -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     model = prepare_model(args.preset, args.device, args.dtype, Path(args.models))
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
-    proc, url = start_worker(model, args, out.with_suffix(".worker.log"))
+    worker = start_worker(model, args, out.with_suffix(".worker.log"))
     try:
-        asyncio.run(drive(url, argparse.Namespace(**{**vars(args), "seconds": min(5.0, args.seconds)}), tuple(KINDS),
-                          vocab, proc.pid))
+        asyncio.run(drive(worker, argparse.Namespace(**{**vars(args), "seconds": min(5.0, args.seconds)}),
+                          tuple(KINDS), vocab))
         if args.only:
             mixes = [(), (args.only,)]
         else:
             mixes = [(), tuple(KINDS)] + ([(k,) for k in KINDS] if args.attribute else [])
-        runs = [asyncio.run(drive(url, args, mix, vocab, proc.pid)) for mix in mixes]
+        runs = [asyncio.run(drive(worker, args, mix, vocab)) for mix in mixes]
     finally:
-        proc.terminate()
-        proc.wait(120)
+        worker.proc.terminate()
+        worker.proc.wait(120)
     result = {
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), "command": " ".join(sys.argv),
         "commit": os.environ.get("GRAPHKEEPER_COMMIT", ""), "host": platform.node(), "preset": args.preset,

@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import re
 import shutil
 import subprocess
 import sys
@@ -49,6 +48,7 @@ import grpc
 
 sys.path.insert(0, str(Path(__file__).parent))
 from load_bench import _commit, free_port  # noqa: E402
+from metrics_text import fetch, value  # noqa: E402
 from start_bench import process_started, ready_now  # noqa: E402
 
 from graphkeeper.proto import worker_pb2 as pb  # noqa: E402
@@ -73,8 +73,6 @@ QUICK_TIMEOUT = 10.0
 RECAPTURE_CAUSES = ("policy", "model_revision")
 GIB = 2**30
 
-_SAMPLE_RE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)$")
-_LABEL_RE = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
 
 
 @dataclass
@@ -93,9 +91,7 @@ class Worker:
         return self.control.GetGraphStatus(pb.GetGraphStatusRequest(), timeout=QUICK_TIMEOUT)
 
     def metrics_text(self) -> str:
-        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
-        with urllib.request.urlopen(url, timeout=QUICK_TIMEOUT) as reply:
-            return reply.read().decode()
+        return fetch(f"http://127.0.0.1:{self.metrics_port}/metrics")
 
     def readyz(self) -> tuple[int, str]:
         """``/readyz``'s status and body: 200 "SLEEPING" while asleep (a request still wakes it)."""
@@ -206,18 +202,8 @@ def graphs(status: pb.GraphStatus) -> list[tuple[int, int, float]]:
     return sorted((c.mode, c.size, c.capture_seconds) for c in status.captured if not c.released)
 
 
-def metric(text: str, name: str, **labels: str) -> float:
-    """One sample's value in Prometheus text; 0.0 when the series is absent (pure)."""
-    wanted = set(labels.items())
-    for line in text.splitlines():
-        match = _SAMPLE_RE.match(line)
-        if match and match.group(1) == name and set(_LABEL_RE.findall(match.group(2) or "")) == wanted:
-            return float(match.group(3))
-    return 0.0
-
-
 def recaptures(text: str) -> float:
-    return sum(metric(text, "graphkeeper_recaptures_total", cause=c) for c in RECAPTURE_CAUSES)
+    return sum(value(text, "graphkeeper_recaptures_total", cause=c) for c in RECAPTURE_CAUSES)
 
 
 def refusal(err: grpc.RpcError) -> dict:
@@ -259,7 +245,7 @@ def measure_asleep(worker: Worker, level: int, baseline: int | None, held: int |
             "share": released_share(held, still), "state_asleep": pb.LifecycleState.Name(status.state),
             "sleeping": status.state == pb.LIFECYCLE_STATE_SLEEPING and status.sleep.level == level,
             "readyz_asleep": f"{code} {body}", "graphs_kept_asleep": graphs(status) == graphs(awake),
-            "sleeping_gauge": metric(worker.metrics_text(), "graphkeeper_sleeping")}
+            "sleeping_gauge": value(worker.metrics_text(), "graphkeeper_sleeping")}
 
 
 def released_share(held: int | None, still: int | None) -> float | None:
@@ -281,13 +267,11 @@ def compare_awake(worker: Worker, awake: pb.GraphStatus, metrics_before: str) ->
 
 
 def request_wake(worker: Worker, prompts: list[list[int]], before: list[list[int]]) -> dict:
-    """The first prompt sent to the sleeping worker (its wake, as a client sees it), then the rest."""
-    first = generate(worker, prompts[0])
-    rest = greedy(worker, prompts[1:])
-    after = [first.tokens, *(g.tokens for g in rest)]
-    return {"wake_to_first_token_seconds": first.first_token_seconds, "answered": bool(first.tokens),
-            "tokens_equal": after == before, "graph_steps_after_wake": first.graph_steps + sum(
-                g.graph_steps for g in rest)}
+    """The prompts sent to the sleeping worker, the first one waking it (as a client sees it)."""
+    after = greedy(worker, prompts)
+    return {"wake_to_first_token_seconds": after[0].first_token_seconds, "answered": bool(after[0].tokens),
+            "tokens_equal": [g.tokens for g in after] == before,
+            "graph_steps_after_wake": sum(g.graph_steps for g in after)}
 
 
 def explicit_wake(worker: Worker, prompts: list[list[int]], before: list[list[int]]) -> dict:
@@ -304,10 +288,9 @@ def explicit_wake(worker: Worker, prompts: list[list[int]], before: list[list[in
         return row
     row.update(wake_rpc_seconds=time.perf_counter() - began, wake_rpc_worker_seconds=woke.seconds,
                wake_rpc_was_asleep=woke.was_asleep, wake_rpc_restored_bytes=woke.restored_bytes)
-    first = generate(worker, prompts[0])
-    after = [first.tokens, *(g.tokens for g in greedy(worker, prompts[1:]))]
-    row.update(first_token_after_wake_rpc_seconds=first.first_token_seconds,
-               tokens_equal_after_wake_rpc=after == before)
+    after = greedy(worker, prompts)
+    row.update(first_token_after_wake_rpc_seconds=after[0].first_token_seconds,
+               tokens_equal_after_wake_rpc=[g.tokens for g in after] == before)
     return row
 
 
@@ -327,7 +310,7 @@ def measure_level(worker: Worker, level: int, prompts: list[list[int]], before: 
         row.update(request_error=refusal(err), answered=False, wake_to_first_token_seconds=None, tokens_equal=False,
                    graph_steps_after_wake=0)
     wakes = "graphkeeper_wakes_total"
-    row["request_wakes"] = metric(worker.metrics_text(), wakes, cause="request") - metric(
+    row["request_wakes"] = value(worker.metrics_text(), wakes, cause="request") - value(
         metrics_before, wakes, cause="request")
     if explicit:
         row.update(explicit_wake(worker, prompts, before))

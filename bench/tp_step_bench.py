@@ -33,7 +33,7 @@ from load_bench import _commit  # noqa: E402
 from step_bench import copy_bandwidth, step_bytes  # noqa: E402
 
 from graphkeeper.worker.model.loader import load_model  # noqa: E402
-from graphkeeper.worker.model.tensor_parallel import close_tensor_parallel, init_tensor_parallel  # noqa: E402
+from graphkeeper.worker.model.tensor_parallel import end_rank, init_tensor_parallel  # noqa: E402
 
 
 def rank_main(rank: int, size: int, init_method: str, args: argparse.Namespace, out: str) -> None:
@@ -56,7 +56,7 @@ def rank_main(rank: int, size: int, init_method: str, args: argparse.Namespace, 
                 "rank_graph_and_cache_bytes": graph_bytes, "copy_bandwidth_bytes_per_s": bandwidth}
     if rank == 0:
         Path(out).write_text(json.dumps(rows))
-    close_tensor_parallel(tp)
+    end_rank(tp)
 
 
 def run_size(size: int, args: argparse.Namespace) -> list[dict]:

@@ -12,7 +12,8 @@ from prometheus_client import generate_latest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
-from load_bench import buckets, engine_tails, parse_metrics, quantile, share_above, tails_line  # noqa: E402
+from load_bench import buckets, engine_tails, quantile, share_above, tails_line  # noqa: E402
+from metrics_text import summed as parse_metrics  # noqa: E402
 
 from graphkeeper.worker.metrics import WorkerMetrics  # noqa: E402
 
@@ -70,3 +71,20 @@ def test_a_load_with_no_steps_says_none():
     tails = engine_tails(same, same)
     assert tails["step_ms"] == {"p50": None, "p99": None, "over_8": None, "over_12": None, "over_16": None}
     assert "step_ms none" in tails_line(tails)
+
+
+def test_one_series_is_read_by_its_exact_labels():
+    """``metrics_text.value``, as the sleep benchmark reads counters and gauges: the series with
+    exactly the labels asked for, 0.0 for one that is absent."""
+    from metrics_text import value
+
+    metrics = WorkerMetrics()
+    metrics.recaptures.labels("policy").inc(2)
+    metrics.wakes.labels("request").inc()
+    metrics.sleeping.set(1)
+    rendered = text(metrics)
+    assert value(rendered, "graphkeeper_recaptures_total", cause="policy") == 2.0
+    assert value(rendered, "graphkeeper_recaptures_total", cause="model_revision") == 0.0
+    assert value(rendered, "graphkeeper_wakes_total", cause="request") == 1.0
+    assert value(rendered, "graphkeeper_sleeping") == 1.0
+    assert value(rendered, "graphkeeper_wakes_total") == 0.0  # labels must match exactly

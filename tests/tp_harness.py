@@ -12,8 +12,6 @@ decode steps of all four. Every rank is given the same plans, as rank 0's engine
 
 from __future__ import annotations
 
-import os
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -26,7 +24,7 @@ from graphkeeper.worker.executor.runner import ModelRunner
 from graphkeeper.worker.model.kv_cache import KVCache
 from graphkeeper.worker.model.loader import LoadedModel, load_model
 from graphkeeper.worker.model.step import compile_counters
-from graphkeeper.worker.model.tensor_parallel import close_tensor_parallel, first_ranks, init_tensor_parallel
+from graphkeeper.worker.model.tensor_parallel import end_rank, first_ranks, init_tensor_parallel
 from graphkeeper.worker.plan import PrefillChunk, StepPlan
 
 MAX_LEN = 128
@@ -170,24 +168,17 @@ def rank_main(rank: int, size: int, init_method: str, source: str, device: str, 
     """One rank: joins the group, loads its shard, runs the scenario, writes ``rank<r>.pt``."""
     torch.set_num_threads(1)  # the ranks share the machine's cores
     tp = init_tensor_parallel(rank, size, init_method, device, timeout_s=60)
-    try:
-        loaded = load_model(source, device=device, dtype="float32", max_positions=MAX_LEN, tp=tp,
-                            quantization=quantization)
-        with torch.inference_mode():
-            runner = make_runner(loaded)
-            result = scenario(runner, setup(runner))
-        result["heads"] = (loaded.config.n_heads, loaded.config.n_kv_heads, loaded.config.intermediate_size)
-        result["kv_cache_shape"] = tuple(runner.cache.k.shape)
-        result["agreed"] = first_ranks(f"rank {rank}'s choice", tp)
-        result["compiled_graphs"] = compile_counters()["graphs"]
-        torch.save(result, Path(out_dir) / f"rank{rank}.pt")
-    except BaseException:
-        close_tensor_parallel(tp, peers_alive=False)
-        raise
-    close_tensor_parallel(tp)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # as a worker's ranks end: the group is not torn down (close_tensor_parallel says why)
+    loaded = load_model(source, device=device, dtype="float32", max_positions=MAX_LEN, tp=tp,
+                        quantization=quantization)
+    with torch.inference_mode():
+        runner = make_runner(loaded)
+        result = scenario(runner, setup(runner))
+    result["heads"] = (loaded.config.n_heads, loaded.config.n_kv_heads, loaded.config.intermediate_size)
+    result["kv_cache_shape"] = tuple(runner.cache.k.shape)
+    result["agreed"] = first_ranks(f"rank {rank}'s choice", tp)
+    result["compiled_graphs"] = compile_counters()["graphs"]
+    torch.save(result, Path(out_dir) / f"rank{rank}.pt")
+    end_rank(tp)  # a failure above raises instead: no barrier, the process's own exit code
 
 
 def run_ranks(size: int, source: str, device: str, out_dir: Path, setup: Setup = eager_setup,

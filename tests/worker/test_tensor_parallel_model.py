@@ -214,12 +214,11 @@ def test_fp8_ranks_stay_as_close_to_float32_as_one_fp8_process(tmp_path, quantiz
 
 
 ROW_PIECES_RANK = textwrap.dedent('''
-    import os
     import sys
     import torch
     from graphkeeper.worker.model.llama import make_row_pieces
     from graphkeeper.worker.model.loader import load_model
-    from graphkeeper.worker.model.tensor_parallel import close_tensor_parallel, init_tensor_parallel, shard_range
+    from graphkeeper.worker.model.tensor_parallel import end_rank, init_tensor_parallel, shard_range
 
     def rel(a, b):
         return ((a.float() - b.float()).norm() / b.float().norm()).item()
@@ -248,8 +247,7 @@ ROW_PIECES_RANK = textwrap.dedent('''
     for got, expected in zip((*general, *fused), (*want, *want)):
         assert rel(got, expected) < 5e-3, rel(got, expected)
     print("ok", flush=True)
-    close_tensor_parallel(tp)
-    os._exit(0)  # as a worker's ranks end: the group is not torn down (close_tensor_parallel says why)
+    end_rank(tp)
 ''')
 
 
@@ -273,7 +271,7 @@ def test_fused_row_pieces_split_over_two_ranks_compute_the_whole_models_step(tmp
 DEAD_PEER_RANK = textwrap.dedent('''
     import os, sys, time
     import torch
-    from graphkeeper.worker.model.tensor_parallel import all_reduce, close_tensor_parallel, init_tensor_parallel
+    from graphkeeper.worker.model.tensor_parallel import all_reduce, init_tensor_parallel
 
     rank, init_method, fault = int(sys.argv[1]), sys.argv[2], sys.argv[3]
     tp = init_tensor_parallel(rank, 2, init_method, "cpu", timeout_s=4)
@@ -286,8 +284,7 @@ DEAD_PEER_RANK = textwrap.dedent('''
         all_reduce(torch.ones(4), tp)
     except RuntimeError as err:
         print(f"raised after {time.monotonic() - start:.1f} s: {str(err).splitlines()[0]}", flush=True)
-        close_tensor_parallel(tp, peers_alive=False)
-        os._exit(3)  # as a failing rank ends: its own code, no teardown of the broken group
+        os._exit(3)  # as a failing rank ends: its own code, no barrier, no teardown of the broken group
     print("no error")
 ''')
 

@@ -13,16 +13,18 @@ node, or per CPU process under Gloo in tests):
 
 This module owns the rank's identity (``TensorParallel``), the pure decisions (``tp_config_error``,
 ``shard_config``, ``shard_range``), the process group (``init_tensor_parallel``,
-``close_tensor_parallel``), the step's collective (``all_reduce``) and the one way ranks agree on
+``end_rank``), the step's collective (``all_reduce``) and the one way ranks agree on
 a decision (``first_ranks``: rank 0's). With ``size == 1`` nothing here adds an operation.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from torch import Tensor
@@ -137,23 +139,23 @@ def first_ranks(value: Any, tp: TensorParallel) -> Any:
     return box[0]
 
 
-def close_tensor_parallel(tp: TensorParallel, *, peers_alive: bool = True) -> None:
-    """Ends this rank's part in the process group (nothing when ``tp`` is not enabled): a barrier,
-    so no rank exits while a peer may still be using its connections. The group is not torn
-    down: the rank's process then ends with ``os._exit``, as a worker's ranks do, and leaves the
-    group to the operating system. Gloo's teardown can abort a process whose peer closed its
-    connections first ("terminate called without an active exception": a two-rank CPU test's
-    rank 0 ended so once in a whole-suite run, and not in 9 runs alone), and so could the
-    interpreter's own finalisation, which destroys the group's objects.
+def end_rank(tp: TensorParallel) -> NoReturn:
+    """Ends a rank's process once its work is done: a barrier (when ``tp`` is enabled), so no rank
+    exits while a peer may still be using its connections, then ``os._exit(0)`` with stdout and
+    stderr flushed. The group is not torn down, as a worker's ranks leave theirs: Gloo's teardown
+    can abort a process whose peer closed its connections first ("terminate called without an
+    active exception": a two-rank CPU test's rank 0 ended so once in a whole-suite run, and not in
+    9 runs alone), and so could the interpreter's own finalisation, which destroys the group's
+    objects. A failing rank (a peer died, a collective failed) does not come here: no barrier can
+    complete, so it ends with its own exit code."""
+    if tp.enabled:
+        import torch.distributed as dist
 
-    With ``peers_alive`` false (a peer died, a collective failed) there is no barrier: a failing
-    rank ends with ``os._exit`` and its own exit code."""
-    if not tp.enabled or not peers_alive:
-        return
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        dist.barrier(group=tp.group)
+        if dist.is_initialized():
+            dist.barrier(group=tp.group)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def all_reduce(x: Tensor, tp: TensorParallel) -> Tensor:
