@@ -238,7 +238,13 @@ def tails_line(row: dict) -> str:
             return f"{label} none"
         return (f"{label} p50 {t['p50']:.2f} p99 {t['p99']:.2f}, over 12 ms "
                 f"{100 * (t['over_12'] or 0.0):.2f}%")
-    return "; ".join(one(label) for label in ENGINE_HISTOGRAMS)
+    line = "; ".join(one(label) for label in ENGINE_HISTOGRAMS)
+    if "step_overruns" in row:
+        line += f"; {row['step_overruns']:.0f} steps past the budget's bound"
+    if gc := row.get("gc"):
+        line += (f"; GC {gc['collections']:.0f} pauses, {gc['pause_ms_total']:.1f} ms in all, "
+                 f"{gc['over_5ms']:.0f} over 5 ms")
+    return line
 
 
 def worker_report(control: str) -> dict:
@@ -422,7 +428,21 @@ def engine_tails(before: dict[str, float], after: dict[str, float]) -> dict:
         p50, p99 = quantile(cum, 0.5), quantile(cum, 0.99)
         out[label] = {"p50": None if p50 is None else 1e3 * p50, "p99": None if p99 is None else 1e3 * p99,
                       **{f"over_{ms}": share_above(cum, ms / 1e3) for ms in TAIL_BOUNDS_MS}}
+    out["gc"] = gc_pauses(before, after)
+    overruns = "graphkeeper_step_overruns_total"
+    out["step_overruns"] = after.get(overruns, 0.0) - before.get(overruns, 0.0)
     return out
+
+
+def gc_pauses(before: dict[str, float], after: dict[str, float]) -> dict:
+    """The engine process's garbage-collector pauses over the load: how many, their total, and how
+    many lasted past 5 and 10 ms (a step stalled by that much; pure)."""
+    name = "graphkeeper_engine_gc_pause_seconds"
+    cum = dict(buckets(before, after, name))
+    total = cum.get(float("inf"), 0.0)
+    return {"collections": total,
+            "pause_ms_total": 1e3 * (after.get(f"{name}_sum", 0.0) - before.get(f"{name}_sum", 0.0)),
+            **{f"over_{ms}ms": total - cum.get(ms / 1e3, total) for ms in (5, 10)}}
 
 
 # --- what the GPU allows ----------------------------------------------------------------------------

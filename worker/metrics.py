@@ -70,6 +70,10 @@ _SEQUENCE_BUCKETS = tuple(float(1 << i) for i in range(11))
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.003, 0.004, 0.005, 0.006, 0.008, 0.01, 0.012, 0.016, 0.02, 0.03, 0.05,
                     0.1, 0.2, 0.5, 1, 2, 5, 10, 30)
 
+#: Seconds: a young generation's collection takes tens of microseconds, a full one over the startup
+#: heap tens of milliseconds.
+_GC_BUCKETS = (0.0001, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5)
+
 
 class WorkerMetrics:
     """The worker's metrics, in a registry of its own (several workers may share a process in tests)."""
@@ -98,6 +102,13 @@ class WorkerMetrics:
                                  registry=r)
         self.running_sequences = Gauge("graphkeeper_running_sequences", "Sequences holding a KV slot.",
                                        registry=r)
+        self.step_overruns = Counter(
+            "graphkeeper_step_overruns", "Steps with decode rows that took longer than the step budget's bound "
+            "(the stretch ceiling; the inter-token target without a TTFT guard) (engine/step_overruns.py).",
+            registry=r)
+        self.gc_pause = Histogram(
+            "graphkeeper_engine_gc_pause_seconds", "Pauses of the engine process's garbage collector, by the oldest "
+            "generation collected (engine/gc_pauses.py).", ["generation"], buckets=_GC_BUCKETS, registry=r)
         self.steps_stretched = Counter(
             "graphkeeper_steps_stretched", "Steps with decode rows stretched past the inter-token target for a "
             "prompt waiting past the TTFT target.", registry=r)
@@ -309,6 +320,9 @@ METRIC_NAMES = frozenset({
     "graphkeeper_step_duration_seconds_bucket",
     "graphkeeper_step_duration_seconds_count",
     "graphkeeper_step_duration_seconds_sum",
+    "graphkeeper_engine_gc_pause_seconds_bucket",
+    "graphkeeper_engine_gc_pause_seconds_count",
+    "graphkeeper_engine_gc_pause_seconds_sum",
     "graphkeeper_step_tokens_bucket",
     "graphkeeper_step_tokens_count",
     "graphkeeper_step_tokens_sum",
@@ -359,6 +373,7 @@ METRIC_NAMES = frozenset({
     "graphkeeper_prefix_cache_hits_tokens_total",
     "graphkeeper_preemptions_total",
     "graphkeeper_steps_stretched_total",
+    "graphkeeper_step_overruns_total",
 })
 
 

@@ -40,6 +40,7 @@ from graphkeeper.worker.engine.errors import (
     ReloadUnsupported,
     injected_failure,
 )
+from graphkeeper.worker.engine.gc_pauses import GcPauses, freeze_heap
 from graphkeeper.worker.engine.isolation import fail_step, isolate
 from graphkeeper.worker.engine.kv_sizing import UtilizationSizing
 from graphkeeper.worker.engine.ledger import Ledger
@@ -58,6 +59,7 @@ from graphkeeper.worker.engine.sleep_control import SleepControl
 from graphkeeper.worker.engine.startup import StartupClock, capture_parts, step_parts
 from graphkeeper.worker.engine.status import graph_status, kv_cache_status, model_info
 from graphkeeper.worker.engine.step_budget import install_step_budget
+from graphkeeper.worker.engine.step_overruns import StepOverruns
 from graphkeeper.worker.engine.structured import Grammars
 from graphkeeper.worker.engine.tp_ranks import capture_controller, reload_refusal
 from graphkeeper.worker.executor.graphs.dispatcher import BatchDescriptor, Dispatcher
@@ -89,6 +91,7 @@ class Engine:
         log.info("sizes: %s", self.sizes.explanation)
         self.settings = settings
         self.metrics = metrics or WorkerMetrics()
+        self.gc_pauses = GcPauses(self.metrics.gc_pause)
         self.lifecycle = Lifecycle()
         self.lifecycle.subscribe(self.metrics.set_lifecycle)
         self.ledger = Ledger()
@@ -105,6 +108,7 @@ class Engine:
                                    self.blocks)
         self.dispatcher = Dispatcher()
         self.recorder = StepRecorder(self.metrics)
+        self.overruns = StepOverruns(self.metrics)
         self.recorder.listed_tenants = frozenset(t.tenant for t in self.control.policy.tenants)
         policy = self.control.policy
         adopted_at = time.time()  # one stamp: the histogram and the counters describe one window
@@ -260,6 +264,7 @@ class Engine:
     # --- the engine thread ----------------------------------------------------------------
 
     def _main(self) -> None:
+        self.gc_pauses.install()
         try:
             with torch.inference_mode():
                 self._startup()
@@ -274,6 +279,7 @@ class Engine:
             failed = self.failed
             why = "the worker is shutting down" if failed is None else f"engine stopped: {type(failed).__name__}"
             self.publish(self.outputs.end(leftover, NotServing(why)))
+            self.gc_pauses.uninstall()
 
     def _startup(self) -> None:
         s, clock = self.settings, self.clock
@@ -399,7 +405,7 @@ class Engine:
         launched = runner.sample_and_send(hidden, plan)
         if plan.logits is not None and len(plan.logits.reset_slots):
             mark_counted(step.samplers)
-        return InFlight(step, decision, desc, launched, started)
+        return InFlight(step, decision, desc, launched, started, time.perf_counter() - started)
 
     def _finish(self, inflight: InFlight | None) -> None:
         """Reads a launched step's tokens, counts it once, and publishes its outputs in one call."""
@@ -420,6 +426,7 @@ class Engine:
         self._last_finish = now
         self.recorder.record(inflight.decision, inflight.desc, step.sequences,
                              {s.tenant for s in step.sequences}, elapsed, generated=len(step.samplers))
+        self.overruns.check(step.plan, self.scheduler.step_budget, elapsed, inflight.launch_seconds, now)
         self.outputs.prompt_logprobs(step.sequences, step.plan.num_decode, inflight.launched.prompt_logprobs())
         self.publish(self.outputs.step_outputs(step.samplers, tokens, now, inflight.launched.token_logprobs()))
         self.steps_since_ready += 1
@@ -462,5 +469,6 @@ class Engine:
         self.recorder.graphs_captured(list(graphs.captured) if graphs else [])
         self.metrics.policy_generation.set(self.control.policy.generation)
         self.scheduler.step_budget = install_step_budget(self.settings, graphs, self.device.type)
+        freeze_heap()  # a full collection under load walks only what serving allocated
         if self.control.captured(self.capture.last_failure):
             log.info("READY: %s", self.capture.summary())

@@ -151,3 +151,4 @@ class InFlight:
     desc: BatchDescriptor
     launched: Launched
     started: float
+    launch_seconds: float = 0.0  # host time launching it (from dispatch to sampling queued)
