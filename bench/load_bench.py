@@ -241,8 +241,8 @@ def tails_line(row: dict) -> str:
     line = "; ".join(one(label) for label in ENGINE_HISTOGRAMS)
     if "step_overruns" in row:
         line += f"; {row['step_overruns']:.0f} steps past the budget's bound"
-    if gc := row.get("gc"):
-        line += (f"; GC {gc['collections']:.0f} pauses, {gc['pause_ms_total']:.1f} ms in all, "
+    for process, gc in row.get("gc", {}).items():
+        line += (f"; GC ({process}) {gc['collections']:.0f} pauses, {gc['pause_ms_total']:.1f} ms in all, "
                  f"{gc['over_5ms']:.0f} over 5 ms")
     return line
 
@@ -385,9 +385,11 @@ ENGINE_HISTOGRAMS = {"engine_itl_ms": "graphkeeper_inter_token_latency_seconds",
 TAIL_BOUNDS_MS = (8, 12, 16)
 
 
-def buckets(before: dict[str, float], after: dict[str, float], name: str) -> list[tuple[float, float]]:
-    """A histogram's cumulative (upper bound in seconds, count) over the load, bounds ascending (pure)."""
-    prefix = f'{name}_bucket{{le="'
+def buckets(before: dict[str, float], after: dict[str, float], name: str,
+            process: str = "") -> list[tuple[float, float]]:
+    """A histogram's cumulative (upper bound in seconds, count) over the load, bounds ascending;
+    ``process``: one process's series of a histogram kept apart by process (pure)."""
+    prefix = f'{name}_bucket{{process="{process}",le="' if process else f'{name}_bucket{{le="'
     out = []
     for key, value in after.items():
         if key.startswith(prefix):
@@ -435,14 +437,18 @@ def engine_tails(before: dict[str, float], after: dict[str, float]) -> dict:
 
 
 def gc_pauses(before: dict[str, float], after: dict[str, float]) -> dict:
-    """The engine process's garbage-collector pauses over the load: how many, their total, and how
-    many lasted past 5 and 10 ms (a step stalled by that much; pure)."""
-    name = "graphkeeper_engine_gc_pause_seconds"
-    cum = dict(buckets(before, after, name))
-    total = cum.get(float("inf"), 0.0)
-    return {"collections": total,
-            "pause_ms_total": 1e3 * (after.get(f"{name}_sum", 0.0) - before.get(f"{name}_sum", 0.0)),
-            **{f"over_{ms}ms": total - cum.get(ms / 1e3, total) for ms in (5, 10)}}
+    """The collector's pauses over the load, per worker process (engine, api): how many, their
+    total, and how many lasted past 5 and 10 ms (a step, or the streams' writes, held up that
+    long; pure)."""
+    name = "graphkeeper_gc_pause_seconds"
+    out = {}
+    for process in ("engine", "api"):
+        cum = dict(buckets(before, after, name, process))
+        total = cum.get(float("inf"), 0.0)
+        key = f'{name}_sum{{process="{process}"}}'
+        out[process] = {"collections": total, "pause_ms_total": 1e3 * (after.get(key, 0.0) - before.get(key, 0.0)),
+                        **{f"over_{ms}ms": total - cum.get(ms / 1e3, total) for ms in (5, 10)}}
+    return out
 
 
 # --- what the GPU allows ----------------------------------------------------------------------------

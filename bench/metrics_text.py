@@ -17,19 +17,23 @@ def fetch(url: str) -> str:
 
 def summed(text: str) -> dict[str, float]:
     """Prometheus text, each series summed by name: eager steps by reason, histogram buckets by
-    bound, everything else over all its labels (pure)."""
+    bound, everything else over all its labels; a series with a ``process`` label (the collector's
+    pauses, one set per worker process) is kept apart by process: ``name{process="api"}`` and
+    ``name_bucket{process="api",le="0.005"}`` (pure)."""
     out: dict[str, float] = {}
     for line in text.splitlines():
         if line.startswith("#") or not line:
             continue
         name_labels, value = line.rsplit(" ", 1)
         name = name_labels.split("{", 1)[0]
-        key = name
+        process = name_labels.split('process="', 1)[1].split('"', 1)[0] if 'process="' in name_labels else ""
+        apart = f'process="{process}",' if process else ""
+        key = f"{name}{{{apart[:-1]}}}" if process else name
         if name == "graphkeeper_eager_steps_total":
             key = name_labels
         elif name.endswith("_bucket"):  # summed over every other label, per bucket
             bound = name_labels.split('le="', 1)[1].split('"', 1)[0]
-            key = f'{name}{{le="{bound}"}}'
+            key = f'{name}{{{apart}le="{bound}"}}'
         out[key] = out.get(key, 0.0) + float(value)
     return out
 

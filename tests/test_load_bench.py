@@ -65,19 +65,21 @@ def test_the_engine_tails_over_a_load_come_from_the_workers_own_histograms():
     assert "engine_itl_ms p50" in tails_line(tails) and "over 12 ms 0.50%" in tails_line(tails)
 
 
-def test_gc_pauses_over_a_load_are_counted_from_the_engines_histogram():
+def test_gc_pauses_over_a_load_are_counted_per_process_from_the_workers_histogram():
     metrics = WorkerMetrics()
-    metrics.gc_pause.labels("0").observe(0.0002)  # before the load: not counted
+    metrics.gc_pause.labels("engine", "0").observe(0.0002)  # before the load: not counted
     metrics.step_overruns.inc()
     before = parse_metrics(text(metrics))
     for seconds, generation in ((0.0001, "0"), (0.0003, "1"), (0.007, "2"), (0.025, "2")):
-        metrics.gc_pause.labels(generation).observe(seconds)
+        metrics.gc_pause.labels("engine", generation).observe(seconds)
+    metrics.gc_pause.labels("api", "2").observe(0.012)
     after = parse_metrics(text(metrics))
     gc = engine_tails(before, after)["gc"]
-    assert gc["collections"] == 4.0 and gc["over_5ms"] == 2.0 and gc["over_10ms"] == 1.0
-    assert abs(gc["pause_ms_total"] - 32.4) < 1e-9
+    assert gc["engine"]["collections"] == 4.0 and gc["engine"]["over_5ms"] == 2.0 and gc["engine"]["over_10ms"] == 1.0
+    assert abs(gc["engine"]["pause_ms_total"] - 32.4) < 1e-9
+    assert gc["api"] == {"collections": 1.0, "pause_ms_total": 12.0, "over_5ms": 1.0, "over_10ms": 1.0}
     tails = engine_tails(before, after)
-    assert "GC 4 pauses, 32.4 ms in all, 2 over 5 ms" in tails_line(tails)
+    assert "GC (engine) 4 pauses, 32.4 ms in all, 2 over 5 ms; GC (api) 1 pauses" in tails_line(tails)
     metrics.step_overruns.inc(3)
     assert engine_tails(before, parse_metrics(text(metrics)))["step_overruns"] == 3.0
     assert "0 steps past the budget's bound" in tails_line(tails)

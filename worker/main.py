@@ -28,6 +28,7 @@ from graphkeeper.worker.engine import spawn as engine_spawn
 from graphkeeper.worker.engine.client import EngineClient
 from graphkeeper.worker.engine.cpu_quota import size_torch_threads
 from graphkeeper.worker.engine.cuda_probe import cuda_device_count, parse_device
+from graphkeeper.worker.engine.gc_pauses import GcPauses
 from graphkeeper.worker.engine.sizing import SizingError, parse_bytes, utilization_error
 from graphkeeper.worker.engine.startup import ReadyReport, process_started_at
 from graphkeeper.worker.engine.watchdog import StepWatchdog, in_process_pending
@@ -413,6 +414,7 @@ async def _serve(args: argparse.Namespace, settings: EngineSettings, token: str,
     engine.lifecycle.subscribe(lambda s: log.info("lifecycle: %s", lifecycle_name(s)))
     startup = ReadyReport(engine, engine.metrics)
     if isinstance(engine, EngineClient):
+        GcPauses(engine.metrics.gc_pause, "api").install()  # the engine core times its own
         # The engine core decides the sizes the servers are built with (and refuses a KV cache
         # that cannot fit) before a port is bound.
         engine.start(spawned)

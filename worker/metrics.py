@@ -107,8 +107,9 @@ class WorkerMetrics:
             "(the stretch ceiling; the inter-token target without a TTFT guard) (engine/step_overruns.py).",
             registry=r)
         self.gc_pause = Histogram(
-            "graphkeeper_engine_gc_pause_seconds", "Pauses of the engine process's garbage collector, by the oldest "
-            "generation collected (engine/gc_pauses.py).", ["generation"], buckets=_GC_BUCKETS, registry=r)
+            "graphkeeper_gc_pause_seconds", "Pauses of the garbage collector, by process (engine, api) and the "
+            "oldest generation collected (engine/gc_pauses.py).", ["process", "generation"], buckets=_GC_BUCKETS,
+            registry=r)
         self.steps_stretched = Counter(
             "graphkeeper_steps_stretched", "Steps with decode rows stretched past the inter-token target for a "
             "prompt waiting past the TTFT target.", registry=r)
@@ -320,9 +321,9 @@ METRIC_NAMES = frozenset({
     "graphkeeper_step_duration_seconds_bucket",
     "graphkeeper_step_duration_seconds_count",
     "graphkeeper_step_duration_seconds_sum",
-    "graphkeeper_engine_gc_pause_seconds_bucket",
-    "graphkeeper_engine_gc_pause_seconds_count",
-    "graphkeeper_engine_gc_pause_seconds_sum",
+    "graphkeeper_gc_pause_seconds_bucket",
+    "graphkeeper_gc_pause_seconds_count",
+    "graphkeeper_gc_pause_seconds_sum",
     "graphkeeper_step_tokens_bucket",
     "graphkeeper_step_tokens_count",
     "graphkeeper_step_tokens_sum",

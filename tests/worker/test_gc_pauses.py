@@ -1,27 +1,30 @@
-"""The engine's garbage-collector pauses (``engine/gc_pauses.py``): each collection timed into the
-worker's real histogram by generation, and the heap frozen after a capture phase (a real engine on
-the CPU: its first READY freezes what startup built)."""
+"""The collector's pauses (``engine/gc_pauses.py``): each collection timed into the worker's real
+histogram by process and generation, and the heap frozen after a capture phase (a real engine on
+the CPU: its first READY freezes what startup built) and in the API process once it serves (real
+worker processes)."""
 
 from __future__ import annotations
 
 import gc
 import threading
+import time
 
 import pytest
+from worker_harness import generate, make_request
 
 from graphkeeper.proto import worker_pb2 as pb
 from graphkeeper.worker.engine.gc_pauses import GcPauses, freeze_heap
 from graphkeeper.worker.metrics import WorkerMetrics
 
 
-def count(metrics: WorkerMetrics, generation: str) -> float:
-    return metrics.registry.get_sample_value("graphkeeper_engine_gc_pause_seconds_count",
-                                             {"generation": generation}) or 0.0
+def count(metrics: WorkerMetrics, generation: str, process: str = "engine") -> float:
+    return metrics.registry.get_sample_value("graphkeeper_gc_pause_seconds_count",
+                                             {"process": process, "generation": generation}) or 0.0
 
 
 def test_every_collection_is_timed_by_the_oldest_generation_it_collected():
     metrics = WorkerMetrics()
-    pauses = GcPauses(metrics.gc_pause).install()
+    pauses = GcPauses(metrics.gc_pause, "engine").install()
     try:
         gc.collect(0)
         gc.collect(1)
@@ -29,7 +32,8 @@ def test_every_collection_is_timed_by_the_oldest_generation_it_collected():
     finally:
         pauses.uninstall()
     assert [count(metrics, g) >= 1 for g in ("0", "1", "2")] == [True, True, True]
-    total = metrics.registry.get_sample_value("graphkeeper_engine_gc_pause_seconds_sum", {"generation": "2"})
+    total = metrics.registry.get_sample_value("graphkeeper_gc_pause_seconds_sum",
+                                              {"process": "engine", "generation": "2"})
     assert total > 0.0
     gc.collect()  # uninstalled: no longer counted
     assert count(metrics, "2") == 1.0
@@ -38,8 +42,9 @@ def test_every_collection_is_timed_by_the_oldest_generation_it_collected():
 
 def test_the_series_exist_before_any_collection():
     metrics = WorkerMetrics()
-    GcPauses(metrics.gc_pause)
-    assert [count(metrics, g) for g in ("0", "1", "2")] == [0.0, 0.0, 0.0]
+    GcPauses(metrics.gc_pause, "engine")
+    GcPauses(metrics.gc_pause, "api")
+    assert [count(metrics, g, p) for p in ("engine", "api") for g in ("0", "1", "2")] == [0.0] * 6
 
 
 def test_freezing_moves_what_is_alive_out_of_the_collectors_walk_and_thaws_the_last_freeze():
@@ -88,3 +93,32 @@ def test_a_ready_engine_has_frozen_its_startup_heap_and_reports_its_pauses():
 def _thawed():
     yield
     gc.unfreeze()
+
+
+def wait_for(predicate, seconds: float = 20.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.1)
+    return predicate()
+
+
+def test_a_worker_times_each_process_collections_apart_and_freezes_both_heaps(module_workers):
+    """A real worker (engine core in its own process): both processes froze their heaps with one
+    full collection each, timed under their own ``process`` label; the series merge, not add."""
+    worker = module_workers("--max-num-seqs", "2", "--max-seq-len", "64")
+    series = "graphkeeper_gc_pause_seconds_count"
+    assert wait_for(lambda: worker.metric(series, process="api", generation="2") >= 1)
+    assert worker.metric(series, process="engine", generation="2") >= 1
+    tokens, _ = generate(worker, make_request([5, 6, 7], 4))
+    assert len(tokens) == 4
+
+
+def test_an_engine_in_the_api_process_is_timed_once(module_workers):
+    """With the engine on a thread of the API process there is one process: its collections are
+    timed once, as the engine's; nothing is counted twice under ``api``."""
+    worker = module_workers("--max-num-seqs", "2", "--max-seq-len", "64", "--no-engine-process")
+    series = "graphkeeper_gc_pause_seconds_count"
+    assert wait_for(lambda: worker.metric(series, process="engine", generation="2") >= 2)  # capture's, then serving's
+    assert [worker.metric(series, process="api", generation=g) for g in ("0", "1", "2")] == [0.0, 0.0, 0.0]

@@ -91,7 +91,7 @@ class Engine:
         log.info("sizes: %s", self.sizes.explanation)
         self.settings = settings
         self.metrics = metrics or WorkerMetrics()
-        self.gc_pauses = GcPauses(self.metrics.gc_pause)
+        self.gc_pauses = GcPauses(self.metrics.gc_pause, "engine")
         self.lifecycle = Lifecycle()
         self.lifecycle.subscribe(self.metrics.set_lifecycle)
         self.ledger = Ledger()

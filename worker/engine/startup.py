@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from graphkeeper.proto import worker_pb2 as pb
+from graphkeeper.worker.engine.gc_pauses import freeze_heap
 
 #: The capture job's parts, in order (worker/executor/graphs/capture.py's CAPTURE_PARTS; a test
 #: keeps the two the same, so this module need not import the device side).
@@ -179,3 +180,4 @@ class ReadyReport:
             self.engine.startup = finish(self.engine.startup, time.time())
         self.metrics.set_startup(self.engine.startup)
         log.info(line(self.engine.startup))
+        freeze_heap()  # this process serves from here: what it built before is never walked again
