@@ -81,6 +81,8 @@ def engine_steps(metrics_url: str) -> dict[str, float]:
     sums = summed(fetch(metrics_url))
     wanted = {"graphkeeper_step_duration_seconds_sum": "seconds", "graphkeeper_step_duration_seconds_count": "steps",
               "graphkeeper_step_sequences_sum": "sequences", "graphkeeper_step_sequences_count": "sequence_steps"}
+    for process in ("engine", "api"):  # the collector's pauses, kept apart by process
+        wanted[f'graphkeeper_gc_pause_seconds_sum{{process="{process}"}}'] = f"gc_{process}_seconds"
     return {short: sums.get(name, 0.0) for name, short in wanted.items()}
 
 
@@ -91,7 +93,8 @@ def step_summary(before: dict[str, float], after: dict[str, float], wall: float)
     d = {k: after[k] - before[k] for k in after}
     return {"steps": d["steps"], "mean_step_ms": 1e3 * d["seconds"] / d["steps"] if d["steps"] else None,
             "sequences_per_step": d["sequences"] / d["sequence_steps"] if d["sequence_steps"] else None,
-            "stepping_share": d["seconds"] / wall}
+            "stepping_share": d["seconds"] / wall,
+            "gc_ms": {p: 1e3 * d.get(f"gc_{p}_seconds", 0.0) for p in ("engine", "api")}}
 
 
 def worker_cpu_share(worker: int, before: dict[int, float], after: dict[int, float], wall: float) -> dict:
@@ -251,7 +254,9 @@ def main() -> int:
               f"engine {run['worker_cpu']['engine_process']:.2f}; steps {run['engine_steps']['mean_step_ms']:.2f} ms, "
               f"{run['engine_steps']['sequences_per_step']:.1f} sequences, stepping "
               f"{run['engine_steps']['stepping_share']:.2f} of the run; tokens/request "
-              f"{run['tokens'] / max(1, sum(r['requests'] for r in run['by_kind'].values())):.1f}", flush=True)
+              f"{run['tokens'] / max(1, sum(r['requests'] for r in run['by_kind'].values())):.1f}; collector "
+              f"pauses: engine {run['engine_steps']['gc_ms']['engine']:.1f} ms, API "
+              f"{run['engine_steps']['gc_ms']['api']:.1f} ms", flush=True)
     print(f"{runs[1]['mix']} / plain: {result['mixed_over_plain']:.3f} (acceptance, all kinds: >= 0.90)", flush=True)
     return 0
 
