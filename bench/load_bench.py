@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from metrics_text import fetch, summed  # noqa: E402  (bench/metrics_text.py, beside this file)
+from metrics_text import fetch, label, series_key, summed  # noqa: E402  (bench/metrics_text.py, beside this file)
 
 SCENARIOS = {
     # name: (streams, prompt range, output range, stagger seconds)
@@ -389,11 +389,10 @@ def buckets(before: dict[str, float], after: dict[str, float], name: str,
             process: str = "") -> list[tuple[float, float]]:
     """A histogram's cumulative (upper bound in seconds, count) over the load, bounds ascending;
     ``process``: one process's series of a histogram kept apart by process (pure)."""
-    prefix = f'{name}_bucket{{process="{process}",le="' if process else f'{name}_bucket{{le="'
     out = []
     for key, value in after.items():
-        if key.startswith(prefix):
-            bound = key[len(prefix):-2]
+        if key.split("{", 1)[0] == f"{name}_bucket" and label(key, "process") == process:
+            bound = label(key, "le")
             out.append((float("inf") if bound == "+Inf" else float(bound), value - before.get(key, 0.0)))
     return sorted(out)
 
@@ -413,11 +412,19 @@ def quantile(cumulative: list[tuple[float, float]], q: float) -> float | None:
     return lower
 
 
+def count_above(cumulative: list[tuple[float, float]], bound: float) -> float | None:
+    """How many observations lie above ``bound`` seconds, which must be a bucket bound; None when
+    it is not one (pure)."""
+    total = cumulative[-1][1] if cumulative else 0.0
+    at = next((count for b, count in cumulative if abs(b - bound) < 1e-12), None)
+    return None if at is None else total - at
+
+
 def share_above(cumulative: list[tuple[float, float]], bound: float) -> float | None:
     """The share of observations above ``bound`` seconds, which must be a bucket bound (pure)."""
     total = cumulative[-1][1] if cumulative else 0.0
-    at = next((count for b, count in cumulative if abs(b - bound) < 1e-12), None)
-    return None if not total or at is None else 1.0 - at / total
+    above = count_above(cumulative, bound)
+    return None if not total or above is None else above / total
 
 
 def engine_tails(before: dict[str, float], after: dict[str, float]) -> dict:
@@ -425,10 +432,10 @@ def engine_tails(before: dict[str, float], after: dict[str, float]) -> dict:
     times over the load, from the worker's histograms: set beside the client's gaps, they say
     whether a long gap was a long step, a row left out of a step, or the way to the client (pure)."""
     out = {}
-    for label, name in ENGINE_HISTOGRAMS.items():
+    for field, name in ENGINE_HISTOGRAMS.items():
         cum = buckets(before, after, name)
         p50, p99 = quantile(cum, 0.5), quantile(cum, 0.99)
-        out[label] = {"p50": None if p50 is None else 1e3 * p50, "p99": None if p99 is None else 1e3 * p99,
+        out[field] = {"p50": None if p50 is None else 1e3 * p50, "p99": None if p99 is None else 1e3 * p99,
                       **{f"over_{ms}": share_above(cum, ms / 1e3) for ms in TAIL_BOUNDS_MS}}
     out["gc"] = gc_pauses(before, after)
     overruns = "graphkeeper_step_overruns_total"
@@ -443,11 +450,11 @@ def gc_pauses(before: dict[str, float], after: dict[str, float]) -> dict:
     name = "graphkeeper_gc_pause_seconds"
     out = {}
     for process in ("engine", "api"):
-        cum = dict(buckets(before, after, name, process))
-        total = cum.get(float("inf"), 0.0)
-        key = f'{name}_sum{{process="{process}"}}'
-        out[process] = {"collections": total, "pause_ms_total": 1e3 * (after.get(key, 0.0) - before.get(key, 0.0)),
-                        **{f"over_{ms}ms": total - cum.get(ms / 1e3, total) for ms in (5, 10)}}
+        cum = buckets(before, after, name, process)
+        key = series_key(f"{name}_sum", process)
+        out[process] = {"collections": cum[-1][1] if cum else 0.0,
+                        "pause_ms_total": 1e3 * (after.get(key, 0.0) - before.get(key, 0.0)),
+                        **{f"over_{ms}ms": count_above(cum, ms / 1e3) or 0.0 for ms in (5, 10)}}
     return out
 
 

@@ -51,7 +51,7 @@ from typing import NamedTuple
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import openai_bench  # noqa: E402  (bench/openai_bench.py, beside this file: the model directory)
 from http_client import free_port, wait_ready  # noqa: E402  (bench/http_client.py, beside this file)
-from metrics_text import fetch, summed  # noqa: E402  (bench/metrics_text.py, beside this file)
+from metrics_text import fetch, series_key, summed  # noqa: E402  (bench/metrics_text.py, beside this file)
 from proc_stats import tree_cpu_seconds  # noqa: E402  (bench/proc_stats.py, beside this file)
 
 
@@ -82,7 +82,7 @@ def engine_steps(metrics_url: str) -> dict[str, float]:
     wanted = {"graphkeeper_step_duration_seconds_sum": "seconds", "graphkeeper_step_duration_seconds_count": "steps",
               "graphkeeper_step_sequences_sum": "sequences", "graphkeeper_step_sequences_count": "sequence_steps"}
     for process in ("engine", "api"):  # the collector's pauses, kept apart by process
-        wanted[f'graphkeeper_gc_pause_seconds_sum{{process="{process}"}}'] = f"gc_{process}_seconds"
+        wanted[series_key("graphkeeper_gc_pause_seconds_sum", process)] = f"gc_{process}_seconds"
     return {short: sums.get(name, 0.0) for name, short in wanted.items()}
 
 

@@ -203,6 +203,14 @@ class StepBudget:
         return self.guard.ttft_target if self.guard and self.target is not None else None
 
     @property
+    def decode_wait(self) -> float | None:
+        """The longest a step with decode rows is meant to take, so the longest a decoding row waits
+        for its next token: the stretch ceiling, or the target without a guard (None: no target)."""
+        if self.target is None:
+            return None
+        return self.guard.itl_max if self.guard is not None else self.target
+
+    @property
     def can_stretch(self) -> bool:
         """Whether any wait would stretch a step: a guard, and a stretched bound above the normal one
         (the scheduler looks up how long a prompt has waited only then)."""

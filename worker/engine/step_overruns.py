@@ -50,10 +50,8 @@ class Overrun:
 def overrun(plan: StepPlan, budget: StepBudget, took: float, launch: float) -> Overrun | None:
     """The step as an overrun when it has decode rows and took longer than the longest any of them
     was promised to wait (the stretch ceiling, or the target without a guard); else None (pure)."""
-    if budget.target is None or plan.num_decode == 0:
-        return None
-    bound = budget.guard.itl_max if budget.guard is not None else budget.target
-    if took <= bound:
+    bound = budget.decode_wait
+    if bound is None or plan.num_decode == 0 or took <= bound:
         return None
     ends = [int(c.start + c.length) for c in plan.prefill]
     context = int(np.sum(plan.positions[:plan.num_decode] + 1)) + sum(ends)
