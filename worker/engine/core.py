@@ -427,7 +427,6 @@ class Engine:
         self.recorder.record(inflight.decision, inflight.desc, step.sequences,
                              {s.tenant for s in step.sequences}, elapsed, generated=len(step.samplers))
         self.overruns.check(step.plan, self.scheduler.step_budget, elapsed, inflight.launch_seconds, now)
-        self.scheduler.ran(step.plan, elapsed, now)
         self.outputs.prompt_logprobs(step.sequences, step.plan.num_decode, inflight.launched.prompt_logprobs())
         self.publish(self.outputs.step_outputs(step.samplers, tokens, now, inflight.launched.token_logprobs()))
         self.steps_since_ready += 1

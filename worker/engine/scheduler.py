@@ -39,7 +39,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from graphkeeper.worker.engine.blocks import BlockManager, block_hashes, blocks_for, chain_hash
-from graphkeeper.worker.engine.context_cost import ContextCost, StepLoad
 from graphkeeper.worker.engine.logits_state import build_logits_batch, schedule_prompt_logprobs
 from graphkeeper.worker.engine.sequence import Sequence
 from graphkeeper.worker.engine.step_budget import StepBudget
@@ -130,8 +129,6 @@ class Scheduler:
         #: Steps with decode rows that carried more prefill than the target allows, for a prompt
         #: past the TTFT target (the TTFT guard, step_budget.py).
         self.steps_stretched = 0
-        #: What steps cost beyond the step-time model (long contexts, the host), learned as they run.
-        self.context_cost = ContextCost()
         self.prefill_chunk = prefill_chunk or max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -258,9 +255,8 @@ class Scheduler:
             now = time.perf_counter() if now is None else now
             waited = self.oldest_wait(now)
             late = self.late_prefill(now) if self.step_budget.stretches(waited) else None
-        load = self._load(batch) if nd and self.prefilling else None
-        budget = self.step_budget.prefill_tokens(nd, waited, late, load)
-        normal = self.step_budget.prefill_tokens(nd, load=load) if late is not None else budget  # not stretching
+        budget = self.step_budget.prefill_tokens(nd, waited, late)
+        normal = self.step_budget.prefill_tokens(nd) if late is not None else budget  # not stretching: the same
         prompt_tokens: list[int] = []
         positions: list[np.ndarray] = [batch.positions]
         slots: list[np.ndarray] = [batch.slots]
@@ -330,21 +326,6 @@ class Scheduler:
             if not seq.preemptions:
                 break
         return max(now - oldest, 0.0)
-
-    def _load(self, batch: DecodeBatch) -> StepLoad | None:
-        """What the decode rows' context and the next prompt chunk add to the step's time, as the
-        steps that ran taught (``context_cost.py``); None without a target or before a fit."""
-        budget = self.step_budget
-        if budget.target is None:
-            return None
-        ceiling = budget.guard.itl_max if budget.guard is not None else budget.target
-        return self.context_cost.load(int(batch.positions.sum()) + len(batch), self.prefilling[0].computed, ceiling)
-
-    def ran(self, plan: StepPlan, took: float, now: float) -> None:
-        """A step's tokens were read, ``took`` seconds after the one before: what it cost beyond the
-        step-time model teaches the next steps' sizes (the engine's call, once a step)."""
-        model = self.step_budget.model
-        self.context_cost.observe(plan, model.seconds(plan.num_tokens) if model is not None else None, took, now)
 
     def late_prefill(self, now: float) -> int:
         """Prompt tokens still to prefill, in the order steps serve them, up to and including the

@@ -36,10 +36,6 @@ the latency acceptance allows over the ~4.8 ms ceiling step on an H200) and ``tt
 (a prompt is stretched for only once it has waited about ten steps). ``--itl-max-ms`` and
 ``--ttft-target-ms`` set them instead. Without measurements there is no target and no guard.
 
-The capture-time model prices short contexts; what long contexts and the host add is learned from
-the steps that ran (``context_cost.py``) and passed in as a ``StepLoad``: the bounds then hold the
-model's time plus that load, the stretch ceiling also its overhead and spread.
-
 Everything here is pure: the scheduler asks ``StepBudget.prefill_tokens(decode_rows, waited)`` once a
 step, with how long the oldest prompt has waited for its first token.
 """
@@ -49,12 +45,11 @@ from __future__ import annotations
 import logging
 from bisect import bisect_left
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from graphkeeper.proto import worker_pb2 as pb
 from graphkeeper.proto.policy import DEFAULT_MAX_CAPTURE_CEILING
-from graphkeeper.worker.engine.context_cost import StepLoad
 
 if TYPE_CHECKING:
     from graphkeeper.worker.settings import EngineSettings
@@ -142,31 +137,6 @@ class StepTimeModel:
             best = max(best, _solve_linear(self.eager, target, start, limit))
         return best
 
-    def largest_loaded(self, target: float, limit: int, decode_rows: int, load: StepLoad,
-                       most: int | None = None) -> int:
-        """``largest_within`` for a step whose ``decode_rows`` decode rows and prompt tokens bring
-        ``load``'s context (``context_cost.py``): the most tokens whose model time plus context
-        seconds stays within ``target``. A load only adds time, so the answer is at most ``most``,
-        the unloaded one (``largest_within``, precomputed by the budget): the search walks down from
-        there and usually stops at once. Past the graphs the cost only rises (the eager line never
-        falls, prompt pairs only grow): a binary search there."""
-        most = self.largest_within(target, limit) if most is None else most
-
-        def cost(tokens: int) -> float:
-            return self.seconds(tokens) + load.seconds(max(tokens - decode_rows, 0))
-
-        lo = max(self.ceiling + 1, decode_rows)
-        if lo <= most and cost(lo) <= target:
-            hi = most
-            while lo < hi:
-                mid = (lo + hi + 1) // 2
-                lo, hi = (mid, hi) if cost(mid) <= target else (lo, mid - 1)
-            return lo
-        for size, secs in reversed(self.replay):
-            if size <= most and secs + load.seconds(max(size - decode_rows, 0)) <= target:
-                return size
-        return 0
-
 
 @dataclass(frozen=True)
 class TTFTGuard:
@@ -250,41 +220,22 @@ class StepBudget:
         """Whether a step with decode rows stretches, the oldest prompt having waited ``waited`` s."""
         return self.can_stretch and waited >= self.ttft_target
 
-    def prefill_tokens(self, decode_rows: int, waited: float = 0.0, late: int | None = None,
-                       load: StepLoad | None = None) -> int:
+    def prefill_tokens(self, decode_rows: int, waited: float = 0.0, late: int | None = None) -> int:
         """Prompt tokens the next step may carry beside ``decode_rows`` decode rows, the oldest prompt
         still waiting for its first token having waited ``waited`` seconds (0: none waits).
 
         A stretched step grows only as far as the late prompts need: ``late`` is the prefill, in
         the order it is served, up to and including the last admitted prompt past the TTFT target
         (None: not known, the whole stretch). A short late prompt in short-prompt traffic then
-        lengthens its step by its own tokens, not to the ceiling; long late prompts take it all.
-
-        ``load``: what the step's context adds to the model's time, learned from the steps that ran
-        (``context_cost.py``; None: the model alone, the bounds precomputed). The stretch ceiling
-        also pays the load's wall seconds: it is a promise in wall time."""
+        lengthens its step by its own tokens, not to the ceiling; long late prompts take it all."""
         room = self.tokens - decode_rows
         if decode_rows == 0 or self.target is None:
             return room
-        with_decode, stretched = self._bounds(decode_rows, load, self.stretches(waited))
-        bound = with_decode
+        bound = self.with_decode
         if self.stretches(waited):
-            need = stretched if late is None else decode_rows + late
-            bound = min(stretched, max(with_decode, need))
+            need = self.stretched if late is None else decode_rows + late
+            bound = min(self.stretched, max(self.with_decode, need))
         return max(min(room, bound - decode_rows), min(room, MIN_PREFILL_TOKENS))
-
-    def _bounds(self, decode_rows: int, load: StepLoad | None, stretching: bool) -> tuple[int, int]:
-        """(normal bound, stretched bound) in tokens for a step with ``decode_rows`` and ``load``;
-        the precomputed pair without a load (the stretched one is only worked out when stretching)."""
-        if load is None:
-            return self.with_decode, self.stretched
-        with_decode = self.model.largest_loaded(self.target, self.tokens, decode_rows, load, self.with_decode)
-        stretched = with_decode
-        if stretching and self.guard is not None:
-            wall = replace(load, decode_seconds=load.decode_seconds + load.wall_seconds)
-            stretched = max(with_decode, self.model.largest_loaded(self.guard.itl_max, self.tokens, decode_rows, wall,
-                                                                   self.stretched))
-        return with_decode, stretched
 
     def describe(self) -> str:
         """One line for the log: the budget, the target, the guard and where they came from."""
