@@ -13,6 +13,7 @@ import torch
 from graphkeeper.proto import worker_pb2 as pb
 from graphkeeper.worker.engine import Engine, EngineSettings
 from graphkeeper.worker.engine.step_budget import ITL_MAX_FACTOR, MIN_PREFILL_TOKENS, TTFT_TARGET_FACTOR
+from graphkeeper.worker.engine.step_overruns import allocator_note
 
 pytestmark = [
     pytest.mark.cuda,
@@ -95,3 +96,18 @@ def test_a_prompt_past_the_ttft_target_gets_stretched_steps_beside_decoding_rows
             engine.scheduler.steps_stretched
     finally:
         engine.drain_and_stop(5)
+
+
+def test_an_overrun_line_on_cuda_reads_the_allocators_counts():
+    """The overrun log's note on a CUDA device: torch's allocator counts (a retry after freeing its
+    cache synchronises the device, a stall no step-time model sees), growing as memory is taken."""
+    note = allocator_note(torch.device("cuda"))
+    assert note is not None
+    torch.cuda.empty_cache()  # nothing cached: the next allocation needs a new segment
+    before = note()
+    held = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
+    after = note()
+    del held
+    assert before.startswith("torch's CUDA allocator since start:") and "retries after freeing its cache" in after
+    count = lambda line: int(line.split(" device allocations")[0].rsplit(" ", 1)[1])  # noqa: E731
+    assert count(after) == count(before) + 1

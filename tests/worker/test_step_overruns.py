@@ -11,7 +11,7 @@ import numpy as np
 from test_step_budget import h200_like
 
 from graphkeeper.worker.engine.step_budget import StepBudget, plan_step_budget
-from graphkeeper.worker.engine.step_overruns import StepOverruns, overrun
+from graphkeeper.worker.engine.step_overruns import StepOverruns, allocator_note, overrun
 from graphkeeper.worker.metrics import WorkerMetrics
 from graphkeeper.worker.plan import PrefillChunk, StepPlan
 
@@ -42,6 +42,17 @@ def test_a_step_with_decode_rows_past_the_stretch_ceiling_is_an_overrun_describe
     assert overrun(step, BUDGET, took=ceiling, launch=0.0) is None  # at the bound: kept
 
 
+def test_an_overrun_says_where_its_time_went_launching_waiting_for_the_device_or_elsewhere():
+    """A stalled engine thread and a slow device read differently: the wait at the read is the
+    device's, what launch and wait leave is the thread's other work."""
+    took = 0.020
+    stalled = overrun(plan([999]), BUDGET, took=took, launch=0.001, wait=0.0005).describe()
+    assert "launched it in 1.00 ms, waited 0.50 ms for the device at its read, and spent 18.50 ms on other work" \
+        in stalled
+    slow = overrun(plan([999]), BUDGET, took=took, launch=0.001, wait=0.019).describe()
+    assert "waited 19.00 ms for the device at its read, and spent 0.00 ms on other work" in slow
+
+
 def test_without_decode_rows_or_without_a_target_nothing_is_promised():
     assert overrun(plan([], [(0, 4000)]), BUDGET, took=1.0, launch=0.0) is None  # nobody waits between tokens
     fixed = StepBudget.fixed(512)
@@ -65,3 +76,16 @@ def test_every_overrun_is_counted_and_one_line_every_few_seconds_describes_the_l
     assert len(lines) == 2  # at 100 s, then at 106 s (the two between were counted, not logged)
     assert lines[0].startswith("1 step(s)") and lines[1].startswith("3 step(s)")
     assert "2 decode rows" in lines[1]
+
+
+def test_the_note_is_read_only_for_a_logged_line_and_a_cpu_device_has_none(caplog):
+    import torch
+
+    reads = []
+    overruns = StepOverruns(WorkerMetrics(), every=5.0, note=lambda: reads.append(1) or "allocator: 0 retries")
+    with caplog.at_level(logging.WARNING, logger="graphkeeper.worker.engine.step_overruns"):
+        for now in (100.0, 101.0, 102.0):
+            overruns.check(plan([50]), BUDGET, BUDGET.guard.itl_max * 2, 0.001, now)
+    assert len(reads) == 1  # three overruns, one line
+    assert caplog.records[0].getMessage().endswith("; allocator: 0 retries")
+    assert allocator_note(torch.device("cpu")) is None

@@ -59,7 +59,7 @@ from graphkeeper.worker.engine.sleep_control import SleepControl
 from graphkeeper.worker.engine.startup import StartupClock, capture_parts, step_parts
 from graphkeeper.worker.engine.status import graph_status, kv_cache_status, model_info
 from graphkeeper.worker.engine.step_budget import install_step_budget
-from graphkeeper.worker.engine.step_overruns import StepOverruns
+from graphkeeper.worker.engine.step_overruns import StepOverruns, allocator_note
 from graphkeeper.worker.engine.structured import Grammars
 from graphkeeper.worker.engine.tp_ranks import capture_controller, reload_refusal
 from graphkeeper.worker.executor.graphs.dispatcher import BatchDescriptor, Dispatcher
@@ -108,7 +108,7 @@ class Engine:
                                    self.blocks)
         self.dispatcher = Dispatcher()
         self.recorder = StepRecorder(self.metrics)
-        self.overruns = StepOverruns(self.metrics)
+        self.overruns = StepOverruns(self.metrics, note=allocator_note(self.device))
         self.recorder.listed_tenants = frozenset(t.tenant for t in self.control.policy.tenants)
         policy = self.control.policy
         adopted_at = time.time()  # one stamp: the histogram and the counters describe one window
@@ -420,13 +420,14 @@ class Engine:
         """Waits for a launched step's tokens, records the step and publishes them; raises what
         the step raised."""
         step = inflight.step
+        reading = time.perf_counter()
         tokens = inflight.launched.tokens().tolist()
         now = time.perf_counter()
         elapsed = now - max(inflight.started, self._last_finish)
         self._last_finish = now
         self.recorder.record(inflight.decision, inflight.desc, step.sequences,
                              {s.tenant for s in step.sequences}, elapsed, generated=len(step.samplers))
-        self.overruns.check(step.plan, self.scheduler.step_budget, elapsed, inflight.launch_seconds, now)
+        self.overruns.check(step.plan, self.scheduler.step_budget, elapsed, inflight.launch_seconds, now, now - reading)
         self.outputs.prompt_logprobs(step.sequences, step.plan.num_decode, inflight.launched.prompt_logprobs())
         self.publish(self.outputs.step_outputs(step.samplers, tokens, now, inflight.launched.token_logprobs()))
         self.steps_since_ready += 1
