@@ -45,6 +45,7 @@ spy() {
   done
   wait "$2"; gzip -c "/tmp/$1.txt" > "$out/$1.txt.gz"
 }
+# Entries are split at every ';', so a command given here cannot contain one (not even quoted).
 IFS=';' read -ra benches <<< "${BENCH-load}"
 for b in "${benches[@]}"; do  # BENCH="" runs the tests alone
   case $b in
@@ -106,9 +107,13 @@ for b in "${benches[@]}"; do  # BENCH="" runs the tests alone
     start)  # issue 36: READY cold, warm and warm again, stage by stage, llama-1b and llama-8b (3 starts each)
       timeout 470 python3 bench/start_bench.py --out "$out/start-ii-$card.json" ;;
     defaults)  # issue 35: defaults only (the budget sized to the device, coarse graphs kept where they pay):
-      # long prompts, mixed and decode streams, 64 each (~100 s); the tests: TEST_K=large_steps
+      # long prompts, mixed and decode streams, 64 each (~100 s); the tests: TEST_K=large_steps. The
+      # workers' lines about steps past the budget's bound (where each one's time went) are kept
+      # beside the figures, in step-overruns-$card.log.
       timeout 330 python3 bench/load_bench.py --scenarios long,mixed,decode --seconds "${SECONDS_PER:-10}" \
-        --label "defaults: budget sized to the device" --out "$out/load-defaults-$card.json" ;;
+        --logs "$out/logs-defaults" --label "defaults: budget sized to the device" --out "$out/load-defaults-$card.json"
+      grep -H "past the step budget" "$out"/logs-defaults/*.log | cut -c1-900 > "$out/step-overruns-$card.log"
+      tail -n 6 "$out/step-overruns-$card.log" ;;
     guard-off)  # issue 35: the same long and mixed load with the TTFT guard never stretching (the target
       # alone), beside "defaults" for what the guard buys (~70 s): BENCH="defaults;guard-off"
       timeout 330 python3 bench/load_bench.py --scenarios long,mixed --seconds "${SECONDS_PER:-10}" \
