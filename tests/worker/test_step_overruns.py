@@ -51,6 +51,10 @@ def test_an_overrun_says_where_its_time_went_launching_waiting_for_the_device_or
         in stalled
     slow = overrun(plan([999]), BUDGET, took=took, launch=0.001, wait=0.019).describe()
     assert "waited 19.00 ms for the device at its read, and spent 0.00 ms on other work" in slow
+    # Launched before the previous step's read: what it took starts there, its launch is not in it.
+    piped = overrun(plan([999]), BUDGET, took=took, launch=0.001, wait=0.0005, overlapped=True).describe()
+    assert "launched it in 1.00 ms before the previous step's read, waited 0.50 ms for the device at its read, " \
+        "and spent 19.50 ms on other work" in piped
 
 
 def test_without_decode_rows_or_without_a_target_nothing_is_promised():

@@ -423,11 +423,13 @@ class Engine:
         reading = time.perf_counter()
         tokens = inflight.launched.tokens().tolist()
         now = time.perf_counter()
+        overlapped = inflight.started < self._last_finish  # launched before the previous read
         elapsed = now - max(inflight.started, self._last_finish)
         self._last_finish = now
         self.recorder.record(inflight.decision, inflight.desc, step.sequences,
                              {s.tenant for s in step.sequences}, elapsed, generated=len(step.samplers))
-        self.overruns.check(step.plan, self.scheduler.step_budget, elapsed, inflight.launch_seconds, now, now - reading)
+        self.overruns.check(step.plan, self.scheduler.step_budget, elapsed, inflight.launch_seconds, now,
+                            now - reading, overlapped)
         self.outputs.prompt_logprobs(step.sequences, step.plan.num_decode, inflight.launched.prompt_logprobs())
         self.publish(self.outputs.step_outputs(step.samplers, tokens, now, inflight.launched.token_logprobs()))
         self.steps_since_ready += 1

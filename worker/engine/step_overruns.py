@@ -43,21 +43,29 @@ class Overrun:
     took: float
     launch: float  # host seconds launching the step
     wait: float = 0.0  # seconds the host waited for the device to finish it, at its read
+    #: Launched before the previous step was read (the engine's pipeline): what it took is counted
+    #: from that read, so its own launch is not part of it.
+    overlapped: bool = False
 
     def describe(self) -> str:
-        other = max(self.took - self.launch - self.wait, 0.0)
+        own = 0.0 if self.overlapped else self.launch
+        other = max(self.took - own - self.wait, 0.0)
+        when = " before the previous step's read" if self.overlapped else ""
         return (f"{self.tokens} tokens ({self.decode_rows} decode rows, {self.tokens - self.decode_rows} prompt "
                 f"tokens, {self.context_tokens} context tokens attended over) took {self.took * 1e3:.2f} ms against "
                 f"a bound of {self.bound * 1e3:.2f} ms (predicted {self.predicted * 1e3:.2f} ms; the host launched "
-                f"it in {self.launch * 1e3:.2f} ms, waited {self.wait * 1e3:.2f} ms for the device at its read, and "
-                f"spent {other * 1e3:.2f} ms on other work: the next step's scheduling and launch, admissions)")
+                f"it in {self.launch * 1e3:.2f} ms{when}, waited {self.wait * 1e3:.2f} ms for the device at its read, "
+                f"and spent {other * 1e3:.2f} ms on other work: publishing, admissions, the next step's scheduling "
+                f"and launch)")
 
 
-def overrun(plan: StepPlan, budget: StepBudget, took: float, launch: float, wait: float = 0.0) -> Overrun | None:
+def overrun(plan: StepPlan, budget: StepBudget, took: float, launch: float, wait: float = 0.0,
+            overlapped: bool = False) -> Overrun | None:
     """The step as an overrun when it has decode rows and took longer than the longest any of them
     was promised to wait (the stretch ceiling, or the target without a guard); else None (pure).
-    ``launch`` and ``wait`` split what it took: the host launching it, the host waiting for the
-    device at its read; the rest is the engine thread's other work in between (a stall of the
+    ``launch`` and ``wait`` split what it took: the host launching it (unless ``overlapped``: it
+    was launched before the previous step's read, where what it took starts), the host waiting for
+    the device at its read; the rest is the engine thread's other work in between (a stall of the
     thread shows there, a slow device in the wait)."""
     bound = budget.decode_wait
     if bound is None or plan.num_decode == 0 or took <= bound:
@@ -65,7 +73,7 @@ def overrun(plan: StepPlan, budget: StepBudget, took: float, launch: float, wait
     ends = [int(c.start + c.length) for c in plan.prefill]
     context = int(np.sum(plan.positions[:plan.num_decode] + 1)) + sum(ends)
     predicted = budget.model.seconds(plan.num_tokens) if budget.model is not None else 0.0
-    return Overrun(plan.num_tokens, plan.num_decode, context, predicted, bound, took, launch, wait)
+    return Overrun(plan.num_tokens, plan.num_decode, context, predicted, bound, took, launch, wait, overlapped)
 
 
 def allocator_note(device: Any) -> Callable[[], str] | None:
@@ -104,10 +112,10 @@ class StepOverruns:
         self._logged_at = float("-inf")
 
     def check(self, plan: StepPlan, budget: StepBudget, took: float, launch: float, now: float,
-              wait: float = 0.0) -> None:
+              wait: float = 0.0, overlapped: bool = False) -> None:
         """One finished step (``now``: time.perf_counter() when its tokens were read; ``wait``: how
-        long reading them waited for the device)."""
-        found = overrun(plan, budget, took, launch, wait)
+        long reading them waited for the device; ``overlapped``: launched before the previous read)."""
+        found = overrun(plan, budget, took, launch, wait, overlapped)
         if found is None:
             return
         self.metrics.step_overruns.inc()
