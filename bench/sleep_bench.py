@@ -424,7 +424,7 @@ def _met(x: bool | None, what: str = "") -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--presets", default="llama-1b,llama-8b")
+    parser.add_argument("--presets", default="", help="default: llama-1b,llama-8b on a GPU, tiny on a CPU")
     parser.add_argument("--levels", default="1,2", help="sleep levels, in order, on the same worker")
     parser.add_argument("--device", default="cuda", help="cpu checks the bench itself (random:tiny), nothing more")
     parser.add_argument("--dtype", default="", help="default: bfloat16 on a GPU, float32 on a CPU")
@@ -437,6 +437,7 @@ def main() -> int:
     parser.add_argument("--start-timeout", type=float, default=300.0, help="seconds a worker may take to READY")
     parser.add_argument("--out", default="")
     args = parser.parse_args()
+    args.presets = args.presets or ("tiny" if args.device == "cpu" else "llama-1b,llama-8b")
     cuda = args.device == "cuda"
     args.dtype = args.dtype or ("bfloat16" if cuda else "float32")
     args.kv_cache_memory = args.kv_cache_memory or ("24Gi" if cuda else "256Mi")

@@ -129,7 +129,7 @@ def stage_table(rows: list[dict]) -> list[str]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--presets", default="llama-1b,llama-8b")
+    parser.add_argument("--presets", default="", help="default: llama-1b,llama-8b on a GPU, tiny on a CPU")
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--device", default="cuda", help="cpu checks the bench itself (random:tiny), nothing more")
     parser.add_argument("--worker-args", default="-O2", help="flags every worker gets (space-separated)")
@@ -138,6 +138,7 @@ def main() -> int:
                              "a directory, or 'none' (the environment's bytecode handling)")
     parser.add_argument("--out", default="")
     args = parser.parse_args()
+    args.presets = args.presets or ("tiny" if args.device == "cpu" else "llama-1b,llama-8b")
     import torch
 
     gpu = torch.cuda.get_device_name() if args.device != "cpu" else "cpu"
