@@ -51,6 +51,8 @@ from typing import NamedTuple
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from metrics_text import fetch, label, series_key, summed  # noqa: E402  (bench/metrics_text.py, beside this file)
 
+from graphkeeper.worker.engine.gc_pauses import GC_PROCESSES  # noqa: E402  (the process label's values)
+
 SCENARIOS = {
     # name: (streams, prompt range, output range, stagger seconds)
     "one": (1, (8, 8), (400, 400), 0.0),
@@ -449,7 +451,7 @@ def gc_pauses(before: dict[str, float], after: dict[str, float]) -> dict:
     long; pure)."""
     name = "graphkeeper_gc_pause_seconds"
     out = {}
-    for process in ("engine", "api"):
+    for process in GC_PROCESSES:
         cum = buckets(before, after, name, process)
         key = series_key(f"{name}_sum", process)
         out[process] = {"collections": cum[-1][1] if cum else 0.0,

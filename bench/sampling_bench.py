@@ -54,6 +54,8 @@ from http_client import free_port, wait_ready  # noqa: E402  (bench/http_client.
 from metrics_text import fetch, series_key, summed  # noqa: E402  (bench/metrics_text.py, beside this file)
 from proc_stats import tree_cpu_seconds  # noqa: E402  (bench/proc_stats.py, beside this file)
 
+from graphkeeper.worker.engine.gc_pauses import GC_PROCESSES  # noqa: E402  (the process label's values)
+
 
 def json_schema_kind(min_items: int = 0) -> dict:
     """A JSON-schema request's fields: an array of strings, at least ``min_items`` of them."""
@@ -81,7 +83,7 @@ def engine_steps(metrics_url: str) -> dict[str, float]:
     sums = summed(fetch(metrics_url))
     wanted = {"graphkeeper_step_duration_seconds_sum": "seconds", "graphkeeper_step_duration_seconds_count": "steps",
               "graphkeeper_step_sequences_sum": "sequences", "graphkeeper_step_sequences_count": "sequence_steps"}
-    for process in ("engine", "api"):  # the collector's pauses, kept apart by process
+    for process in GC_PROCESSES:  # the collector's pauses, kept apart by process
         wanted[series_key("graphkeeper_gc_pause_seconds_sum", process)] = f"gc_{process}_seconds"
     return {short: sums.get(name, 0.0) for name, short in wanted.items()}
 
@@ -94,7 +96,7 @@ def step_summary(before: dict[str, float], after: dict[str, float], wall: float)
     return {"steps": d["steps"], "mean_step_ms": 1e3 * d["seconds"] / d["steps"] if d["steps"] else None,
             "sequences_per_step": d["sequences"] / d["sequence_steps"] if d["sequence_steps"] else None,
             "stepping_share": d["seconds"] / wall,
-            "gc_ms": {p: 1e3 * d.get(f"gc_{p}_seconds", 0.0) for p in ("engine", "api")}}
+            "gc_ms": {p: 1e3 * d.get(f"gc_{p}_seconds", 0.0) for p in GC_PROCESSES}}
 
 
 def worker_cpu_share(worker: int, before: dict[int, float], after: dict[int, float], wall: float) -> dict:

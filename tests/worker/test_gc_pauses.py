@@ -7,10 +7,9 @@ from __future__ import annotations
 
 import gc
 import threading
-import time
 
 import pytest
-from worker_harness import generate, make_request
+from worker_harness import generate, make_request, wait_until
 
 from graphkeeper.proto import worker_pb2 as pb
 from graphkeeper.worker.engine.gc_pauses import GcPauses, freeze_heap
@@ -95,21 +94,12 @@ def _thawed():
     gc.unfreeze()
 
 
-def wait_for(predicate, seconds: float = 20.0) -> bool:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.1)
-    return predicate()
-
-
 def test_a_worker_times_each_process_collections_apart_and_freezes_both_heaps(module_workers):
     """A real worker (engine core in its own process): both processes froze their heaps with one
     full collection each, timed under their own ``process`` label; the series merge, not add."""
     worker = module_workers("--max-num-seqs", "2", "--max-seq-len", "64")
     series = "graphkeeper_gc_pause_seconds_count"
-    assert wait_for(lambda: worker.metric(series, process="api", generation="2") >= 1)
+    wait_until(lambda: worker.metric(series, process="api", generation="2") >= 1, what="the API process's freeze")
     assert worker.metric(series, process="engine", generation="2") >= 1
     tokens, _ = generate(worker, make_request([5, 6, 7], 4))
     assert len(tokens) == 4
@@ -120,5 +110,6 @@ def test_an_engine_in_the_api_process_is_timed_once(module_workers):
     timed once, as the engine's; nothing is counted twice under ``api``."""
     worker = module_workers("--max-num-seqs", "2", "--max-seq-len", "64", "--no-engine-process")
     series = "graphkeeper_gc_pause_seconds_count"
-    assert wait_for(lambda: worker.metric(series, process="engine", generation="2") >= 2)  # capture's, then serving's
+    wait_until(lambda: worker.metric(series, process="engine", generation="2") >= 2,
+               what="the capture's and the serving freeze")
     assert [worker.metric(series, process="api", generation=g) for g in ("0", "1", "2")] == [0.0, 0.0, 0.0]

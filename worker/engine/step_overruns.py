@@ -17,13 +17,16 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from graphkeeper.worker.engine.step_budget import StepBudget
 from graphkeeper.worker.metrics import WorkerMetrics
 from graphkeeper.worker.plan import StepPlan
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -76,26 +79,21 @@ def overrun(plan: StepPlan, budget: StepBudget, took: float, launch: float, wait
     return Overrun(plan.num_tokens, plan.num_decode, context, predicted, bound, took, launch, wait, overlapped)
 
 
-def allocator_note(device: Any) -> Callable[[], str] | None:
+def allocator_note(device: torch.device) -> Callable[[], str] | None:
     """For a CUDA device, what the log line adds about torch's caching allocator: an allocation
     it could not serve from its cache frees the whole cache (synchronising the device) and retries,
     a stall of the engine thread that no step-time model sees; None elsewhere."""
-    if getattr(device, "type", "") != "cuda":
+    if device.type != "cuda":
         return None
     import torch  # the engine core has it already; this module stays importable without it
 
-    host_stats = getattr(torch.cuda, "host_memory_stats", None)
-
     def note() -> str:
-        stats = torch.cuda.memory_stats(device)
-        line = (f"torch's CUDA allocator since start: {stats.get('num_alloc_retries', 0)} retries after freeing "
+        stats, host = torch.cuda.memory_stats(device), torch.cuda.host_memory_stats()
+        # Pinned host memory too: growing its pool is a slow driver call.
+        return (f"torch's CUDA allocator since start: {stats.get('num_alloc_retries', 0)} retries after freeing "
                 f"its cache, {stats.get('segment.all.allocated', 0)} device allocations, "
-                f"{stats.get('segment.all.freed', 0)} frees")
-        if host_stats is not None:  # pinned host memory: a new allocation is a slow driver call
-            host = host_stats()
-            line += (f"; {host.get('num_host_alloc', 0)} pinned host allocations, the longest "
-                     f"{host.get('host_alloc_time.max', 0) / 1e3:.2f} ms")
-        return line
+                f"{stats.get('segment.all.freed', 0)} frees; {host.get('num_host_alloc', 0)} pinned host "
+                f"allocations, the longest {host.get('host_alloc_time.max', 0) / 1e3:.2f} ms")
     return note
 
 
