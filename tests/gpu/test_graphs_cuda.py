@@ -277,15 +277,45 @@ def test_a_graph_that_fails_validation_first_leaves_the_rest_capturable(monkeypa
 
     real, calls = graphs_module.validate, []
 
-    def first_fails(graphs, mode, size, probe, tolerance):
+    def first_fails(graphs, mode, size, probe, tolerance, expected):
         calls.append((mode, size))
-        return "forced by the test" if len(calls) == 1 else real(graphs, mode, size, probe, tolerance)
+        if len(calls) == 1:
+            return "forced by the test", 0.0
+        return real(graphs, mode, size, probe, tolerance, expected)
 
     monkeypatch.setattr(graphs_module, "validate", first_fails)
     runner = make_runner("float32")
     graphs = capture(runner, [(FULL, 8), (FULL, 4), (PIECEWISE, 8)], tolerance=1e-4)
     assert set(graphs.skipped) == {(FULL, 8)} and "forced by the test" in graphs.skipped[(FULL, 8)].message
     assert set(graphs.captured) == {(FULL, 4), (PIECEWISE, 8)}
+
+
+def test_every_key_of_a_size_is_validated_against_one_eager_step(monkeypatch):
+    """A size's FULL and PIECEWISE keys compare with the same eager step, run once by the first
+    of them and given back after the last; it is the eager step itself, and both keys report its
+    time."""
+    from graphkeeper.worker.executor.graphs import capture as graphs_module
+
+    real, seen = graphs_module.validate, {}
+
+    def recording(graphs, mode, size, probe, tolerance, expected):
+        seen[(mode, size)] = expected
+        return real(graphs, mode, size, probe, tolerance, expected)
+
+    monkeypatch.setattr(graphs_module, "validate", recording)
+    runner = make_runner("float32")
+    graphs = GraphSet(runner)
+    job = CaptureJob(graphs, [(FULL, 8), (FULL, 4), (PIECEWISE, 8), (PIECEWISE, 4)], tolerance=1e-4)
+    job.run_all()
+    assert set(graphs.captured) == set(seen) == {(FULL, 8), (FULL, 4), (PIECEWISE, 8), (PIECEWISE, 4)}
+    assert seen[(FULL, 8)] is seen[(PIECEWISE, 8)] and seen[(FULL, 4)] is seen[(PIECEWISE, 4)]
+    assert seen[(FULL, 8)] is not seen[(FULL, 4)] and job.references == {}
+    for size in (8, 4):
+        eager = runner.forward_eager(runner.prepare(graphs_module.probe_plan(runner, size), size), size)
+        torch.testing.assert_close(seen[(FULL, size)], eager)
+        full, piecewise = graphs.captured[(FULL, size)], graphs.captured[(PIECEWISE, size)]
+        assert full.eager_seconds == piecewise.eager_seconds > 0
+        assert full.replay_seconds > 0 and piecewise.replay_seconds > 0
 
 
 def test_injected_capture_failure_leaves_worker_ready_with_that_size_eager():

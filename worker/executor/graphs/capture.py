@@ -13,10 +13,11 @@ workspaces go too, so a budget that fits nothing leaves nothing held.
 
 from __future__ import annotations
 
+import functools
 import gc
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -63,6 +64,10 @@ class CaptureJob:
     #: Each size's eager step time, measured once: the FULL and PIECEWISE keys of a size time the
     #: same eager step (the model's forward on the same probe), so the second key does not run it again.
     eager_seconds: dict[int, float] = field(default_factory=dict)
+    #: Each size's eager step on its probe, what every key of that size is validated against: the
+    #: same forward on the same inputs, so a second mode's key compares with it instead of running
+    #: it again. Kept while a later key of the plan has the size, given back at ``finish``.
+    references: dict[int, Reference] = field(default_factory=dict)
     #: Coarse PIECEWISE sizes judged at ``finish`` (kept only where they pay: ``large_steps.py``)
     #: and the padding ladder they sit in. Empty on a tensor parallel follower: rank 0 judges.
     coarse: tuple[int, ...] = ()
@@ -103,6 +108,7 @@ class CaptureJob:
             self._finish()
 
     def _finish(self) -> None:
+        self.references.clear()
         self._release_unpaid()
         gc.collect()
         held = self.measure()
@@ -186,11 +192,15 @@ class CaptureJob:
                               torch.cuda.memory_reserved() - reserved_before)
         self.graphs.captured[(mode, size)] = entry
         with self._timed("validate"):
-            problem = validate(self.graphs, mode, size, probe, self.tolerance)
+            reference = self._reference(probe, size)
+            problem, replayed = validate(self.graphs, mode, size, probe, self.tolerance, reference.hidden)
             if not problem:
-                entry.replay_seconds, entry.eager_seconds = time_step(self.graphs, mode, size, probe,
-                                                                      eager=self.eager_seconds.get(size))
+                entry.replay_seconds, entry.eager_seconds = time_step(
+                    self.graphs, mode, size, probe, replayed=replayed,
+                    eager=self.eager_seconds.get(size), eager_first=reference.seconds)
                 self.eager_seconds[size] = entry.eager_seconds
+            if all(later != size for _, later in self.plan[self.position:]):
+                del self.references[size]
         entry.seconds = sum(self.parts.values()) - began  # everything this key took
         if problem:
             self._drop(mode, size, pb.FALLBACK_REASON_SIZE_CAPTURE_FAILED, f"validation failed: {problem}")
@@ -219,6 +229,16 @@ class CaptureJob:
         runner.model.logits(hidden[logit_rows(size, runner.device)])
         del hidden
         self.graphs.baseline_used += max(self.graphs.settled_used() - before, 0)
+
+    def _reference(self, probe: StepPlan, size: int) -> Reference:
+        """The size's eager step on ``probe`` (timed: the first of its eager timings), run by the
+        size's first key to be validated and kept for the next."""
+        if size not in self.references:
+            runner = self.graphs.runner
+            meta = runner.prepare(probe, size)
+            hidden, seconds = timed_once(lambda: runner.forward_eager(meta, size))
+            self.references[size] = Reference(hidden.clone(), seconds)  # the runner may reuse its output
+        return self.references[size]
 
     def _over_budget(self, mode: int, size: int) -> None:
         self._drop(mode, size, pb.FALLBACK_REASON_SIZE_OVER_BUDGET,
@@ -258,34 +278,55 @@ CAPTURE_PARTS = ("setup", "prime", "warm_up", "record", "validate", "measure", "
 VALIDATION_LOGIT_ROWS = 64
 
 
-#: Timed runs of each side (the least is kept: the step's time without the host's noise).
+#: Timed runs of each side (the least is kept: the step's time without the host's noise). The
+#: validation's replay and its reference's eager step are the first of them.
 TIMING_REPEATS = 3
+#: Timed eager runs of a size: the reference and one more. An eager step is the launch-bound one
+#: (tens of milliseconds for an 8B model at the largest sizes), and it is the same step for every
+#: mode of a size, so it is timed once a size.
+EAGER_TIMING_REPEATS = 2
 
 
-def time_step(graphs: GraphSet, mode: int, size: int, probe: StepPlan,
-              repeats: int = TIMING_REPEATS, eager: float | None = None) -> tuple[float, float]:
+@dataclass(frozen=True)
+class Reference:
+    """A size's eager step on its probe batch: the hidden states and the GPU seconds it took."""
+
+    hidden: torch.Tensor
+    seconds: float
+
+
+def timed_once(run: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, float]:
+    """``run()``'s result and its GPU seconds, by CUDA events on the current stream."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    out = run()
+    end.record()
+    end.synchronize()
+    return out, start.elapsed_time(end) / 1000.0
+
+
+def time_step(graphs: GraphSet, mode: int, size: int, probe: StepPlan, *, replayed: float,
+              eager: float | None = None, eager_first: float = float("inf"),
+              repeats: int = TIMING_REPEATS, eager_repeats: int = EAGER_TIMING_REPEATS) -> tuple[float, float]:
     """(replayed, eager) GPU seconds of one step of ``size`` rows on the probe batch, by CUDA events
-    on the current stream; the least of ``repeats`` runs each. The eager side is the same step the
-    dispatcher runs when it falls back (the model's forward on the same kernels), so the difference
-    is what the graph buys per step: launch overhead removed. Input preparation is outside both.
-    ``eager``: the size's eager time measured already (by its other mode's key): not run again."""
+    on the current stream; the least of ``repeats`` and ``eager_repeats`` runs, counting the ones
+    validation made (``replayed``, ``eager_first``: its replay and its reference). The eager side is
+    the same step the dispatcher runs when it falls back (the model's forward on the same kernels),
+    so the difference is what the graph buys per step: launch overhead removed. Input preparation
+    is outside both. ``eager``: the size's eager time measured already (by its other mode's key):
+    not run again."""
     runner = graphs.runner
 
-    def timed(run) -> float:
-        best = float("inf")
-        for _ in range(repeats):
+    def least(run, runs: int, first: float) -> float:
+        best = first
+        for _ in range(runs):
             meta = runner.prepare(probe, size)
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            run(meta)
-            end.record()
-            end.synchronize()
-            best = min(best, start.elapsed_time(end) / 1000.0)
+            best = min(best, timed_once(functools.partial(run, meta))[1])
         return best
 
-    replay = timed(lambda meta: graphs.replay(mode, size, meta))
+    replay = least(lambda meta: graphs.replay(mode, size, meta), repeats - 1, replayed)
     if eager is None:
-        eager = timed(lambda meta: runner.forward_eager(meta, size))
+        eager = least(lambda meta: runner.forward_eager(meta, size), eager_repeats - 1, eager_first)
     return replay, eager
 
 
@@ -294,8 +335,10 @@ def logit_rows(size: int, device: torch.device) -> torch.Tensor:
     return torch.arange(0, size, max(1, size // VALIDATION_LOGIT_ROWS), device=device)
 
 
-def validate(graphs: GraphSet, mode: int, size: int, probe: StepPlan, tolerance: float) -> str:
-    """Replays one graph on the probe batch and compares it with eager execution; '' when equal.
+def validate(graphs: GraphSet, mode: int, size: int, probe: StepPlan, tolerance: float,
+             expected: torch.Tensor) -> tuple[str, float]:
+    """Replays one graph on the probe batch and compares it with ``expected``, the eager step on
+    the same batch: ('' when equal, or what differs; the replay's GPU seconds).
 
     Every row's hidden state is compared; greedy tokens and logits on up to 64 spread rows (the
     LM head is the same eager call on both sides, and a full-vocabulary logits tensor per row
@@ -304,15 +347,13 @@ def validate(graphs: GraphSet, mode: int, size: int, probe: StepPlan, tolerance:
     runner = graphs.runner
     rows = logit_rows(size, runner.device)
     meta = runner.prepare(probe, size)
-    expected = runner.forward_eager(meta, size).clone()
-    meta = runner.prepare(probe, size)
-    got = graphs.replay(mode, size, meta)
+    got, seconds = timed_once(lambda: graphs.replay(mode, size, meta))
     if not torch.isfinite(got).all():
-        return "non-finite hidden states"
+        return "non-finite hidden states", seconds
     rel = ((got - expected).float().norm() / expected.float().norm().clamp_min(1e-12)).item()
     if rel > tolerance:
-        return f"hidden states differ by {rel:.2e} (tolerance {tolerance:.0e})"
+        return f"hidden states differ by {rel:.2e} (tolerance {tolerance:.0e})", seconds
     got_logits, expected_logits = runner.model.logits(got[rows]), runner.model.logits(expected[rows])
     if not torch.equal(got_logits.argmax(-1), expected_logits.argmax(-1)):
-        return "greedy tokens differ from eager execution"
-    return ""
+        return "greedy tokens differ from eager execution", seconds
+    return "", seconds
