@@ -12,7 +12,7 @@ from prometheus_client import generate_latest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
-from load_bench import buckets, engine_tails, quantile, share_above, tails_line  # noqa: E402
+from load_bench import buckets, engine_tails, quantile, share_above, sustained_rate, tails_line  # noqa: E402
 from metrics_text import summed as parse_metrics  # noqa: E402
 
 from graphkeeper.worker.metrics import WorkerMetrics  # noqa: E402
@@ -108,3 +108,12 @@ def test_one_series_is_read_by_its_exact_labels():
     assert value(rendered, "graphkeeper_wakes_total", cause="request") == 1.0
     assert value(rendered, "graphkeeper_sleeping") == 1.0
     assert value(rendered, "graphkeeper_wakes_total") == 0.0  # labels must match exactly
+
+
+def test_the_rate_once_every_stream_runs_leaves_the_staggered_start_out():
+    """Two client processes whose streams started within the first 2 s of a 10 s window: what they
+    received after 2 s, over the 8 s left, summed; a window no longer than the stagger has none."""
+    parts = [{"tokens": 9_000, "tokens_all_started": 8_000}, {"tokens": 8_500, "tokens_all_started": 8_000}]
+    assert sustained_rate(parts, 10.0, 2.0) == 2_000.0  # against 1,750 tok/s over the whole window
+    assert sustained_rate(parts, 2.0, 2.0) is None
+    assert sustained_rate([{"tokens": 500, "tokens_all_started": 500}], 5.0, 0.0) == 100.0
