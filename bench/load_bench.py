@@ -13,12 +13,12 @@ Scenarios (each a fresh worker unless they share its flags):
                prefix cache's effect)
 
 For each: generated tokens/s (over the window, and for a staggered scenario also once every
-stream runs: ``tokens_per_s_all_started``), time to first token and inter-token latency (p50, p90, p99, from the
-clients' clocks; a message carrying k tokens counts its gap once per token, divided by k), errors by
-status code, requests per stream (no stream starved), graph coverage of steps and padding waste
-(from the worker's /metrics). After the workers stop, the same process times the engine's FULL-graph
-decode step at the matching batch sizes on the same GPU, so every throughput is also a ratio to
-what the GPU allows: ``streams / step time``.
+stream runs: ``tokens_per_s_all_started``), time to first token and inter-token latency (p50, p90,
+p99, from the clients' clocks; a message carrying k tokens counts its gap once per token, divided
+by k), errors by status code, requests per stream (no stream starved), graph coverage of steps
+and padding waste (from the worker's /metrics). After the workers stop, the same process times the
+engine's FULL-graph decode step at the matching batch sizes on the same GPU, so every throughput is
+also a ratio to what the GPU allows: ``streams / step time``.
 
     python bench/load_bench.py --out bench/results/load-h200.json                 # everything, H200
     python bench/load_bench.py --scenarios mixed --worker-pythonpath /tmp/old --legacy  # an older commit
