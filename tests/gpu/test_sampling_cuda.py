@@ -139,6 +139,28 @@ def test_drawing_tokens_and_processing_logits_never_stall_the_host_on_the_stream
     assert int(penalties.counts[5, 7]) >= 2 and int(penalties.counts.sum()) == 5  # 3 from the resets, 2 drawn
 
 
+def test_host_arrays_reach_the_device_intact_through_pinned_memory():
+    """``to_device`` fills a pinned block with numpy's copy (torch's would wake its CPU thread pool,
+    which then spins): the device gets the same values, dtypes and shapes, a full-vocabulary
+    grammar mask and a transposed (non-contiguous) array among them, with no host stall."""
+    import numpy as np
+
+    from graphkeeper.worker.executor.transfer import to_device
+
+    rng = np.random.default_rng(0)
+    arrays = [rng.integers(-2**31, 2**31 - 1, size=(32, 4008), dtype=np.int32),  # 128,256 tokens' mask
+              rng.random(7) > 0.5, rng.random((5, 3)).astype(np.float32).T, np.arange(0, dtype=np.int64)]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = [to_device(a, torch.device("cuda")) for a in arrays]
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for array, tensor in zip(arrays, got, strict=True):
+        assert tensor.is_cuda and tensor.dtype == torch.from_numpy(np.ascontiguousarray(array)).dtype
+        assert tuple(tensor.shape) == array.shape and np.array_equal(tensor.cpu().numpy(), array)
+
+
 def test_the_penalty_kernels_equal_the_pytorch_path_at_a_full_vocabulary():
     """The two launches penalties take on CUDA (``penalty_kernel``) against ``PenaltyCounts``'
     PyTorch operations on the same device, at llama's vocabulary: penalised rows alike to float32
