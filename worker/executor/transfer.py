@@ -10,10 +10,10 @@ copy is queued like any kernel and the host goes on at once.
 
 The bytes reach the pinned block by numpy's copy, not torch's: torch copies a large CPU tensor
 (a step's grammar masks are half a megabyte at a 128k vocabulary) on its pool of CPU threads,
-whose OpenMP threads then spin waiting for more work. A copy every step kept them spinning: with
-JSON-schema requests in the batch, the H200's engine-core process used 13-15 cores where plain
-batches use one (`bench/results/sampling-h200.md`). On a 2-core machine the same copy every 4 ms
-kept 0.92 cores busy through torch and 0.04 through numpy.
+whose OpenMP threads then spin waiting for more work, so a copy every step keeps them spinning.
+On a 2-core machine the same copy every 4 ms kept 0.92 cores busy through torch and 0.04 through
+numpy; with JSON-schema requests in the batch, the H200's engine-core process (a pool of 16
+threads) used 13-15 cores where plain batches use one (`bench/results/sampling-h200.md`).
 """
 
 from __future__ import annotations
