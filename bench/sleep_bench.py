@@ -49,7 +49,7 @@ import grpc
 sys.path.insert(0, str(Path(__file__).parent))
 from load_bench import _commit, free_port  # noqa: E402
 from metrics_text import fetch, value  # noqa: E402
-from start_bench import process_started, ready_now  # noqa: E402
+from start_bench import default_presets, process_started, ready_now  # noqa: E402
 
 from graphkeeper.proto import worker_pb2 as pb  # noqa: E402
 from graphkeeper.proto import worker_pb2_grpc as pb_grpc  # noqa: E402
@@ -437,7 +437,7 @@ def main() -> int:
     parser.add_argument("--start-timeout", type=float, default=300.0, help="seconds a worker may take to READY")
     parser.add_argument("--out", default="")
     args = parser.parse_args()
-    args.presets = args.presets or ("tiny" if args.device == "cpu" else "llama-1b,llama-8b")
+    args.presets = args.presets or default_presets(args.device)
     cuda = args.device == "cuda"
     args.dtype = args.dtype or ("bfloat16" if cuda else "float32")
     args.kv_cache_memory = args.kv_cache_memory or ("24Gi" if cuda else "256Mi")

@@ -127,6 +127,12 @@ def stage_table(rows: list[dict]) -> list[str]:
     return out
 
 
+def default_presets(device: str) -> str:
+    """The presets a start or sleep bench runs when none are named: the two of the issue's table on
+    a GPU; on a CPU (the bench's own check) the tiny one, the only one that starts there."""
+    return "tiny" if device == "cpu" else "llama-1b,llama-8b"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--presets", default="", help="default: llama-1b,llama-8b on a GPU, tiny on a CPU")
@@ -138,7 +144,7 @@ def main() -> int:
                              "a directory, or 'none' (the environment's bytecode handling)")
     parser.add_argument("--out", default="")
     args = parser.parse_args()
-    args.presets = args.presets or ("tiny" if args.device == "cpu" else "llama-1b,llama-8b")
+    args.presets = args.presets or default_presets(args.device)
     import torch
 
     gpu = torch.cuda.get_device_name() if args.device != "cpu" else "cpu"

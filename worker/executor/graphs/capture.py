@@ -31,6 +31,7 @@ from graphkeeper.worker.executor.graphs.graph_set import CapturedGraph, GraphSet
 from graphkeeper.worker.executor.graphs.large_steps import judge_coarse
 from graphkeeper.worker.executor.graphs.modes import PIECEWISE, Key
 from graphkeeper.worker.executor.runner import ModelRunner
+from graphkeeper.worker.model.attention import AttentionMetadata
 from graphkeeper.worker.plan import StepPlan
 
 log = logging.getLogger(__name__)
@@ -61,12 +62,13 @@ class CaptureJob:
     last_cost: int = 0
     stopped_by_budget: bool = False
     primed: set[int] = field(default_factory=set)  # sizes whose eager step ran (``_prime``)
-    #: Each size's eager step time, measured once: the FULL and PIECEWISE keys of a size time the
-    #: same eager step (the model's forward on the same probe), so the second key does not run it again.
+    #: Each size's eager step time, of the sizes with a key that passed validation (what the
+    #: coarse sizes are judged by).
     eager_seconds: dict[int, float] = field(default_factory=dict)
-    #: Each size's eager step on its probe, what every key of that size is validated against: the
-    #: same forward on the same inputs, so a second mode's key compares with it instead of running
-    #: it again. Kept while a later key of the plan has the size, given back at ``finish``.
+    #: Each size's eager step on its probe, what every key of that size is validated against, and
+    #: its time: the FULL and PIECEWISE keys of a size run the same forward on the same inputs, so
+    #: it runs and is timed once, by the first. Kept while a later key of the plan has the size,
+    #: given back at ``finish``.
     references: dict[int, Reference] = field(default_factory=dict)
     #: Coarse PIECEWISE sizes judged at ``finish`` (kept only where they pay: ``large_steps.py``)
     #: and the padding ladder they sit in. Empty on a tensor parallel follower: rank 0 judges.
@@ -195,10 +197,9 @@ class CaptureJob:
             reference = self._reference(probe, size)
             problem, replayed = validate(self.graphs, mode, size, probe, self.tolerance, reference.hidden)
             if not problem:
-                entry.replay_seconds, entry.eager_seconds = time_step(
-                    self.graphs, mode, size, probe, replayed=replayed,
-                    eager=self.eager_seconds.get(size), eager_first=reference.seconds)
-                self.eager_seconds[size] = entry.eager_seconds
+                entry.replay_seconds = least_time(self.graphs.runner, probe, size, functools.partial(
+                    self.graphs.replay, mode, size), TIMING_REPEATS - 1, replayed)
+                entry.eager_seconds = self.eager_seconds[size] = reference.seconds
             if all(later != size for _, later in self.plan[self.position:]):
                 del self.references[size]
         entry.seconds = sum(self.parts.values()) - began  # everything this key took
@@ -231,13 +232,17 @@ class CaptureJob:
         self.graphs.baseline_used += max(self.graphs.settled_used() - before, 0)
 
     def _reference(self, probe: StepPlan, size: int) -> Reference:
-        """The size's eager step on ``probe`` (timed: the first of its eager timings), run by the
-        size's first key to be validated and kept for the next."""
+        """The size's eager step on ``probe`` and its time (the least of ``EAGER_TIMING_REPEATS``
+        runs, the one kept among them), run by the size's first key to be validated and kept for
+        the next."""
         if size not in self.references:
             runner = self.graphs.runner
+            eager = functools.partial(runner.forward_eager, rows=size)
             meta = runner.prepare(probe, size)
-            hidden, seconds = timed_once(lambda: runner.forward_eager(meta, size))
-            self.references[size] = Reference(hidden.clone(), seconds)  # the runner may reuse its output
+            hidden, first = timed_once(functools.partial(eager, meta))
+            hidden = hidden.clone()  # before the next run: the runner may reuse its output
+            self.references[size] = Reference(hidden, least_time(runner, probe, size, eager,
+                                                                 EAGER_TIMING_REPEATS - 1, first))
         return self.references[size]
 
     def _over_budget(self, mode: int, size: int) -> None:
@@ -278,10 +283,10 @@ CAPTURE_PARTS = ("setup", "prime", "warm_up", "record", "validate", "measure", "
 VALIDATION_LOGIT_ROWS = 64
 
 
-#: Timed runs of each side (the least is kept: the step's time without the host's noise). The
-#: validation's replay and its reference's eager step are the first of them.
+#: Timed replays of a key, the validation's the first (the least is kept: the step's time without
+#: the host's noise).
 TIMING_REPEATS = 3
-#: Timed eager runs of a size: the reference and one more. An eager step is the launch-bound one
+#: Timed eager runs of a size: its reference and one more. An eager step is the launch-bound one
 #: (tens of milliseconds for an 8B model at the largest sizes), and it is the same step for every
 #: mode of a size, so it is timed once a size.
 EAGER_TIMING_REPEATS = 2
@@ -305,29 +310,17 @@ def timed_once(run: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, float]:
     return out, start.elapsed_time(end) / 1000.0
 
 
-def time_step(graphs: GraphSet, mode: int, size: int, probe: StepPlan, *, replayed: float,
-              eager: float | None = None, eager_first: float = float("inf"),
-              repeats: int = TIMING_REPEATS, eager_repeats: int = EAGER_TIMING_REPEATS) -> tuple[float, float]:
-    """(replayed, eager) GPU seconds of one step of ``size`` rows on the probe batch, by CUDA events
-    on the current stream; the least of ``repeats`` and ``eager_repeats`` runs, counting the ones
-    validation made (``replayed``, ``eager_first``: its replay and its reference). The eager side is
-    the same step the dispatcher runs when it falls back (the model's forward on the same kernels),
-    so the difference is what the graph buys per step: launch overhead removed. Input preparation
-    is outside both. ``eager``: the size's eager time measured already (by its other mode's key):
-    not run again."""
-    runner = graphs.runner
-
-    def least(run, runs: int, first: float) -> float:
-        best = first
-        for _ in range(runs):
-            meta = runner.prepare(probe, size)
-            best = min(best, timed_once(functools.partial(run, meta))[1])
-        return best
-
-    replay = least(lambda meta: graphs.replay(mode, size, meta), repeats - 1, replayed)
-    if eager is None:
-        eager = least(lambda meta: runner.forward_eager(meta, size), eager_repeats - 1, eager_first)
-    return replay, eager
+def least_time(runner: ModelRunner, probe: StepPlan, size: int,
+               run: Callable[[AttentionMetadata], torch.Tensor], runs: int, first: float) -> float:
+    """The least of ``first`` (a run timed already) and ``runs`` more timed runs of ``run`` on the
+    probe batch, in GPU seconds by CUDA events on the current stream; input preparation outside.
+    Replayed against eager, the difference is what the graph buys per step: launch overhead
+    removed (the eager step is the one the dispatcher falls back to, on the same kernels)."""
+    best = first
+    for _ in range(runs):
+        meta = runner.prepare(probe, size)
+        best = min(best, timed_once(functools.partial(run, meta))[1])
+    return best
 
 
 def logit_rows(size: int, device: torch.device) -> torch.Tensor:
