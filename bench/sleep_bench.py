@@ -231,6 +231,8 @@ def sleep(worker: Worker, level: int, row: dict, prefix: str = "") -> bool:
     row[f"{prefix}sleep_worker_seconds"] = slept.seconds
     row[f"{prefix}sleep_released_bytes_reported"] = slept.released_bytes
     row[f"{prefix}already_asleep"] = slept.already_asleep
+    row[f"{prefix}context_offloaded"] = slept.context_offloaded
+    row[f"{prefix}context_note"] = slept.context_note
     return True
 
 
@@ -372,7 +374,8 @@ def summary_line(row: dict) -> str:
         slept = f"sleep refused ({row['sleep_refused']['code']}: {row['sleep_refused']['details']})"
     else:
         slept = (f"held {_num(gib(row['held_bytes']), 2)} GiB, released {_num(gib(row.get('released_bytes')), 2)} "
-                 f"GiB (share {_num(row.get('share'), 3)}) in {row['sleep_seconds']:.2f} s, {row['state_asleep']}")
+                 f"GiB (share {_num(row.get('share'), 3)}; context offloaded {_offloaded(row)}) in "
+                 f"{row['sleep_seconds']:.2f} s, {row['state_asleep']}")
     wake_rpc = ""
     if "wake_rpc_seconds" in row:
         wake_rpc = (f", Wake {row['wake_rpc_seconds']:.3f} s then first token "
@@ -385,7 +388,8 @@ def summary_line(row: dict) -> str:
 
 def table(rows: list[dict]) -> list[str]:
     """Markdown: one row per preset and level, the issue's targets judged in the last columns (pure)."""
-    head = ("preset", "level", "held GiB", "released GiB", "share", "sleep s", "wake to 1st token s (request)",
+    head = ("preset", "level", "held GiB", "released GiB", "share", "context offloaded", "sleep s",
+            "wake to 1st token s (request)",
             "Wake RPC s", "1st token after Wake s", "tokens equal", "recaptures", "graphs kept",
             f"share >= {RELEASED_SHARE_TARGET:.2f}", "wake target")
     out = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
@@ -394,13 +398,20 @@ def table(rows: list[dict]) -> list[str]:
         slept = f"refused ({refused['code']})" if refused else _num(r.get("sleep_seconds"), 2)
         woken = _num(r.get("wake_rpc_seconds"), 3) + ("" if r.get("wake_rpc_was_asleep", True) else " (was awake)")
         cells = (r["preset"], str(r["level"]), _num(gib(r["held_bytes"]), 2), _num(gib(r.get("released_bytes")), 2),
-                 _num(r.get("share"), 3), slept,
+                 _num(r.get("share"), 3), _offloaded(r), slept,
                  _num(r["wake_to_first_token_seconds"], 3), woken,
                  _num(r.get("first_token_after_wake_rpc_seconds"), 3), _yes(r["tokens_equal_all"]),
                  _zero(r["recaptures"]), _yes(r["graphs_kept"]), _met(r["share_met"]),
                  _met(r["wake_met"], f"<= {r['wake_target_seconds']:.0f} s" if r["wake_target_seconds"] else ""))
         out.append("| " + " | ".join(cells) + " |")
     return out
+
+
+def _offloaded(row: dict) -> str:
+    """Whether the sleep moved the CUDA context and graph memory to the host too, or why not (pure)."""
+    if "context_offloaded" not in row:
+        return "-"
+    return "yes" if row["context_offloaded"] else f"no: {row.get('context_note', '')}"[:80]
 
 
 def _num(x: float | None, digits: int) -> str:

@@ -724,16 +724,20 @@ class SleepRequest(_message.Message):
     def __init__(self, level: _Optional[int] = ...) -> None: ...
 
 class SleepResponse(_message.Message):
-    __slots__ = ("level", "released_bytes", "seconds", "already_asleep")
+    __slots__ = ("level", "released_bytes", "seconds", "already_asleep", "context_offloaded", "context_note")
     LEVEL_FIELD_NUMBER: _ClassVar[int]
     RELEASED_BYTES_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
     ALREADY_ASLEEP_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_OFFLOADED_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_NOTE_FIELD_NUMBER: _ClassVar[int]
     level: int
     released_bytes: int
     seconds: float
     already_asleep: bool
-    def __init__(self, level: _Optional[int] = ..., released_bytes: _Optional[int] = ..., seconds: _Optional[float] = ..., already_asleep: _Optional[bool] = ...) -> None: ...
+    context_offloaded: bool
+    context_note: str
+    def __init__(self, level: _Optional[int] = ..., released_bytes: _Optional[int] = ..., seconds: _Optional[float] = ..., already_asleep: _Optional[bool] = ..., context_offloaded: _Optional[bool] = ..., context_note: _Optional[str] = ...) -> None: ...
 
 class WakeRequest(_message.Message):
     __slots__ = ()

@@ -348,6 +348,7 @@ def settings_from_args(args: argparse.Namespace) -> EngineSettings:
         kv_block_size=getattr(args, "kv_block_size", 16), prefix_caching=getattr(args, "prefix_caching", True),
         gpu_memory_utilization=getattr(args, "gpu_memory_utilization", None) or 0.0,
         sleep_mode=getattr(args, "enable_sleep_mode", False),
+        sleep_offload_context=getattr(args, "sleep_offload_context", True),
         tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
         process_started_at=process_started_at(),
     )

@@ -89,6 +89,9 @@ class EngineSettings:
     #: so GraphControl Sleep can give it back and Wake replays the same graphs (CUDA only;
     #: engine/sleep_control.py carries the orders out).
     sleep_mode: bool = False
+    #: --sleep-offload-context (on by default): a sleep also moves what the process still holds on
+    #: the device (CUDA context, graphs and their pool) to host memory (engine/context_offload.py).
+    sleep_offload_context: bool = True
     #: Ranks one worker shards the model across (``--tensor-parallel-size``): rank 0 is the engine
     #: core on ``device``; ranks 1..N-1 are follower processes on cuda:1..N-1 (or the CPU), each
     #: holding its shard and KV cache (engine/tp_ranks.py).

@@ -115,6 +115,10 @@ def _worker(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--enable-sleep-mode", action="store_true",
                    help="CUDA: accept GraphControl Sleep (the weights' and KV cache's device memory given back, "
                         "the graphs kept; the next request wakes the worker); off, Sleep is refused")
+    p.add_argument("--sleep-offload-context", action=argparse.BooleanOptionalAction, default=True,
+                   help="with --enable-sleep-mode: a sleep also moves the process's CUDA context, graphs and "
+                        "graph memory to host memory (the driver's process checkpoint, CUDA 12.8+ drivers), "
+                        "restored before the wake's first step; without it they stay on the device")
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="shard the model across this many ranks, 1 to 8 (default 1): rank r runs on cuda:r with "
                         "--device cuda, or on the CPU (Gloo) with --device cpu; heads must divide evenly")

@@ -1,5 +1,6 @@
 """Sleep and wake on a real GPU, through a real worker process over gRPC: a sleep gives back at
-least 90% of the device memory the worker held, the worker reports SLEEPING (status, /readyz,
+least 90% of the device memory the worker held (its CUDA context and graph memory included, through
+the driver's process checkpoint), the worker reports SLEEPING (status, /readyz,
 /is_sleeping, the gauge) while health keeps it in traffic, a request sent to it wakes it and is
 answered with the same greedy tokens as before the sleep, and no graph is recaptured: the
 captured set, each graph's capture time and the recapture counters are unchanged. Level 1, then
@@ -40,6 +41,9 @@ PROMPTS = ([128000, 791, 6864, 315, 9822], [128000, 40, 1093, 311, 3137, 922, 27
 NEW_TOKENS = 24
 #: What a sleep must give back, of what the worker holds on the device.
 RELEASED_SHARE = 0.9
+#: What a worker whose context went to the host may still hold (a CUDA context alone takes
+#: about 500 MiB on an H100 or H200).
+STILL_HELD_ASLEEP = 128 << 20
 
 
 def used_bytes() -> int:
@@ -88,10 +92,14 @@ def test_a_sleep_releases_the_memory_and_a_request_wakes_it_with_the_same_tokens
     held = used_bytes() - baseline
 
     slept = worker.control.Sleep(pb.SleepRequest(level=level), timeout=300)
-    released = used_bytes() - baseline
+    still = used_bytes() - baseline
     assert slept.level == level and not slept.already_asleep and slept.released_bytes > 0
-    assert held - released >= RELEASED_SHARE * held, (
-        f"level {level} gave back {(held - released) / 2**30:.2f} of {held / 2**30:.2f} GiB")
+    assert held - still >= RELEASED_SHARE * held, (
+        f"level {level} gave back {(held - still) / 2**30:.2f} of {held / 2**30:.2f} GiB")
+    # The CUDA context, the graphs and their pool went to host memory too (the driver's process
+    # checkpoint): what the worker still holds is a small part of what the context alone took.
+    assert slept.context_offloaded, slept.context_note
+    assert still < STILL_HELD_ASLEEP, f"level {level}: {still / 2**20:.0f} MiB still held asleep"
 
     asleep = worker.status()
     assert asleep.state == pb.LIFECYCLE_STATE_SLEEPING
@@ -119,8 +127,10 @@ def test_an_explicit_wake_restores_the_worker_and_a_second_wake_does_nothing(gpu
     worker, _ = gpu_worker
     before, _ = greedy(worker)
     worker.control.Sleep(pb.SleepRequest(level=1), timeout=300)
+    asleep = used_bytes()
     woke = worker.control.Wake(pb.WakeRequest(), timeout=300)
     assert woke.was_asleep and woke.level == 1 and woke.restored_bytes > 0
+    assert used_bytes() - asleep >= 0.9 * woke.restored_bytes  # what it says it took, the driver sees taken
     again = worker.control.Wake(pb.WakeRequest(), timeout=60)
     assert not again.was_asleep
     assert worker.status().state == pb.LIFECYCLE_STATE_READY

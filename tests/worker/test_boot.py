@@ -119,6 +119,10 @@ def test_policy_file(tmp_path):
 def test_sleep_mode_is_off_unless_the_flag_asks_for_it():
     assert settings_from_args(worker_args("--model", "random:tiny")).sleep_mode is False
     assert settings_from_args(worker_args("--model", "random:tiny", "--enable-sleep-mode")).sleep_mode is True
+    # A sleep moves the CUDA context and graph memory to the host too, unless told not to.
+    assert settings_from_args(worker_args("--model", "random:tiny")).sleep_offload_context is True
+    assert settings_from_args(worker_args("--model", "random:tiny", "--enable-sleep-mode",
+                                          "--no-sleep-offload-context")).sleep_offload_context is False
 
 
 def test_boot_errors_collects_flags_and_settings_exit_with_one_line(tmp_path):

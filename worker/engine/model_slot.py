@@ -63,6 +63,10 @@ class ModelSlot:
         self.weights_seconds = 0.0
         #: Weights and KV cache in sleepable memory (engine/sleep.py).
         self.sleepable = settings.sleep_mode and device.type == "cuda"
+        #: Asleep with the rest of the process's device state in host memory (engine/context_offload.py),
+        #: and the GPU's UUID the checkpoint helper reads device memory by.
+        self.context_offloaded = False
+        self.context_uuid = ""
         #: This rank's place in the group (SINGLE until rank 0 has joined its followers).
         self.tp = tp or SINGLE
         self.ranks = (FollowerRanks(settings, device, kv_blocks)

@@ -13,6 +13,11 @@ At both levels the KV cache's contents are dropped: wake zeroes it (padded rows 
 slot's blocks, which must hold finite values), and the caller (``sleep_control``) makes the prefix
 cache forget every block, since the keys and values it named are gone. The engine calls these
 between steps, with nothing running.
+
+Then, at both levels (unless ``--no-sleep-offload-context``), what the process still holds (its
+CUDA context, the graphs and their pool, torch's buffers) goes to host memory through the driver's
+process checkpoint (``context_offload.py``), and wake restores it first. Where the driver cannot,
+the sleep goes on without it and says why.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from graphkeeper.worker.engine import context_offload
 from graphkeeper.worker.engine.model_slot import ModelSlot
 from graphkeeper.worker.engine.sizing import aligned
 from graphkeeper.worker.model.loader import load_model
@@ -49,6 +55,10 @@ class SleepOutcome:
     #: Device memory given back, as the driver reports free memory before and after.
     released_bytes: int
     seconds: float
+    #: The process's remaining device state went to host memory too (``context_offload``).
+    context_offloaded: bool = False
+    #: Why it did not ('' when it did, or when the worker runs with --no-sleep-offload-context).
+    context_note: str = ""
 
 
 @dataclass(frozen=True)
@@ -76,9 +86,43 @@ def sleep_model(slot: ModelSlot, level: int) -> SleepOutcome:
     gc.collect()
     torch.cuda.empty_cache()  # blocks torch's allocator keeps cached go back as well
     released = torch.cuda.mem_get_info()[0] - free_before
-    outcome = SleepOutcome(level, released, time.perf_counter() - started)
-    log.info("asleep at level %d: %.2f GiB given back in %.2f s", level, released / 2**30, outcome.seconds)
+    offloaded, moved, note = _offload_context(slot)
+    outcome = SleepOutcome(level, released + moved, time.perf_counter() - started, offloaded, note)
+    log.info("asleep at level %d: %.2f GiB given back in %.2f s (weights and KV cache %.2f GiB; %s)", level,
+             outcome.released_bytes / 2**30, outcome.seconds, released / 2**30,
+             f"the rest of the process {moved / 2**30:.2f} GiB" if offloaded else f"the rest kept: {note}")
     return outcome
+
+
+def _offload_context(slot: ModelSlot) -> tuple[bool, int, str]:
+    """(offloaded, bytes it gave back, why not): the process's remaining device state to host
+    memory. The engine thread makes no CUDA call until ``_restore_context``; nor may any other."""
+    if not slot.settings.sleep_offload_context:
+        return False, 0, "--no-sleep-offload-context"
+    slot.context_uuid = slot.context_uuid or str(torch.cuda.get_device_properties(slot.device).uuid)
+    result = context_offload.call_helper("offload", slot.context_uuid)
+    if not result.ok:
+        if not result.left_running:  # a helper that died or failed to unlock: settled by a restore
+            slot.context_offloaded = True
+            _restore_context(slot)
+        log.warning("sleep keeps the CUDA context and graph memory on the device: %s", result.error)
+        return False, 0, result.error
+    slot.context_offloaded = True
+    if result.moved_bytes is None:
+        return True, 0, "the process's own share not measured (no NVML)"
+    return True, result.moved_bytes, ""
+
+
+def _restore_context(slot: ModelSlot) -> int:
+    """The process's device state back at its addresses (before any CUDA call); the bytes it took.
+    A restore that fails leaves the process without a usable device: raised as a CUDA error."""
+    if not slot.context_offloaded:
+        return 0
+    result = context_offload.call_helper("restore", slot.context_uuid)
+    if not result.ok:
+        raise RuntimeError(f"CUDA error: the process's device state could not be restored: {result.error}")
+    slot.context_offloaded = False
+    return result.moved_bytes or 0
 
 
 def wake_model(slot: ModelSlot) -> WakeOutcome:
@@ -88,6 +132,7 @@ def wake_model(slot: ModelSlot) -> WakeOutcome:
         return WakeOutcome(0, 0, 0.0)
     started = time.perf_counter()
     runner = slot.runner
+    context = _restore_context(slot)
     free_before = torch.cuda.mem_get_info()[0]
     if not runner.loaded.weights_region.restore():
         _reload_weights(slot)
@@ -95,7 +140,7 @@ def wake_model(slot: ModelSlot) -> WakeOutcome:
     runner.cache.k.zero_()
     runner.cache.v.zero_()
     torch.cuda.synchronize()
-    taken = free_before - torch.cuda.mem_get_info()[0]
+    taken = free_before - torch.cuda.mem_get_info()[0] + context
     outcome = WakeOutcome(level, taken, time.perf_counter() - started)
     log.info("awake from level %d: %.2f GiB taken in %.2f s", level, taken / 2**30, outcome.seconds)
     return outcome

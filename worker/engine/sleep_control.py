@@ -256,7 +256,8 @@ class SleepControl:
         self.metrics.sleeps.labels(str(level)).inc()
         log.info("SLEEPING at level %d: %d bytes of device memory released in %.2f s", level,
                  outcome.released_bytes, outcome.seconds)
-        response = pb.SleepResponse(level=level, released_bytes=outcome.released_bytes, seconds=outcome.seconds)
+        response = pb.SleepResponse(level=level, released_bytes=outcome.released_bytes, seconds=outcome.seconds,
+                                    context_offloaded=outcome.context_offloaded, context_note=outcome.context_note)
         for sleeper in sleepers:
             sleeper.set_result(response)
 
