@@ -139,6 +139,35 @@ def test_drawing_tokens_and_processing_logits_never_stall_the_host_on_the_stream
     assert int(penalties.counts[5, 7]) >= 2 and int(penalties.counts.sum()) == 5  # 3 from the resets, 2 drawn
 
 
+def test_log_probabilities_are_picked_and_sent_back_without_a_host_synchronisation():
+    """A step's log probabilities at llama's vocabulary (the softmax of the rows that asked, each
+    one's chosen token and top alternatives, and their copies back to the host) queue behind the
+    step without waiting for it: an operation that synchronised (a top-k that read a size back, a
+    copy into pageable memory) would make every step with such a row wait for the device."""
+    from graphkeeper.worker.executor.logits import pick_logprobs, raw_logprobs
+
+    rows, vocab, top = 32, 128_256, 5
+    logits = torch.randn(rows * 2, vocab, device="cuda", dtype=torch.bfloat16)
+    at = torch.arange(0, rows * 2, 2, device="cuda")
+    tokens = torch.randint(0, vocab, (rows * 2,), device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        raw = raw_logprobs(logits.index_select(0, at))
+        picked = pick_logprobs(raw, tokens.index_select(0, at), top)
+        host = tuple(t.to("cpu", non_blocking=True) for t in picked)
+        done = torch.cuda.Event()
+        done.record()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    done.synchronize()
+    chosen, values, ids = host
+    expected = logits[0::2].float().log_softmax(-1)
+    assert torch.equal(chosen, expected.gather(1, tokens[0::2, None]).squeeze(1).cpu())
+    want_values, want_ids = expected.topk(top, dim=-1)
+    assert torch.equal(values, want_values.cpu()) and torch.equal(ids, want_ids.cpu())
+
+
 def test_host_arrays_reach_the_device_intact_through_pinned_memory():
     """``to_device`` fills a pinned block with numpy's copy (torch's would wake its CPU thread pool,
     which then spins): the device gets the same values, dtypes and shapes, a full-vocabulary
