@@ -529,8 +529,11 @@ def test_graphs_replay_the_same_tokens_after_sleep_and_wake(level):
     from graphkeeper.worker.engine.sleep import sleep_model, wake_model
     from graphkeeper.worker.metrics import WorkerMetrics
 
+    # The regions alone: the process checkpoint would lock this test process, whose other threads
+    # may call CUDA (test_sleep_cuda.py checks it on a worker process).
     settings = EngineSettings(model="random:llama-1b@3", device="cuda", dtype="float32", max_num_seqs=8,
-                              max_seq_len=MAX_LEN, max_num_batched_tokens=64, sleep_mode=True)
+                              max_seq_len=MAX_LEN, max_num_batched_tokens=64, sleep_mode=True,
+                              sleep_offload_context=False)
     slot = ModelSlot(settings, torch.device("cuda"), Ledger(), WorkerMetrics())
     slot.install(slot.load(settings.model, ""))
     runner = slot.runner
