@@ -3,8 +3,10 @@
 Sleep (``engine/sleep.py``) releases the weights' and the KV cache's sleepable regions, but the
 engine-core process still holds its CUDA context, its graphs' executables and memory pool, and the
 tensors torch's allocator keeps (the step's buffers): 2.1 GiB for ``llama-1b`` and 2.9 GiB for
-``llama-8b`` on an H200, 32% and 11% of what those workers held. The driver's checkpoint API
-(CUDA driver 12.8 or later, Linux) moves all of it to host memory and gives the device memory back:
+``llama-8b`` on an H200, 32% and 11% of what those workers held
+(``bench/results/sleep-3b6bea5-h200.json``). The driver's checkpoint API (display driver 570 or
+later, the CUDA 12.8 driver API; Linux, x86-64) moves all of it to host memory and gives the device
+memory back:
 
 - ``cuCheckpointProcessLock`` lets the process's CUDA calls in flight finish and holds new ones;
 - ``cuCheckpointProcessCheckpoint`` copies the process's device state to host memory (the
@@ -21,8 +23,10 @@ it worked, why not, and how much device memory moved, read device-wide from NVML
 
 What a failure leaves: an offload that fails after the lock unlocks the process, which keeps its
 device memory and sleeps as before (regions released, context kept), with the reason logged and
-reported. A restore that fails leaves a process without its device state: the wake raises and the
-engine stops, as after a broken device, and the worker is restarted.
+reported. The driver does not promise a usable process after an error mid-checkpoint (nor does it
+take UVM or IPC memory, which the worker does not use): a process it leaves failed, or a restore
+that fails, is a process without its device state, so the engine stops, as after a broken device,
+and the worker is restarted.
 """
 
 from __future__ import annotations
