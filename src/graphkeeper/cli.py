@@ -117,7 +117,7 @@ def _worker(sub: argparse._SubParsersAction) -> None:
                         "the graphs kept; the next request wakes the worker); off, Sleep is refused")
     p.add_argument("--sleep-offload-context", action=argparse.BooleanOptionalAction, default=True,
                    help="with --enable-sleep-mode: a sleep also moves the process's CUDA context, graphs and "
-                        "graph memory to host memory (the driver's process checkpoint, CUDA 12.8+ drivers), "
+                        "graph memory to host memory (the driver's process checkpoint, display driver 570+), "
                         "restored before the wake's first step; without it they stay on the device")
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="shard the model across this many ranks, 1 to 8 (default 1): rank r runs on cuda:r with "
