@@ -78,7 +78,8 @@ class CheckpointDriver:
             raise CheckpointError(f"no CUDA driver (libcuda.so.1): {err}") from err
         missing = [name for name in SYMBOLS if not hasattr(self.lib, name)]
         if missing:
-            raise CheckpointError(f"the CUDA driver has no checkpoint API ({', '.join(missing)}): it needs display driver 570+")
+            raise CheckpointError(f"the CUDA driver has no checkpoint API ({', '.join(missing)}): "
+                                  "it needs display driver 570+")
         self.call("cuInit", ctypes.c_uint(0))
 
     def call(self, name: str, *args) -> None:
