@@ -108,6 +108,10 @@ def _offload_context(slot: ModelSlot) -> tuple[bool, int, str]:
         log.warning("sleep keeps the CUDA context and graph memory on the device: %s", result.error)
         return False, 0, result.error
     slot.context_offloaded = True
+    # The collector stays off until the restore: a cycle it freed could hold a tensor, whose free
+    # is a CUDA call, made on whichever thread collected, holding the interpreter, until the wake
+    # that then could never run. (What was garbage went in sleep_model's collect.)
+    gc.disable()
     if result.moved_bytes is None:
         return True, 0, "the process's own share not measured (no NVML)"
     return True, result.moved_bytes, ""
@@ -122,6 +126,7 @@ def _restore_context(slot: ModelSlot) -> int:
     if not result.ok:
         raise RuntimeError(f"CUDA error: the process's device state could not be restored: {result.error}")
     slot.context_offloaded = False
+    gc.enable()
     return result.moved_bytes or 0
 
 
