@@ -102,6 +102,9 @@ for b in "${benches[@]}"; do  # BENCH="" runs the tests alone
     sleep)  # issue 36: sleep (levels 1 and 2) and wake on one worker each of llama-1b and llama-8b:
       # memory given back, a request's wake to its first token, tokens and graphs kept (~4 min)
       timeout 300 python3 bench/sleep_bench.py --out "$out/sleep-$card.json" ;;
+    checkpoint)  # issue 36: a process's device memory through the driver's checkpoint and back, its
+      # graphs replayed after (the mechanism of the sleep's context offload, alone; ~15 s)
+      timeout 120 python3 bench/checkpoint_probe.py --out "$out/checkpoint-probe-$card.json" ;;
     vmm)  # issue 36: a graph replays after its memory was released and mapped again (~15 s)
       timeout 60 python3 bench/vmm_probe.py --out "$out/vmm-probe-$card.json" ;;
     start)  # issue 36: READY cold, warm and warm again, stage by stage, llama-1b and llama-8b (3 starts each)
