@@ -5,9 +5,9 @@ The mechanism a sleeping worker's context offload rests on (``worker/engine/cont
 alone, in about ten seconds, so that a failure of the worker's sleep can be told apart from a driver
 or container that does not allow the checkpoint. On the GPU machine:
 
-1. a child process (``--child``) reserves and maps ``--gib`` GiB through ``model/sleep_memory.py``,
-   puts an ``nn.Linear``'s weight in it, and captures a graph of the linear layer and of a reduction
-   over the range (as ``bench/vmm_probe.py`` does), plus a graph over ordinary torch memory;
+1. a child process (``--child``) reserves and maps ``--gib`` GiB through ``model/sleep_memory.py``
+   and captures ``bench/vmm_probe.py``'s graph over it (a linear layer whose weight is in the
+   range, a reduction over the range), with a reduction over ordinary torch memory beside;
 2. the child releases its region's physical memory (the contents to pinned host memory), as sleep
    does before the checkpoint;
 3. this process runs the checkpoint helper on the child (``offload``): lock and checkpoint; device
@@ -27,6 +27,7 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # vmm_probe, beside this file
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "worker" / "engine"))
 import context_offload  # noqa: E402  (stdlib only: this process never touches CUDA itself)
 
@@ -36,29 +37,13 @@ GIB = 1 << 30
 def child(gib: float) -> None:
     """The CUDA process: answers one JSON line per command read from stdin (sleep, wake)."""
     import torch
+    from vmm_probe import RegionGraph  # beside this file
 
     from graphkeeper.worker.model.sleep_memory import SleepableRegion
 
     torch.zeros(1, device="cuda")
     region = SleepableRegion(int(gib * GIB), "probe", torch.device("cuda"))
-    floats = region.take((region.size // 4,), torch.float32)
-    floats.normal_()
-    linear = torch.nn.Linear(4096, 4096, bias=False, device="cuda")
-    linear.weight = torch.nn.Parameter(floats[: 4096 * 4096].view(4096, 4096), requires_grad=False)
-    x = torch.randn(8, 4096, device="cuda")
-    plain = torch.randn(256 << 20 >> 2, device="cuda")  # 256 MiB of ordinary torch memory
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream), torch.no_grad():
-        for _ in range(2):
-            y, s, p = linear(x), floats.sum(), (plain * 2).sum()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph), torch.no_grad():
-        y, s, p = linear(x), floats.sum(), (plain * 2).sum()
-    graph.replay()
-    torch.cuda.synchronize()
-    before = y.clone(), s.clone(), p.clone()
+    graph = RegionGraph(region, plain_bytes=256 << 20)  # and 256 MiB of ordinary torch memory
     uuid = str(torch.cuda.get_device_properties(0).uuid)
     _say({"ready": True, "uuid": uuid, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__})
     for line in sys.stdin:
@@ -71,9 +56,7 @@ def child(gib: float) -> None:
         elif command == "wake":
             t0 = time.perf_counter()
             kept = region.restore()
-            graph.replay()
-            torch.cuda.synchronize()
-            same = all(bool(torch.equal(a, b)) for a, b in zip((y, s, p), before, strict=True))
+            same = graph.same()
             _say({"contents_kept": kept, "replay_after_restore_equal": same,
                   "wake_and_replay_s": time.perf_counter() - t0})
         else:

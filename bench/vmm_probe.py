@@ -36,28 +36,50 @@ from graphkeeper.worker.model.sleep_memory import SleepableRegion
 GIB = 1 << 30
 
 
+class RegionGraph:
+    """A graph over a sleepable region: an ``nn.Linear`` whose weight lives in the region and a
+    reduction over the whole range (and, with ``plain_bytes``, over ordinary torch memory too),
+    captured and replayed once; ``same()`` replays it and compares with that first replay, exactly.
+    ``bench/checkpoint_probe.py`` captures the same graph."""
+
+    def __init__(self, region: SleepableRegion, plain_bytes: int = 0) -> None:
+        floats = region.take((region.size // 4,), torch.float32)
+        floats.normal_()
+        linear = torch.nn.Linear(4096, 4096, bias=False, device="cuda")
+        linear.weight = torch.nn.Parameter(floats[: 4096 * 4096].view(4096, 4096), requires_grad=False)
+        x = torch.randn(8, 4096, device="cuda")
+        plain = torch.randn(plain_bytes // 4, device="cuda")
+
+        def run() -> tuple[torch.Tensor, ...]:
+            return linear(x), floats.sum(), *(((plain * 2).sum(),) if plain_bytes else ())
+
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream), torch.no_grad():
+            for _ in range(2):
+                run()
+        torch.cuda.current_stream().wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph), torch.no_grad():
+            self.outputs = run()
+        self.graph.replay()
+        torch.cuda.synchronize()
+        self.before = tuple(t.clone() for t in self.outputs)
+        self._keep = (linear, x, plain)  # what the graph reads stays alive with it
+
+    def same(self) -> bool:
+        """Replays the graph; whether every output equals the first replay's."""
+        self.graph.replay()
+        torch.cuda.synchronize()
+        return all(bool(torch.equal(a, b)) for a, b in zip(self.outputs, self.before, strict=True))
+
+
 def probe(gib: float) -> dict:
     torch.zeros(1, device="cuda")
     free_before, total = torch.cuda.mem_get_info()
     region = SleepableRegion(int(gib * GIB), "probe", torch.device("cuda"))
     free_mapped, _ = torch.cuda.mem_get_info()
-    floats = region.take((region.size // 4,), torch.float32)
-    floats.normal_()
-    linear = torch.nn.Linear(4096, 4096, bias=False, device="cuda")
-    linear.weight = torch.nn.Parameter(floats[: 4096 * 4096].view(4096, 4096), requires_grad=False)
-    x = torch.randn(8, 4096, device="cuda")
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream), torch.no_grad():
-        for _ in range(2):
-            y, s = linear(x), floats.sum()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph), torch.no_grad():
-        y, s = linear(x), floats.sum()
-    graph.replay()
-    torch.cuda.synchronize()
-    y_before, s_before = y.clone(), s.clone()
+    graph = RegionGraph(region)
 
     t0 = time.perf_counter()
     released = region.release(keep=True)
@@ -65,10 +87,8 @@ def probe(gib: float) -> dict:
     free_asleep, _ = torch.cuda.mem_get_info()
     t0 = time.perf_counter()
     kept = region.restore()
-    graph.replay()
-    torch.cuda.synchronize()
+    same = graph.same()
     wake_s = time.perf_counter() - t0
-    same = bool(torch.equal(y, y_before) and torch.equal(s, s_before))
     return {
         "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "range_bytes": region.size,
         "mapped_took_bytes": free_before - free_mapped, "released_bytes": released,

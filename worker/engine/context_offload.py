@@ -107,8 +107,8 @@ class CheckpointDriver:
             self.call("cuCheckpointProcessUnlock", ctypes.c_int(pid), None)
             raise
 
-    def restore(self, pid: int) -> str:
-        """Restore and unlock ``pid`` from whatever state an offload left; the state it found."""
+    def restore(self, pid: int) -> None:
+        """Restore and unlock ``pid`` from whatever state an offload left."""
         found = self.state(pid)
         if found == CHECKPOINTED:
             self.call("cuCheckpointProcessRestore", ctypes.c_int(pid), None)
@@ -116,7 +116,6 @@ class CheckpointDriver:
             self.call("cuCheckpointProcessUnlock", ctypes.c_int(pid), None)
         if found == FAILED:
             raise CheckpointError("the process's CUDA state failed in an earlier checkpoint or restore")
-        return STATE_NAMES.get(found, str(found))
 
 
 def device_used_bytes(uuid: str) -> int | None:
@@ -152,12 +151,12 @@ def run_helper(op: str, pid: int, uuid: str, timeout_ms: int = LOCK_TIMEOUT_MS) 
         return {"ok": False, "error": str(err), "state": STATE_NAMES[RUNNING]}
     before = device_used_bytes(uuid)
     try:
-        found = driver.offload(pid, timeout_ms) if op == "offload" else driver.restore(pid)
+        driver.offload(pid, timeout_ms) if op == "offload" else driver.restore(pid)
     except CheckpointError as err:
         return {"ok": False, "error": str(err), "state": _state_name(driver, pid)}
     after = device_used_bytes(uuid)
     moved = None if before is None or after is None else abs(before - after)
-    return {"ok": True, "moved_bytes": moved, "seconds": time.perf_counter() - started, "found": found}
+    return {"ok": True, "moved_bytes": moved, "seconds": time.perf_counter() - started}
 
 
 def _state_name(driver: CheckpointDriver, pid: int) -> str | None:

@@ -103,8 +103,7 @@ def _offload_context(slot: ModelSlot) -> tuple[bool, int, str]:
     result = context_offload.call_helper("offload", slot.context_uuid)
     if not result.ok:
         if not result.left_running:  # a helper that died or failed to unlock: settled by a restore
-            slot.context_offloaded = True
-            _restore_context(slot)
+            _restore(slot.context_uuid)
         log.warning("sleep keeps the CUDA context and graph memory on the device: %s", result.error)
         return False, 0, result.error
     slot.context_offloaded = True
@@ -118,15 +117,22 @@ def _offload_context(slot: ModelSlot) -> tuple[bool, int, str]:
 
 
 def _restore_context(slot: ModelSlot) -> int:
-    """The process's device state back at its addresses (before any CUDA call); the bytes it took.
-    A restore that fails leaves the process without a usable device: raised as a CUDA error."""
+    """The process's device state back at its addresses, when a sleep offloaded it (before any
+    CUDA call); the bytes it took."""
     if not slot.context_offloaded:
         return 0
-    result = context_offload.call_helper("restore", slot.context_uuid)
-    if not result.ok:
-        raise RuntimeError(f"CUDA error: the process's device state could not be restored: {result.error}")
+    taken = _restore(slot.context_uuid)
     slot.context_offloaded = False
     gc.enable()
+    return taken
+
+
+def _restore(uuid: str) -> int:
+    """Restores and unlocks this process from whatever state an offload left it in; the bytes
+    that came back. A failure leaves the process without a usable device: raised as a CUDA error."""
+    result = context_offload.call_helper("restore", uuid)
+    if not result.ok:
+        raise RuntimeError(f"CUDA error: the process's device state could not be restored: {result.error}")
     return result.moved_bytes or 0
 
 
