@@ -30,17 +30,19 @@ if [ "${TESTS:-1}" = 1 ]; then
     | tee "$out/pytest-cuda-$card.log" | tail -25
 fi
 # py-spy (a static binary: carry it as .whl/py-spy) on the worker and its engine core while the
-# benchmark with pid $2 runs: 3-second raw records, headed "### <n> <unix time>", into $out/$1.txt.gz
-# (read them with bench/spy_report.py).
+# benchmark with pid $2 runs: 3-second raw records, headed "### <n> <unix time> <worker pid>", into
+# $out/$1.txt.gz (read them with bench/spy_report.py). Each block records the newest worker, so a
+# benchmark that starts one worker after another (start_bench) is followed from one to the next.
 spy() {
   local worker="" i
-  for i in $(seq 240); do worker=$(pgrep -f "graphkeeper.cli worker" | head -1); [ -n "$worker" ] && break; sleep 0.5; done
   : > "/tmp/$1.txt"
-  for i in $(seq 1 60); do
+  for i in $(seq 1 80); do
     kill -0 "$2" 2>/dev/null || break
+    worker=$(pgrep -n -f "graphkeeper.cli worker")
+    if [ -z "$worker" ]; then sleep 0.2; continue; fi
     timeout 12 .whl/py-spy record -d 3 -r 250 --idle --subprocesses --format raw -o /tmp/spy-block.txt \
       --pid "$worker" >/dev/null 2>&1
-    echo "### $i $(date +%s)" >> "/tmp/$1.txt"; cat /tmp/spy-block.txt >> "/tmp/$1.txt" 2>/dev/null
+    echo "### $i $(date +%s) $worker" >> "/tmp/$1.txt"; cat /tmp/spy-block.txt >> "/tmp/$1.txt" 2>/dev/null
     rm -f /tmp/spy-block.txt
   done
   wait "$2"; gzip -c "/tmp/$1.txt" > "$out/$1.txt.gz"
@@ -130,6 +132,11 @@ for b in "${benches[@]}"; do  # BENCH="" runs the tests alone
       timeout 200 python3 bench/load_bench.py --scenarios "${b#profile-}" --seconds 10 --no-step-times \
         --out "$out/load-${b#profile-}-profiled-$card.json" > "$out/$b.txt" 2>&1 &
       spy "spy-${b#profile-}" $!; grep "^${b#profile-}" "$out/$b.txt" ;;
+    profile-start)  # issue 36: llama-8b's cold, warm and warm-again starts, each worker and its engine
+      # core profiled from its first seconds to READY (~100 s)
+      timeout 200 python3 bench/start_bench.py --presets llama-8b --out "$out/start-8b-profiled-$card.json" \
+        > "$out/$b.txt" 2>&1 &
+      spy spy-start $!; tail -4 "$out/$b.txt" ;;
     pacing)  # issue 35: long and decode streams with the stream pacing capped at 8 ms (the default since
       # 2026-12-05), then at 16 ms (before: 12.8 ms at 64 streams); both through thread_sampler (~150 s)
       timeout 200 python3 bench/load_bench.py --scenarios long,decode --seconds "${SECONDS_PER:-8}" \
