@@ -9,6 +9,7 @@ thread waits (``Event.synchronize``: for the device; ``Mailbox.sleep``: for work
 1.0 for the loop with little waiting means the host, not the device, sets the step's pace.
 
     python bench/spy_report.py gpu-out/spy-penalties.txt.gz --blocks 34,35,36
+    python bench/spy_report.py gpu-out/spy-start.txt.gz --frame "Engine._startup (core.py)" --blocks 9,10,11
 """
 
 from __future__ import annotations
@@ -50,11 +51,13 @@ def main() -> int:
     parser.add_argument("path")
     parser.add_argument("--blocks", default="", help="comma-separated block numbers (default: all)")
     parser.add_argument("--top", type=int, default=45)
+    parser.add_argument("--frame", default=ENGINE,
+                        help="the samples counted: those with this frame (profile-start: 'Engine._startup (core.py)')")
     args = parser.parse_args()
     chosen = set(args.blocks.split(",")) if args.blocks else None
     inclusive, own, total = collections.Counter(), collections.Counter(), 0
     for name, rows in blocks(args.path):
-        engine = [(frames, n) for frames, n in rows if ENGINE in frames]
+        engine = [(frames, n) for frames, n in rows if args.frame in frames]
         if not engine or (chosen and name not in chosen):
             continue
         samples = sum(n for _, n in engine)
