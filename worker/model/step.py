@@ -224,6 +224,8 @@ def prepare_step(model, *, compile: bool, cache_root: str, quantization: str, wa
     pieces = make_pieces(model.config, kernels.add_rms_norm, model.tp)
     report = CompileReport(enabled=compile, level=level, reason=reason)
     rows = device.type == "cuda" and row_pieces_fit(model.config, model.tok_embeddings.weight.dtype)
+    if compile:  # first: every Triton kernel from here on (the PDL probe's too) is kept in the cache
+        _use_compile_cache(model, report, kernels.name, quantization, cache_root)
     if device.type == "cuda":
         pdl.probe(device)
         report.tuning = tuning.tune_model(model, cache_root, rows)
@@ -231,16 +233,6 @@ def prepare_step(model, *, compile: bool, cache_root: str, quantization: str, wa
     tuned = report.tuning.summary if report.tuning else ""
     name = "+".join(n for n in (kernels.name, tuned) if n)
     if compile:
-        capability = ".".join(map(str, torch.cuda.get_device_capability(device)))
-        # The tuning summary stays out of the key: the linear op is opaque to Inductor.
-        facts = cache_facts(model.config, model.tok_embeddings.weight.dtype, quantization, kernels.name, capability,
-                            library_versions(), source_digest(step_modules()), torch.cuda.get_device_name(device))
-        report.key = key_of(facts)
-        try:
-            report.cache_dir = use_cache_dir(cache_root, report.key, facts)
-        except OSError as err:  # an unwritable cache volume costs this start its cache, not the start
-            log.warning("compile cache %s unusable (%s): compiling into a temporary directory", cache_root, err)
-            report.cache_dir = use_cache_dir(tempfile.mkdtemp(prefix="graphkeeper-compile-"), report.key, facts)
         compile_in_process()
         torch.compiler.reset()  # one engine per process: its previous step's compiled code is dropped
         pieces = compile_pieces(pieces)
@@ -257,6 +249,23 @@ def prepare_step(model, *, compile: bool, cache_root: str, quantization: str, wa
     if rows:
         _choose_row_step(model, report)
     return report
+
+
+def _use_compile_cache(model, report: CompileReport, kernels: str, quantization: str, cache_root: str) -> None:
+    """Keys the compile cache and points Inductor's and Triton's caches at its directory. The
+    tuning summary stays out of the key (the linear op is opaque to Inductor), so this comes before
+    tuning and the PDL probe, whose Triton kernels then load from the cache volume too instead of
+    compiling into the container's home directory at every pod start."""
+    device = model.tok_embeddings.weight.device
+    capability = ".".join(map(str, torch.cuda.get_device_capability(device)))
+    facts = cache_facts(model.config, model.tok_embeddings.weight.dtype, quantization, kernels, capability,
+                        library_versions(), source_digest(step_modules()), torch.cuda.get_device_name(device))
+    report.key = key_of(facts)
+    try:
+        report.cache_dir = use_cache_dir(cache_root, report.key, facts)
+    except OSError as err:  # an unwritable cache volume costs this start its cache, not the start
+        log.warning("compile cache %s unusable (%s): compiling into a temporary directory", cache_root, err)
+        report.cache_dir = use_cache_dir(tempfile.mkdtemp(prefix="graphkeeper-compile-"), report.key, facts)
 
 
 def _choose_row_step(model, report: CompileReport) -> None:
