@@ -34,12 +34,12 @@ fi
 # $out/$1.txt.gz (read them with bench/spy_report.py). Each block records the newest worker, so a
 # benchmark that starts one worker after another (start_bench) is followed from one to the next.
 spy() {
-  local worker="" i
+  local worker="" i=0
   : > "/tmp/$1.txt"
-  for i in $(seq 1 80); do
-    kill -0 "$2" 2>/dev/null || break
+  while [ "$i" -lt 80 ] && kill -0 "$2" 2>/dev/null; do
     worker=$(pgrep -n -f "graphkeeper.cli worker")
-    if [ -z "$worker" ]; then sleep 0.2; continue; fi
+    if [ -z "$worker" ]; then sleep 0.2; continue; fi  # between workers: waiting is not a block
+    i=$((i + 1))
     timeout 12 .whl/py-spy record -d 3 -r 250 --idle --subprocesses --format raw -o /tmp/spy-block.txt \
       --pid "$worker" >/dev/null 2>&1
     echo "### $i $(date +%s) $worker" >> "/tmp/$1.txt"; cat /tmp/spy-block.txt >> "/tmp/$1.txt" 2>/dev/null

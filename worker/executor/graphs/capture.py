@@ -67,8 +67,8 @@ class CaptureJob:
     eager_seconds: dict[int, float] = field(default_factory=dict)
     #: Each size's eager step on its probe, what every key of that size is validated against, and
     #: its time: the FULL and PIECEWISE keys of a size run the same forward on the same inputs, so
-    #: it runs once, as the size's prime, and is timed there and once more by the first key
-    #: validated. Kept (in host memory) while a later key of the plan has the size.
+    #: it runs and is timed once a size, as the size's prime. Kept (in host memory) while a later
+    #: key of the plan has the size.
     references: dict[int, Reference] = field(default_factory=dict)
     #: Coarse PIECEWISE sizes judged at ``finish`` (kept only where they pay: ``large_steps.py``)
     #: and the padding ladder they sit in. Empty on a tensor parallel follower: rank 0 judges.
@@ -194,7 +194,7 @@ class CaptureJob:
                               torch.cuda.memory_reserved() - reserved_before)
         self.graphs.captured[(mode, size)] = entry
         with self._timed("validate"):
-            reference = self._timed_reference(probe, size)
+            reference = self.references[size]
             expected = reference.hidden.to(self.graphs.runner.device)
             problem, replayed = validate(self.graphs, mode, size, probe, self.tolerance, expected)
             del expected
@@ -218,8 +218,10 @@ class CaptureJob:
 
     def _prime(self, probe: StepPlan, size: int) -> None:
         """The size's eager step on ``probe``, and validation's LM head, on the serving stream
-        before the key is recorded: the reference its keys are validated against (timed, and kept
-        in host memory, so that it holds no device memory while graphs are recorded and measured).
+        before the key is recorded: the reference its keys are validated against (kept in host
+        memory, so that it holds no device memory while graphs are recorded and measured), timed
+        as the least of ``EAGER_TIMING_REPEATS`` runs (the first may pay for allocating the step's
+        memory afresh).
 
         What a size's first eager step loads for good (kernels loaded lazily for a new shape,
         Triton's or a library's, a larger local-memory pool) belongs to the process: eager steps
@@ -231,24 +233,14 @@ class CaptureJob:
         self.primed.add(size)
         runner = self.graphs.runner
         before = self.graphs.settled_used()
-        meta = runner.prepare(probe, size)
-        hidden, seconds = timed_once(functools.partial(runner.forward_eager, meta, size))
+        eager = functools.partial(runner.forward_eager, rows=size)
+        hidden, first = timed_once(functools.partial(eager, runner.prepare(probe, size)))
         runner.model.logits(hidden[logit_rows(size, runner.device)])
-        self.references[size] = Reference(hidden.cpu(), seconds)
+        kept = hidden.cpu()
         del hidden
+        seconds = least_time(runner, probe, size, eager, EAGER_TIMING_REPEATS - 1, first)
+        self.references[size] = Reference(kept, seconds)
         self.graphs.baseline_used += max(self.graphs.settled_used() - before, 0)
-
-    def _timed_reference(self, probe: StepPlan, size: int) -> Reference:
-        """The size's reference with its eager time the least of ``EAGER_TIMING_REPEATS`` runs: the
-        prime's (which may have paid for allocating the step's memory afresh) and, by the size's
-        first key validated, the rest."""
-        reference = self.references[size]
-        if reference.runs < EAGER_TIMING_REPEATS:
-            eager = functools.partial(self.graphs.runner.forward_eager, rows=size)
-            seconds = least_time(self.graphs.runner, probe, size, eager, EAGER_TIMING_REPEATS - reference.runs,
-                                 reference.seconds)
-            reference = self.references[size] = Reference(reference.hidden, seconds, EAGER_TIMING_REPEATS)
-        return reference
 
     def _over_budget(self, mode: int, size: int) -> None:
         self._drop(mode, size, pb.FALLBACK_REASON_SIZE_OVER_BUDGET,
@@ -291,7 +283,7 @@ VALIDATION_LOGIT_ROWS = 64
 #: Timed replays of a key, the validation's the first (the least is kept: the step's time without
 #: the host's noise).
 TIMING_REPEATS = 3
-#: Timed eager runs of a size: its reference (the prime) and one more. An eager step is the
+#: Timed eager runs of a size, in its prime: its reference and one more. An eager step is the
 #: launch-bound one (tens of milliseconds for an 8B model at the largest sizes), and it is the same
 #: step for every mode of a size, so it is timed once a size.
 EAGER_TIMING_REPEATS = 2
@@ -300,11 +292,10 @@ EAGER_TIMING_REPEATS = 2
 @dataclass(frozen=True)
 class Reference:
     """A size's eager step on its probe batch: the hidden states (in host memory) and the least
-    GPU seconds of the ``runs`` timed runs of it."""
+    GPU seconds of its timed runs."""
 
     hidden: torch.Tensor
     seconds: float
-    runs: int = 1
 
 
 def timed_once(run: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, float]:
