@@ -103,6 +103,15 @@ def test_a_graph_faster_than_its_own_size_eager_is_still_released_when_padding_m
     assert judge_coarse([2048], [2048], {2048: 0.0144}, {2048: 0.016})[0].kept is True
 
 
+def test_an_inflated_eager_timing_below_a_coarse_size_does_not_keep_a_graph_that_buys_nothing():
+    """512 tokens timed eager slower than 1,024 (a host hiccup: a step of more tokens never costs
+    less) would make the 1,024 graph look 25% faster than the steps it serves; priced from below,
+    its range costs what 1,024 costs eager, which its replay does not beat."""
+    eager = {512: 0.012, 1024: 0.008}
+    verdict = judge_coarse([1024], LADDER, {1024: 0.0079}, eager)[0]
+    assert verdict.eager_seconds == pytest.approx(0.008) and verdict.kept is False
+
+
 def test_a_size_whose_capture_failed_or_went_over_budget_gets_no_verdict():
     assert judge_coarse([1024, 2048], LADDER, {1024: 0.002}, {512: 0.004, 1024: 0.006}) == [
         judge_coarse([1024], LADDER, {1024: 0.002}, {512: 0.004, 1024: 0.006})[0]]

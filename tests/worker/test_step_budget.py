@@ -72,9 +72,44 @@ def test_without_piecewise_graphs_every_step_with_prompt_tokens_is_priced_eager(
 
 
 def test_timing_noise_never_makes_a_larger_eager_step_predicted_faster():
+    """A launch-bound eager timing is only ever inflated (by the host's waits), so a smaller size
+    timed slower than a larger one is priced at the larger one's time, not the other way round."""
     noisy = [Timed(PW, 64, 0.001, 0.010), Timed(PW, 128, 0.002, 0.008), Timed(PW, 256, 0.003, 0.012)]
     model = StepTimeModel.from_captured(noisy)
-    assert [secs for _, secs in model.eager] == [0.010, 0.010, 0.012]
+    assert [secs for _, secs in model.eager] == [0.008, 0.008, 0.012]
+
+
+def test_one_inflated_eager_timing_below_the_ceiling_does_not_price_every_larger_step_past_the_stretch():
+    """As read on an H100: 512 tokens replayed in 3.4 ms, one size's eager timing inflated to 9 ms by
+    a host hiccup, and every coarse graph released as compute bound (no replay above 512). Carried
+    up to every larger size, that one timing priced a 513-token step above the 8.5 ms stretch
+    ceiling, so no step ever stretched for a late prompt. The coarse sizes' own eager timings
+    (kept when their graphs are given back) and the envelope price the steps above 512 as measured."""
+    graphs = [Timed(m, s, 0.002 + 3e-6 * s, 0.0045 + 1e-6 * s) for m in (FULL, PW) for s in LADDER]
+    graphs[LADDER.index(128)] = Timed(FULL, 128, 0.0024, 0.009)  # the hiccup
+    coarse_eager = {1024: 0.0064, 2048: 0.0125, 4096: 0.025, 8192: 0.05}
+    budget = plan_step_budget(8192, 0.0, graphs, "cuda", eager=coarse_eager)
+    assert budget.target == pytest.approx(0.002 + 3e-6 * 512)
+    assert budget.model.seconds(1024) == pytest.approx(0.0064)
+    assert budget.model.seconds(128 + 512) < budget.guard.itl_max
+    assert budget.can_stretch and budget.stretched > 1024
+    # Without the coarse sizes' timings the line past 512 grows at least as a replayed token costs
+    # the GPU (the eager line's end is launch bound, flatter than the work), still priced from
+    # below: the 9 ms hiccup is gone from it and the stretch ends where that line reaches the ceiling.
+    alone = plan_step_budget(8192, 0.0, graphs, "cuda")
+    assert alone.model.tail_slope == pytest.approx(3e-6)
+    assert alone.model.seconds(1512) == pytest.approx(0.0045 + 1e-6 * 512 + 3e-6 * 1000)
+    assert alone.can_stretch and alone.stretched == alone.model.largest_within(alone.guard.itl_max, 8192) < 8192
+
+
+def test_a_flat_launch_bound_eager_line_never_prices_the_whole_budget_at_its_last_time():
+    """Eager steps timed at 7 ms from 24 to 512 tokens (launch bound, as on an H100 with a 1B model)
+    and no timing above: a stretch ceiling above 7 ms must not let a step with decode rows carry
+    all 8,192 tokens; past 512 a token costs at least what it adds to a replay."""
+    graphs = [Timed(PW, s, 0.001 + 4e-6 * s, 0.007) for s in LADDER]
+    budget = plan_step_budget(8192, 0.0, graphs, "cuda", itl_max_ms=8.0)
+    assert budget.model.seconds(8192) == pytest.approx(0.007 + 4e-6 * (8192 - 512))
+    assert budget.stretched == 512 + int(0.001 / 4e-6)
 
 
 def test_nothing_timed_means_no_model_and_a_fixed_budget_that_says_why():
@@ -456,10 +491,11 @@ def test_graphs_released_idle_are_priced_eager_and_the_budget_is_planned_again()
     assert model.seconds(512) == pytest.approx(0.004 + 6e-6 * 512)  # eager now, as measured at capture
     assert [s for s, _ in model.eager][-1] == 512
     graphs = SimpleNamespace(captured={(g.mode, g.size): g for g in held},
-                             released={(g.mode, g.size): g for g in gone})
+                             released={(g.mode, g.size): g for g in gone},
+                             eager_seconds={g.size: g.eager_seconds for g in h200_like()})
     settings = EngineSettings(max_num_batched_tokens=8192, itl_target_ms=0.0)
     before = install_step_budget(settings, SimpleNamespace(captured={(g.mode, g.size): g for g in h200_like()},
-                                                           released={}), "cuda")
+                                                           released={}, eager_seconds={}), "cuda")
     after = install_step_budget(settings, graphs, "cuda", kept=before)
     assert before.model.ceiling == 512 and after.model.ceiling == 128
     assert after.target == before.target, "the latency target stays; what a step costs changed"

@@ -12,8 +12,11 @@ The step-time model comes from what the worker measured at capture (``CapturedGr
 eager GPU time of a step at each captured size), never from constants: a step of ``t`` tokens that
 replays costs the replay time of the captured size it pads to; a step above every captured size
 runs eager and costs the eager time, interpolated between measured sizes and extrapolated linearly
-past the largest. Without measurements (a CPU worker records no graphs) there is no target and
-every step may take the whole budget, as before.
+past the largest (at least as steeply as a token adds to a replay). Eager timings are read from
+below (``eager_envelope``): a launch-bound eager step's time is only ever inflated by the host, so
+one slow timing of a small size must not price every larger step above it. Without measurements
+(a CPU worker records no graphs) there is no target and every step may take the whole budget, as
+before.
 
 The default target is the measured time of the largest step the worker replays of at most 512
 tokens (the default capture ceiling, or the budget when that is smaller; the coarse graphs above
@@ -50,6 +53,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from graphkeeper.proto import worker_pb2 as pb
 from graphkeeper.proto.policy import DEFAULT_MAX_CAPTURE_CEILING
+from graphkeeper.worker.executor.graphs.economics import eager_envelope
 
 if TYPE_CHECKING:
     from graphkeeper.worker.settings import EngineSettings
@@ -82,6 +86,7 @@ class HeldGraphs(Protocol):
 
     captured: Mapping[Any, TimedGraph]
     released: Mapping[Any, TimedGraph]
+    eager_seconds: Mapping[int, float]
 
 
 @dataclass(frozen=True)
@@ -90,23 +95,36 @@ class StepTimeModel:
 
     ``replay``: (captured size, seconds) for the graphs a step *with prompt tokens* replays
     (PIECEWISE; empty when the mode runs such steps eager). ``eager``: (size, seconds) of the same
-    steps run eager, measured beside each replay.
+    steps run eager, measured at capture, as ``eager_envelope`` reads them (a size's time at most
+    that of any larger size), including sizes whose graphs were given back: a coarse size found
+    compute bound is the measured price of the long prefill steps that now run eager.
     """
 
     replay: tuple[tuple[int, float], ...]
     eager: tuple[tuple[int, float], ...]
+    #: Seconds a token adds past the largest eager timing, at least: what a token adds to a replay
+    #: across the measured sizes (the GPU's work per token). An eager step is launch bound up to
+    #: hundreds of tokens, so its measured line can be flat at its end and says nothing of how the
+    #: work grows past it; without this a flat end would price a step of any size at its last time.
+    tail_slope: float = 0.0
 
     @classmethod
-    def from_captured(cls, captured: Iterable[TimedGraph], released: Iterable[TimedGraph] = ()) -> StepTimeModel | None:
+    def from_captured(cls, captured: Iterable[TimedGraph], released: Iterable[TimedGraph] = (),
+                      eager: Mapping[int, float] | None = None) -> StepTimeModel | None:
         """The model from captured graphs' timings; None when nothing was timed. A graph released
-        after sitting idle replays no more (its steps run eager) but its eager timing still holds."""
+        after sitting idle replays no more (its steps run eager) but its eager timing still holds;
+        ``eager`` adds the eager times of sizes with no graph left (``GraphSet.eager_seconds``)."""
         timed = [g for g in captured if g.replay_seconds > 0 and g.eager_seconds > 0]
-        gone = [g for g in released if g.eager_seconds > 0]
-        if not timed and not gone:
+        points = [(g.size, g.eager_seconds) for g in [*timed, *released] if g.eager_seconds > 0]
+        points += [(size, secs) for size, secs in (eager or {}).items() if secs > 0]
+        if not points:
             return None
         mixed = [g for g in timed if g.mode == pb.GRAPH_MODE_PIECEWISE]
-        return cls(replay=tuple(sorted((g.size, g.replay_seconds) for g in mixed)),
-                   eager=_rising(_by_size((g.size, g.eager_seconds) for g in [*timed, *gone])))
+        replay = tuple(sorted((g.size, g.replay_seconds) for g in mixed))
+        ends = sorted((g.size, g.replay_seconds) for g in (mixed or timed))
+        (low, low_s), (high, high_s) = (ends[0], ends[-1]) if ends else ((0, 0.0), (0, 0.0))
+        slope = max((high_s - low_s) / (high - low), 0.0) if high > low else 0.0
+        return cls(replay=replay, eager=eager_envelope(points), tail_slope=slope)
 
     @property
     def ceiling(self) -> int:
@@ -123,7 +141,7 @@ class StepTimeModel:
         i = bisect_left(sizes, tokens)
         if i < len(sizes):
             return self.replay[i][1]  # padded up to the captured size: the padding is paid for
-        return _linear(self.eager, tokens)
+        return _linear(self.eager, tokens, self.tail_slope)
 
     def largest_within(self, target: float, limit: int) -> int:
         """The most tokens (at most ``limit``) a step may have and still be predicted within
@@ -134,7 +152,7 @@ class StepTimeModel:
                 best = max(best, size)
         start = self.ceiling + 1  # above every graph (from 1 when mixed steps never replay): eager
         if start <= limit:
-            best = max(best, _solve_linear(self.eager, target, start, limit))
+            best = max(best, _solve_linear(self.eager, target, start, limit, self.tail_slope))
         return best
 
 
@@ -262,7 +280,7 @@ class StepBudget:
 def plan_step_budget(tokens: int, itl_target_ms: float, captured: Iterable[TimedGraph], device: str,
                      released: Iterable[TimedGraph] = (),
                      tokens_source: str = "--max-num-batched-tokens", itl_max_ms: float = 0.0,
-                     ttft_target_ms: float = 0.0) -> StepBudget:
+                     ttft_target_ms: float = 0.0, eager: Mapping[int, float] | None = None) -> StepBudget:
     """The budget a worker runs with once its graphs are captured (and again after a recapture,
     or after idle graphs were released: the steps they served run eager now).
 
@@ -271,7 +289,7 @@ def plan_step_budget(tokens: int, itl_target_ms: float, captured: Iterable[Timed
     ``large_steps.py``) make long prefill steps cheaper, never the bound on a step decode rows wait for.
     The TTFT guard's stretch ceiling and TTFT target are ``itl_max_ms`` and ``ttft_target_ms`` when
     set (> 0), else multiples of the target (``TTFTGuard.plan``)."""
-    model = StepTimeModel.from_captured(captured, released)
+    model = StepTimeModel.from_captured(captured, released, eager)
     if model is None:
         return StepBudget.fixed(tokens, f"no step times measured (no graphs recorded on {device})", tokens_source)
     if itl_target_ms > 0:
@@ -296,7 +314,8 @@ def install_step_budget(settings: EngineSettings, graphs: HeldGraphs | None, dev
     captured = graphs.captured.values() if graphs else ()
     released = graphs.released.values() if graphs else ()
     budget = plan_step_budget(settings.max_num_batched_tokens, settings.itl_target_ms, captured, device, released,
-                              settings.max_num_batched_tokens_source, settings.itl_max_ms, settings.ttft_target_ms)
+                              settings.max_num_batched_tokens_source, settings.itl_max_ms, settings.ttft_target_ms,
+                              graphs.eager_seconds if graphs else None)
     if kept is not None and kept.target is not None and budget.model is not None:
         budget = StepBudget.for_target(budget.tokens, kept.target, budget.model,
                                        f"{kept.source}; graphs released since", budget.tokens_source, kept.guard)
@@ -304,27 +323,10 @@ def install_step_budget(settings: EngineSettings, graphs: HeldGraphs | None, dev
     return budget
 
 
-def _by_size(points: Iterable[tuple[int, float]]) -> list[tuple[int, float]]:
-    """One point per size (the least time: graphs of two modes may time the same eager step)."""
-    out: dict[int, float] = {}
-    for size, secs in points:
-        out[size] = min(secs, out.get(size, secs))
-    return list(out.items())
-
-
-def _rising(points: list[tuple[int, float]]) -> tuple[tuple[int, float], ...]:
-    """Sorted by size, each time at least the one before (timing noise never makes a larger eager
-    step predicted faster: the line stays non-decreasing, which ``_solve_linear`` relies on)."""
-    out, most = [], 0.0
-    for size, secs in sorted(points):
-        most = max(most, secs)
-        out.append((size, most))
-    return tuple(out)
-
-
-def _linear(points: tuple[tuple[int, float], ...], x: int) -> float:
-    """Piecewise-linear through ``points``, extended past both ends by the nearest segment's slope
-    (never falling: a larger step is never predicted faster)."""
+def _linear(points: tuple[tuple[int, float], ...], x: int, tail_slope: float = 0.0) -> float:
+    """Piecewise-linear through ``points``, extended past both ends by the nearest segment's slope,
+    past the last point by at least ``tail_slope`` (never falling: a larger step is never predicted
+    faster)."""
     if len(points) == 1:
         size, secs = points[0]
         return secs * x / size
@@ -332,18 +334,21 @@ def _linear(points: tuple[tuple[int, float], ...], x: int) -> float:
     i = min(max(bisect_left(sizes, x), 1), len(points) - 1)
     (x0, y0), (x1, y1) = points[i - 1], points[i]
     slope = max((y1 - y0) / (x1 - x0), 0.0)
+    if x > x1:
+        return y1 + max(slope, tail_slope) * (x - x1)
     return max(y0 + slope * (x - x0), 0.0)
 
 
-def _solve_linear(points: tuple[tuple[int, float], ...], target: float, low: int, high: int) -> int:
-    """The largest ``x`` in [low, high] with ``_linear(points, x) <= target`` (0 if none); binary
-    search, as the line is non-decreasing past the measured range."""
-    if _linear(points, low) > target:
+def _solve_linear(points: tuple[tuple[int, float], ...], target: float, low: int, high: int,
+                  tail_slope: float = 0.0) -> int:
+    """The largest ``x`` in [low, high] with ``_linear(points, x, tail_slope) <= target`` (0 if
+    none); binary search, as the line is non-decreasing past the measured range."""
+    if _linear(points, low, tail_slope) > target:
         return 0
     lo, hi = low, high
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if _linear(points, mid) <= target:
+        if _linear(points, mid, tail_slope) <= target:
             lo = mid
         else:
             hi = mid - 1

@@ -62,9 +62,6 @@ class CaptureJob:
     last_cost: int = 0
     stopped_by_budget: bool = False
     primed: set[int] = field(default_factory=set)  # sizes whose eager step ran (``_prime``)
-    #: Each size's eager step time, of the sizes with a key that passed validation (what the
-    #: coarse sizes are judged by).
-    eager_seconds: dict[int, float] = field(default_factory=dict)
     #: Each size's eager step on its probe, what every key of that size is validated against, and
     #: its time: the FULL and PIECEWISE keys of a size run the same forward on the same inputs, so
     #: it runs and is timed once a size, as the size's prime. Kept (in host memory) while a later
@@ -133,7 +130,7 @@ class CaptureJob:
         """Coarse graphs whose replay does not beat the eager steps they serve are released; their
         steps run eager with COMPUTE_BOUND (before the budget is judged: what they held goes back)."""
         replay = {size: g.replay_seconds for (mode, size), g in self.graphs.captured.items() if mode == PIECEWISE}
-        for verdict in judge_coarse(list(self.coarse), list(self.ladder), replay, self.eager_seconds):
+        for verdict in judge_coarse(list(self.coarse), list(self.ladder), replay, self.graphs.eager_seconds):
             if verdict.kept:
                 log.info("keeping PIECEWISE size %d: %s", verdict.size, verdict.message())
                 continue
@@ -201,7 +198,7 @@ class CaptureJob:
             if not problem:
                 entry.replay_seconds = least_time(self.graphs.runner, probe, size, functools.partial(
                     self.graphs.replay, mode, size), TIMING_REPEATS - 1, replayed)
-                entry.eager_seconds = self.eager_seconds[size] = reference.seconds
+                entry.eager_seconds = self.graphs.eager_seconds[size] = reference.seconds
             if all(later != size for _, later in self.plan[self.position:]):
                 del self.references[size]
         entry.seconds = sum(self.parts.values()) - began  # everything this key took

@@ -13,6 +13,8 @@ memory budget's bound, as pure decisions (no device), so each is testable anywhe
   of the largest-first plan), until what stays is within the budget.
 - ``compute_bound_above``: whether steps larger than every graph are compute bound (the largest
   graph measured no faster than the same step eager), so their eager steps say COMPUTE_BOUND.
+- ``eager_envelope``: the eager step times by size as the decisions read them, each at most the
+  time of any larger size (a timing is only ever inflated, never measured short).
 """
 
 from __future__ import annotations
@@ -135,3 +137,23 @@ def compute_bound_above(timings: Iterable[tuple[int, int, float, float]]) -> boo
         return False
     top = max(measured, key=lambda t: (t[0] == PIECEWISE, t[1]))
     return top[3] <= top[2] * (1 + COMPUTE_BOUND_MARGIN)
+
+
+def eager_envelope(points: Iterable[tuple[int, float]]) -> tuple[tuple[int, float], ...]:
+    """(size, seconds) sorted by size, one point a size (its least time), each time lowered to the
+    least time of any larger size.
+
+    An eager step is launch bound up to hundreds of tokens: its GPU time, by CUDA events, includes
+    the waits for the host's launches, so a hiccup of the host (a collector pass, another thread,
+    a first launch of a shape) can only lengthen a timing, never shorten it below the step's cost,
+    and a step of more tokens never costs less. A smaller size timed slower than a larger one was
+    therefore inflated, and the larger one's time bounds it. (Raising the larger sizes to an
+    inflated smaller one instead carries one hiccup into the price of every larger step.)"""
+    least: dict[int, float] = {}
+    for size, secs in points:
+        least[size] = min(secs, least.get(size, secs))
+    out, bound = [], float("inf")
+    for size in sorted(least, reverse=True):
+        bound = min(bound, least[size])
+        out.append((size, bound))
+    return tuple(reversed(out))

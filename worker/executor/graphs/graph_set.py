@@ -67,6 +67,10 @@ class GraphSet:
         self.skipped: dict[Key, Skipped] = {}
         #: Graphs released after sitting idle: their figures stay for status, their graphs are gone.
         self.released: dict[Key, CapturedGraph] = {}
+        #: Each size's eager step time, of the sizes with a key that passed validation: what the
+        #: coarse sizes are judged by and the step-time model prices eager steps with, kept for a
+        #: size whose graph was given back (compute bound, over the budget, idle): its steps run eager.
+        self.eager_seconds: dict[int, float] = {}
         self.pool = torch.cuda.graph_pool_handle()
         self.stream = torch.cuda.Stream(device=runner.device)
         self._piece_buffers: dict[str, Tensor] | None = None

@@ -13,11 +13,13 @@ every graph (``CaptureJob``), and the phase keeps it only if it pays.
 What a coarse graph of size ``s`` pays is judged on the steps it serves: every step of more
 tokens than the ladder size below it (``p``) and at most ``s`` pads up to ``s``. Replaying costs
 ``replay(s)`` for each of them; running them eager costs between ``eager(p)`` and ``eager(s)``,
-on average their mean (steps spread over the range). The graph is kept when that average beats the
-replay by more than ``COMPUTE_BOUND_MARGIN`` (3%); otherwise it is released at the end of the phase
-and its steps run eager, labelled ``compute_bound`` (the dispatcher reads the size's skip reason,
-its one decision point). Judging on ``eager(s)`` alone would keep graphs that make the short end of
-their range slower: a 1,100-token step padded to 2,048 pays twice the work to save launches.
+on average their mean (steps spread over the range; the eager times as ``eager_envelope`` reads
+them, so a smaller size's inflated timing does not make the graph look better than it is). The
+graph is kept when that average beats the replay by more than ``COMPUTE_BOUND_MARGIN`` (3%);
+otherwise it is released at the end of the phase and its steps run eager, labelled
+``compute_bound`` (the dispatcher reads the size's skip reason, its one decision point). Judging
+on ``eager(s)`` alone would keep graphs that make the short end of their range slower: a
+1,100-token step padded to 2,048 pays twice the work to save launches.
 
 Everything here is pure: which sizes are planned for a budget, which are kept given the timings.
 """
@@ -30,7 +32,7 @@ from dataclasses import dataclass
 from graphkeeper.proto import worker_pb2 as pb
 from graphkeeper.proto.enums import mode_has_piecewise
 from graphkeeper.proto.policy import DEFAULT_MAX_CAPTURE_CEILING, MAX_CAPTURE_SIZE_LIMIT
-from graphkeeper.worker.executor.graphs.economics import COMPUTE_BOUND_MARGIN
+from graphkeeper.worker.executor.graphs.economics import COMPUTE_BOUND_MARGIN, eager_envelope
 
 
 def coarse_sizes(budget: int, ceiling: int = DEFAULT_MAX_CAPTURE_CEILING,
@@ -78,10 +80,11 @@ def judge_coarse(coarse: list[int], ladder: list[int], replay: Mapping[int, floa
     included. A size without a timing (its capture failed or went over the memory budget) already
     has its reason and gets no verdict."""
     verdicts = []
+    timed = dict(eager_envelope((size, secs) for size, secs in eager.items() if secs > 0))
     for size in coarse:
-        if replay.get(size, 0) <= 0 or eager.get(size, 0) <= 0:
+        if replay.get(size, 0) <= 0 or size not in timed:
             continue
         below = max((s for s in ladder if s < size), default=0)
-        served = (eager[below] + eager[size]) / 2 if eager.get(below, 0) > 0 else eager[size]
+        served = (timed[below] + timed[size]) / 2 if below in timed else timed[size]
         verdicts.append(Verdict(size, replay[size], served, served > replay[size] * (1 + COMPUTE_BOUND_MARGIN)))
     return verdicts
