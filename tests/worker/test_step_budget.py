@@ -72,8 +72,8 @@ def test_without_piecewise_graphs_every_step_with_prompt_tokens_is_priced_eager(
 
 
 def test_timing_noise_never_makes_a_larger_eager_step_predicted_faster():
-    """A launch-bound eager timing is only ever inflated (by the host's waits), so a smaller size
-    timed slower than a larger one is priced at the larger one's time, not the other way round."""
+    """A launch-bound eager timing is inflated by any host hiccup, so a smaller size timed slower
+    than a larger one is priced at the larger one's time, not the other way round."""
     noisy = [Timed(PW, 64, 0.001, 0.010), Timed(PW, 128, 0.002, 0.008), Timed(PW, 256, 0.003, 0.012)]
     model = StepTimeModel.from_captured(noisy)
     assert [secs for _, secs in model.eager] == [0.008, 0.008, 0.012]

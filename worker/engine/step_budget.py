@@ -13,8 +13,8 @@ eager GPU time of a step at each captured size), never from constants: a step of
 replays costs the replay time of the captured size it pads to; a step above every captured size
 runs eager and costs the eager time, interpolated between measured sizes and extrapolated linearly
 past the largest (at least as steeply as a token adds to a replay). Eager timings are read from
-below (``eager_envelope``): a launch-bound eager step's time is only ever inflated by the host, so
-one slow timing of a small size must not price every larger step above it. Without measurements
+below (``eager_envelope``): a launch-bound eager step's time is inflated by any host hiccup, and
+one slow small size must not price every larger step above it. Without measurements
 (a CPU worker records no graphs) there is no target and every step may take the whole budget, as
 before.
 

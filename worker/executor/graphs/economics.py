@@ -143,12 +143,14 @@ def eager_envelope(points: Iterable[tuple[int, float]]) -> tuple[tuple[int, floa
     """(size, seconds) sorted by size, one point a size (its least time), each time lowered to the
     least time of any larger size.
 
-    An eager step is launch bound up to hundreds of tokens: its GPU time, by CUDA events, includes
-    the waits for the host's launches, so a hiccup of the host (a collector pass, another thread,
-    a first launch of a shape) can only lengthen a timing, never shorten it below the step's cost,
-    and a step of more tokens never costs less. A smaller size timed slower than a larger one was
-    therefore inflated, and the larger one's time bounds it. (Raising the larger sizes to an
-    inflated smaller one instead carries one hiccup into the price of every larger step.)"""
+    The decisions that read eager times price *larger* steps from smaller ones (the step-time
+    model past the capture ceiling, a coarse graph's range). An eager step is launch bound up to
+    hundreds of tokens: its GPU time, by CUDA events, includes the waits for the host's launches,
+    so a host hiccup only ever lengthens it, and small sizes may take a path with more host work
+    (on an H100 with a 1B model, 2-16 tokens timed 8.3-8.7 ms eager against 7.0-7.5 ms from 24 to
+    512). Neither says anything about a step of more tokens, which the larger size's own timing
+    bounds. Raising the larger sizes to a slower smaller one instead carried those 8.7 ms to every
+    step past 512, above the stretch ceiling."""
     least: dict[int, float] = {}
     for size, secs in points:
         least[size] = min(secs, least.get(size, secs))
