@@ -14,7 +14,7 @@ memory budget's bound, as pure decisions (no device), so each is testable anywhe
 - ``compute_bound_above``: whether steps larger than every graph are compute bound (the largest
   graph measured no faster than the same step eager), so their eager steps say COMPUTE_BOUND.
 - ``eager_envelope``: the eager step times by size as the decisions read them, each at most the
-  time of any larger size (a timing is only ever inflated, never measured short).
+  time of any larger size (a slower smaller size says nothing about a larger step).
 """
 
 from __future__ import annotations
