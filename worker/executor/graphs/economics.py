@@ -147,7 +147,7 @@ def eager_envelope(points: Iterable[tuple[int, float]]) -> tuple[tuple[int, floa
     model past the capture ceiling, a coarse graph's range). An eager step is launch bound up to
     hundreds of tokens: its GPU time, by CUDA events, includes the waits for the host's launches,
     so a host hiccup only ever lengthens it, and small sizes may take a path with more host work
-    (on an H100 with a 1B model, 2-16 tokens timed 8.3-8.7 ms eager against 7.0-7.5 ms from 24 to
+    (on an H100 with a 1B model, 2-16 tokens timed 8.2-8.7 ms eager against 7.0-7.8 ms from 24 to
     512). Neither says anything about a step of more tokens, which the larger size's own timing
     bounds. Raising the larger sizes to a slower smaller one instead carried those 8.7 ms to every
     step past 512, above the stretch ceiling."""
