@@ -256,7 +256,9 @@ def worker_report(control: str) -> dict:
     """From the worker's GraphStatus: the step budget it runs with (``step_budget``: tokens a step,
     tokens with decode rows, the inter-token target and where it came from, and the TTFT guard: the
     stretched bound, the stretch ceiling and TTFT target and where they came from) and the step times
-    it measured at capture (``step_times``: replay and eager seconds per captured mode and size)."""
+    it measured at capture (``step_times``: replay and eager seconds per captured mode and size;
+    ``skipped``: the sizes left without a graph, with their reason and eager seconds, such as the
+    coarse sizes released as compute bound, whose steps the step-time model prices eager)."""
     import grpc
 
     from graphkeeper.proto import worker_pb2 as pb
@@ -270,7 +272,9 @@ def worker_report(control: str) -> dict:
                             "tokens_stretched": budget.tokens_stretched, "itl_max_ms": 1e3 * budget.itl_max_seconds,
                             "ttft_target_ms": 1e3 * budget.ttft_target_seconds, "guard_source": budget.guard_source},
             "step_times": [{"mode": g.mode, "size": g.size, "replay_seconds": g.replay_seconds,
-                            "eager_seconds": g.eager_seconds} for g in status.captured]}
+                            "eager_seconds": g.eager_seconds} for g in status.captured],
+            "skipped": [{"mode": s.mode, "size": s.size, "reason": s.reason, "eager_seconds": s.eager_seconds}
+                        for s in status.skipped]}
 
 
 # --- the client processes -------------------------------------------------------------------------

@@ -434,16 +434,18 @@ class CapturedSize(_message.Message):
     def __init__(self, size: _Optional[int] = ..., mode: _Optional[_Union[GraphMode, str]] = ..., capture_seconds: _Optional[float] = ..., device_bytes: _Optional[int] = ..., reserved_bytes: _Optional[int] = ..., replay_seconds: _Optional[float] = ..., eager_seconds: _Optional[float] = ..., replays: _Optional[int] = ..., padded_tokens: _Optional[int] = ..., released: _Optional[bool] = ...) -> None: ...
 
 class SkippedSize(_message.Message):
-    __slots__ = ("size", "mode", "reason", "message")
+    __slots__ = ("size", "mode", "reason", "message", "eager_seconds")
     SIZE_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    EAGER_SECONDS_FIELD_NUMBER: _ClassVar[int]
     size: int
     mode: GraphMode
     reason: FallbackReason
     message: str
-    def __init__(self, size: _Optional[int] = ..., mode: _Optional[_Union[GraphMode, str]] = ..., reason: _Optional[_Union[FallbackReason, str]] = ..., message: _Optional[str] = ...) -> None: ...
+    eager_seconds: float
+    def __init__(self, size: _Optional[int] = ..., mode: _Optional[_Union[GraphMode, str]] = ..., reason: _Optional[_Union[FallbackReason, str]] = ..., message: _Optional[str] = ..., eager_seconds: _Optional[float] = ...) -> None: ...
 
 class LedgerEntry(_message.Message):
     __slots__ = ("stage", "device_used_bytes", "torch_allocated_bytes", "torch_reserved_bytes", "residual_bytes", "generation")

@@ -112,3 +112,23 @@ def test_status_echoes_the_capture_modes_counts_and_ledger_on_a_cpu(runner):
     assert list(report.ledger) == [pb.LedgerEntry(stage=pb.LEDGER_STAGE_WEIGHTS),
                                    pb.LedgerEntry(stage=pb.LEDGER_STAGE_KV_CACHE)]  # lifecycle order, 0 B on a CPU
     assert not report.HasField("compile")
+
+
+def test_a_size_left_without_a_graph_reports_the_eager_time_its_steps_cost(runner):
+    """A coarse size released as compute bound runs its steps eager: status carries the eager time
+    measured at capture beside the reason (what the step-time model prices those steps with); a
+    size never timed reports 0."""
+    from types import SimpleNamespace
+
+    from graphkeeper.worker.executor.graphs.graph_set import Skipped
+
+    control = ready_control()
+    capture = started_capture(control, runner)
+    capture.graph_set = SimpleNamespace(
+        captured={}, released={}, memory_bytes=0, eager_seconds={512: 0.0071, 1024: 0.0076},
+        skipped={(PIECEWISE, 1024): Skipped(R.FALLBACK_REASON_COMPUTE_BOUND, "replaying 1024 tokens ..."),
+                 (PIECEWISE, 2048): Skipped(R.FALLBACK_REASON_SIZE_OVER_BUDGET, "over the budget")})
+    report = graph_status(control.snapshot(), capture=capture, recorder=StepRecorder(WorkerMetrics()),
+                          ledger=Ledger(), model_revision="rev-1", running=0, queued=0)
+    assert [(s.size, s.reason, s.eager_seconds) for s in report.skipped] == [
+        (1024, R.FALLBACK_REASON_COMPUTE_BOUND, 0.0076), (2048, R.FALLBACK_REASON_SIZE_OVER_BUDGET, 0.0)]

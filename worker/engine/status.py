@@ -51,6 +51,7 @@ def graph_status(snap: Snapshot, *, capture: CaptureController, recorder: StepRe
     released = set(graphs.released) if graphs else set()
     use = dict(recorder.graph_use)
     skipped = dict(graphs.skipped) if graphs else {}
+    timed = dict(graphs.eager_seconds) if graphs else {}
     eager = dict(recorder.eager_steps)
     return pb.GraphStatus(
         state=snap.state,
@@ -66,7 +67,7 @@ def graph_status(snap: Snapshot, *, capture: CaptureController, recorder: StepRe
         pending_model_revision=snap.pending_revision[:MAX_PENDING_REVISION],
         model_revision=model_revision,
         captured=[captured_size(key, entry, use.get(key), key in released) for key, entry in sorted(captured.items())],
-        skipped=[pb.SkippedSize(size=s, mode=m, reason=v.reason, message=v.message)
+        skipped=[pb.SkippedSize(size=s, mode=m, reason=v.reason, message=v.message, eager_seconds=timed.get(s, 0.0))
                  for (m, s), v in sorted(skipped.items())],
         fallbacks=[pb.FallbackCount(reason=r, steps=n) for r, n in sorted(eager.items())],
         graph_steps=sum(dict(recorder.graph_steps).values()),
