@@ -108,10 +108,12 @@ def parse_scenarios(text: str) -> list[str]:
     return names
 
 
-def prefill_allowed_ms(step_times: list[dict], tokens: int) -> float | None:
+def prefill_allowed_ms(step_times: list[dict], tokens: int, skipped: list[dict] = ()) -> float | None:
     """Predicted time of one step carrying ``tokens`` prompt tokens alone, from a worker's
-    capture-time measurements; None where it measured none (a CPU worker)."""
-    model = StepTimeModel.from_captured([SimpleNamespace(**g) for g in step_times])
+    capture-time measurements (its graphs' timings, and the eager timings of sizes left without a
+    graph, as the worker's own model reads them); None where it measured none (a CPU worker)."""
+    eager = {s["size"]: s["eager_seconds"] for s in skipped if s.get("eager_seconds", 0) > 0}
+    model = StepTimeModel.from_captured([SimpleNamespace(**g) for g in step_times], eager)
     return None if model is None else 1e3 * model.seconds(tokens)
 
 
@@ -126,7 +128,7 @@ def sweep_row(scenario: str, setting: Setting, row: dict) -> dict:
     allowed = {"p50": ((prompt[0] + prompt[1]) // 2, "middle"), "p99": (prompt[1], "longest")}
     out["prefill_allowed_ms"] = {}
     for pct, (tokens, which) in allowed.items():
-        ms = prefill_allowed_ms(row.get("step_times", []), tokens)
+        ms = prefill_allowed_ms(row.get("step_times", []), tokens, row.get("skipped", []))
         out["prefill_allowed_ms"][pct] = {"prompt_tokens": tokens, "prompt": which, "ms": ms}
         if ms and row["ttft_ms"].get(pct):
             out[f"ttft_{pct}_over_prefill"] = row["ttft_ms"][pct] / ms

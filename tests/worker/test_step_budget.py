@@ -488,16 +488,15 @@ def test_graphs_released_idle_are_priced_eager_and_the_budget_is_planned_again()
 
     held = [g for g in h200_like() if g.size <= 128]
     gone = [g for g in h200_like() if g.size > 128]
-    model = StepTimeModel.from_captured(held, gone)
+    model = StepTimeModel.from_captured(held, {g.size: g.eager_seconds for g in gone})
     assert model.ceiling == 128
     assert model.seconds(512) == pytest.approx(0.004 + 6e-6 * 512)  # eager now, as measured at capture
     assert [s for s, _ in model.eager][-1] == 512
     graphs = SimpleNamespace(captured={(g.mode, g.size): g for g in held},
-                             released={(g.mode, g.size): g for g in gone},
                              eager_seconds={g.size: g.eager_seconds for g in h200_like()})
     settings = EngineSettings(max_num_batched_tokens=8192, itl_target_ms=0.0)
     before = install_step_budget(settings, SimpleNamespace(captured={(g.mode, g.size): g for g in h200_like()},
-                                                           released={}, eager_seconds={}), "cuda")
+                                                           eager_seconds={}), "cuda")
     after = install_step_budget(settings, graphs, "cuda", kept=before)
     assert before.model.ceiling == 512 and after.model.ceiling == 128
     assert after.target == before.target, "the latency target stays; what a step costs changed"

@@ -85,7 +85,6 @@ class HeldGraphs(Protocol):
     """What the budget reads of the engine's graphs (``graph_set.GraphSet``, which imports torch)."""
 
     captured: Mapping[Any, TimedGraph]
-    released: Mapping[Any, TimedGraph]
     eager_seconds: Mapping[int, float]
 
 
@@ -109,22 +108,19 @@ class StepTimeModel:
     tail_slope: float = 0.0
 
     @classmethod
-    def from_captured(cls, captured: Iterable[TimedGraph], released: Iterable[TimedGraph] = (),
-                      eager: Mapping[int, float] | None = None) -> StepTimeModel | None:
-        """The model from captured graphs' timings; None when nothing was timed. A graph released
-        after sitting idle replays no more (its steps run eager) but its eager timing still holds;
-        ``eager`` adds the eager times of sizes with no graph left (``GraphSet.eager_seconds``)."""
+    def from_captured(cls, captured: Iterable[TimedGraph], eager: Mapping[int, float] | None = None,
+                      ) -> StepTimeModel | None:
+        """The model from captured graphs' timings; None when nothing was timed. ``eager`` adds
+        the eager times of sizes whose graphs are gone (``GraphSet.eager_seconds``: a graph released
+        idle or given back as compute bound replays no more, but its eager timing still holds)."""
         timed = [g for g in captured if g.replay_seconds > 0 and g.eager_seconds > 0]
-        points = [(g.size, g.eager_seconds) for g in [*timed, *released] if g.eager_seconds > 0]
+        points = [(g.size, g.eager_seconds) for g in timed]
         points += [(size, secs) for size, secs in (eager or {}).items() if secs > 0]
         if not points:
             return None
-        mixed = [g for g in timed if g.mode == pb.GRAPH_MODE_PIECEWISE]
-        replay = tuple(sorted((g.size, g.replay_seconds) for g in mixed))
-        ends = sorted((g.size, g.replay_seconds) for g in (mixed or timed))
-        (low, low_s), (high, high_s) = (ends[0], ends[-1]) if ends else ((0, 0.0), (0, 0.0))
-        slope = max((high_s - low_s) / (high - low), 0.0) if high > low else 0.0
-        return cls(replay=replay, eager=eager_envelope(points), tail_slope=slope)
+        mixed = tuple(sorted((g.size, g.replay_seconds) for g in timed if g.mode == pb.GRAPH_MODE_PIECEWISE))
+        line = mixed or tuple(sorted((g.size, g.replay_seconds) for g in timed))
+        return cls(replay=mixed, eager=eager_envelope(points), tail_slope=_rising_slope(line))
 
     @property
     def ceiling(self) -> int:
@@ -278,7 +274,6 @@ class StepBudget:
 
 
 def plan_step_budget(tokens: int, itl_target_ms: float, captured: Iterable[TimedGraph], device: str,
-                     released: Iterable[TimedGraph] = (),
                      tokens_source: str = "--max-num-batched-tokens", itl_max_ms: float = 0.0,
                      ttft_target_ms: float = 0.0, eager: Mapping[int, float] | None = None) -> StepBudget:
     """The budget a worker runs with once its graphs are captured (and again after a recapture,
@@ -289,7 +284,7 @@ def plan_step_budget(tokens: int, itl_target_ms: float, captured: Iterable[Timed
     ``large_steps.py``) make long prefill steps cheaper, never the bound on a step decode rows wait for.
     The TTFT guard's stretch ceiling and TTFT target are ``itl_max_ms`` and ``ttft_target_ms`` when
     set (> 0), else multiples of the target (``TTFTGuard.plan``)."""
-    model = StepTimeModel.from_captured(captured, released, eager)
+    model = StepTimeModel.from_captured(captured, eager)
     if model is None:
         return StepBudget.fixed(tokens, f"no step times measured (no graphs recorded on {device})", tokens_source)
     if itl_target_ms > 0:
@@ -312,8 +307,7 @@ def install_step_budget(settings: EngineSettings, graphs: HeldGraphs | None, dev
     idle graphs were released (``kept``: the budget in force, whose target and TTFT guard stay;
     only what a step is predicted to cost changes, since the released graphs' steps run eager)."""
     captured = graphs.captured.values() if graphs else ()
-    released = graphs.released.values() if graphs else ()
-    budget = plan_step_budget(settings.max_num_batched_tokens, settings.itl_target_ms, captured, device, released,
+    budget = plan_step_budget(settings.max_num_batched_tokens, settings.itl_target_ms, captured, device,
                               settings.max_num_batched_tokens_source, settings.itl_max_ms, settings.ttft_target_ms,
                               graphs.eager_seconds if graphs else None)
     if kept is not None and kept.target is not None and budget.model is not None:
@@ -321,6 +315,14 @@ def install_step_budget(settings: EngineSettings, graphs: HeldGraphs | None, dev
                                        f"{kept.source}; graphs released since", budget.tokens_source, kept.guard)
     log.info("step budget: %s", budget.describe())
     return budget
+
+
+def _rising_slope(line: tuple[tuple[int, float], ...]) -> float:
+    """Seconds per token from the first to the last of ``line``'s (size, seconds) points, sorted by
+    size (0 with fewer than two sizes, or a falling line)."""
+    if len(line) < 2 or line[-1][0] <= line[0][0]:
+        return 0.0
+    return max((line[-1][1] - line[0][1]) / (line[-1][0] - line[0][0]), 0.0)
 
 
 def _linear(points: tuple[tuple[int, float], ...], x: int, tail_slope: float = 0.0) -> float:
