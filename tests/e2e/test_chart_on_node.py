@@ -89,7 +89,10 @@ def test_the_operator_runs_in_a_pod_as_the_charts_service_account(release: Node)
     assert spec["serviceAccountName"] == f"{RELEASE}-operator"
     container = spec["containers"][0]
     assert not [e for e in container.get("env", []) if e["name"] == "KUBECONFIG"], "in-cluster config"
-    log = release.kubectl("logs", "-n", NAMESPACE, pod["metadata"]["name"])
+    # Ready can come before the operator's first line reaches the container log (once in CI the
+    # first read was empty), so the read is repeated; a kubelet that never serves logs still fails.
+    log = wait_until("kubectl logs to read the container's output through the kubelet",
+                     lambda: release.kubectl("logs", "-n", NAMESPACE, pod["metadata"]["name"]), timeout=60)
     assert log, "kubectl logs reads the container's output through the kubelet"
     assert "Forbidden" not in log and " 403" not in log, log[-4000:]
     # The same ServiceAccount can do no more than the chart grants: e.g. no Secrets, no Deployments.
