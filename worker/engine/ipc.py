@@ -150,8 +150,16 @@ class Channel:
             self.conn.send_bytes(data)
 
     def recv(self) -> list:
-        """The next list of messages; EOFError when the other process closed or died."""
-        return pickle.loads(self.conn.recv_bytes())
+        """The next list of messages; EOFError when the other process closed or died, or when this
+        end was closed by another thread while this one waited (``Connection.close`` drops the
+        handle the blocked read uses next, which then fails with a TypeError)."""
+        try:
+            data = self.conn.recv_bytes()
+        except TypeError:
+            if self.conn.closed:
+                raise EOFError("the channel was closed") from None
+            raise
+        return pickle.loads(data)
 
     def close(self) -> None:
         """Shuts the socket down before closing it: a thread blocked in ``recv`` on this end keeps
