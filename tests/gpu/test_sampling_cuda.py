@@ -140,32 +140,35 @@ def test_drawing_tokens_and_processing_logits_never_stall_the_host_on_the_stream
 
 
 def test_log_probabilities_are_picked_and_sent_back_without_a_host_synchronisation():
-    """A step's log probabilities at llama's vocabulary (the softmax of the rows that asked, each
-    one's chosen token and top alternatives, and their copies back to the host) queue behind the
-    step without waiting for it: an operation that synchronised (a top-k that read a size back, a
-    copy into pageable memory) would make every step with such a row wait for the device."""
-    from graphkeeper.worker.executor.logits import pick_logprobs, raw_logprobs
+    """A step's log probabilities at llama's vocabulary (``logprob_kernel``'s two launches over
+    every row, then one copy into a pinned table) queue behind the step without waiting for it,
+    and equal ``log_softmax``, ``gather`` and ``topk``: float32 logits to float32 rounding with the
+    same ids, bfloat16 ones (ties are common at the top) with each id's own log probability."""
+    from graphkeeper.worker.kernels import logprob_kernel
 
-    rows, vocab, top = 32, 128_256, 5
-    logits = torch.randn(rows * 2, vocab, device="cuda", dtype=torch.bfloat16)
-    at = torch.arange(0, rows * 2, 2, device="cuda")
-    tokens = torch.randint(0, vocab, (rows * 2,), device="cuda")
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        raw = raw_logprobs(logits.index_select(0, at))
-        picked = pick_logprobs(raw, tokens.index_select(0, at), top)
-        host = tuple(t.to("cpu", non_blocking=True) for t in picked)
-        done = torch.cuda.Event()
-        done.record()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    done.synchronize()
-    chosen, values, ids = host
-    expected = logits[0::2].float().log_softmax(-1)
-    assert torch.equal(chosen, expected.gather(1, tokens[0::2, None]).squeeze(1).cpu())
-    want_values, want_ids = expected.topk(top, dim=-1)
-    assert torch.equal(values, want_values.cpu()) and torch.equal(ids, want_ids.cpu())
+    rows, vocab = 64, 128_256
+    for dtype in (torch.float32, torch.bfloat16):
+        logits = (torch.randn(rows, vocab, device="cuda") * 3).to(dtype)
+        tokens = torch.randint(0, vocab, (rows,), device="cuda")
+        for top in (0, 5, 20):
+            assert logprob_kernel.supported(logits, top)
+            pinned = torch.empty(rows * (1 + 2 * top), dtype=torch.float32, pin_memory=True).view(rows, -1)
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                pinned.copy_(logprob_kernel.packed(logits, tokens, top), non_blocking=True)
+                done = torch.cuda.Event()
+                done.record()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            done.synchronize()
+            want = logprob_kernel.reference(logits, tokens, top).cpu()
+            expected = logits.float().log_softmax(-1).cpu()
+            assert torch.allclose(pinned[:, :1 + top], want[:, :1 + top], atol=2e-5, rtol=1e-6), (dtype, top)
+            ids = pinned[:, 1 + top:].long()
+            if dtype == torch.float32:
+                assert torch.equal(ids, want[:, 1 + top:].long()), top
+            assert torch.allclose(expected.gather(1, ids), pinned[:, 1:1 + top], atol=2e-5, rtol=1e-6), (dtype, top)
 
 
 def test_host_arrays_reach_the_device_intact_through_pinned_memory():

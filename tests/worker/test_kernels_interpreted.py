@@ -255,3 +255,46 @@ def test_paged_attention_kernels_read_through_the_block_table_in_the_interpreter
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     out = subprocess.run([sys.executable, "-c", PAGED_CHECKS], env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stdout[-2000:] + out.stderr[-4000:]
+
+
+LOGPROB_CHECKS = textwrap.dedent('''
+    import torch
+    from graphkeeper.worker.kernels import logprob_kernel as lk
+
+    torch.manual_seed(0)
+    V, rows, chunk = 3000, 5, 512  # five whole chunks of 512 and a partial one
+    chunks = -(-V // chunk)
+    for dt in (torch.float32, torch.float16):
+        x = (torch.randn(rows, V) * 4).to(dt)
+        x[1, 2990:] = 40.0  # every alternative in the partial last chunk, tied: smaller ids first
+        x[2, :3] = float("-inf")  # refused tokens stay out of the alternatives
+        x[3, 100:120] = 30.0  # twenty alternatives in one chunk: a chunk keeps its own top
+        tokens = torch.tensor([0, 2995, 7, 119, V - 1])
+        for top in (0, 1, 5, 20):
+            maxima, sums = torch.empty(rows, chunks), torch.empty(rows, chunks)
+            values = torch.empty(rows, chunks, lk.SLOTS)
+            ids = torch.empty(rows, chunks, lk.SLOTS, dtype=torch.int32)
+            got = torch.empty(rows, 1 + 2 * top)
+            lk._chunk_kernel[(rows, chunks)](x, maxima, sums, values, ids, V, x.stride(0), top, chunks,
+                                             CHUNK=chunk, SLOTS=lk.SLOTS, USE_PDL=False)
+            lk._row_kernel[(rows,)](x, tokens, maxima, sums, values, ids, got, V, x.stride(0), top, chunks,
+                                    CHUNKS_PAD=8, SLOTS=lk.SLOTS, CANDIDATES=256, USE_PDL=False)
+            want = lk.reference(x, tokens, top)
+            assert torch.allclose(got[:, :1 + top], want[:, :1 + top], atol=1e-5, rtol=1e-6), (dt, top, got, want)
+            if top:  # rows 0, 2 and 4 have no ties: the same ids in the same order
+                assert torch.equal(got[[0, 2, 4], 1 + top:], want[[0, 2, 4], 1 + top:]), (dt, top)
+                tied = min(top, 10)
+                assert got[1, 1 + top:1 + top + tied].tolist() == list(range(2990, 2990 + tied))
+                assert got[3, 1 + top:].tolist() == list(range(100, 100 + top))
+                assert not set(got[2, 1 + top:].tolist()) & {0.0, 1.0, 2.0}
+    print("ok")
+''')
+
+
+def test_the_logprob_kernels_match_log_softmax_and_topk_in_the_triton_interpreter():
+    """Two launches give each row's chosen token's log probability and its top alternatives as
+    ``log_softmax``, ``gather`` and ``topk`` do: ties in a partial chunk (smaller ids first), refused
+    tokens, twenty alternatives in one chunk, no alternatives at all."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    out = subprocess.run([sys.executable, "-c", LOGPROB_CHECKS], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stdout[-2000:] + out.stderr[-4000:]

@@ -24,6 +24,7 @@ from graphkeeper.worker.executor.logits import count_sampled, pick_logprobs, pro
 from graphkeeper.worker.executor.penalty_counts import PenaltyCounts
 from graphkeeper.worker.executor.sampling import sample
 from graphkeeper.worker.executor.transfer import to_device
+from graphkeeper.worker.kernels import logprob_kernel
 from graphkeeper.worker.kernels.linear_kernel import warm_rows
 from graphkeeper.worker.model.attention import BLOCK_Q, AttentionMetadata, SlotAttention
 from graphkeeper.worker.model.kv_cache import KVCache
@@ -39,15 +40,26 @@ from graphkeeper.worker.plan import (
 
 
 @dataclass
+class StepLogprobs:
+    """A step's log probabilities on their way to the host: ``table`` holds, for each sample row
+    in ``rows`` (the rows that asked), the line ``lines[k]`` ``[chosen, top values..., top ids...]``
+    (``logprob_kernel``'s layout, width ``1 + 2 * top``)."""
+
+    rows: np.ndarray
+    lines: np.ndarray
+    table: Tensor
+    top: int
+
+
+@dataclass
 class Launched:
     """A step on its way: its tokens land in ``host`` once ``done`` has completed, and so do the
-    log probabilities (chosen, top values, top ids) when a row asked for them."""
+    log probabilities when a row asked for them."""
 
     host: Tensor
     done: torch.cuda.Event | None
     count: int
-    #: The sample rows that asked for log probabilities, and their (chosen, top values, top ids).
-    logprobs: tuple[np.ndarray, tuple[Tensor, Tensor, Tensor]] | None = None
+    logprobs: StepLogprobs | None = None
     #: Per prefill chunk that computes its prompt's log probabilities: (chunk index, targets,
     #: (chosen, top values, top ids)).
     prompt: list[tuple[int, np.ndarray, tuple[Tensor, Tensor, Tensor]]] | None = None
@@ -63,11 +75,12 @@ class Launched:
         None when no row asked."""
         if self.logprobs is None:
             return None
-        rows, tensors = self.logprobs
-        chosen, values, ids = (t.tolist() for t in tensors)
+        picked, top = self.logprobs.table.numpy()[self.logprobs.lines], self.logprobs.top
+        chosen, values = picked[:, 0].tolist(), picked[:, 1:1 + top].tolist()
+        ids = picked[:, 1 + top:].astype(np.int64).tolist()
         tokens = self.host[: self.count].tolist()
         out: list[TokenLogprob | None] = [None] * self.count
-        for k, row in enumerate(rows.tolist()):
+        for k, row in enumerate(self.logprobs.rows.tolist()):
             out[row] = TokenLogprob(tokens[row], chosen[k], tuple(zip(ids[k], values[k], strict=True)))
         return out
 
@@ -118,6 +131,7 @@ class ModelRunner:
         self._host = [torch.zeros(max_tokens, dtype=torch.long, pin_memory=cuda) for _ in range(2)]
         self._sent = [torch.cuda.Event() if cuda else None for _ in range(2)]
         self._turn = 0
+        self._logprob_host: list[Tensor] | None = None
         # Views of the static buffers, made once per (row, length): slicing is host work on the
         # step's hot path, and these buffers never move while the runner lives.
         self._views: dict[tuple[int | None, int], Tensor] = {}
@@ -261,28 +275,47 @@ class ModelRunner:
     def sample_and_send(self, hidden: Tensor, plan: StepPlan) -> Launched:
         """Samples on the device, records each slot's new token, and starts the copy back."""
         ns = plan.num_samples
-        logits = self.model.head(self.sample_rows(hidden, plan))
-        extra, logprobs, raw = plan.logits, None, None
+        head = self.model.head(self.sample_rows(hidden, plan))
+        extra, logits, logprobs = plan.logits, head, None
         if extra is not None:  # the rows that ask for nothing keep their logits bit for bit
-            wanted = np.flatnonzero(extra.logprobs >= 0)
-            if len(wanted):  # only the rows that asked: a [rows, vocab] softmax and top-k each
-                at = to_device(wanted, self.device)
-                raw = raw_logprobs(logits.index_select(0, at))
-            logits = process(logits, extra, plan.sampling, self.penalties)
+            logits = process(head, extra, plan.sampling, self.penalties)  # a new tensor: head stays raw
         tokens = sample(logits, plan.sampling)
         if extra is not None:
             count_sampled(self.penalties, extra, tokens)
         self.last_tokens.index_copy_(0, self._row(self.SAMPLE_SLOTS, ns), tokens)
-        host, done = self._host[self._turn], self._sent[self._turn]
+        turn = self._turn
+        host, done = self._host[turn], self._sent[turn]
         self._turn ^= 1
         host[:ns].copy_(tokens, non_blocking=True)
-        if raw is not None:
-            picked = pick_logprobs(raw, tokens.index_select(0, at), extra.top_logprobs)
-            logprobs = (wanted, tuple(t.to("cpu", non_blocking=True) for t in picked))
+        if extra is not None and (wanted := np.flatnonzero(extra.logprobs >= 0)).size:
+            logprobs = self._send_logprobs(head, tokens, wanted, extra.top_logprobs, turn)
         prompt = [self._prompt_logprobs(hidden, plan, p) for p in plan.prompt_logprobs] or None
         if done is not None:
             done.record()
         return Launched(host, done, ns, logprobs, prompt)
+
+    def _send_logprobs(self, head: Tensor, tokens: Tensor, wanted: np.ndarray, top: int, turn: int) -> StepLogprobs:
+        """The log probabilities of the model's own distribution (before any processing) for the
+        sample rows ``wanted``, copied back behind the tokens. On CUDA, ``logprob_kernel``'s two
+        launches take every row (cheaper than selecting the rows that asked) into this turn's
+        pinned table; elsewhere PyTorch computes the rows that asked."""
+        if logprob_kernel.supported(head, top):
+            table = logprob_kernel.packed(head, tokens, top)
+            pinned = self._logprob_pinned(turn)[: table.numel()].view(table.shape)
+            pinned.copy_(table, non_blocking=True)
+            return StepLogprobs(wanted, wanted, pinned, top)
+        at = to_device(wanted, self.device)
+        table = logprob_kernel.reference(head.index_select(0, at), tokens.index_select(0, at), top)
+        return StepLogprobs(wanted, np.arange(len(wanted)), table.to("cpu", non_blocking=True), top)
+
+    def _logprob_pinned(self, turn: int) -> Tensor:
+        """This turn's pinned log-probability table (made when a step first asks): a line of the
+        widest layout per token the step could sample."""
+        if self._logprob_host is None:
+            width = 1 + 2 * logprob_kernel.SLOTS
+            self._logprob_host = [torch.empty(self.max_tokens * width, dtype=torch.float32, pin_memory=True)
+                                  for _ in range(2)]
+        return self._logprob_host[turn]
 
     def _prompt_logprobs(self, hidden: Tensor, plan: StepPlan, wanted: PromptLogprobs) -> tuple:
         """A chunk's prompt log probabilities: the LM head on its rows, each row's next prompt token."""
