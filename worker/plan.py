@@ -8,7 +8,7 @@ no torch, so the scheduler and its tests never load the device stack.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -144,7 +144,7 @@ class LogitsBatch:
     min_p: np.ndarray
     bias: tuple[np.ndarray, np.ndarray]  # ([2, k] int64 (index into rows, token), [k] float32)
     mask_rows: np.ndarray  # int64 indices into rows
-    masks: np.ndarray  # [len(mask_rows), words] int32
+    masks: Any  # [len(mask_rows), words] int32: a numpy array, or a CPU tensor (`transfer.host_buffer`)
     logprobs: np.ndarray  # int64, per sample row
     penalised: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # indices into rows
     penalty_slots: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # per penalised

@@ -166,16 +166,23 @@ class _Resets:
                 "reset_output": pairs(self.output)}
 
 
-def grammar_masks(states: list[LogitsState]) -> np.ndarray:
+def grammar_masks(states: list[LogitsState]) -> Any:
     """The next token's allowed-token bitmasks of these sequences' grammars, ``[n, words]`` int32,
     computed together on llguidance's threads (a mask takes tens of microseconds at a large
-    vocabulary; one after another they would add up on the step's path)."""
+    vocabulary; one after another they would add up on the step's path). A CPU tensor from
+    ``host_buffer`` (pinned beside a GPU), written in place: its copy to the device is queued as
+    it is (``executor/transfer.py``)."""
     if not states:
         return np.zeros((0, 0), dtype=np.int32)
+    import torch
     from llguidance.numpy import fill_next_token_bitmask_par
 
-    masks = np.full((len(states), states[0].mask_words), -1, dtype=np.int32)
-    fill_next_token_bitmask_par(_executor(), [(s.matcher, j) for j, s in enumerate(states)], masks)
+    from graphkeeper.worker.executor.transfer import host_buffer
+
+    masks = host_buffer((len(states), states[0].mask_words), torch.int32)
+    view = masks.numpy()
+    view.fill(-1)  # every token allowed where a matcher writes nothing
+    fill_next_token_bitmask_par(_executor(), [(s.matcher, j) for j, s in enumerate(states)], view)
     return masks
 
 
