@@ -7,13 +7,14 @@ rows' tokens exactly as a step without processing does."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from graphkeeper.worker.engine.logits_state import LogitsState, build_logits_batch, mark_counted
 from graphkeeper.worker.engine.sequence import Sequence
 from graphkeeper.worker.executor.logits import count_sampled, pick_logprobs, process, unpack_mask
 from graphkeeper.worker.executor.penalty_counts import PenaltyCounts
-from graphkeeper.worker.plan import LogitsSpec, SamplingBatch, SamplingSpec, StepPlan
+from graphkeeper.worker.plan import LogitsSpec, SamplingBatch, SamplingSpec, StepPlan, unpack_logprob
 
 
 def sampler(logits: LogitsState | None, slot: int, prompt: list[int], output: list[int] | None = None) -> Sequence:
@@ -104,9 +105,14 @@ def test_a_runner_step_mixing_plain_and_processed_rows_keeps_the_plain_tokens(ru
     tokens = launched.tokens()
     assert tokens[:2].tolist() == expected[:2].tolist()
     assert tokens[2] == 11
-    logprobs = launched.token_logprobs()
-    assert len(logprobs) == 4 and len(logprobs[3].top) == 3 and logprobs[3].token == tokens[3]
-    assert logprobs[:3] == [None, None, None]  # computed only for the row that asked
+    packed = launched.token_logprobs()
+    assert len(packed) == 4 and packed[:3] == [None, None, None]  # computed only for the row that asked
+    entry = unpack_logprob(int(tokens[3]), packed[3])
+    assert len(entry.top) == 3 and entry.token == tokens[3]
+    expected_lp = runner.model.head(hidden[:4]).float().log_softmax(-1)[3]
+    assert entry.logprob == pytest.approx(float(expected_lp[tokens[3]]), abs=1e-5)
+    assert [t for t, _ in entry.top] == expected_lp.topk(3).indices.tolist()
+    assert unpack_logprob(int(tokens[3]), (packed[3][0], 1, packed[3][2])).top == entry.top[:1]  # a request's own count
 
 
 def test_penalty_counts_follow_each_sampled_token_and_start_over_on_a_new_slot():
@@ -165,3 +171,20 @@ def test_released_counts_grow_again_for_the_next_sequence():
     after = sampler(LogitsState(LogitsSpec(presence_penalty=1.0)), slot=6, prompt=[1], output=[0])
     assert process(torch.zeros(1, 4), build_logits_batch([after]), None, pen)[0].tolist() == [-1.0, 0.0, 0.0, 0.0]
     assert pen.counts.shape[0] >= 7
+
+
+def test_packed_log_probabilities_cross_the_engine_channel_and_unpack_to_the_asked_alternatives():
+    """The engine sends a token's log probabilities as its table line's bytes (``PackedLogprob``);
+    through pickle (the engine-core channel) ``Sampled.logprobs`` unpacks them once, with the
+    request's own count of alternatives out of the step's."""
+    import pickle
+
+    from graphkeeper.worker.plan import Sampled, TokenLogprob
+
+    line = np.array([-0.5, -0.75, -1.5, -2.5, 42, 7, 9], dtype=np.float32).tobytes()  # three computed
+    sent = Sampled([42], None, None, packed=[(3, 2, line)])
+    got = pickle.loads(pickle.dumps(sent, protocol=pickle.HIGHEST_PROTOCOL))
+    assert list(got) == [42] and got.prompt_logprobs is None
+    assert got.logprobs == [TokenLogprob(42, -0.5, ((42, -0.75), (7, -1.5)))]
+    assert got.logprobs is got.logprobs  # unpacked once
+    assert Sampled([5], None).logprobs is None

@@ -15,7 +15,7 @@ from graphkeeper.worker.engine.scheduler import ScheduledStep, Scheduler
 from graphkeeper.worker.engine.sequence import Sequence
 from graphkeeper.worker.executor.graphs.dispatcher import BatchDescriptor, Decision
 from graphkeeper.worker.metrics import WorkerMetrics, observe_many
-from graphkeeper.worker.plan import Sampled, TokenLogprob
+from graphkeeper.worker.plan import PackedLogprob, Sampled, TokenLogprob
 
 if TYPE_CHECKING:  # the API process imports this module; the runner (and Triton) is the engine core's
     from graphkeeper.worker.executor.runner import Launched
@@ -29,7 +29,7 @@ class OutputProcessor:
         self.metrics = metrics
 
     def step_outputs(self, samplers: list[Sequence], tokens: list[int], now: float,
-                     logprobs: list[TokenLogprob] | None = None) -> list[Update]:
+                     logprobs: list[PackedLogprob | None] | None = None) -> list[Update]:
         """The updates for one step's sampled tokens; tokens of finished sequences are dropped.
         A sequence that asked for log probabilities gets its token as ``Sampled`` with them."""
         updates, first, gaps = [], [], []
@@ -51,15 +51,16 @@ class OutputProcessor:
         return updates
 
     @staticmethod
-    def _sampled(seq: Sequence, token: int, entry: TokenLogprob | None) -> list[int]:
-        """The token as its stream gets it: with its log probabilities, and with the first token the
-        prompt's, when the request asked for them."""
+    def _sampled(seq: Sequence, token: int, entry: PackedLogprob | None) -> list[int]:
+        """The token as its stream gets it: with its log probabilities (the alternatives its
+        request asked for), and with the first token the prompt's, when the request asked."""
         state = seq.logits
         if state is None or (state.spec.logprobs < 0 and state.spec.prompt_logprobs < 0):
             return [token]
         wants = entry is not None and state.spec.logprobs >= 0
         prompt = state.prompt_entries if state.spec.prompt_logprobs >= 0 and not seq.output else None
-        return Sampled([token], [_trim(entry, state.spec.logprobs)] if wants else None, prompt)
+        packed = [(entry[0], state.spec.logprobs, entry[2])] if wants else None
+        return Sampled([token], None, prompt, packed=packed)
 
     @staticmethod
     def accept_ahead(inflight: InFlight | None) -> None:
@@ -127,12 +128,6 @@ class OutputProcessor:
                     self.metrics.requests.labels(outcome).inc()
                 updates.append((seq.stream, [], err))
         return updates
-
-
-def _trim(entry: TokenLogprob, top: int) -> TokenLogprob:
-    """A row's log probabilities with the alternatives its request asked for (the step computed
-    as many as the most demanding row)."""
-    return entry if len(entry.top) == top else entry._replace(top=entry.top[:top])
 
 
 def direct_publish(updates: list[tuple[Any, list[int], Any]]) -> None:

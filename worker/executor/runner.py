@@ -30,6 +30,7 @@ from graphkeeper.worker.model.attention import BLOCK_Q, AttentionMetadata, SlotA
 from graphkeeper.worker.model.kv_cache import KVCache
 from graphkeeper.worker.model.loader import LoadedModel
 from graphkeeper.worker.plan import (
+    PackedLogprob,
     PrefillChunk,
     PromptLogprobs,
     SamplingBatch,
@@ -70,18 +71,17 @@ class Launched:
             self.done.synchronize()
         return self.host[: self.count].numpy()
 
-    def token_logprobs(self) -> list[TokenLogprob | None] | None:
-        """Each sample row's ``TokenLogprob``, None for a row that did not ask (after ``tokens``);
-        None when no row asked."""
+    def token_logprobs(self) -> list[PackedLogprob | None] | None:
+        """Each sample row's log probabilities as the engine sends them (``plan.PackedLogprob``,
+        every alternative the step computed; ``asked`` 0 until the row's request trims it), None
+        for a row that did not ask (after ``tokens``); None when no row asked."""
         if self.logprobs is None:
             return None
-        picked, top = self.logprobs.table.numpy()[self.logprobs.lines], self.logprobs.top
-        chosen, values = picked[:, 0].tolist(), picked[:, 1:1 + top].tolist()
-        ids = picked[:, 1 + top:].astype(np.int64).tolist()
-        tokens = self.host[: self.count].tolist()
-        out: list[TokenLogprob | None] = [None] * self.count
+        top = self.logprobs.top
+        lines = self.logprobs.table.numpy()[self.logprobs.lines]
+        out: list[PackedLogprob | None] = [None] * self.count
         for k, row in enumerate(self.logprobs.rows.tolist()):
-            out[row] = TokenLogprob(tokens[row], chosen[k], tuple(zip(ids[k], values[k], strict=True)))
+            out[row] = (top, top, lines[k].tobytes())
         return out
 
     def prompt_logprobs(self) -> list[tuple[int, list[TokenLogprob]]]:
