@@ -72,9 +72,10 @@ class Launched:
         return self.host[: self.count].numpy()
 
     def token_logprobs(self) -> list[PackedLogprob | None] | None:
-        """Each sample row's log probabilities as the engine sends them (``plan.PackedLogprob``,
-        every alternative the step computed; ``asked`` 0 until the row's request trims it), None
-        for a row that did not ask (after ``tokens``); None when no row asked."""
+        """Each sample row's log probabilities as the engine sends them (``plan.PackedLogprob``
+        with every alternative the step computed as asked; ``OutputProcessor`` puts in the count
+        the row's request asked for), None for a row that did not ask (after ``tokens``); None
+        when no row asked."""
         if self.logprobs is None:
             return None
         top = self.logprobs.top
