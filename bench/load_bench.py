@@ -18,7 +18,9 @@ p99, from the clients' clocks; a message carrying k tokens counts its gap once p
 by k), errors by status code, requests per stream (no stream starved), graph coverage of steps
 and padding waste (from the worker's /metrics). After the workers stop, the same process times the
 engine's FULL-graph decode step at the matching batch sizes on the same GPU, so every throughput is
-also a ratio to what the GPU allows: ``streams / step time``.
+also a ratio to what the GPU allows: ``streams / step time``. A scenario with prompts to prefill is
+also set against what its own work allows (``work_bound``: its generated and prompt tokens packed
+into full steps priced at the worker's captured step times).
 
     python bench/load_bench.py --out bench/results/load-h200.json                 # everything, H200
     python bench/load_bench.py --scenarios mixed --worker-pythonpath /tmp/old --legacy  # an older commit
@@ -232,6 +234,10 @@ def run_cell(args: argparse.Namespace, scenario: str, flags: WorkerFlags, log: P
           f"min requests/stream {row['min_requests_per_stream']}, exit {row['exit_seconds']:.1f} s", flush=True)
     if "engine_itl_ms" in row:
         print(f"{'':<9} in the engine: {tails_line(row)}", flush=True)
+    add_work_bound(row)
+    if "ratio_to_work" in row:
+        print(f"{'':<9} the work allows {row['work_allows_tokens_per_s']:.0f} tok/s on the worker's captured steps: "
+              f"{row['ratio_to_work']:.2f} of it", flush=True)
     return row
 
 
@@ -495,6 +501,46 @@ def full_step_times(args: argparse.Namespace, batches: list[int], context: int) 
     loaded = load_model(f"random:{args.preset}", device=args.device, dtype=args.dtype, max_positions=1024 + 64)
     rows = bench_ours(loaded, batches, context, steps=200, graphs=args.device == "cuda")
     return {r["batch"]: r for r in rows}
+
+
+def work_bound(generated: float, prompt: float, streams: int, with_decode: int,
+               step_times: list[dict]) -> float | None:
+    """Tokens/s the window's work allows on the worker's own captured steps (pure): ``generated``
+    tokens decoded by ``streams`` rows a step, and ``prompt`` tokens prefilled, as if every step
+    were full: a prefill step carries ``streams`` decode rows and ``with_decode - streams`` prompt
+    tokens at the replay time of the smallest captured size that holds ``with_decode`` tokens, a
+    decode-only step ``streams`` rows at the smallest that holds them (the fastest mode at each
+    size; ``step_times`` is the worker's ``GraphStatus.step_times``, timed at capture, in the same
+    run). An upper bound: capture times its steps at a short context, every stream is assumed
+    live from the window's start, and no step waits on the host. None when a size is not
+    captured or no prompt fits beside the decode rows."""
+    def replay(tokens: int) -> float | None:
+        sizes = [e for e in step_times if e.get("size", 0) >= tokens and e.get("replay_seconds")]
+        if not sizes:
+            return None
+        size = min(e["size"] for e in sizes)
+        return min(e["replay_seconds"] for e in sizes if e["size"] == size)
+
+    room = with_decode - streams
+    decode, prefill = replay(streams), replay(with_decode)
+    if decode is None or prefill is None or room <= 0 or not generated:
+        return None
+    prefill_steps = prompt / room
+    decode_steps = max(0.0, generated / streams - prefill_steps)
+    return generated / (prefill_steps * prefill + decode_steps * decode)
+
+
+def add_work_bound(row: dict) -> None:
+    """Puts ``work_bound`` beside a row's tokens/s (the window's and once every stream runs),
+    from the figures the row already holds."""
+    budget = row.get("step_budget") or {}
+    bound = work_bound(row.get("generated_tokens", 0), row.get("prefix_cache_queries_tokens_total", 0),
+                       row["streams"], budget.get("tokens_with_decode", 0), row.get("step_times") or [])
+    if bound:
+        row["work_allows_tokens_per_s"] = bound
+        row["ratio_to_work"] = row["tokens_per_s"] / bound
+        if row.get("tokens_per_s_all_started"):
+            row["ratio_to_work_all_started"] = row["tokens_per_s_all_started"] / bound
 
 
 def add_gpu_ratios(args: argparse.Namespace, rows: list[dict]) -> dict[str, dict]:

@@ -12,7 +12,16 @@ from prometheus_client import generate_latest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
-from load_bench import buckets, engine_tails, quantile, share_above, sustained_rate, tails_line  # noqa: E402
+from load_bench import (  # noqa: E402
+    add_work_bound,
+    buckets,
+    engine_tails,
+    quantile,
+    share_above,
+    sustained_rate,
+    tails_line,
+    work_bound,
+)
 from metrics_text import summed as parse_metrics  # noqa: E402
 
 from graphkeeper.worker.metrics import WorkerMetrics  # noqa: E402
@@ -117,3 +126,38 @@ def test_the_rate_once_every_stream_runs_leaves_the_staggered_start_out():
     assert sustained_rate(parts, 10.0, 2.0) == 2_000.0  # against 1,750 tok/s over the whole window
     assert sustained_rate(parts, 2.0, 2.0) is None
     assert sustained_rate([{"tokens": 500, "tokens_all_started": 500}], 5.0, 0.0) == 100.0
+
+
+def test_the_work_bound_packs_prompts_beside_full_decode_rows_on_the_captured_steps():
+    """64 streams, 512 tokens a step with decode rows: 448 prompt tokens ride each prefill step
+    (priced at the 512-token replay), the rest of the decoding in 64-row steps (the faster mode
+    at the smallest size that holds 64); a size that is not captured, or no room, gives None."""
+    times = [{"mode": 2, "size": 64, "replay_seconds": 0.0015}, {"mode": 3, "size": 64, "replay_seconds": 0.001},
+             {"mode": 2, "size": 96, "replay_seconds": 0.0016}, {"mode": 2, "size": 512, "replay_seconds": 0.004}]
+    # 6,400 generated tokens = 100 steps of 64; 4,480 prompt tokens = 10 of them carry prefill.
+    assert abs(work_bound(6_400, 4_480, 64, 512, times) - 6_400 / (10 * 0.004 + 90 * 0.001)) < 1e-6
+    assert abs(work_bound(6_400, 0, 60, 512, times) - 60 / 0.001) < 1e-6  # 60 rows: FULL at 64
+    assert abs(work_bound(7_000, 0, 70, 512, times) - 70 / 0.0016) < 1e-6  # 70 rows: 96, the size that holds them
+    assert work_bound(6_400, 4_480, 64, 1024, times) is None  # no captured step holds 1,024 tokens
+    assert work_bound(6_400, 4_480, 64, 64, times) is None  # no room for a prompt beside the rows
+    row = {"streams": 64, "generated_tokens": 6_400, "prefix_cache_queries_tokens_total": 4_480,
+           "tokens_per_s": 25_000.0, "tokens_per_s_all_started": 30_000.0,
+           "step_budget": {"tokens_with_decode": 512}, "step_times": times}
+    add_work_bound(row)
+    assert abs(row["ratio_to_work"] - 25_000 / row["work_allows_tokens_per_s"]) < 1e-12
+    assert abs(row["ratio_to_work_all_started"] - 30_000 / row["work_allows_tokens_per_s"]) < 1e-12
+    bare = {"streams": 64, "tokens_per_s": 1.0}
+    add_work_bound(bare)  # a CPU run or an older worker: nothing to bound with
+    assert "ratio_to_work" not in bare
+
+
+def test_the_work_bound_of_the_h100_mixed_run_is_what_its_results_say():
+    """The committed mixed run at 38b41b6 (``bench/results/load-defaults-38b41b6-h100.json``):
+    38,905 tok/s on its worker's own step times, 0.70 in the window, 0.78 once every stream runs."""
+    import json
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "results" / "load-defaults-38b41b6-h100.json"
+    row = next(r for r in json.loads(path.read_text())["scenarios"] if r["scenario"] == "mixed")
+    add_work_bound(row)
+    assert round(row["work_allows_tokens_per_s"]) == 38_905
+    assert round(row["ratio_to_work"], 2) == 0.70 and round(row["ratio_to_work_all_started"], 2) == 0.78
