@@ -15,6 +15,8 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || exit 1
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv | tee "$out/gpu.txt"
+# The host too: two machines of one card model can differ in their CPUs, and the engine thread's pace with them.
+echo "host CPU: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2-) x$(nproc)" | tee -a "$out/gpu.txt"
 # The card in every output's name (h200, h100, or gpu): a call may get either kind.
 case $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1) in
   *H200*) card=h200 ;; *H100*) card=h100 ;; *) card=gpu ;;

@@ -53,6 +53,7 @@ from typing import NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from metrics_text import fetch, label, series_key, summed  # noqa: E402  (bench/metrics_text.py, beside this file)
+from proc_stats import host_cpu  # noqa: E402
 
 from graphkeeper.worker.engine.gc_pauses import GC_PROCESSES  # noqa: E402  (the process label's values)
 
@@ -582,7 +583,7 @@ def main() -> int:
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), "command": " ".join(sys.argv),
         "commit": _commit(), "label": args.label, "switch_interval": args.switch_interval,
         "flush_gap": args.flush_gap, "max_flush_gap": args.max_flush_gap, "preset": args.preset, "dtype": args.dtype,
-        "gpu": _gpu_name(args.device), "host": platform.node(), "scenarios": [],
+        "gpu": _gpu_name(args.device), "host": platform.node(), "host_cpu": host_cpu(), "scenarios": [],
     }
     logs = Path(args.logs) if args.logs else Path(tempfile.mkdtemp(prefix="load-bench-"))
     logs.mkdir(parents=True, exist_ok=True)

@@ -30,3 +30,18 @@ def tree_cpu_seconds(pid: int) -> dict[int, float]:
     for child in children:
         out.update(tree_cpu_seconds(child))
     return out
+
+
+def host_cpu(cpuinfo: str | None = None) -> str:
+    """The host's CPU model and how many this process may use, e.g. ``"AMD EPYC 9654 96-Core
+    Processor x16"``: two GPU machines of one card model can differ in their host, and a figure
+    the engine thread sets the pace of moves with it. ``cpuinfo``: ``/proc/cpuinfo``'s text
+    (read when None)."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            cpuinfo = ""
+    model = next((line.split(":", 1)[1].strip() for line in cpuinfo.splitlines()
+                  if line.startswith("model name")), "unknown CPU")
+    return f"{model} x{len(os.sched_getaffinity(0))}"

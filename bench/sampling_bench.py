@@ -52,7 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import openai_bench  # noqa: E402  (bench/openai_bench.py, beside this file: the model directory)
 from http_client import free_port, wait_ready  # noqa: E402  (bench/http_client.py, beside this file)
 from metrics_text import fetch, series_key, summed  # noqa: E402  (bench/metrics_text.py, beside this file)
-from proc_stats import tree_cpu_seconds  # noqa: E402  (bench/proc_stats.py, beside this file)
+from proc_stats import host_cpu, tree_cpu_seconds  # noqa: E402  (bench/proc_stats.py, beside this file)
 
 from graphkeeper.worker.engine.gc_pauses import GC_PROCESSES  # noqa: E402  (the process label's values)
 
@@ -239,7 +239,8 @@ def main() -> int:
         worker.proc.wait(120)
     result = {
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), "command": " ".join(sys.argv),
-        "commit": os.environ.get("GRAPHKEEPER_COMMIT", ""), "host": platform.node(), "preset": args.preset,
+        "commit": os.environ.get("GRAPHKEEPER_COMMIT", ""), "host": platform.node(), "host_cpu": host_cpu(),
+        "preset": args.preset,
         "device": args.device, "dtype": args.dtype, "streams": args.streams, "prompt_tokens": args.prompt_tokens,
         "output_tokens": args.output_tokens, "runs": runs,
         "over_plain": {run["mix"]: run["tokens_per_s"] / runs[0]["tokens_per_s"] if runs[0]["tokens_per_s"] else None

@@ -161,3 +161,16 @@ def test_the_work_bound_of_the_h100_mixed_run_is_what_its_results_say():
     add_work_bound(row)
     assert round(row["work_allows_tokens_per_s"]) == 38_905
     assert round(row["ratio_to_work"], 2) == 0.70 and round(row["ratio_to_work_all_started"], 2) == 0.78
+
+
+def test_the_host_cpu_names_its_model_and_usable_count():
+    """Benchmarks record the host's CPU beside the GPU: two H100 machines differed by 12% in a plain
+    batch's tokens/s on 2026-12-06 and nothing in the results said why."""
+    import os
+
+    from proc_stats import host_cpu
+
+    text = "processor\t: 0\nvendor_id\t: AuthenticAMD\nmodel name\t: AMD EPYC 7R13 Processor\n"
+    assert host_cpu(text) == f"AMD EPYC 7R13 Processor x{len(os.sched_getaffinity(0))}"
+    assert host_cpu("").startswith("unknown CPU x")
+    assert " x" in host_cpu()  # this machine's own
