@@ -173,7 +173,7 @@ class LogitsBatch:
     min_p: np.ndarray
     bias: tuple[np.ndarray, np.ndarray]  # ([2, k] int64 (index into rows, token), [k] float32)
     mask_rows: np.ndarray  # int64 indices into rows
-    masks: Any  # [len(mask_rows), words] int32: a numpy array, or a CPU tensor (`transfer.host_buffer`)
+    masks: Any  # [len(mask_rows), words] int32: a numpy array, or a pinned CPU tensor (`transfer.pinned_masks`)
     logprobs: np.ndarray  # int64, per sample row
     penalised: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # indices into rows
     penalty_slots: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # per penalised

@@ -188,3 +188,37 @@ def test_packed_log_probabilities_cross_the_engine_channel_and_unpack_to_the_ask
     assert got.logprobs == [TokenLogprob(42, -0.5, ((42, -0.75), (7, -1.5)))]
     assert got.logprobs is got.logprobs  # unpacked once
     assert Sampled([5], None).logprobs is None
+
+
+def test_grammar_masks_are_written_into_the_buffer_the_engine_installs(monkeypatch):
+    """An engine on a GPU installs pinned host memory for the masks (``use_mask_buffer``); the
+    masks are written straight into it and the batch carries the installed buffer's tensor, so
+    ``to_device`` copies it without staging. Rows a matcher leaves alone allow every token."""
+    from types import SimpleNamespace
+
+    import llguidance.numpy
+
+    from graphkeeper.worker.engine import logits_state
+    from graphkeeper.worker.executor.transfer import to_device
+
+    def fill(executor, matchers, masks):  # llguidance's threads, as far as this test needs them
+        for matcher, row in matchers:
+            if matcher == "refuses 0-31":
+                masks[row, 0] = 0
+
+    monkeypatch.setattr(llguidance.numpy, "fill_next_token_bitmask_par", fill)
+    made = []
+
+    def buffer(shape):
+        tensor = torch.empty(shape, dtype=torch.int32)
+        made.append(tensor)
+        return tensor.numpy(), tensor
+
+    states = [SimpleNamespace(matcher="refuses 0-31", mask_words=3), SimpleNamespace(matcher="allows", mask_words=3)]
+    monkeypatch.setattr(logits_state, "_mask_buffer", logits_state._mask_buffer)  # restored after the test
+    logits_state.use_mask_buffer(buffer)
+    masks = logits_state.grammar_masks(states)
+    assert masks is made[0] and masks.tolist() == [[0, -1, -1], [-1, -1, -1]]
+    assert to_device(masks, torch.device("cpu")) is masks
+    logits_state.use_mask_buffer(logits_state._numpy_masks)
+    assert isinstance(logits_state.grammar_masks(states), np.ndarray)

@@ -45,7 +45,12 @@ from graphkeeper.worker.engine.isolation import fail_step, isolate
 from graphkeeper.worker.engine.kv_sizing import UtilizationSizing
 from graphkeeper.worker.engine.ledger import Ledger
 from graphkeeper.worker.engine.lifecycle import Lifecycle
-from graphkeeper.worker.engine.logits_state import build_logits_batch, logits_state_for, mark_counted
+from graphkeeper.worker.engine.logits_state import (
+    build_logits_batch,
+    logits_state_for,
+    mark_counted,
+    use_mask_buffer,
+)
 from graphkeeper.worker.engine.mailbox import Mailbox
 from graphkeeper.worker.engine.model_roots import check_model_root
 from graphkeeper.worker.engine.model_slot import ModelSlot
@@ -63,6 +68,7 @@ from graphkeeper.worker.engine.step_overruns import StepOverruns, allocator_note
 from graphkeeper.worker.engine.structured import Grammars
 from graphkeeper.worker.engine.tp_ranks import capture_controller, reload_refusal
 from graphkeeper.worker.executor.graphs.dispatcher import BatchDescriptor, Dispatcher
+from graphkeeper.worker.executor.transfer import pinned_masks
 from graphkeeper.worker.metrics import WorkerMetrics
 from graphkeeper.worker.model.source import ModelSourceError, check_source
 from graphkeeper.worker.model.step import forbid_recompiles
@@ -288,6 +294,7 @@ class Engine:
             torch.cuda.set_device(self.device.index or 0)
             torch.cuda.init()
             torch.zeros(1, device=self.device)  # creates the context before the first ledger entry
+            use_mask_buffer(pinned_masks)
         self.ledger.record(L.LEDGER_STAGE_CONTEXT, self.device)
         clock.lap("device_context")
         fresh = self.slot.load(s.model, s.model_revision)

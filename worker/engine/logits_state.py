@@ -19,6 +19,7 @@ probabilities and penalties are built with the plan.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -166,23 +167,37 @@ class _Resets:
                 "reset_output": pairs(self.output)}
 
 
+def _numpy_masks(shape: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
+    array = np.empty(shape, dtype=np.int32)
+    return array, array
+
+
+#: Makes a step's mask array: ``shape -> (the int32 array llguidance fills, what the batch carries
+#: to the device)``. A numpy array by default; an engine on a GPU installs pinned host memory
+#: (``executor/transfer.pinned_masks``) through ``use_mask_buffer``, which keeps torch out of
+#: this module (the scheduler imports it).
+_mask_buffer: Callable[[tuple[int, int]], tuple[np.ndarray, Any]] = _numpy_masks
+
+
+def use_mask_buffer(make: Callable[[tuple[int, int]], tuple[np.ndarray, Any]]) -> None:
+    """Where the masks of later steps are written (``_mask_buffer``)."""
+    global _mask_buffer
+    _mask_buffer = make
+
+
 def grammar_masks(states: list[LogitsState]) -> Any:
     """The next token's allowed-token bitmasks of these sequences' grammars, ``[n, words]`` int32,
     computed together on llguidance's threads (a mask takes tens of microseconds at a large
-    vocabulary; one after another they would add up on the step's path). A CPU tensor from
-    ``host_buffer`` (pinned beside a GPU), written in place: its copy to the device is queued as
-    it is (``executor/transfer.py``)."""
+    vocabulary; one after another they would add up on the step's path), written straight into
+    the array ``use_mask_buffer`` installed: on a GPU pinned host memory, whose copy to the device
+    is queued as it is (``executor/transfer.py``)."""
     if not states:
         return np.zeros((0, 0), dtype=np.int32)
-    import torch
     from llguidance.numpy import fill_next_token_bitmask_par
 
-    from graphkeeper.worker.executor.transfer import host_buffer
-
-    masks = host_buffer((len(states), states[0].mask_words), torch.int32)
-    view = masks.numpy()
-    view.fill(-1)  # every token allowed where a matcher writes nothing
-    fill_next_token_bitmask_par(_executor(), [(s.matcher, j) for j, s in enumerate(states)], view)
+    fill, masks = _mask_buffer((len(states), states[0].mask_words))
+    fill.fill(-1)  # every token allowed where a matcher writes nothing
+    fill_next_token_bitmask_par(_executor(), [(s.matcher, j) for j, s in enumerate(states)], fill)
     return masks
 
 

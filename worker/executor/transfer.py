@@ -18,30 +18,24 @@ threads) used 13-15 cores where plain batches use one (`bench/results/sampling-h
 
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 import torch
 from torch import Tensor
 
 
-def host_buffer(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
-    """An empty CPU tensor for host data bound for the device, to fill through its ``numpy()``
-    view: pinned where a GPU is present (torch's caching host allocator, which hands a block out
-    again only once the copy that read it has run), so ``to_device`` queues its copy without
-    staging it. A grammar's masks are half a megabyte a step at a 128k vocabulary; written here
-    by llguidance, they skip a fresh array and a copy of it."""
-    return torch.empty(shape, dtype=dtype, pin_memory=_gpu_present())
-
-
-@functools.cache
-def _gpu_present() -> bool:
-    return torch.cuda.is_available()
+def pinned_masks(shape: tuple[int, int]) -> tuple[np.ndarray, Tensor]:
+    """An empty pinned int32 host tensor and its numpy view, for a step's grammar masks
+    (``logits_state.use_mask_buffer``): llguidance writes the view, ``to_device`` copies the
+    tensor as it is. The masks are half a megabyte a step at a 128k vocabulary; this skips a fresh
+    array and a staging copy of it. torch's caching host allocator hands the block out again only
+    once the copy that read it has run."""
+    tensor = torch.empty(shape, dtype=torch.int32, pin_memory=True)
+    return tensor.numpy(), tensor
 
 
 def to_device(array: np.ndarray | Tensor, device: torch.device) -> Tensor:
     """``array`` as a tensor on ``device``, queued without a host stall (the same tensor, sharing
-    the array's memory, on a CPU device). A pinned CPU tensor (``host_buffer``) is copied as it is."""
+    the array's memory, on a CPU device). A pinned CPU tensor (``pinned_masks``) is copied as it is."""
     if isinstance(array, Tensor):
         if device.type != "cuda":
             return array
