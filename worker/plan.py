@@ -71,12 +71,17 @@ class TokenLogprob(NamedTuple):
 PackedLogprob = tuple[int, int, bytes]  # (computed, asked, line)
 
 
+def line_logprob(token: int, line: list[float], computed: int, asked: int) -> TokenLogprob:
+    """The ``TokenLogprob`` a table line (``[chosen, computed values, computed ids]``) holds for
+    ``token``: its ``asked`` alternatives."""
+    ids = map(int, line[1 + computed:1 + computed + asked])
+    return TokenLogprob(token, line[0], tuple(zip(ids, line[1:1 + asked], strict=True)))
+
+
 def unpack_logprob(token: int, packed: PackedLogprob) -> TokenLogprob:
     """The ``TokenLogprob`` a packed line holds for ``token``: its ``asked`` alternatives."""
     computed, asked, line = packed
-    row = array("f", line).tolist()  # a quarter of numpy's time for one short line
-    ids = map(int, row[1 + computed:1 + computed + asked])
-    return TokenLogprob(token, row[0], tuple(zip(ids, row[1:1 + asked], strict=True)))
+    return line_logprob(token, array("f", line).tolist(), computed, asked)  # a quarter of numpy's time
 
 
 class Sampled(list):

@@ -12,8 +12,9 @@ import torch
 
 from graphkeeper.worker.engine.logits_state import LogitsState, build_logits_batch, mark_counted
 from graphkeeper.worker.engine.sequence import Sequence
-from graphkeeper.worker.executor.logits import count_sampled, pick_logprobs, process, unpack_mask
+from graphkeeper.worker.executor.logits import count_sampled, process, unpack_mask
 from graphkeeper.worker.executor.penalty_counts import PenaltyCounts
+from graphkeeper.worker.kernels import logprob_kernel
 from graphkeeper.worker.plan import LogitsSpec, SamplingBatch, SamplingSpec, StepPlan, unpack_logprob
 
 
@@ -74,10 +75,12 @@ def test_a_grammar_mask_allows_exactly_its_bits():
 
 
 def test_logprobs_pick_the_chosen_token_and_the_most_likely():
-    lp = torch.log_softmax(torch.tensor([[1.0, 3.0, 2.0]]), -1)
-    chosen, values, ids = pick_logprobs(lp, torch.tensor([2]), 2)
+    logits = torch.tensor([[1.0, 3.0, 2.0]])
+    lp = torch.log_softmax(logits, -1)
+    line = logprob_kernel.reference(logits, torch.tensor([2]), 2)  # [chosen, 2 values, 2 ids]
+    chosen, ids = line[:, 0], line[:, 3:].long()
     assert chosen.tolist() == [lp[0, 2].item()] and ids.tolist() == [[1, 2]]
-    assert pick_logprobs(lp, torch.tensor([0]), 0)[2].shape == (1, 0)
+    assert logprob_kernel.reference(logits, torch.tensor([0]), 0)[:, 1:].shape == (1, 0)
 
 
 def test_a_re_run_without_a_culprit_keeps_the_other_rows_processing():
@@ -107,12 +110,13 @@ def test_a_runner_step_mixing_plain_and_processed_rows_keeps_the_plain_tokens(ru
     assert tokens[2] == 11
     packed = launched.token_logprobs()
     assert len(packed) == 4 and packed[:3] == [None, None, None]  # computed only for the row that asked
-    entry = unpack_logprob(int(tokens[3]), packed[3])
+    computed, line = packed[3]
+    entry = unpack_logprob(int(tokens[3]), (computed, computed, line))
     assert len(entry.top) == 3 and entry.token == tokens[3]
     expected_lp = runner.model.head(hidden[:4]).float().log_softmax(-1)[3]
     assert entry.logprob == pytest.approx(float(expected_lp[tokens[3]]), abs=1e-5)
     assert [t for t, _ in entry.top] == expected_lp.topk(3).indices.tolist()
-    assert unpack_logprob(int(tokens[3]), (packed[3][0], 1, packed[3][2])).top == entry.top[:1]  # a request's own count
+    assert unpack_logprob(int(tokens[3]), (computed, 1, line)).top == entry.top[:1]  # a request's own count
 
 
 def test_penalty_counts_follow_each_sampled_token_and_start_over_on_a_new_slot():

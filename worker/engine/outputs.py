@@ -29,7 +29,7 @@ class OutputProcessor:
         self.metrics = metrics
 
     def step_outputs(self, samplers: list[Sequence], tokens: list[int], now: float,
-                     logprobs: list[PackedLogprob | None] | None = None) -> list[Update]:
+                     logprobs: list[tuple[int, bytes] | None] | None = None) -> list[Update]:
         """The updates for one step's sampled tokens; tokens of finished sequences are dropped.
         A sequence that asked for log probabilities gets its token as ``Sampled`` with them."""
         updates, first, gaps = [], [], []
@@ -51,7 +51,7 @@ class OutputProcessor:
         return updates
 
     @staticmethod
-    def _sampled(seq: Sequence, token: int, entry: PackedLogprob | None) -> list[int]:
+    def _sampled(seq: Sequence, token: int, entry: tuple[int, bytes] | None) -> list[int]:
         """The token as its stream gets it: with its log probabilities (the alternatives its
         request asked for), and with the first token the prompt's, when the request asked."""
         state = seq.logits
@@ -59,7 +59,7 @@ class OutputProcessor:
             return [token]
         wants = entry is not None and state.spec.logprobs >= 0
         prompt = state.prompt_entries if state.spec.prompt_logprobs >= 0 and not seq.output else None
-        packed = [(entry[0], state.spec.logprobs, entry[2])] if wants else None
+        packed: list[PackedLogprob] | None = [(entry[0], state.spec.logprobs, entry[1])] if wants else None
         return Sampled([token], None, prompt, packed=packed)
 
     @staticmethod

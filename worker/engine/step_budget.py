@@ -111,8 +111,9 @@ class StepTimeModel:
     def from_captured(cls, captured: Iterable[TimedGraph], eager: Mapping[int, float] | None = None,
                       ) -> StepTimeModel | None:
         """The model from captured graphs' timings; None when nothing was timed. ``eager`` adds
-        the eager times of sizes whose graphs are gone (``GraphSet.eager_seconds``: a graph released
-        idle or given back as compute bound replays no more, but its eager timing still holds)."""
+        eager times by size (``GraphSet.eager_seconds``, every validated size's: it keeps those of
+        graphs released idle or given back as compute bound, which replay no more but whose eager
+        timing still holds)."""
         timed = [g for g in captured if g.replay_seconds > 0 and g.eager_seconds > 0]
         points = [(g.size, g.eager_seconds) for g in timed]
         points += [(size, secs) for size, secs in (eager or {}).items() if secs > 0]

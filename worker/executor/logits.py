@@ -12,7 +12,8 @@ Order, as vLLM v1 applies it: the grammar's mask (before the sampler), then the 
 then the penalties (repetition, then frequency and presence; their counts are on the device,
 ``penalty_counts.py``), then, for drawn rows, min-p on the temperature-scaled distribution (before
 top-k and top-p). The step's index arrays reach the device in one copy. Log probabilities are those of the
-model's own distribution, before any of this (vLLM's default, ``raw_logprobs``).
+model's own distribution, before any of this (vLLM's default, ``raw_logprobs``): the runner takes
+them from the LM head's output (``kernels/logprob_kernel.py``).
 """
 
 from __future__ import annotations
@@ -93,17 +94,3 @@ def unpack_mask(words: Tensor, vocab: int) -> Tensor:
     bits = torch.arange(32, device=words.device, dtype=torch.int32)
     allowed = (words[:, :, None] >> bits) & 1
     return allowed.reshape(words.shape[0], -1)[:, :vocab].bool()
-
-
-def raw_logprobs(logits: Tensor) -> Tensor:
-    """The model's log probabilities in float32 (before any processing)."""
-    return logits.float().log_softmax(dim=-1)
-
-
-def pick_logprobs(logprobs: Tensor, tokens: Tensor, top: int) -> tuple[Tensor, Tensor, Tensor]:
-    """Each row's chosen token's log probability ``[N]`` and its ``top`` most likely tokens'
-    values and ids ``[N, top]`` (most likely first)."""
-    chosen = logprobs.gather(1, tokens[:, None]).squeeze(1)
-    values, ids = logprobs.topk(max(top, 0), dim=-1) if top > 0 else (logprobs[:, :0], tokens[:, None][:, :0])
-    return chosen, values, ids
-

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from graphkeeper.worker.executor.graphs.dispatcher import Decision
-from graphkeeper.worker.executor.logits import count_sampled, pick_logprobs, process, raw_logprobs
+from graphkeeper.worker.executor.logits import count_sampled, process
 from graphkeeper.worker.executor.penalty_counts import PenaltyCounts
 from graphkeeper.worker.executor.sampling import sample
 from graphkeeper.worker.executor.transfer import to_device
@@ -30,13 +30,13 @@ from graphkeeper.worker.model.attention import BLOCK_Q, AttentionMetadata, SlotA
 from graphkeeper.worker.model.kv_cache import KVCache
 from graphkeeper.worker.model.loader import LoadedModel
 from graphkeeper.worker.plan import (
-    PackedLogprob,
     PrefillChunk,
     PromptLogprobs,
     SamplingBatch,
     SamplingSpec,
     StepPlan,
     TokenLogprob,
+    line_logprob,
 )
 
 
@@ -61,9 +61,9 @@ class Launched:
     done: torch.cuda.Event | None
     count: int
     logprobs: StepLogprobs | None = None
-    #: Per prefill chunk that computes its prompt's log probabilities: (chunk index, targets,
-    #: (chosen, top values, top ids)).
-    prompt: list[tuple[int, np.ndarray, tuple[Tensor, Tensor, Tensor]]] | None = None
+    #: Per prefill chunk that computes its prompt's log probabilities: (chunk index, targets, top,
+    #: the host table: a ``logprob_kernel`` line per target).
+    prompt: list[tuple[int, np.ndarray, int, Tensor]] | None = None
 
     def tokens(self) -> np.ndarray:
         """Waits for the step's copy (the one host synchronisation of a step) and returns its tokens."""
@@ -71,28 +71,24 @@ class Launched:
             self.done.synchronize()
         return self.host[: self.count].numpy()
 
-    def token_logprobs(self) -> list[PackedLogprob | None] | None:
-        """Each sample row's log probabilities as the engine sends them (``plan.PackedLogprob``
-        with every alternative the step computed as asked; ``OutputProcessor`` puts in the count
-        the row's request asked for), None for a row that did not ask (after ``tokens``); None
-        when no row asked."""
+    def token_logprobs(self) -> list[tuple[int, bytes] | None] | None:
+        """Each sample row's log probabilities as the engine sends them: the count of alternatives
+        the step computed and the row's table line as float32 bytes (``OutputProcessor`` makes the
+        ``plan.PackedLogprob`` with the count its request asked for); None for a row that did not
+        ask (after ``tokens``); None when no row asked."""
         if self.logprobs is None:
             return None
         top = self.logprobs.top
         lines = self.logprobs.table.numpy()[self.logprobs.lines]
-        out: list[PackedLogprob | None] = [None] * self.count
+        out: list[tuple[int, bytes] | None] = [None] * self.count
         for k, row in enumerate(self.logprobs.rows.tolist()):
-            out[row] = (top, top, lines[k].tobytes())
+            out[row] = (top, lines[k].tobytes())
         return out
 
     def prompt_logprobs(self) -> list[tuple[int, list[TokenLogprob]]]:
         """(chunk index, the log probability of each prompt token the chunk's rows predict)."""
-        out = []
-        for chunk, targets, tensors in self.prompt or ():
-            chosen, values, ids = (t.tolist() for t in tensors)
-            out.append((chunk, [TokenLogprob(int(t), c, tuple(zip(i, v, strict=True)))
-                                for t, c, v, i in zip(targets, chosen, values, ids, strict=True)]))
-        return out
+        return [(chunk, [line_logprob(int(t), line, top, top) for t, line in zip(targets, table.tolist(), strict=True)])
+                for chunk, targets, top, table in self.prompt or ()]
 
 
 class ModelRunner:
@@ -319,12 +315,13 @@ class ModelRunner:
         return self._logprob_host[turn]
 
     def _prompt_logprobs(self, hidden: Tensor, plan: StepPlan, wanted: PromptLogprobs) -> tuple:
-        """A chunk's prompt log probabilities: the LM head on its rows, each row's next prompt token."""
+        """A chunk's prompt log probabilities: the LM head on its rows, each row's next prompt token,
+        in ``logprob_kernel``'s table (its two launches on CUDA, PyTorch elsewhere)."""
         row = plan.prefill[wanted.chunk].row
         n = len(wanted.targets)
         targets = to_device(wanted.targets, self.device)
-        picked = pick_logprobs(raw_logprobs(self.model.head(hidden[row:row + n])), targets, wanted.top)
-        return wanted.chunk, wanted.targets, tuple(t.to("cpu", non_blocking=True) for t in picked)
+        table = logprob_kernel.table(self.model.head(hidden[row:row + n]), targets, wanted.top)
+        return wanted.chunk, wanted.targets, wanted.top, table.to("cpu", non_blocking=True)
 
     def inert_decode(self, rows: int) -> StepPlan:
         """A decode step of ``rows`` rows on the KV cache's dummy slot (where padding rows write)."""

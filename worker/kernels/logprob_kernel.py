@@ -120,6 +120,11 @@ def packed(logits: Tensor, tokens: Tensor, top: int) -> Tensor:
     return out
 
 
+def table(logits: Tensor, tokens: Tensor, top: int) -> Tensor:
+    """``packed`` where ``supported`` (two launches on CUDA), else ``reference`` (PyTorch)."""
+    return packed(logits, tokens, top) if supported(logits, top) else reference(logits, tokens, top)
+
+
 def reference(logits: Tensor, tokens: Tensor, top: int) -> Tensor:
     """``packed`` in PyTorch operations (any device, any vocabulary): the CPU's path and the
     kernels' reference."""
