@@ -121,6 +121,12 @@ for b in "${benches[@]}"; do  # BENCH="" runs the tests alone
         --logs "$out/logs-defaults" --label "defaults: budget sized to the device" --out "$out/load-defaults-$card.json"
       grep -H "past the step budget" "$out"/logs-defaults/*.log | cut -c1-900 > "$out/step-overruns-$card.log"
       tail -n 6 "$out/step-overruns-$card.log" ;;
+    pieces)  # issue 35: the same long and mixed load with each PIECEWISE key recorded as pieces around
+      # eager attention (as before 2026-12-06), beside "defaults" for what recording the mixed step's
+      # attention buys (~70 s): BENCH="defaults;pieces"
+      timeout 330 python3 bench/load_bench.py --scenarios long,mixed --seconds "${SECONDS_PER:-10}" \
+        --worker-args=--no-record-mixed-attention --label "defaults, attention eager between pieces" \
+        --out "$out/load-pieces-$card.json" ;;
     guard-off)  # issue 35: the same long and mixed load with the TTFT guard never stretching (the target
       # alone), beside "defaults" for what the guard buys (~70 s): BENCH="defaults;guard-off"
       timeout 330 python3 bench/load_bench.py --scenarios long,mixed --seconds "${SECONDS_PER:-10}" \

@@ -341,6 +341,7 @@ def settings_from_args(args: argparse.Namespace) -> EngineSettings:
         max_num_batched_tokens=args.max_num_batched_tokens, max_queue=args.max_queue,
         prefill_chunk=args.prefill_chunk, itl_target_ms=getattr(args, "itl_target_ms", 0.0), policy=policy,
         itl_max_ms=getattr(args, "itl_max_ms", 0.0), ttft_target_ms=getattr(args, "ttft_target_ms", 0.0),
+        record_mixed_attention=getattr(args, "record_mixed_attention", True),
         inject_capture_failures=inject,
         inject_step_failure=_step_injection(os.environ.get(INJECT_STEP_ENV, "")),
         model_roots=tuple(args.model_root), optimization_level=args.optimization_level, compile=args.compile,

@@ -72,6 +72,9 @@ class EngineSettings:
     #: Inter-token target bounding the prefill a step with decode rows carries, in ms (0: derived
     #: from the step times measured at capture; engine/step_budget.py).
     itl_target_ms: float = 0.0
+    #: CUDA: PIECEWISE graphs record a mixed step's attention too, one replay a step (the varlen
+    #: kernel over a grid fixed by the padded size); off, it runs eagerly between the pieces.
+    record_mixed_attention: bool = True
     #: The TTFT guard (engine/step_budget.py): once a prompt has waited ttft_target_ms for its first
     #: token, steps with decode rows may stretch to itl_max_ms (0: 2.5 x and 10 x the target).
     itl_max_ms: float = 0.0

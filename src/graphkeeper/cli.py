@@ -102,6 +102,9 @@ def _worker(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ttft-target-ms", type=float, default=0.0,
                    help="TTFT guard: how long the oldest prompt may wait for its first token before steps with "
                         "decode rows stretch to --itl-max-ms (0: 10 x the inter-token target)")
+    p.add_argument("--record-mixed-attention", action=argparse.BooleanOptionalAction, default=True,
+                   help="CUDA: a PIECEWISE graph records the mixed step's attention too, so a mixed or prefill "
+                        "step is one replay; off, the attention runs eagerly between the pieces (default: on)")
     p.add_argument("--policy-file", default="", help="GraphPolicy JSON to capture before ready")
     p.add_argument("--graph-mode", default="", help="graph mode without a policy (e.g. FullAndPiecewise)")
     p.add_argument("-O", "--optimization-level", type=int, default=d.DEFAULT_OPTIMIZATION_LEVEL, choices=(0, 1, 2),

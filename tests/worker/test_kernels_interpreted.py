@@ -245,13 +245,24 @@ PAGED_CHECKS = textwrap.dedent('''
         tol = 1e-4 if dt == torch.float32 else 2e-2
         assert (out[:1].float() - reference(q[:1], kf, vf, 0, torch.tensor([6]))).abs().max() < tol, ('varlen', dt)
         assert (out[1:].float() - reference(q[1:], kf, vf, 1, torch.arange(3, 13))).abs().max() < tol, ('varlen', dt)
+        # Launched as a recorded step launches it: a program per row of the padded size (16), the
+        # work list's entries past its two blocks zeros (as the runner leaves them). Those
+        # programs write nothing: the same values, and padding rows left as they were.
+        pad = lambda t: torch.cat([t, torch.zeros(14, dtype=t.dtype)])  # noqa: E731
+        q16 = torch.cat([q, torch.randn(5, heads, d).to(dt)])
+        out16 = torch.full((16, heads * d), 7.0, dtype=dt)
+        vk.varlen_attention(q16, K, V, pad(block_row), pad(block_len), pad(block_slot), pad(block_pos), 16, table,
+                            out16)
+        assert torch.equal(out16[:11], out), ('varlen, fixed grid', dt)
+        assert bool((out16[11:] == 7.0).all()), ('varlen, fixed grid: padding rows untouched', dt)
     print("ok")
 ''')
 
 
 def test_paged_attention_kernels_read_through_the_block_table_in_the_interpreter():
     """The decode and varlen kernels (float32, float16) over blocks scattered
-    through the cache, against attention over the same keys gathered by the table."""
+    through the cache, against attention over the same keys gathered by the table; the varlen
+    kernel also over a grid larger than its blocks, as a recorded mixed step launches it."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     out = subprocess.run([sys.executable, "-c", PAGED_CHECKS], env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stdout[-2000:] + out.stderr[-4000:]

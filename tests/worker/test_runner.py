@@ -103,3 +103,37 @@ def test_the_gpu_warm_up_runs_the_decode_step_at_every_row_count_on_the_dummy_sl
     assert ran[0] == 4 and ran[1:1 + len(counts)] == counts  # the traced call first, then every count
     assert torch.equal(cache.k[0].flatten(0, 1)[real], before)
     assert cache.k[0].flatten(0, 1)[torch.from_numpy(cache.row_index(dummy, np.arange(1)))].abs().sum() > 0
+
+
+def test_every_step_writes_the_varlen_work_list_and_zeros_past_it(runner):
+    """A PIECEWISE graph that recorded the attention launches a program per row of its size and
+    reads the work list whatever the step holds, a uniform decode step included: each step writes
+    its blocks, and the entries past them hold no rows (a longer step before must not leak in)."""
+    runner.prepare(prefill_plan(1, list(range(20, 40))), 24)  # 20 rows: two blocks, then padding
+    meta = runner.prepare(decode_plan([0, 2, 3], [5, 9, 1], [11, 12, 13]), ROWS)
+    assert meta.num_blocks == 3
+    assert row(runner, runner.BLOCK_ROW) == [0, 1, 2, 0, 0, 0, 0, 0]
+    assert row(runner, runner.BLOCK_LEN) == [1, 1, 1, 0, 0, 0, 0, 0]
+    assert row(runner, runner.BLOCK_SLOT) == [0, 2, 3, 0, 0, 0, 0, 0]
+    assert row(runner, runner.BLOCK_POS) == [5, 9, 1, 0, 0, 0, 0, 0]
+
+
+def test_a_mixed_probe_is_decode_rows_then_a_chunk_per_scratch_slot(runner):
+    """A PIECEWISE key is validated and timed on the step it serves: half decode rows, the rest
+    prefill chunks over consecutive scratch positions, each chunk's last row sampled; its eager
+    step runs on the CPU too."""
+    from graphkeeper.worker.executor.graphs.capture import probe_chunks, probe_plan
+
+    span = runner.cache.max_seq_len
+    where = np.array([[7, span - 2], [7, span - 1], [8, 0], [8, 1], [8, 2]])
+    assert probe_chunks(where, 3) == [PrefillChunk(row=3, length=2, slot=7, start=span - 2),
+                                      PrefillChunk(row=5, length=3, slot=8, start=0)]
+    decode = probe_plan(runner, 6)
+    assert decode.num_decode == 6 and not decode.prefill
+    plan = probe_plan(runner, 6, mixed=True)
+    assert plan.num_decode == 3 and plan.num_tokens == 6
+    assert plan.prefill == [PrefillChunk(row=3, length=3, slot=runner.cache.dummy_slot, start=3)]
+    assert plan.sample_rows.tolist() == [0, 1, 2, 5]
+    assert plan.positions.tolist() == [0, 1, 2, 3, 4, 5]
+    hidden = runner.forward_eager(runner.prepare(plan, 8), 8)
+    assert torch.isfinite(hidden[:6]).all()

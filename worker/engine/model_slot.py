@@ -170,7 +170,8 @@ class ModelSlot:
     def _runner(self, loaded: LoadedModel, cache: KVCache) -> ModelRunner:
         """The runner for ``loaded`` and ``cache``; on rank 0 of several, the facade that sends each
         step to the followers first (``tp_ranks.RankedRunner``)."""
-        runner = ModelRunner(loaded, cache, self.settings.max_num_batched_tokens)
+        runner = ModelRunner(loaded, cache, self.settings.max_num_batched_tokens,
+                             record_mixed=self.settings.record_mixed_attention)
         return runner if self.ranks is None else RankedRunner(runner, self.ranks)
 
     def prepare_step(self) -> None:

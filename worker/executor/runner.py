@@ -1,6 +1,6 @@
 """Runs one step of the model: fills the static input buffers, executes the step (eagerly, as a
-FULL graph replay, or as PIECEWISE graph replays around eager attention), samples on the device
-and starts one asynchronous copy of the sampled tokens back to the host.
+FULL graph replay, or as a PIECEWISE key's replay: one graph, or pieces around eager attention),
+samples on the device and starts one asynchronous copy of the sampled tokens back to the host.
 
 The runner owns the step's buffers, allocated once at the largest size, so their addresses never
 move: step inputs (tokens, positions, KV slots, context lengths, the attention's block table,
@@ -99,13 +99,13 @@ class ModelRunner:
     (TOKENS, POSITIONS, SLOTS, LENGTHS, KV_ROWS,
      BLOCK_ROW, BLOCK_LEN, BLOCK_SLOT, BLOCK_POS, SAMPLE_ROWS, SAMPLE_SLOTS) = range(11)
 
-    def __init__(self, loaded: LoadedModel, cache: KVCache, max_tokens: int) -> None:
+    def __init__(self, loaded: LoadedModel, cache: KVCache, max_tokens: int, record_mixed: bool = True) -> None:
         self.loaded = loaded
         self.model = loaded.model
         self.cache = cache
         self.device = loaded.device
         self.max_tokens = max_tokens
-        self.attention = SlotAttention(loaded.config, cache)
+        self.attention = SlotAttention(loaded.config, cache, record_mixed)
         self.inputs = torch.zeros(len(self.ROWS), max_tokens, dtype=torch.long, device=self.device)
         self.hidden = torch.zeros(max_tokens, loaded.config.dim, dtype=loaded.dtype, device=self.device)
         self.last_tokens = torch.zeros(cache.num_slots + cache.scratch_slots, dtype=torch.long, device=self.device)
@@ -129,6 +129,7 @@ class ModelRunner:
         self._sent = [torch.cuda.Event() if cuda else None for _ in range(2)]
         self._turn = 0
         self._logprob_host: list[Tensor] | None = None
+        self._arange = np.arange(max_tokens, dtype=np.int64)
         # Views of the static buffers, made once per (row, length): slicing is host work on the
         # step's hot path, and these buffers never move while the runner lives.
         self._views: dict[tuple[int | None, int], Tensor] = {}
@@ -139,7 +140,10 @@ class ModelRunner:
     def prepare(self, plan: StepPlan, rows: int) -> AttentionMetadata:
         """Copies the plan into the static buffers, padded to ``rows`` with inert rows.
 
-        Decode rows' tokens are then gathered on the device from ``last_tokens``.
+        Decode rows' tokens are then gathered on the device from ``last_tokens``. The varlen
+        attention's work list is written for every step: a PIECEWISE graph that recorded the
+        attention reads it even when every row is a decode row (an eager uniform decode step
+        runs the decode kernel and ignores it).
         """
         n, nd = plan.num_tokens, plan.num_decode
         staged, host, turn = self._stage(rows)
@@ -154,8 +158,9 @@ class ModelRunner:
         host[self.SLOTS, n:] = self.cache.dummy_slot
         host[self.LENGTHS] = host[self.POSITIONS] + 1
         host[self.KV_ROWS] = self.cache.row_index(host[self.SLOTS], host[self.POSITIONS])
-        # Only a step with rows other than decode rows (prefill, or padding) runs the varlen kernel.
-        blocks = self._block_table(host, plan) if nd < rows else 0
+        # Entries past the step's blocks stay zeros (no rows) up to ``rows``: a recorded varlen
+        # launch has a program for each.
+        count = self._block_table(host, plan)
         ns = plan.num_samples
         host[self.SAMPLE_ROWS, :ns] = plan.sample_rows
         host[self.SAMPLE_SLOTS, :ns] = plan.sample_slots
@@ -164,7 +169,7 @@ class ModelRunner:
             self._staged[turn].record()
         if nd and plan.decode_tokens is None:
             torch.index_select(self.last_tokens, 0, self._row(self.SLOTS, nd), out=self._row(self.TOKENS, nd))
-        return self.metadata(rows, nd, plan.prefill, blocks)
+        return self.metadata(rows, nd, plan.prefill, count)
 
     def _row(self, row: int | None, n: int) -> Tensor:
         """``inputs[row, :n]`` (``inputs[:, :n]`` for ``row=None``), made once and kept."""
@@ -206,7 +211,7 @@ class ModelRunner:
         """The varlen attention's work list: one block per decode row, and each prefill chunk cut
         into blocks of ``BLOCK_Q`` tokens: (first row, rows, slot, position of the first row)."""
         nd = plan.num_decode
-        host[self.BLOCK_ROW, :nd] = np.arange(nd)
+        host[self.BLOCK_ROW, :nd] = self._arange[:nd]
         host[self.BLOCK_LEN, :nd] = 1
         host[self.BLOCK_SLOT, :nd] = host[self.SLOTS, :nd]
         host[self.BLOCK_POS, :nd] = host[self.POSITIONS, :nd]

@@ -6,9 +6,13 @@ slot's row of the table, so sequences hold blocks anywhere in the cache and shar
 A step's tokens are laid out flat: first one row per decoding sequence, then the prefill chunks,
 then padding. A uniform decode step is attended by the decode kernel, whose shapes depend only on
 the row count, so it can be recorded in a FULL graph. A mixed or prefill step is attended, on
-CUDA, by one varlen kernel launch per layer over the whole batch (decode rows and every chunk),
-whose grid depends on the step's block table, so it runs eagerly between PIECEWISE graphs. On
-the CPU, SDPA is the reference: per decode batch and per prefill chunk.
+CUDA, by one varlen kernel launch per layer over the whole batch (decode rows and every chunk).
+Its work list (the step's query blocks) lives in the runner's static buffers; launched over one
+program per row of the padded size, the blocks a step does not have doing nothing, its grid
+depends only on that size, so the PIECEWISE graph of a size records it too and a mixed step is
+one replay (``records_mixed``). With that off (``--no-record-mixed-attention``) it runs eagerly
+between the pieces, over exactly the step's blocks. On the CPU, SDPA is the reference: per
+decode batch and per prefill chunk.
 """
 
 from __future__ import annotations
@@ -45,7 +49,8 @@ class AttentionMetadata:
     ``slots``, ``positions``, ``lengths`` (context length including the row's token) and
     ``kv_rows`` (where each row's keys go in the cache) cover every row including padding (padded
     rows point at the dummy slot, position 0). The block table (``num_blocks`` entries of
-    ``block_*``) is the varlen kernel's work list for a mixed step.
+    ``block_*``) is the varlen kernel's work list for a mixed step; a recorded one launches a
+    program per row of its size, and the entries past the step's blocks hold no rows.
     """
 
     slots: Tensor
@@ -71,13 +76,16 @@ class SlotAttention:
 
     graph_support = GraphSupport.UNIFORM_DECODE
 
-    def __init__(self, config: ModelConfig, cache: KVCache) -> None:
+    def __init__(self, config: ModelConfig, cache: KVCache, record_mixed: bool = True) -> None:
         self.cache = cache
         self.n_heads, self.n_kv, self.head_dim = config.n_heads, config.n_kv_heads, config.head_dim
         self.group = config.group_size
         self.key_positions = torch.arange(cache.max_seq_len, device=cache.k.device)
         self.meta: AttentionMetadata | None = None
         self.triton_decode = self.triton_varlen = available(cache.k.device)
+        #: Whether PIECEWISE graphs record the mixed step's attention too (one graph a step): only
+        #: the varlen kernel can be launched over a grid fixed by the padded size.
+        self.records_mixed = record_mixed and self.triton_varlen
         self.name = "triton-decode+triton-varlen" if self.triton_varlen else "sdpa"
 
     def bind(self, meta: AttentionMetadata) -> None:

@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -32,7 +33,7 @@ from graphkeeper.worker.executor.graphs.large_steps import judge_coarse
 from graphkeeper.worker.executor.graphs.modes import PIECEWISE, Key
 from graphkeeper.worker.executor.runner import ModelRunner
 from graphkeeper.worker.model.attention import AttentionMetadata
-from graphkeeper.worker.plan import StepPlan
+from graphkeeper.worker.plan import PrefillChunk, StepPlan
 
 log = logging.getLogger(__name__)
 
@@ -61,12 +62,12 @@ class CaptureJob:
     parts: dict[str, float] = field(default_factory=lambda: dict.fromkeys(CAPTURE_PARTS, 0.0))
     last_cost: int = 0
     stopped_by_budget: bool = False
-    primed: set[int] = field(default_factory=set)  # sizes whose eager step ran (``_prime``)
-    #: Each size's eager step on its probe, what every key of that size is validated against, and
-    #: its time: the FULL and PIECEWISE keys of a size run the same forward on the same inputs, so
-    #: it runs and is timed once a size, as the size's prime. Kept (in host memory) while a later
-    #: key of the plan has the size.
-    references: dict[int, Reference] = field(default_factory=dict)
+    primed: set[Probe] = field(default_factory=set)  # probes whose eager step ran (``_prime``)
+    #: Each probe's eager step, what the keys it probes are validated against, and its time: a
+    #: FULL key is probed with a uniform decode step, a PIECEWISE key with a mixed one (the steps
+    #: each serves), so a size with both keys runs two. Kept (in host memory) while a later key
+    #: of the plan has the probe.
+    references: dict[Probe, Reference] = field(default_factory=dict)
     #: Coarse PIECEWISE sizes judged at ``finish`` (kept only where they pay: ``large_steps.py``)
     #: and the padding ladder they sit in. Empty on a tensor parallel follower: rank 0 judges.
     coarse: tuple[int, ...] = ()
@@ -168,11 +169,12 @@ class CaptureJob:
 
     def _capture(self, mode: int, size: int) -> None:
         runner = self.graphs.runner
-        probe = probe_plan(runner, size)
+        kind = probe_of(mode, size)
+        probe = probe_plan(runner, size, mixed=kind.mixed)
         began = sum(self.parts.values())
         try:
             with self._timed("prime"):
-                self._prime(probe, size)  # not charged to the key's memory (see _prime)
+                self._prime(probe, kind)  # not charged to the key's memory (see _prime)
             reserved_before = torch.cuda.memory_reserved()
             with self._timed("warm_up"):
                 runner.prepare(probe, size)
@@ -191,16 +193,19 @@ class CaptureJob:
                               torch.cuda.memory_reserved() - reserved_before)
         self.graphs.captured[(mode, size)] = entry
         with self._timed("validate"):
-            reference = self.references[size]
+            reference = self.references[kind]
             expected = reference.hidden.to(self.graphs.runner.device)
             problem, replayed = validate(self.graphs, mode, size, probe, self.tolerance, expected)
             del expected
             if not problem:
                 entry.replay_seconds = least_time(self.graphs.runner, probe, size, functools.partial(
                     self.graphs.replay, mode, size), TIMING_REPEATS - 1, replayed)
-                entry.eager_seconds = self.graphs.eager_seconds[size] = reference.seconds
-            if all(later != size for _, later in self.plan[self.position:]):
-                del self.references[size]
+                entry.eager_seconds = reference.seconds
+                # A size's eager step is priced as the step its PIECEWISE key serves (the mixed
+                # probe's) where it has one: FULL keys come first in the plan, so it wins.
+                self.graphs.eager_seconds[size] = reference.seconds
+            if all(probe_of(*later) != kind for later in self.plan[self.position:]):
+                del self.references[kind]
         entry.seconds = sum(self.parts.values()) - began  # everything this key took
         if problem:
             self._drop(mode, size, pb.FALLBACK_REASON_SIZE_CAPTURE_FAILED, f"validation failed: {problem}")
@@ -213,7 +218,7 @@ class CaptureJob:
         log.info("captured %s size %d in %.3f s, %d bytes device, %d bytes reserved",
                  mode_name(mode), size, entry.seconds, entry.device_bytes, entry.reserved_bytes)
 
-    def _prime(self, probe: StepPlan, size: int) -> None:
+    def _prime(self, probe: StepPlan, kind: Probe) -> None:
         """The size's eager step on ``probe``, and validation's LM head, on the serving stream
         before the key is recorded: the reference its keys are validated against (kept in host
         memory, so that it holds no device memory while graphs are recorded and measured), timed
@@ -224,11 +229,11 @@ class CaptureJob:
         Triton's or a library's, a larger local-memory pool) belongs to the process: eager steps
         of that size need it as well, and it stays when every graph is released. The set's
         baseline moves by it, so the key is charged only with what its recording adds. Once per
-        size: a second mode's key of that size loads nothing new and reuses the reference."""
-        if size in self.primed:
+        probe: a later key with the same probe loads nothing new and reuses the reference."""
+        if kind in self.primed:
             return
-        self.primed.add(size)
-        runner = self.graphs.runner
+        self.primed.add(kind)
+        runner, size = self.graphs.runner, kind.size
         before = self.graphs.settled_used()
         eager = functools.partial(runner.forward_eager, rows=size)
         hidden, first = timed_once(functools.partial(eager, runner.prepare(probe, size)))
@@ -236,7 +241,7 @@ class CaptureJob:
         kept = hidden.cpu()
         del hidden
         seconds = least_time(runner, probe, size, eager, EAGER_TIMING_REPEATS - 1, first)
-        self.references[size] = Reference(kept, seconds)
+        self.references[kind] = Reference(kept, seconds)
         self.graphs.baseline_used += max(self.graphs.settled_used() - before, 0)
 
     def _over_budget(self, mode: int, size: int) -> None:
@@ -259,13 +264,49 @@ class CaptureJob:
         log.warning("%s size %d falls back: %s", mode_name(mode), size, message)
 
 
-def probe_plan(runner: ModelRunner, size: int) -> StepPlan:
-    """A deterministic decode batch over scratch slots: every row writes its own position."""
+class Probe(NamedTuple):
+    """Which probe batch a key is validated and timed on: its size, and whether it is a mixed step
+    (decode rows and prefill chunks: what a PIECEWISE key serves) or a uniform decode step
+    (what a FULL key serves)."""
+
+    size: int
+    mixed: bool
+
+
+def probe_of(mode: int, size: int) -> Probe:
+    """The probe of a (mode, size) key."""
+    return Probe(size, mode == PIECEWISE)
+
+
+def probe_plan(runner: ModelRunner, size: int, mixed: bool = False) -> StepPlan:
+    """A deterministic batch over scratch slots, every row writing its own position: a decode
+    batch, or (``mixed``) a mixed step, its first half decode rows and the rest prefill chunks.
+
+    Scratch rows in one scratch slot are consecutive positions, so the rows after the decode
+    rows make one chunk per scratch slot they cover, each attending to the keys before it."""
     generator = torch.Generator().manual_seed(size)
-    tokens = torch.randint(0, runner.loaded.config.vocab_size, (size,), generator=generator).numpy()
+    tokens = torch.randint(0, runner.loaded.config.vocab_size, (size,), generator=generator).numpy().astype(np.int64)
     where = np.array([runner.cache.probe_slot_position(r) for r in range(size)], dtype=np.int64).reshape(-1, 2)
-    return StepPlan(prompt_tokens=[], positions=where[:, 1], slots=where[:, 0], num_decode=size,
-                    sample_rows=np.arange(size), sample_slots=where[:, 0], decode_tokens=tokens.astype(np.int64))
+    decode = size // 2 if mixed else size
+    chunks = probe_chunks(where[decode:], decode)
+    last_rows = np.array([c.row + c.length - 1 for c in chunks], dtype=np.int64)
+    sample_rows = np.concatenate([np.arange(decode, dtype=np.int64), last_rows])
+    return StepPlan(prompt_tokens=tokens[decode:].tolist(), positions=where[:, 1], slots=where[:, 0],
+                    num_decode=decode, prefill=chunks, sample_rows=sample_rows, sample_slots=where[sample_rows, 0],
+                    decode_tokens=tokens[:decode])
+
+
+def probe_chunks(where: np.ndarray, first_row: int) -> list[PrefillChunk]:
+    """Prefill chunks over scratch rows ``where`` ``[n, 2]`` (slot, position) starting at batch row
+    ``first_row``: one per run of rows in the same slot (pure)."""
+    chunks: list[PrefillChunk] = []
+    for i, (slot, position) in enumerate(where.tolist()):
+        if chunks and chunks[-1].slot == slot:
+            last = chunks[-1]
+            chunks[-1] = PrefillChunk(row=last.row, length=last.length + 1, slot=slot, start=last.start)
+        else:
+            chunks.append(PrefillChunk(row=first_row + i, length=1, slot=slot, start=position))
+    return chunks
 
 
 #: The parts of the capture stage, in the order a key goes through them ("setup" and "finish" once a

@@ -2,8 +2,11 @@
 
 A ``GraphSet`` holds the graphs recorded against one set of addresses (weights, KV cache, the
 runner's buffers), which it reads from the runner. Whatever can move those addresses builds a new
-set; an old set is released, never replayed. FULL keys are one graph of the whole step; PIECEWISE
-keys are one graph per piece between attention calls, replayed with eager attention between them.
+set; an old set is released, never replayed. FULL keys are one graph of the whole uniform-decode
+step. PIECEWISE keys serve mixed and prefill steps: one graph of the whole step, its varlen
+attention included, where the attention records it (``SlotAttention.records_mixed``: a step is
+then one replay, not a replay per piece and two launches per layer from the host); else one graph
+per piece between attention calls, replayed with eager attention between them.
 """
 
 from __future__ import annotations
@@ -62,6 +65,8 @@ class GraphSet:
 
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
+        #: PIECEWISE keys recorded whole, attention included (one graph each), or as pieces.
+        self.whole_mixed = bool(getattr(runner.attention, "records_mixed", False))
         self.addresses = runner.addresses()
         self.captured: dict[Key, CapturedGraph] = {}
         self.skipped: dict[Key, Skipped] = {}
@@ -95,7 +100,7 @@ class GraphSet:
         entry = self.captured.get((mode, size))
         if entry is None:
             raise RuntimeError(f"no {mode_name(mode)} graph of size {size}: replay never captures")
-        if mode == FULL:
+        if mode == FULL or self.whole_mixed:
             entry.graphs[0].replay()
         else:
             self._replay_pieces(entry.graphs, size, meta)
@@ -262,13 +267,18 @@ class GraphSet:
         return graphs
 
     def _fns(self, mode: int, size: int) -> list[Callable[[], None]]:
-        return [self._full_fn(size)] if mode == FULL else self._piece_fns(size)
+        if mode == FULL:
+            return [self._whole_fn(size, decode_rows=size)]
+        return [self._whole_fn(size, decode_rows=0)] if self.whole_mixed else self._piece_fns(size)
 
-    def _full_fn(self, size: int) -> Callable[[], None]:
+    def _whole_fn(self, size: int, decode_rows: int) -> Callable[[], None]:
+        """The whole step at ``size`` rows: a uniform decode step (``decode_rows == size``: the
+        decode kernel) or any step (``decode_rows == 0``: the varlen kernel launched over a
+        program per row, reading the work list ``prepare`` writes before each replay)."""
         runner = self.runner
 
         def step() -> None:
-            meta = runner.metadata(size, size, [])
+            meta = runner.metadata(size, decode_rows, [], blocks=0 if decode_rows else size)
             runner.output(size).copy_(runner.forward_eager(meta, size))
 
         return step
