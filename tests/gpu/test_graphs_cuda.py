@@ -347,7 +347,6 @@ def test_every_key_is_validated_against_the_eager_step_it_serves(monkeypatch):
             assert probe.num_decode == (size // 2 if mixed else size) and bool(probe.prefill) == mixed
             eager = runner.forward_eager(runner.prepare(probe, size), size)
             torch.testing.assert_close(seen[(mode, size)], eager)
-        assert not torch.equal(seen[(FULL, size)], seen[(PIECEWISE, size)])  # two different steps
         full, piecewise = graphs.captured[(FULL, size)], graphs.captured[(PIECEWISE, size)]
         assert full.eager_seconds > 0 and piecewise.eager_seconds > 0
         assert graphs.eager_seconds[size] == piecewise.eager_seconds
