@@ -136,6 +136,11 @@ for b in "${benches[@]}"; do  # BENCH="" runs the tests alone
       timeout 200 python3 bench/sampling_bench.py --preset llama-1b --only "${b#profile-}" --seconds 12 \
         --out "$out/sampling-$b-$card.json" > "$out/$b.txt" 2>&1 &
       spy "spy-${b#profile-}" $!; tail -3 "$out/$b.txt" ;;
+    profile-parameterised)  # issue 34: plain, then half the streams parameterised (every kind at once),
+      # the engine profiled throughout (~60 s)
+      timeout 200 python3 bench/sampling_bench.py --preset llama-1b --seconds 12 \
+        --out "$out/sampling-profile-parameterised-$card.json" > "$out/$b.txt" 2>&1 &
+      spy spy-parameterised $!; tail -3 "$out/$b.txt" ;;
     profile-long|profile-mixed)  # issue 35: one scenario at the defaults, the engine profiled throughout (~60 s)
       timeout 200 python3 bench/load_bench.py --scenarios "${b#profile-}" --seconds 10 --no-step-times \
         --out "$out/load-${b#profile-}-profiled-$card.json" > "$out/$b.txt" 2>&1 &
