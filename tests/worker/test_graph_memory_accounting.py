@@ -76,7 +76,8 @@ def device(monkeypatch) -> SimulatedDevice:
 
 
 def runner() -> SimpleNamespace:
-    return SimpleNamespace(addresses=lambda: (1, 2, 3), device=torch.device("cpu"))
+    return SimpleNamespace(addresses=lambda: (1, 2, 3), device=torch.device("cpu"),
+                           attention=SimpleNamespace(records_mixed=False))
 
 
 def capture(dev: SimulatedDevice, graphs: GraphSet, key: tuple[int, int], pool_bytes: int) -> None:

@@ -66,7 +66,7 @@ class GraphSet:
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
         #: PIECEWISE keys recorded whole, attention included (one graph each), or as pieces.
-        self.whole_mixed = bool(getattr(runner.attention, "records_mixed", False))
+        self.whole_mixed: bool = runner.attention.records_mixed
         self.addresses = runner.addresses()
         self.captured: dict[Key, CapturedGraph] = {}
         self.skipped: dict[Key, Skipped] = {}
