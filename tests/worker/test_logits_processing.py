@@ -12,7 +12,8 @@ import torch
 
 from graphkeeper.worker.engine.logits_state import LogitsState, build_logits_batch, mark_counted
 from graphkeeper.worker.engine.sequence import Sequence
-from graphkeeper.worker.executor.logits import count_sampled, process, unpack_mask
+from graphkeeper.worker.executor.logits import count_sampled, process, sample_processed, unpack_mask
+from graphkeeper.worker.executor.sampling import sample
 from graphkeeper.worker.executor.penalty_counts import PenaltyCounts
 from graphkeeper.worker.kernels import logprob_kernel
 from graphkeeper.worker.plan import LogitsSpec, SamplingBatch, SamplingSpec, StepPlan, unpack_logprob
@@ -48,6 +49,31 @@ def test_plain_rows_keep_their_logits_bit_for_bit():
     expected[4] -= 2.0  # twice in the output
     expected[9] -= 1.0
     assert torch.equal(out[1], expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("drawn", [False, True], ids=["greedy", "drawn"])
+def test_sampling_processed_rows_alone_gives_the_whole_batchs_tokens(dtype, drawn):
+    """A greedy step processes only the rows that ask and takes the others' argmax on the head's
+    own logits: the same tokens, bit for bit, as sampling the whole processed batch (a step with a
+    drawn row, and one with log probabilities alone, go through the whole batch as before)."""
+    torch.manual_seed(1)
+    vocab = 50
+    specs = (None, LogitsSpec(frequency_penalty=1.0, logit_bias=((7, 9.0),)), None,
+             LogitsSpec(repetition_penalty=3.0), LogitsSpec(logprobs=2), None)
+    for trial in range(20):
+        head = (torch.randn(6, vocab) * 3).to(dtype)
+        head[0, 5] = head[0, 6] = head[0].max() + 1  # a tie: the first one wins either way
+        batch = build_logits_batch(states(*specs, outputs=((), (7, 7, 8), (), (1, 2))))
+        sampling = (SamplingBatch.build([SamplingSpec(temperature=0.7 if r == 2 else 0.0) for r in range(6)],
+                                        list(range(6)), np.full(6, trial, np.int64)) if drawn else None)
+        want = sample(process(head, batch, sampling, counts(vocab)), sampling)
+        got = sample_processed(head, batch, sampling, counts(vocab))
+        assert torch.equal(got, want), (trial, got, want)
+        assert got[0].item() == 5
+    logprobs_only = build_logits_batch(states(None, LogitsSpec(logprobs=3)))
+    head = torch.randn(2, vocab).to(dtype)
+    assert torch.equal(sample_processed(head, logprobs_only, None, counts(vocab)), head.float().argmax(-1))
 
 
 def test_repetition_penalty_divides_positive_and_multiplies_negative_logits():

@@ -23,10 +23,30 @@ import torch
 from torch import Tensor
 
 from graphkeeper.worker.executor.penalty_counts import PenaltyCounts
+from graphkeeper.worker.executor.sampling import sample
 from graphkeeper.worker.executor.transfer import to_device, to_device_all
 from graphkeeper.worker.kernels import mask_kernel
+from graphkeeper.worker.kernels.argmax_kernel import argmax
 from graphkeeper.worker.kernels.triton_support import available
 from graphkeeper.worker.plan import LogitsBatch, SamplingBatch
+
+
+def sample_processed(head: Tensor, batch: LogitsBatch, sampling: SamplingBatch | None,
+                     penalties: PenaltyCounts) -> Tensor:
+    """The step's tokens from the LM head's logits ``head`` with the batch's rows processed.
+
+    A step with no drawn row (``sampling`` None) processes only the rows that ask, in float32, and
+    takes every other row's argmax on the head's own output, then puts the processed rows' in:
+    the whole batch is neither converted to float32 nor copied back (three passes over every
+    row's vocabulary, each step a request asks for anything). A row's token is the argmax of the
+    same values either way. A step with a drawn row samples the whole processed batch, as
+    ``sample`` does."""
+    if not len(batch.rows):  # log probabilities only: nothing to process
+        return sample(head, sampling)
+    if sampling is not None:
+        return sample(process(head, batch, sampling, penalties), sampling)
+    rows, processed = process_rows(head, batch, None, penalties)
+    return argmax(head).index_copy_(0, rows, argmax(processed))
 
 
 def process(logits: Tensor, batch: LogitsBatch, sampling: SamplingBatch | None, penalties: PenaltyCounts) -> Tensor:
@@ -37,11 +57,19 @@ def process(logits: Tensor, batch: LogitsBatch, sampling: SamplingBatch | None, 
         return out
     if out.data_ptr() == logits.data_ptr():
         out = out.clone()  # the head's own output stays untouched
-    device = out.device
+    rows, sub = process_rows(out, batch, sampling, penalties)
+    return out.index_copy_(0, rows, sub)
+
+
+def process_rows(logits: Tensor, batch: LogitsBatch, sampling: SamplingBatch | None,
+                 penalties: PenaltyCounts) -> tuple[Tensor, Tensor]:
+    """The batch's rows (on the device) and their logits processed, float32 ``[len(rows), vocab]``
+    (``logits`` is left as it is)."""
+    device = logits.device
     rows, mask_rows, bias_at, reset_slots, reset_prompt, reset_output = to_device_all(
         [batch.rows, batch.mask_rows, batch.bias[0], batch.reset_slots, batch.reset_prompt, batch.reset_output],
         device)
-    sub = out.index_select(0, rows)
+    sub = logits.index_select(0, rows).float()
     if len(batch.mask_rows):
         apply_masks(sub, to_device(batch.masks, device), mask_rows)
     if batch.bias[1].size:
@@ -53,7 +81,7 @@ def process(logits: Tensor, batch: LogitsBatch, sampling: SamplingBatch | None, 
         penalties.penalise(sub, batch)
     if sampling is not None and batch.min_p.any():
         _min_p(sub, batch.min_p, sampling.temperature[batch.rows])
-    return out.index_copy_(0, rows, sub)
+    return rows, sub
 
 
 def count_sampled(penalties: PenaltyCounts, batch: LogitsBatch, tokens: Tensor) -> None:

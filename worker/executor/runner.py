@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from graphkeeper.worker.executor.graphs.dispatcher import Decision
-from graphkeeper.worker.executor.logits import count_sampled, process
+from graphkeeper.worker.executor.logits import count_sampled, sample_processed
 from graphkeeper.worker.executor.penalty_counts import PenaltyCounts
 from graphkeeper.worker.executor.sampling import sample
 from graphkeeper.worker.executor.transfer import to_device
@@ -278,10 +278,11 @@ class ModelRunner:
         """Samples on the device, records each slot's new token, and starts the copy back."""
         ns = plan.num_samples
         head = self.model.head(self.sample_rows(hidden, plan))
-        extra, logits, logprobs = plan.logits, head, None
-        if extra is not None:  # the rows that ask for nothing keep their logits bit for bit
-            logits = process(head, extra, plan.sampling, self.penalties)  # a new tensor: head stays raw
-        tokens = sample(logits, plan.sampling)
+        extra, logprobs = plan.logits, None
+        if extra is None:
+            tokens = sample(head, plan.sampling)
+        else:  # the rows that ask for nothing keep their logits bit for bit; head stays raw
+            tokens = sample_processed(head, extra, plan.sampling, self.penalties)
         if extra is not None:
             count_sampled(self.penalties, extra, tokens)
         self.last_tokens.index_copy_(0, self._row(self.SAMPLE_SLOTS, ns), tokens)
