@@ -144,9 +144,11 @@ class CaptureController:
                               coarse=tuple(plan.coarse), ladder=tuple(plan.ladder))
         self.dispatcher.update(GraphState(effective_mode=self.effective_mode, ladder=tuple(self.ladder),
                                           recapturing=True))
-        log.info("capturing %d graphs (%s, sizes %s..%s, budget %s B)", len(plan.keys),
+        log.info("capturing %d graphs (%s, sizes %s..%s, budget %s B; PIECEWISE keys %s)", len(plan.keys),
                  mode_name(self.effective_mode), self.ladder[0], self.ladder[-1],
-                 policy.memory_budget_bytes or "unlimited")
+                 policy.memory_budget_bytes or "unlimited",
+                 "whole steps, the attention recorded" if self.graph_set.whole_mixed
+                 else "pieces around eager attention")
 
     def step(self) -> bool:
         """Captures the next key; True once the whole set is in and swapped into the dispatcher.
