@@ -77,10 +77,6 @@ def test_every_graph_reports_its_replay_and_eager_step_time():
         assert status.captured
         for c in status.captured:
             assert c.replay_seconds > 0 and c.eager_seconds > 0, c
-        eager_by_size: dict[int, set[float]] = {}
-        for c in status.captured:  # both modes' keys of a size time the same eager step, once
-            eager_by_size.setdefault(c.size, set()).add(c.eager_seconds)
-        assert all(len(times) == 1 for times in eager_by_size.values()), eager_by_size
         small = [c for c in status.captured if c.size <= 8]
         assert small and all(c.replay_seconds < c.eager_seconds for c in small), [
             (c.mode, c.size, c.replay_seconds, c.eager_seconds) for c in small]
@@ -110,8 +106,14 @@ def test_a_budget_that_fits_nothing_holds_no_graph_memory(dtype):
         engine.drain_and_stop(5)
 
 
-def test_idle_graphs_are_released_with_their_memory_and_reason():
-    engine = engine_for(policy(idle_release_seconds=2))
+@pytest.mark.parametrize("record_mixed", [False, True], ids=["pieces", "whole"])
+def test_idle_graphs_are_released_with_their_memory_and_reason(record_mixed):
+    """Released idle, every graph gives its memory back. A whole-step PIECEWISE key of the tiny
+    model holds one allocator page at most (no piece buffers), too little to see go: that case
+    runs a 1B model's graphs, without compiling its step."""
+    model, level = ("random:llama-1b", 1) if record_mixed else ("random:tiny", 2)
+    engine = engine_for(policy(idle_release_seconds=2), model=model, record_mixed_attention=record_mixed,
+                        optimization_level=level)
     try:
         before = engine.status()
         assert before.captured and before.graph_memory_bytes > HELD_AT_MOST
