@@ -202,8 +202,9 @@ class CaptureJob:
                     self.graphs.replay, mode, size), TIMING_REPEATS - 1, replayed)
                 entry.eager_seconds = reference.seconds
                 # A size's eager step is priced as the step its PIECEWISE key serves (the mixed
-                # probe's) where it has one: FULL keys come first in the plan, so it wins.
-                self.graphs.eager_seconds[size] = reference.seconds
+                # probe's) where it has one, whichever key the plan captured first.
+                if kind.mixed or size not in self.graphs.eager_seconds:
+                    self.graphs.eager_seconds[size] = reference.seconds
             if all(probe_of(*later) != kind for later in self.plan[self.position:]):
                 del self.references[kind]
         entry.seconds = sum(self.parts.values()) - began  # everything this key took
@@ -219,7 +220,7 @@ class CaptureJob:
                  mode_name(mode), size, entry.seconds, entry.device_bytes, entry.reserved_bytes)
 
     def _prime(self, probe: StepPlan, kind: Probe) -> None:
-        """The size's eager step on ``probe``, and validation's LM head, on the serving stream
+        """The probe's eager step, and validation's LM head, on the serving stream
         before the key is recorded: the reference its keys are validated against (kept in host
         memory, so that it holds no device memory while graphs are recorded and measured), timed
         as the least of ``EAGER_TIMING_REPEATS`` runs (the first may pay for allocating the step's
