@@ -137,3 +137,33 @@ def test_a_mixed_probe_is_decode_rows_then_a_chunk_per_scratch_slot(runner):
     assert plan.positions.tolist() == [0, 1, 2, 3, 4, 5]
     hidden = runner.forward_eager(runner.prepare(plan, 8), 8)
     assert torch.isfinite(hidden[:6]).all()
+
+
+def test_the_warm_up_runs_every_kind_of_logits_processing_and_forgets_its_counts(runner, monkeypatch):
+    """The warm-up's last steps ask for a grammar mask, the three penalties and log probabilities
+    on every row, at each penalised row count the penalty kernels specialize on, so their kernels
+    load before the worker is ready; the penalty rows they counted are dropped after."""
+    from graphkeeper.worker.executor import runner as runner_module
+
+    seen, real = [], runner_module.sample_processed
+
+    def recording(head, batch, sampling, penalties):
+        seen.append((len(batch.rows), len(batch.mask_rows), len(batch.penalised), batch.top_logprobs, sampling))
+        return real(head, batch, sampling, penalties)
+
+    monkeypatch.setattr(runner_module, "sample_processed", recording)
+    runner.warm_up(4)
+    assert seen == [(n, n, n, 5, None) for n in runner.WARM_LOGITS_ROWS]
+    assert runner.penalties.counts.shape[0] == 0 and runner.penalties.prompt.shape[0] == 0
+
+
+def test_a_failed_logits_warm_up_is_logged_and_the_worker_goes_on(runner, monkeypatch, caplog):
+    from graphkeeper.worker.executor import runner as runner_module
+
+    def broken(*args):
+        raise RuntimeError("no such kernel")
+
+    monkeypatch.setattr(runner_module, "sample_processed", broken)
+    runner.warm_up_logits()
+    assert "logits-processing warm-up failed" in caplog.text and "no such kernel" in caplog.text
+    assert runner.penalties.counts.shape[0] == 0

@@ -13,6 +13,7 @@ tokens have reached it.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,6 +31,7 @@ from graphkeeper.worker.model.attention import BLOCK_Q, AttentionMetadata, SlotA
 from graphkeeper.worker.model.kv_cache import KVCache
 from graphkeeper.worker.model.loader import LoadedModel
 from graphkeeper.worker.plan import (
+    LogitsBatch,
     PrefillChunk,
     PromptLogprobs,
     SamplingBatch,
@@ -38,6 +40,8 @@ from graphkeeper.worker.plan import (
     TokenLogprob,
     line_logprob,
 )
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -89,6 +93,19 @@ class Launched:
         """(chunk index, the log probability of each prompt token the chunk's rows predict)."""
         return [(chunk, [line_logprob(int(t), line, top, top) for t, line in zip(targets, table.tolist(), strict=True)])
                 for chunk, targets, top, table in self.prompt or ()]
+
+
+def warm_logits_batch(rows: int, vocab: int) -> LogitsBatch:
+    """A logits batch where each of ``rows`` sample rows asks for everything the logits warm-up
+    loads: an all-allowing grammar mask, the three penalties (their counts on slots ``0 ..
+    rows - 1``, started over in this step) and five log probabilities."""
+    index = np.arange(rows, dtype=np.int64)
+    half = np.full(rows, 0.5, dtype=np.float32)
+    return LogitsBatch(
+        rows=index, presence=half, frequency=half, repetition=np.full(rows, 1.1, dtype=np.float32),
+        min_p=np.zeros(rows, dtype=np.float32), bias=(np.zeros((2, 0), dtype=np.int64), np.zeros(0, np.float32)),
+        mask_rows=index, masks=np.full((rows, -(-vocab // 32)), -1, dtype=np.int32),
+        logprobs=np.full(rows, 5, dtype=np.int64), penalised=index, penalty_slots=index, reset_slots=index)
 
 
 class ModelRunner:
@@ -367,5 +384,31 @@ class ModelRunner:
             sample(self.model.head(self.hidden[:m]), None)
         drawn = SamplingBatch.build([SamplingSpec(temperature=1.0, top_k=8, top_p=0.9)], [0], np.zeros(1, np.int64))
         sample(self.model.head(self.hidden[:1]), drawn)
+        self.warm_up_logits()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+    #: Penalised rows of the logits warm-up's steps: Triton specializes the penalty kernels' row
+    #: count as one, a multiple of sixteen, or any other.
+    WARM_LOGITS_ROWS = (1, 2, 16)
+
+    def warm_up_logits(self) -> None:
+        """Decode steps on inert rows whose every row asks for each kind of logits processing (a
+        grammar mask that allows every token, the three penalties, log probabilities), so that the
+        kernels they launch (mask, penalties, counts, log probabilities) are compiled and loaded
+        before the worker is ready: on a fresh worker the first request that asked held every
+        stream while Triton compiled them (1.3 s on an H100, ``bench/results``). The penalty rows
+        it counted are dropped afterwards. A failure here is logged, not raised: serving compiles
+        the kernels when first asked, as it did before."""
+        try:
+            for rows in self.WARM_LOGITS_ROWS:
+                if rows > self.max_tokens:
+                    break
+                plan = self.inert_decode(rows)
+                plan.logits = warm_logits_batch(rows, self.loaded.config.vocab_size)
+                self.sample_and_send(self.forward_eager(self.prepare(plan, rows), rows), plan).tokens()
+        except Exception as err:  # noqa: BLE001 - an optimization of the first such request, never a failed start
+            log.warning("the logits-processing warm-up failed (its kernels compile at the first request that "
+                        "asks): %s", err)
+        finally:
+            self.penalties.release()
