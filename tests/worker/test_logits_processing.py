@@ -13,8 +13,8 @@ import torch
 from graphkeeper.worker.engine.logits_state import LogitsState, build_logits_batch, mark_counted
 from graphkeeper.worker.engine.sequence import Sequence
 from graphkeeper.worker.executor.logits import count_sampled, process, sample_processed, unpack_mask
-from graphkeeper.worker.executor.sampling import sample
 from graphkeeper.worker.executor.penalty_counts import PenaltyCounts
+from graphkeeper.worker.executor.sampling import sample
 from graphkeeper.worker.kernels import logprob_kernel
 from graphkeeper.worker.plan import LogitsSpec, SamplingBatch, SamplingSpec, StepPlan, unpack_logprob
 
