@@ -71,6 +71,15 @@ def test_without_piecewise_graphs_every_step_with_prompt_tokens_is_priced_eager(
     assert model.seconds(100) == pytest.approx(0.004 + 6e-6 * 100)
 
 
+def test_eager_steps_with_prompt_tokens_are_priced_from_the_piecewise_keys_probes():
+    """A FULL key is timed on a decode step, a PIECEWISE key on a mixed one: the model prices
+    steps with prompt tokens, so a faster decode probe at the same size does not lower the line."""
+    timed = [Timed(FULL, 512, 0.001, 0.004), Timed(PW, 512, 0.002, 0.009)]
+    model = StepTimeModel.from_captured(timed)
+    assert model.eager == ((512, 0.009),)
+    assert StepTimeModel.from_captured(timed[:1]).eager == ((512, 0.004),)  # no PIECEWISE key: the FULL one's
+
+
 def test_timing_noise_never_makes_a_larger_eager_step_predicted_faster():
     """A launch-bound eager timing is inflated by any host hiccup, so a smaller size timed slower
     than a larger one is priced at the larger one's time, not the other way round."""

@@ -115,11 +115,14 @@ class StepTimeModel:
         graphs released idle or given back as compute bound, which replay no more but whose eager
         timing still holds)."""
         timed = [g for g in captured if g.replay_seconds > 0 and g.eager_seconds > 0]
-        points = [(g.size, g.eager_seconds) for g in timed]
+        # The steps priced are steps with prompt tokens: the PIECEWISE keys' timings (their probe is
+        # such a step; a FULL key's is a decode step), or every key's when the mode has none.
+        priced = [g for g in timed if g.mode == pb.GRAPH_MODE_PIECEWISE] or timed
+        points = [(g.size, g.eager_seconds) for g in priced]
         points += [(size, secs) for size, secs in (eager or {}).items() if secs > 0]
         if not points:
             return None
-        mixed = tuple(sorted((g.size, g.replay_seconds) for g in timed if g.mode == pb.GRAPH_MODE_PIECEWISE))
+        mixed = tuple(sorted((g.size, g.replay_seconds) for g in priced if g.mode == pb.GRAPH_MODE_PIECEWISE))
         line = mixed or tuple(sorted((g.size, g.replay_seconds) for g in timed))
         return cls(replay=mixed, eager=eager_envelope(points), tail_slope=_rising_slope(line))
 

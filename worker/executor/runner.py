@@ -397,16 +397,18 @@ class ModelRunner:
         grammar mask that allows every token, the three penalties, log probabilities), so that the
         kernels they launch (mask, penalties, counts, log probabilities) are compiled and loaded
         before the worker is ready: on a fresh worker the first request that asked held every
-        stream while Triton compiled them (1.3 s on an H100, ``bench/results``). The penalty rows
-        it counted are dropped afterwards. A failure here is logged, not raised: serving compiles
-        the kernels when first asked, as it did before."""
+        stream while Triton compiled them (1.3 s on an H100, ``bench/results``). Only the sampling
+        runs, on the hidden-state buffer as it is (the model's forward loads nothing new here).
+        The penalty rows it counted are dropped afterwards. A failure here is logged, not raised:
+        serving compiles the kernels when first asked, as it did before."""
         try:
             for rows in self.WARM_LOGITS_ROWS:
                 if rows > self.max_tokens:
                     break
                 plan = self.inert_decode(rows)
                 plan.logits = warm_logits_batch(rows, self.loaded.config.vocab_size)
-                self.sample_and_send(self.forward_eager(self.prepare(plan, rows), rows), plan).tokens()
+                self.prepare(plan, rows)  # the sample rows' slots, where the tokens are recorded
+                self.sample_and_send(self.output(rows), plan).tokens()
         except Exception as err:  # noqa: BLE001 - an optimization of the first such request, never a failed start
             log.warning("the logits-processing warm-up failed (its kernels compile at the first request that "
                         "asks): %s", err)

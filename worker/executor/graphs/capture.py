@@ -300,14 +300,12 @@ def probe_plan(runner: ModelRunner, size: int, mixed: bool = False) -> StepPlan:
 def probe_chunks(where: np.ndarray, first_row: int) -> list[PrefillChunk]:
     """Prefill chunks over scratch rows ``where`` ``[n, 2]`` (slot, position) starting at batch row
     ``first_row``: one per run of rows in the same slot (pure)."""
-    chunks: list[PrefillChunk] = []
-    for i, (slot, position) in enumerate(where.tolist()):
-        if chunks and chunks[-1].slot == slot:
-            last = chunks[-1]
-            chunks[-1] = PrefillChunk(row=last.row, length=last.length + 1, slot=slot, start=last.start)
-        else:
-            chunks.append(PrefillChunk(row=first_row + i, length=1, slot=slot, start=position))
-    return chunks
+    if not len(where):
+        return []
+    starts = np.flatnonzero(np.diff(where[:, 0], prepend=-1)).tolist()
+    ends = [*starts[1:], len(where)]
+    return [PrefillChunk(row=first_row + s, length=e - s, slot=int(where[s, 0]), start=int(where[s, 1]))
+            for s, e in zip(starts, ends, strict=True)]
 
 
 #: The parts of the capture stage, in the order a key goes through them ("setup" and "finish" once a
