@@ -113,6 +113,12 @@ for b in "${benches[@]}"; do  # BENCH="" runs the tests alone
       timeout 60 python3 bench/vmm_probe.py --out "$out/vmm-probe-$card.json" ;;
     start)  # issue 36: READY cold, warm and warm again, stage by stage, llama-1b and llama-8b (3 starts each)
       timeout 470 python3 bench/start_bench.py --out "$out/start-ii-$card.json" ;;
+    start-baseline)  # issue 36: this tree's starts, then .baseline's warm ones on the caches they filled
+      # (the step's modules unchanged between the two: one compile key), in one call (~4-6 min)
+      timeout 300 python3 bench/start_bench.py --cache-root /tmp/start-caches --out "$out/start-ii-$card.json"
+      python3 -m pip install -q --no-deps --no-build-isolation --target /tmp/oldpkg ./.baseline >/dev/null 2>&1
+      timeout 240 python3 bench/start_bench.py --cache-root /tmp/start-caches --starts "warm,warm again" \
+        --worker-pythonpath /tmp/oldpkg --label "baseline ${BASELINE:-}" --out "$out/start-ii-baseline-$card.json" ;;
     defaults)  # issue 35: defaults only (the budget sized to the device, coarse graphs kept where they pay):
       # long prompts, mixed and decode streams, 64 each (~100 s); the tests: TEST_K=large_steps. The
       # workers' lines about steps past the budget's bound (where each one's time went) are kept

@@ -68,9 +68,10 @@ def ready_now(metrics_port: int) -> bool:
 
 
 def start(preset: str, flags: list[str], cache_dir: str, log_path: Path, max_num_seqs: int, pycache: str,
-          device: str = "cuda", python: str = sys.executable) -> dict:
-    """One worker start (``python``: the interpreter whose installed worker starts) until READY;
-    ``preset`` is a random preset's name, or any ``--model`` source (``builtin:...``, a path)."""
+          device: str = "cuda", python: str = sys.executable, pythonpath: str = "") -> dict:
+    """One worker start (``python``: the interpreter whose installed worker starts; ``pythonpath``
+    put first on its path: another tree's worker, a baseline) until READY; ``preset`` is a random
+    preset's name, or any ``--model`` source (``builtin:...``, a path)."""
     import grpc
     from google.protobuf import json_format
 
@@ -86,6 +87,8 @@ def start(preset: str, flags: list[str], cache_dir: str, log_path: Path, max_num
     env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
     if pycache:
         env["PYTHONPYCACHEPREFIX"] = pycache
+    if pythonpath:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (pythonpath, env.get("PYTHONPATH", "")) if p)
     with log_path.open("w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     began = process_started(proc.pid)
@@ -142,6 +145,13 @@ def main() -> int:
     parser.add_argument("--pycache", default="fresh",
                         help="PYTHONPYCACHEPREFIX for the workers: 'fresh' (a new empty directory, the default), "
                              "a directory, or 'none' (the environment's bytecode handling)")
+    parser.add_argument("--starts", default=",".join(STARTS),
+                        help="which starts, in order (with --cache-root filled by an earlier run: 'warm,warm again')")
+    parser.add_argument("--cache-root", default="",
+                        help="compile caches under DIR/<preset>, kept (default: a fresh one per preset, removed)")
+    parser.add_argument("--worker-pythonpath", default="",
+                        help="first on the workers' PYTHONPATH: another tree's worker (a baseline)")
+    parser.add_argument("--label", default="")
     parser.add_argument("--out", default="")
     args = parser.parse_args()
     args.presets = args.presets or default_presets(args.device)
@@ -150,14 +160,15 @@ def main() -> int:
     gpu = torch.cuda.get_device_name() if args.device != "cpu" else "cpu"
     report = {"date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), "gpu": gpu,
               "torch": torch.__version__, "command": " ".join([Path(sys.executable).name, *sys.argv]),
-              "commit": _commit(), "pycache": args.pycache, "before": BEFORE, "targets": TARGETS, "rows": []}
+              "commit": _commit(), "label": args.label, "worker_pythonpath": args.worker_pythonpath,
+              "pycache": args.pycache, "before": BEFORE, "targets": TARGETS, "rows": []}
     pycache = {"fresh": tempfile.mkdtemp(prefix="pycache-"), "none": ""}.get(args.pycache, args.pycache)
     logs = Path(tempfile.mkdtemp(prefix="start-bench-"))
     for preset in args.presets.split(","):
-        cache = tempfile.mkdtemp(prefix="compile-cache-")
-        for label in STARTS:
+        cache = str(Path(args.cache_root) / preset) if args.cache_root else tempfile.mkdtemp(prefix="compile-cache-")
+        for label in args.starts.split(","):
             row = start(preset, args.worker_args.split(), cache, logs / f"{preset}-{len(report['rows'])}.log",
-                        args.max_num_seqs, pycache, args.device)
+                        args.max_num_seqs, pycache, args.device, pythonpath=args.worker_pythonpath)
             target = TARGETS.get(preset, {}).get(label)
             row.update(preset=preset, start=label, before=BEFORE.get(preset, {}).get(label, "-"),
                        target=target or 0.0, met=target is not None and row["seconds_to_ready"] <= target)
@@ -166,7 +177,8 @@ def main() -> int:
                   f"{row['worker_ready_seconds']:.1f} s; caches {row['caches']}: compile {row['compile_cache']}, "
                   f"tuning {row['tuning_cache']}; {row['graphs_captured']} CUDA graphs)\n    {row['startup_line']}",
                   flush=True)
-        shutil.rmtree(cache, ignore_errors=True)
+        if not args.cache_root:
+            shutil.rmtree(cache, ignore_errors=True)
         report["table"] = stage_table(report["rows"])
         if args.out:
             Path(args.out).write_text(json.dumps(report, indent=2) + "\n")

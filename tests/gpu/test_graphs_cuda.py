@@ -312,8 +312,9 @@ def test_a_graph_that_fails_validation_first_leaves_the_rest_capturable(monkeypa
 def test_every_key_is_validated_against_the_eager_step_it_serves(monkeypatch):
     """A FULL key compares with an eager uniform decode step of its size, a PIECEWISE key with an
     eager mixed step (decode rows and prefill chunks), each probe's prime kept in host memory and
-    given back after its last key. It is the eager step itself and its key reports its time; each
-    probe runs eager on the serving stream twice in all (the prime and one more timing), and a
+    given back after its last key. It is the eager step itself and its key reports its time; a
+    probe runs eager on the serving stream once (the prime, its timing too), twice where a coarse
+    verdict reads the size's eager time (here 8 as a coarse size and 4 below it, not 2), and a
     size's eager time is its mixed step's."""
     from graphkeeper.worker.executor.graphs import capture as graphs_module
 
@@ -334,12 +335,13 @@ def test_every_key_is_validated_against_the_eager_step_it_serves(monkeypatch):
         return forward(meta, rows)
 
     monkeypatch.setattr(runner, "forward_eager", counted)
-    job = CaptureJob(graphs, [(FULL, 8), (FULL, 4), (PIECEWISE, 8), (PIECEWISE, 4)], tolerance=1e-4)
+    keys = [(FULL, 8), (FULL, 4), (FULL, 2), (PIECEWISE, 8), (PIECEWISE, 4), (PIECEWISE, 2)]
+    job = CaptureJob(graphs, keys, tolerance=1e-4, coarse=(8,), ladder=(2, 4, 8))
     job.run_all()
     monkeypatch.setattr(runner, "forward_eager", forward)
-    assert set(graphs.captured) == set(seen) == {(FULL, 8), (FULL, 4), (PIECEWISE, 8), (PIECEWISE, 4)}
-    runs = 2 * graphs_module.EAGER_TIMING_REPEATS
-    assert eager_runs == {8: runs, 4: runs}
+    assert set(graphs.captured) == set(seen) == set(keys)
+    runs = 2 * graphs_module.EAGER_TIMING_REPEATS  # two probes a size
+    assert eager_runs == {8: runs, 4: runs, 2: 2}
     assert seen[(FULL, 8)].shape[0] == 8 and seen[(FULL, 4)].shape[0] == 4 and job.references == {}
     for size in (8, 4):
         for mode, mixed in ((FULL, False), (PIECEWISE, True)):

@@ -6,6 +6,9 @@ pad to it. Run with ``pytest -m cuda -k large_steps`` on the GPU machine."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -14,6 +17,7 @@ from test_graphs_cuda import generate  # tests/gpu
 from graphkeeper.proto import worker_pb2 as pb
 from graphkeeper.worker.engine import Engine, EngineSettings
 from graphkeeper.worker.executor.graphs.capture import CaptureJob
+from graphkeeper.worker.executor.graphs.coarse_memory import VERDICTS_FILE
 from graphkeeper.worker.executor.graphs.graph_set import GraphSet
 from graphkeeper.worker.executor.runner import ModelRunner
 from graphkeeper.worker.model.kv_cache import KVCache
@@ -53,10 +57,12 @@ def test_a_1500_token_prefill_replayed_on_the_2048_graph_equals_eager():
     graphs.release()
 
 
-def engine(mode: int) -> Engine:
+def engine(mode: int, cache_dir: str = "") -> Engine:
     settings = EngineSettings(model="random:tiny@5", device="cuda", dtype="float32", max_num_seqs=4,
                               max_seq_len=CONTEXT, max_num_batched_tokens=BUDGET,
                               policy=pb.GraphPolicy(mode=mode))
+    if cache_dir:
+        settings.compile_cache_dir = cache_dir
     e = Engine(settings)
     e.start()
     assert e.ready.wait(600) and e.failed is None, e.failed
@@ -92,3 +98,53 @@ def test_a_worker_with_budget_2048_keeps_coarse_graphs_that_pay_and_labels_the_r
         assert status.step_budget.tokens == BUDGET and status.step_budget.tokens_source == "--max-num-batched-tokens"
     finally:
         e.drain_and_stop(5)
+
+
+def coarse_status(e: Engine) -> tuple[set[int], dict[int, pb.SkippedSize]]:
+    status = e.status()
+    return ({c.size for c in status.captured if c.mode == PIECEWISE},
+            {s.size: s for s in status.skipped if s.mode == PIECEWISE})
+
+
+def test_a_restart_leaves_out_the_coarse_sizes_an_earlier_start_measured_not_to_pay(tmp_path):
+    """The first start judges 1,024 and 2,048 and writes their verdicts beside the compile cache;
+    a restart with a verdict saying 1,024 does not pay (whatever this GPU measured) captures no
+    1,024 graph, labels its steps compute bound with the earlier verdict and prices them with the
+    remembered eager time; a file measured for other facts is ignored and rewritten."""
+    fp = pb.GRAPH_MODE_FULL_AND_PIECEWISE
+    first = engine(fp, str(tmp_path))
+    try:
+        path = Path(first.slot.compile_report.cache_dir) / VERDICTS_FILE
+    finally:
+        first.drain_and_stop(5)
+    data = json.loads(path.read_text())
+    assert set(data["sizes"]) == {"1024", "2048"}, data
+    assert all(v["replay_seconds"] > 0 and v["eager_seconds"] > 0 for v in data["sizes"].values()), data
+    data["sizes"]["1024"].update(kept=False, eager_seconds=0.123)
+    path.write_text(json.dumps(data))
+
+    second = engine(fp, str(tmp_path))
+    try:
+        captured, skipped = coarse_status(second)
+        assert 1024 not in captured
+        assert skipped[1024].reason == pb.FALLBACK_REASON_COMPUTE_BOUND
+        assert "earlier start" in skipped[1024].message and skipped[1024].eager_seconds == pytest.approx(0.123)
+        prompt = torch.randint(3, 500, (900,), generator=torch.Generator().manual_seed(3)).tolist()
+        _, completion = generate(second, prompt, 2)  # 900 prompt tokens in one step: it pads to 1,024
+        run = completion.execution
+        assert any(x.reason == pb.FALLBACK_REASON_COMPUTE_BOUND for x in run.eager_steps), run
+        assert not any(g.size == 1024 for g in run.graph_steps), run
+    finally:
+        second.drain_and_stop(5)
+    assert json.loads(path.read_text())["sizes"]["1024"]["eager_seconds"] == pytest.approx(0.123)  # kept as left out
+
+    data = json.loads(path.read_text())
+    data["facts"]["block_size"] = -1
+    path.write_text(json.dumps(data))
+    third = engine(fp, str(tmp_path))
+    try:
+        captured, skipped = coarse_status(third)
+        assert 1024 in captured or "earlier start" not in skipped[1024].message, skipped
+    finally:
+        third.drain_and_stop(5)
+    assert json.loads(path.read_text())["facts"]["block_size"] != -1

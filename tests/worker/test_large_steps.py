@@ -16,7 +16,12 @@ from graphkeeper.worker.engine.traffic import TrafficHistogram
 from graphkeeper.worker.executor.graphs.controller import CaptureController, plan_capture
 from graphkeeper.worker.executor.graphs.dispatcher import BatchDescriptor, Dispatcher, GraphState
 from graphkeeper.worker.executor.graphs.graph_set import CapturedGraph, Skipped
-from graphkeeper.worker.executor.graphs.large_steps import coarse_sizes, judge_coarse, planned_coarse_sizes
+from graphkeeper.worker.executor.graphs.large_steps import (
+    coarse_sizes,
+    judge_coarse,
+    judged_sizes,
+    planned_coarse_sizes,
+)
 from graphkeeper.worker.executor.graphs.modes import FULL, PIECEWISE
 from graphkeeper.worker.metrics import WorkerMetrics
 
@@ -147,3 +152,10 @@ def test_track_b_prices_a_policy_without_the_coarse_sizes_released_as_compute_bo
     controller.graph_set.skipped = {}  # had they failed for another reason, they would be priced
     with pytest.raises(PolicyError, match="room for"):
         sizing.check_graphs_fit(controller, policy, TrafficHistogram())
+
+
+def test_the_sizes_a_verdict_reads_are_the_coarse_ones_and_the_ladder_size_below_each():
+    ladder = [1, 2, 4, 8, 256, 512, 1024, 2048]
+    assert judged_sizes([1024, 2048], ladder) == {512, 1024, 2048}
+    assert judged_sizes([], ladder) == frozenset()
+    assert judged_sizes([600], [600]) == {600}  # nothing below it on the ladder

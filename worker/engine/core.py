@@ -123,6 +123,7 @@ class Engine:
         self.outputs = OutputProcessor(self.scheduler, self.metrics)
         self.capture = capture_controller(self.slot.ranks, self.dispatcher, self.metrics, settings.max_num_seqs,
                                           settings.max_num_batched_tokens, settings.inject_capture_failures)
+        self.capture.verdicts_dir = lambda: self.slot.compile_report.cache_dir  # coarse verdicts kept there
         self.publish: Callable[[list[tuple[Any, list[int], Any]]], None] = direct_publish
         self.failed: BaseException | None = None
         self.steps_since_ready = 0
@@ -308,6 +309,7 @@ class Engine:
         self.ledger.record(L.LEDGER_STAGE_WARMUP, self.device)
         self.control.move(S.LIFECYCLE_STATE_WARMED)
         clock.split("warm_up", step_parts(self.slot.compile_report))
+        freeze_heap()  # the capture phase's collections then walk only what it allocates
         self.capture.begin(self.control.policy, self.slot.runner)
         self.capture.run_all()
         clock.split("capture_other", capture_parts(self.capture.parts))

@@ -14,8 +14,9 @@ Two parts, each called from one line:
 
 - ``freeze_heap``: collects once, then moves everything alive into the permanent generation
   (``gc.freeze``), which the collector no longer walks; what serving allocates afterwards is
-  collected as before. The engine calls it after every capture phase (the first READY, each
-  recapture), the API process once it serves (``ReadyReport``); vLLM's engine core freezes its
+  collected as before. The engine calls it before its first capture phase (the phase's own
+  collections then walk only what it allocates) and after every capture phase (the first READY,
+  each recapture), the API process once it serves (``ReadyReport``); vLLM's engine core freezes its
   startup heap the same way. What an earlier freeze kept and has died since (a reload's old
   model) is collected by the next one (``gc.unfreeze`` first).
 - ``GcPauses``: every collection of the process is timed (``gc.callbacks``) into

@@ -108,9 +108,9 @@ class Sample:
 
 @dataclass(frozen=True)
 class CaptureCall:
-    """A capture controller call rank 0 made: ``begin`` (policy bytes, traffic), ``key`` (the next
-    key, with rank 0's over-budget decision), ``finish`` (the keys rank 0 kept), ``release_idle``
-    (keys) or ``release``."""
+    """A capture controller call rank 0 made: ``begin`` (policy bytes, traffic, the coarse verdicts
+    rank 0 remembered), ``key`` (the next key, with rank 0's over-budget decision), ``finish`` (the
+    keys rank 0 kept), ``release_idle`` (keys) or ``release``."""
 
     method: str
     args: tuple = ()
@@ -284,8 +284,12 @@ class MirroredCapture(CaptureController):
         self.ranks = ranks
 
     def begin(self, policy: pb.GraphPolicy, runner: Any, traffic: Any = None) -> None:
-        self.ranks.send(CaptureCall("begin", (policy.SerializeToString(), dict(traffic) if traffic else None)))
+        """Plans here first (recording nothing yet), so the followers leave out the coarse keys
+        rank 0 remembered as not paying (``coarse_memory.py``) and plan the same keys."""
         super().begin(policy, runner, traffic)
+        remembered = dict(self.job.remembered) if self.job is not None else {}
+        self.ranks.send(CaptureCall("begin", (policy.SerializeToString(), dict(traffic) if traffic else None,
+                                              remembered)))
 
     def _key(self) -> None:
         """Records (or skips) the next key on every rank."""
@@ -395,12 +399,13 @@ class Follower:
 
     def _capture(self, call: CaptureCall) -> None:
         if call.method == "begin":
-            policy_bytes, traffic = call.args
+            policy_bytes, traffic, remembered = call.args
             policy = pb.GraphPolicy.FromString(policy_bytes)
             policy.memory_budget_bytes = 0  # rank 0 judges the budget; nothing is dropped here alone
             self.capture.begin(policy, self.slot.runner, traffic)
             if self.capture.job is not None:
                 self.capture.job.coarse = ()  # rank 0 judges what coarse graphs buy, as the budget
+                self.capture.job.skip_remembered(remembered)
         elif call.method == "key":
             self.capture.job.step(*call.args)
         elif call.method == "finish":

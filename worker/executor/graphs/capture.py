@@ -27,9 +27,10 @@ import torch
 
 from graphkeeper.proto import worker_pb2 as pb
 from graphkeeper.proto.enums import mode_name
+from graphkeeper.worker.executor.graphs.coarse_memory import CoarseMemory, Remembered, remembered_skips
 from graphkeeper.worker.executor.graphs.economics import over_budget_drops
 from graphkeeper.worker.executor.graphs.graph_set import CapturedGraph, GraphSet, Skipped, device_used
-from graphkeeper.worker.executor.graphs.large_steps import judge_coarse
+from graphkeeper.worker.executor.graphs.large_steps import judge_coarse, judged_sizes
 from graphkeeper.worker.executor.graphs.modes import PIECEWISE, Key
 from graphkeeper.worker.executor.runner import ModelRunner
 from graphkeeper.worker.model.attention import AttentionMetadata
@@ -72,13 +73,35 @@ class CaptureJob:
     #: and the padding ladder they sit in. Empty on a tensor parallel follower: rank 0 judges.
     coarse: tuple[int, ...] = ()
     ladder: tuple[int, ...] = ()
+    #: The coarse verdicts of earlier starts (``coarse_memory.py``; None: nothing is remembered),
+    #: and those this phase left out of its plan, which it writes back with its own.
+    memory: CoarseMemory | None = None
+    remembered: dict[int, Remembered] = field(default_factory=dict)
+    #: The sizes whose eager step is timed ``EAGER_TIMING_REPEATS`` times (the others' reference
+    #: run is their timing): those a coarse verdict reads. Set from the plan, before a tensor
+    #: parallel follower drops its coarse sizes, so every rank runs the same eager steps.
+    timed_twice: frozenset[int] = frozenset()
 
     def __post_init__(self) -> None:
+        self.timed_twice = judged_sizes(list(self.coarse), list(self.ladder))
         with self._timed("setup"):
             gc.collect()
             torch.cuda.empty_cache()
             self.graphs.baseline_used = device_used()
             self.graphs.baseline_reserved = torch.cuda.memory_reserved()
+            if self.memory is not None:
+                self.skip_remembered(self.memory.recall(self.coarse))
+
+    def skip_remembered(self, remembered: dict[int, Remembered]) -> None:
+        """Leaves the coarse keys remembered as not paying out of the plan, before any key is
+        captured: each is skipped as compute bound with its earlier verdict, and its eager timing
+        is the set's again (a tensor parallel follower is given rank 0's)."""
+        self.plan, skips = remembered_skips(self.plan, remembered)
+        for (mode, size), skipped in skips.items():
+            self.graphs.skipped[(mode, size)] = skipped
+            self.graphs.eager_seconds[size] = remembered[size].eager_seconds
+            self.remembered[size] = remembered[size]
+            log.info("%s size %d not captured: %s", mode_name(mode), size, skipped.message)
 
     @property
     def total_seconds(self) -> float:
@@ -131,22 +154,24 @@ class CaptureJob:
         """Coarse graphs whose replay does not beat the eager steps they serve are released; their
         steps run eager with COMPUTE_BOUND (before the budget is judged: what they held goes back)."""
         replay = {size: g.replay_seconds for (mode, size), g in self.graphs.captured.items() if mode == PIECEWISE}
-        for verdict in judge_coarse(list(self.coarse), list(self.ladder), replay, self.graphs.eager_seconds):
+        verdicts = judge_coarse(list(self.coarse), list(self.ladder), replay, self.graphs.eager_seconds)
+        for verdict in verdicts:
             if verdict.kept:
                 log.info("keeping PIECEWISE size %d: %s", verdict.size, verdict.message())
                 continue
             self.graphs.drop((PIECEWISE, verdict.size))
             self.graphs.renew_pool()
             self._skip(PIECEWISE, verdict.size, pb.FALLBACK_REASON_COMPUTE_BOUND, verdict.message())
+        if self.memory is not None:
+            self.memory.save(verdicts, self.graphs.eager_seconds, self.remembered)
 
     def run_all(self) -> None:
-        gc.collect()
-        gc.freeze()  # keeps the collector from walking every object during capture
-        try:
-            while not self.done:
-                self.step()
-        finally:
-            gc.unfreeze()
+        """Every key at once (a start). The engine froze the heap it built before the phase
+        (``gc_pauses.freeze_heap``), so the phase's collections walk only what the phase allocates:
+        a full collection of a worker's heap (torch, Dynamo, Inductor, Triton: some 350,000 objects)
+        takes 0.1-0.2 s, and a phase made several."""
+        while not self.done:
+            self.step()
 
     def over_budget(self) -> bool:
         """Whether the next key is skipped for the budget: what ``step`` decides first."""
@@ -222,9 +247,10 @@ class CaptureJob:
     def _prime(self, probe: StepPlan, kind: Probe) -> None:
         """The probe's eager step, and validation's LM head, on the serving stream
         before the key is recorded: the reference its keys are validated against (kept in host
-        memory, so that it holds no device memory while graphs are recorded and measured), timed
-        as the least of ``EAGER_TIMING_REPEATS`` runs (the first may pay for allocating the step's
-        memory afresh).
+        memory, so that it holds no device memory while graphs are recorded and measured), and its
+        time: the reference run's, or for a size a coarse verdict reads the least of
+        ``EAGER_TIMING_REPEATS`` runs (the first may pay for allocating the step's memory afresh,
+        and a verdict weighs a few percent).
 
         What a size's first eager step loads for good (kernels loaded lazily for a new shape,
         Triton's or a library's, a larger local-memory pool) belongs to the process: eager steps
@@ -241,7 +267,8 @@ class CaptureJob:
         runner.model.logits(hidden[logit_rows(size, runner.device)])
         kept = hidden.cpu()
         del hidden
-        seconds = least_time(runner, probe, size, eager, EAGER_TIMING_REPEATS - 1, first)
+        repeats = EAGER_TIMING_REPEATS if size in self.timed_twice else 1
+        seconds = least_time(runner, probe, size, eager, repeats - 1, first)
         self.references[kind] = Reference(kept, seconds)
         self.graphs.baseline_used += max(self.graphs.settled_used() - before, 0)
 
@@ -320,9 +347,10 @@ VALIDATION_LOGIT_ROWS = 64
 #: Timed replays of a key, the validation's the first (the least is kept: the step's time without
 #: the host's noise).
 TIMING_REPEATS = 3
-#: Timed eager runs of a size, in its prime: its reference and one more. An eager step is the
-#: launch-bound one (tens of milliseconds for an 8B model at the largest sizes), and it is the same
-#: step for every mode of a size, so it is timed once a size.
+#: Timed eager runs of a size a coarse verdict reads, in its prime: its reference and one more.
+#: Other sizes time their reference run alone: their graphs are kept whatever eager costs, and an
+#: eager step is the launch-bound one (7 ms for ``llama-1b``, more for larger models), once for
+#: each of some sixty probes at every start.
 EAGER_TIMING_REPEATS = 2
 
 

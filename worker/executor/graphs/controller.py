@@ -22,6 +22,7 @@ from graphkeeper.proto import worker_pb2 as pb
 from graphkeeper.proto.enums import mode_name, reason_name
 from graphkeeper.proto.policy import effective_requested_mode, resolve_capture_sizes
 from graphkeeper.worker.executor.graphs.capture import CaptureJob
+from graphkeeper.worker.executor.graphs.coarse_memory import CoarseMemory, memory_facts
 from graphkeeper.worker.executor.graphs.dispatcher import Dispatcher, GraphState
 from graphkeeper.worker.executor.graphs.economics import IdleRelease, compute_bound_above, limit_plan
 from graphkeeper.worker.executor.graphs.graph_set import GraphSet, Skipped
@@ -89,6 +90,9 @@ class CaptureController:
         self.parts: dict[str, float] = {}
         self.last_failure = ""
         self.idle = IdleRelease()
+        #: The compile cache directory of the step being captured ("" for none), where coarse
+        #: verdicts are remembered between starts (``coarse_memory.py``): the engine's slot says.
+        self.verdicts_dir: Callable[[], str] = str
 
     @property
     def total_seconds(self) -> float:
@@ -140,8 +144,10 @@ class CaptureController:
                 pb.FALLBACK_REASON_SIZE_OVER_MAX_GRAPHS,
                 f"the policy keeps at most {policy.max_graphs} graphs; this one served the fewest observed steps")
         tolerance = 1e-4 if runner.loaded.dtype == torch.float32 else 2e-2
+        memory = CoarseMemory.beside(self.verdicts_dir(), memory_facts(
+            self.graph_set.whole_mixed, runner.model.tp.size, runner.cache.block_size)) if plan.coarse else None
         self.job = CaptureJob(self.graph_set, plan.keys, policy.memory_budget_bytes, self.inject_failures, tolerance,
-                              coarse=tuple(plan.coarse), ladder=tuple(plan.ladder))
+                              coarse=tuple(plan.coarse), ladder=tuple(plan.ladder), memory=memory)
         self.dispatcher.update(GraphState(effective_mode=self.effective_mode, ladder=tuple(self.ladder),
                                           recapturing=True))
         log.info("capturing %d graphs (%s, sizes %s..%s, budget %s B; PIECEWISE keys %s)", len(plan.keys),

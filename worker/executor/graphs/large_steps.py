@@ -73,6 +73,13 @@ class Verdict:
                 f"run eager ({self.eager_seconds * 1e3:.3f} ms on average) by {COMPUTE_BOUND_MARGIN:.0%}")
 
 
+def judged_sizes(coarse: list[int], ladder: list[int]) -> frozenset[int]:
+    """The sizes whose eager times a verdict reads (pure): each coarse size and the ladder size
+    below it (``judge_coarse``)."""
+    below = {max((s for s in ladder if s < size), default=0) for size in coarse}
+    return frozenset(set(coarse) | below - {0})
+
+
 def judge_coarse(coarse: list[int], ladder: list[int], replay: Mapping[int, float],
                  eager: Mapping[int, float]) -> list[Verdict]:
     """A verdict for each coarse size that was captured and timed (``replay`` and ``eager``: GPU
