@@ -19,10 +19,12 @@ from graphkeeper.worker.executor.graphs.large_steps import Verdict
 from graphkeeper.worker.executor.graphs.modes import FULL, PIECEWISE
 
 FACTS = {"whole_mixed": True, "tp_size": 1, "block_size": 16, "source": "abc"}
+LADDER = [1, 2, 4, 512, 1024, 2048, 4096, 8192]
 
 
 def remembered(size: int, kept: bool) -> Remembered:
-    return Remembered(size, replay_seconds=0.010, served_seconds=0.0101, eager_seconds=0.011, kept=kept)
+    return Remembered(size, replay_seconds=0.010, served_seconds=0.0101, eager_seconds=0.011, kept=kept,
+                      below=size // 2)
 
 
 def test_only_the_piecewise_keys_of_sizes_remembered_as_not_paying_are_left_out():
@@ -39,25 +41,34 @@ def test_only_the_piecewise_keys_of_sizes_remembered_as_not_paying_are_left_out(
 
 def test_a_phase_verdicts_are_written_and_read_back_over_what_it_left_out(tmp_path):
     memory = CoarseMemory.beside(str(tmp_path), FACTS)
-    assert memory.path == tmp_path / VERDICTS_FILE and memory.recall([1024]) == {}
+    assert memory.path == tmp_path / VERDICTS_FILE and memory.recall([1024], LADDER) == {}
     verdicts = [Verdict(1024, 0.004, 0.0041, False), Verdict(2048, 0.008, 0.012, True)]
-    memory.save(verdicts, {512: 0.002, 1024: 0.0045, 2048: 0.016}, {4096: remembered(4096, False)})
-    got = CoarseMemory.beside(str(tmp_path), dict(FACTS)).recall([1024, 2048, 4096, 8192])
-    assert got == {1024: Remembered(1024, 0.004, 0.0041, 0.0045, False),
-                   2048: Remembered(2048, 0.008, 0.012, 0.016, True), 4096: remembered(4096, False)}
-    assert set(memory.recall([2048])) == {2048}
+    memory.save(verdicts, {512: 0.002, 1024: 0.0045, 2048: 0.016}, {4096: remembered(4096, False)}, LADDER)
+    got = CoarseMemory.beside(str(tmp_path), dict(FACTS)).recall([1024, 2048, 4096, 8192], LADDER)
+    assert got == {1024: Remembered(1024, 0.004, 0.0041, 0.0045, False, 512),
+                   2048: Remembered(2048, 0.008, 0.012, 0.016, True, 1024), 4096: remembered(4096, False)}
+    assert set(memory.recall([2048], LADDER)) == {2048}
+
+
+def test_a_verdict_judged_on_another_ladder_is_not_recalled(tmp_path):
+    """A coarse size serves the steps above the ladder size below it: with another size below
+    (a policy's ladder that stops at 256), the verdict was about other steps."""
+    memory = CoarseMemory.beside(str(tmp_path), FACTS)
+    memory.save([Verdict(1024, 0.004, 0.0041, False)], {1024: 0.0045}, {}, LADDER)
+    assert set(memory.recall([1024], LADDER)) == {1024}
+    assert memory.recall([1024], [1, 2, 4, 256, 1024]) == {}
 
 
 def test_a_phase_that_judged_nothing_writes_nothing(tmp_path):
     memory = CoarseMemory.beside(str(tmp_path), FACTS)
-    memory.save([], {}, {4096: remembered(4096, False)})
+    memory.save([], {}, {4096: remembered(4096, False)}, LADDER)
     assert not memory.path.exists()
 
 
 def test_verdicts_measured_for_other_facts_are_ignored_with_what_differs(tmp_path, caplog):
-    CoarseMemory.beside(str(tmp_path), FACTS).save([Verdict(1024, 0.004, 0.0041, False)], {1024: 0.0045}, {})
+    CoarseMemory.beside(str(tmp_path), FACTS).save([Verdict(1024, 0.004, 0.0041, False)], {1024: 0.0045}, {}, LADDER)
     with caplog.at_level(logging.WARNING):
-        assert CoarseMemory.beside(str(tmp_path), {**FACTS, "block_size": 32}).recall([1024]) == {}
+        assert CoarseMemory.beside(str(tmp_path), {**FACTS, "block_size": 32}).recall([1024], LADDER) == {}
     assert "block_size" in caplog.text and "measured again" in caplog.text
 
 
@@ -66,7 +77,7 @@ def test_a_file_that_does_not_parse_is_ignored(tmp_path, caplog):
     for text in ("{", "[1, 2]", json.dumps({"facts": FACTS, "sizes": {"1024": {"size": 1024}}})):
         memory.path.write_text(text)
         with caplog.at_level(logging.WARNING):
-            assert memory.recall([1024]) == {}
+            assert memory.recall([1024], LADDER) == {}
     assert "unreadable" in caplog.text
 
 

@@ -90,7 +90,7 @@ class CaptureJob:
             self.graphs.baseline_used = device_used()
             self.graphs.baseline_reserved = torch.cuda.memory_reserved()
             if self.memory is not None:
-                self.skip_remembered(self.memory.recall(self.coarse))
+                self.skip_remembered(self.memory.recall(self.coarse, list(self.ladder)))
 
     def skip_remembered(self, remembered: dict[int, Remembered]) -> None:
         """Leaves the coarse keys remembered as not paying out of the plan, before any key is
@@ -163,7 +163,7 @@ class CaptureJob:
             self.graphs.renew_pool()
             self._skip(PIECEWISE, verdict.size, pb.FALLBACK_REASON_COMPUTE_BOUND, verdict.message())
         if self.memory is not None:
-            self.memory.save(verdicts, self.graphs.eager_seconds, self.remembered)
+            self.memory.save(verdicts, self.graphs.eager_seconds, self.remembered, list(self.ladder))
 
     def run_all(self) -> None:
         """Every key at once (a start). The engine froze the heap it built before the phase

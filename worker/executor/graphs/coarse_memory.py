@@ -15,9 +15,10 @@ verdicts live in ``coarse-verdicts.json`` inside that key's compile cache direct
 facts; a file whose facts differ, or that does not parse, is ignored with a warning (every coarse
 size is measured again) and rewritten after the phase.
 
-A size remembered as not paying is left out of the plan: it is skipped with ``compute_bound`` and
-its earlier verdict's message, and its eager timing goes back into the graph set's (what the
-step-time model prices its steps with and status reports). A size remembered as paying is captured
+A size remembered as not paying, judged with the same ladder size below it (the same steps to
+serve), is left out of the plan: it is skipped with ``compute_bound`` and its earlier verdict's
+message, and its eager timing goes back into the graph set's (what the step-time model prices
+its steps with and status reports). A size remembered as paying is captured
 and judged again, as is one not remembered. Removing the file, or the cache directory, measures
 every size again (a restart on another node with its own cache measures them on its own GPU).
 """
@@ -34,7 +35,7 @@ from pathlib import Path
 
 from graphkeeper.proto import worker_pb2 as pb
 from graphkeeper.worker.executor.graphs.graph_set import Skipped
-from graphkeeper.worker.executor.graphs.large_steps import Verdict
+from graphkeeper.worker.executor.graphs.large_steps import Verdict, size_below
 from graphkeeper.worker.executor.graphs.modes import PIECEWISE, Key
 from graphkeeper.worker.model.cache_key import differences, source_digest
 
@@ -47,13 +48,15 @@ VERDICTS_FILE = "coarse-verdicts.json"
 @dataclass(frozen=True)
 class Remembered:
     """A coarse size's verdict from an earlier start: the replay, the mean eager time of the steps
-    it serves, the eager time at the size itself (GPU seconds) and whether it was kept."""
+    it serves, the eager time at the size itself (GPU seconds), whether it was kept, and the ladder
+    size below it then (where the steps it serves start: another ladder judges other steps)."""
 
     size: int
     replay_seconds: float
     served_seconds: float
     eager_seconds: float
     kept: bool
+    below: int
 
     def message(self) -> str:
         verdict = Verdict(self.size, self.replay_seconds, self.served_seconds, self.kept)
@@ -90,17 +93,18 @@ class CoarseMemory:
         """The memory in ``cache_dir`` (None without one: no compile cache, nothing remembered)."""
         return cls(Path(cache_dir) / VERDICTS_FILE, facts) if cache_dir else None
 
-    def recall(self, sizes: Iterable[int]) -> dict[int, Remembered]:
-        """The remembered verdicts of ``sizes`` (none when the file is missing, unreadable or was
-        written for other facts)."""
-        wanted = set(sizes)
-        return {size: r for size, r in self._read().items() if size in wanted}
+    def recall(self, sizes: Iterable[int], ladder: list[int]) -> dict[int, Remembered]:
+        """The remembered verdicts of ``sizes`` judged with the same ladder size below them as
+        ``ladder`` has (none when the file is missing, unreadable or was written for other facts)."""
+        wanted = {size: size_below(size, ladder) for size in sizes}
+        return {size: r for size, r in self._read().items() if wanted.get(size, -1) == r.below}
 
     def save(self, verdicts: Iterable[Verdict], eager: Mapping[int, float],
-             remembered: Mapping[int, Remembered]) -> None:
-        """Writes this phase's ``verdicts`` (with each size's own eager time) over what was
-        ``remembered`` and left out of it; nothing when the phase judged nothing."""
-        fresh = {v.size: Remembered(v.size, v.replay_seconds, v.eager_seconds, eager.get(v.size, 0.0), v.kept)
+             remembered: Mapping[int, Remembered], ladder: list[int]) -> None:
+        """Writes this phase's ``verdicts`` (with each size's own eager time, on ``ladder``) over
+        what was ``remembered`` and left out of it; nothing when the phase judged nothing."""
+        fresh = {v.size: Remembered(v.size, v.replay_seconds, v.eager_seconds, eager.get(v.size, 0.0), v.kept,
+                                    size_below(v.size, ladder))
                  for v in verdicts}
         if not fresh:
             return

@@ -73,11 +73,16 @@ class Verdict:
                 f"run eager ({self.eager_seconds * 1e3:.3f} ms on average) by {COMPUTE_BOUND_MARGIN:.0%}")
 
 
+def size_below(size: int, ladder: list[int]) -> int:
+    """The ladder size just below ``size`` (0: none), where the steps a coarse graph serves start
+    (pure)."""
+    return max((s for s in ladder if s < size), default=0)
+
+
 def judged_sizes(coarse: list[int], ladder: list[int]) -> frozenset[int]:
     """The sizes whose eager times a verdict reads (pure): each coarse size and the ladder size
     below it (``judge_coarse``)."""
-    below = {max((s for s in ladder if s < size), default=0) for size in coarse}
-    return frozenset(set(coarse) | below - {0})
+    return frozenset(set(coarse) | {size_below(size, ladder) for size in coarse} - {0})
 
 
 def judge_coarse(coarse: list[int], ladder: list[int], replay: Mapping[int, float],
@@ -91,7 +96,7 @@ def judge_coarse(coarse: list[int], ladder: list[int], replay: Mapping[int, floa
     for size in coarse:
         if replay.get(size, 0) <= 0 or size not in timed:
             continue
-        below = max((s for s in ladder if s < size), default=0)
+        below = size_below(size, ladder)
         served = (timed[below] + timed[size]) / 2 if below in timed else timed[size]
         verdicts.append(Verdict(size, replay[size], served, served > replay[size] * (1 + COMPUTE_BOUND_MARGIN)))
     return verdicts
