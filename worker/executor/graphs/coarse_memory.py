@@ -18,9 +18,9 @@ size is measured again) and rewritten after the phase.
 A size remembered as not paying, judged with the same ladder size below it (the same steps to
 serve), is left out of the plan: it is skipped with ``compute_bound`` and its earlier verdict's
 message, and its eager timing goes back into the graph set's (what the step-time model prices
-its steps with and status reports). A size remembered as paying is captured
-and judged again, as is one not remembered. Removing the file, or the cache directory, measures
-every size again (a restart on another node with its own cache measures them on its own GPU).
+its steps with and status reports). A size remembered as paying is captured and judged again, as
+is one not remembered. Removing the file, or the cache directory, measures every size again (a
+restart on another node with its own cache measures them on its own GPU).
 """
 
 from __future__ import annotations

@@ -92,7 +92,7 @@ class CaptureController:
         self.idle = IdleRelease()
         #: The compile cache directory of the step being captured ("" for none), where coarse
         #: verdicts are remembered between starts (``coarse_memory.py``): the engine's slot says.
-        self.verdicts_dir: Callable[[], str] = str
+        self.verdicts_dir: Callable[[], str] = lambda: ""
 
     @property
     def total_seconds(self) -> float:

@@ -82,7 +82,7 @@ def size_below(size: int, ladder: list[int]) -> int:
 def judged_sizes(coarse: list[int], ladder: list[int]) -> frozenset[int]:
     """The sizes whose eager times a verdict reads (pure): each coarse size and the ladder size
     below it (``judge_coarse``)."""
-    return frozenset(set(coarse) | {size_below(size, ladder) for size in coarse} - {0})
+    return frozenset(set(coarse) | ({size_below(size, ladder) for size in coarse} - {0}))
 
 
 def judge_coarse(coarse: list[int], ladder: list[int], replay: Mapping[int, float],
