@@ -114,7 +114,8 @@ for b in "${benches[@]}"; do  # BENCH="" runs the tests alone
     start)  # issue 36: READY cold, warm and warm again, stage by stage, llama-1b and llama-8b (3 starts each)
       timeout 470 python3 bench/start_bench.py --out "$out/start-ii-$card.json" ;;
     start-baseline)  # issue 36: this tree's starts, then .baseline's warm ones on the caches they filled
-      # (the step's modules unchanged between the two: one compile key), in one call (~4-6 min)
+      # (the step's modules unchanged between the two: one compile key), in one call (~4-6 min). The
+      # baseline's first start also writes its tree's bytecode: compare the "warm again" rows.
       timeout 300 python3 bench/start_bench.py --cache-root /tmp/start-caches --out "$out/start-ii-$card.json"
       python3 -m pip install -q --no-deps --no-build-isolation --target /tmp/oldpkg ./.baseline >/dev/null 2>&1
       timeout 240 python3 bench/start_bench.py --cache-root /tmp/start-caches --starts "warm,warm again" \
