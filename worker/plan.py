@@ -74,14 +74,41 @@ PackedLogprob = tuple[int, int, bytes]  # (computed, asked, line)
 def line_logprob(token: int, line: list[float], computed: int, asked: int) -> TokenLogprob:
     """The ``TokenLogprob`` a table line (``[chosen, computed values, computed ids]``) holds for
     ``token``: its ``asked`` alternatives."""
-    ids = map(int, line[1 + computed:1 + computed + asked])
-    return TokenLogprob(token, line[0], tuple(zip(ids, line[1:1 + asked], strict=True)))
+    chosen, ids, values = line_parts(line, computed, asked)
+    return TokenLogprob(token, chosen, tuple(zip(ids, values, strict=True)))
+
+
+def line_parts(line: list[float], computed: int, asked: int) -> tuple[float, list[int], list[float]]:
+    """A table line's chosen token's log probability and its ``asked`` alternatives' ids and log
+    probabilities, most likely first (the one place that reads the line's layout)."""
+    return line[0], [int(i) for i in line[1 + computed:1 + computed + asked]], line[1:1 + asked]
+
+
+def packed_parts(packed: PackedLogprob) -> tuple[float, list[int], list[float]]:
+    """``line_parts`` of a packed line."""
+    computed, asked, line = packed
+    return line_parts(array("f", line).tolist(), computed, asked)  # a quarter of numpy's time
 
 
 def unpack_logprob(token: int, packed: PackedLogprob) -> TokenLogprob:
     """The ``TokenLogprob`` a packed line holds for ``token``: its ``asked`` alternatives."""
-    computed, asked, line = packed
-    return line_logprob(token, array("f", line).tolist(), computed, asked)  # a quarter of numpy's time
+    chosen, ids, values = packed_parts(packed)
+    return TokenLogprob(token, chosen, tuple(zip(ids, values, strict=True)))
+
+
+class PackedEntry(NamedTuple):
+    """A token with its log probabilities as the engine sent them: a stream keeps this, and the
+    front end that serves it reads the line once, into its own message (gRPC) or through
+    ``unpacked`` (HTTP). A ``TokenLogprob`` is a tuple of tuples, seven objects the collector
+    tracks for each token; this is one."""
+
+    token: int
+    packed: PackedLogprob
+
+
+def unpacked(entries: list) -> list:
+    """``entries`` with every ``PackedEntry`` as its ``TokenLogprob`` (others as they are)."""
+    return [unpack_logprob(*e) if isinstance(e, PackedEntry) else e for e in entries]
 
 
 class Sampled(list):
@@ -109,6 +136,13 @@ class Sampled(list):
         if self._packed is not None:
             self._logprobs = [unpack_logprob(t, p) for t, p in zip(self, self._packed, strict=True)]
             self._packed = None
+        return self._logprobs
+
+    def logprob_entries(self) -> list[TokenLogprob | PackedEntry] | None:
+        """The tokens' log probabilities for a stream to keep: still packed (``PackedEntry``) when
+        the engine sent them so, else as ``logprobs`` holds them."""
+        if self._packed is not None:
+            return [PackedEntry(t, p) for t, p in zip(self, self._packed, strict=True)]
         return self._logprobs
 
 

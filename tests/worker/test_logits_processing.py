@@ -220,6 +220,28 @@ def test_packed_log_probabilities_cross_the_engine_channel_and_unpack_to_the_ask
     assert Sampled([5], None).logprobs is None
 
 
+def test_a_stream_keeps_packed_entries_and_each_front_end_reads_them_as_it_would_the_unpacked_ones():
+    """What the hub hands a stream is the packed line itself (``PackedEntry``): gRPC's message
+    read straight from it equals the one built from its ``TokenLogprob``, and the HTTP server's
+    ``unpacked`` gives the ``TokenLogprob`` itself; entries already unpacked (and an echoed
+    prompt's ``(token, None)``) pass through."""
+    from graphkeeper.worker.plan import PackedEntry, Sampled, TokenLogprob, unpacked
+    from graphkeeper.worker.serving.streams import token_logprobs
+
+    line = np.array([-0.5, -0.75, -1.5, -2.5, 42, 7, 9], dtype=np.float32).tobytes()
+    sent = Sampled([42, 9], None, None, packed=[(3, 2, line), (3, 0, line)])
+    entries = sent.logprob_entries()
+    assert entries == [PackedEntry(42, (3, 2, line)), PackedEntry(9, (3, 0, line))]
+    expected = [TokenLogprob(42, -0.5, ((42, -0.75), (7, -1.5))), TokenLogprob(9, -0.5, ())]
+    assert unpacked(entries) == expected == sent.logprobs
+    assert token_logprobs(entries) == token_logprobs(expected)
+    assert [m.top[1].token_id for m in token_logprobs(entries)[:1]] == [7]
+    echoed = [(5, None), *entries]
+    assert unpacked(echoed) == [(5, None), *expected]
+    already = Sampled([42], expected[:1])
+    assert already.logprob_entries() == expected[:1] and Sampled([1], None).logprob_entries() is None
+
+
 def test_grammar_masks_are_written_into_the_buffer_the_engine_installs(monkeypatch):
     """An engine on a GPU installs pinned host memory for the masks (``use_mask_buffer``); the
     masks are written straight into it and the batch carries the installed buffer's tensor, so

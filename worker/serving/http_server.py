@@ -41,6 +41,7 @@ from graphkeeper.worker.engine import (
     ready,
 )
 from graphkeeper.worker.log_limits import rate_key
+from graphkeeper.worker.plan import unpacked
 from graphkeeper.worker.serving.admission import MAX_PROMPT_TEXT_BYTES, AdmissionError, Oversize
 from graphkeeper.worker.serving.http_limits import (
     ConnectionGate,
@@ -493,6 +494,7 @@ class _Run:
             return None
         tokenizer = self.engine.tokenizer
         text = tokenizer.token_text if tokenizer is not None else str
+        entries = unpacked(entries)
         if self.parsed.chat:
             return chat_logprobs(entries, text)
         out = completion_logprobs(entries, text, self.offset)
