@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 from collections.abc import Iterable
 from pathlib import Path
@@ -69,6 +70,14 @@ def differences(wanted: dict[str, Any], found: Any) -> list[str]:
         return ["(no facts recorded)"]
     wanted = json.loads(json.dumps(wanted))  # as a cache holds them: tuples read back as lists
     return sorted(k for k in wanted.keys() | found.keys() if wanted.get(k) != found.get(k))
+
+
+def write_json_atomically(path: Path, data: dict[str, Any]) -> None:
+    """``data`` as ``path``: written under a name of this process's own, then renamed into place,
+    so workers sharing a cache on one node never read a file half written. Raises OSError."""
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data, sort_keys=True))
+    tmp.replace(path)
 
 
 def key_of(material: dict[str, Any]) -> str:

@@ -25,7 +25,13 @@ import torch
 from graphkeeper.worker.kernels import linear_kernel, pdl, row_kernel, timing
 from graphkeeper.worker.kernels.linear_kernel import Tile
 from graphkeeper.worker.kernels.row_kernel import RowTile
-from graphkeeper.worker.model.cache_key import differences, key_of, library_versions, source_digest
+from graphkeeper.worker.model.cache_key import (
+    differences,
+    key_of,
+    library_versions,
+    source_digest,
+    write_json_atomically,
+)
 from graphkeeper.worker.model.tensor_parallel import TensorParallel, first_ranks
 
 log = logging.getLogger(__name__)
@@ -193,9 +199,7 @@ def _save(path: Path, key: str, facts: dict) -> None:
     """Written atomically under a name of this process's own: workers on one node share the cache."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        data = {"key": key, "facts": facts, **encode(linear_kernel.choices(), row_kernel.choices())}
-        tmp.write_text(json.dumps(data, sort_keys=True))
-        tmp.replace(path)
+        decisions = encode(linear_kernel.choices(), row_kernel.choices())
+        write_json_atomically(path, {"key": key, "facts": facts, **decisions})
     except OSError as err:  # a read-only cache costs the next start its tuning, nothing else
         log.warning("tuning cache %s not written: %s", path, err)

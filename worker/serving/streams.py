@@ -32,7 +32,7 @@ from typing import Any
 
 from graphkeeper.proto import worker_pb2 as pb
 from graphkeeper.worker.engine import UNKNOWN_ERROR, ChatError, EngineFace, NotServing, classify
-from graphkeeper.worker.plan import PackedEntry, Sampled, packed_parts
+from graphkeeper.worker.plan import PackedEntry, Sampled, TokenLogprob, packed_parts
 from graphkeeper.worker.serving import heap
 from graphkeeper.worker.serving.admission import AdmissionError, validate_request, validate_tokenized
 
@@ -223,19 +223,19 @@ def count_refusal(engine: EngineFace, err: Exception) -> None:
 
 
 def token_logprobs(entries: list) -> list[pb.TokenLogprob]:
-    """A gRPC ``TokenChunk``'s log probabilities from the stream's entries: a packed line is read
-    straight into its message (no ``TokenLogprob`` built on the way: 8x fewer collections of the
-    young generation under log probabilities)."""
-    return [packed_message(e) if isinstance(e, PackedEntry) else
-            pb.TokenLogprob(token_id=e.token, logprob=e.logprob,
-                            top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in e.top]) for e in entries]
+    """A gRPC ``TokenChunk``'s log probabilities from the stream's entries."""
+    return [logprob_message(e) for e in entries]
 
 
-def packed_message(entry: PackedEntry) -> pb.TokenLogprob:
-    """The gRPC message of one packed entry."""
-    chosen, ids, values = packed_parts(entry.packed)
-    return pb.TokenLogprob(token_id=entry.token, logprob=chosen,
-                           top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in zip(ids, values, strict=True)])
+def logprob_message(entry: PackedEntry | TokenLogprob) -> pb.TokenLogprob:
+    """One entry's message: a packed line is read straight into it (no ``TokenLogprob`` built on
+    the way: 7x fewer collections of the young generation under log probabilities)."""
+    if isinstance(entry, PackedEntry):
+        chosen, ids, values = packed_parts(entry.packed)
+        token, top = entry.token, zip(ids, values, strict=True)
+    else:
+        token, chosen, top = entry
+    return pb.TokenLogprob(token_id=token, logprob=chosen, top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in top])
 
 
 def public_model_info(info: pb.GetModelInfoResponse) -> pb.GetModelInfoResponse:

@@ -80,7 +80,7 @@ class CaptureJob:
     #: The sizes whose eager step is timed ``EAGER_TIMING_REPEATS`` times (the others' reference
     #: run is their timing): those a coarse verdict reads. Set from the plan, before a tensor
     #: parallel follower drops its coarse sizes, so every rank runs the same eager steps.
-    timed_twice: frozenset[int] = frozenset()
+    timed_twice: frozenset[int] = field(init=False, default=frozenset())
 
     def __post_init__(self) -> None:
         self.timed_twice = judged_sizes(list(self.coarse), list(self.ladder))

@@ -25,9 +25,9 @@ restart on another node with its own cache measures them on its own GPU).
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
-import os
 import sys
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
@@ -37,7 +37,7 @@ from graphkeeper.proto import worker_pb2 as pb
 from graphkeeper.worker.executor.graphs.graph_set import Skipped
 from graphkeeper.worker.executor.graphs.large_steps import Verdict, size_below
 from graphkeeper.worker.executor.graphs.modes import PIECEWISE, Key
-from graphkeeper.worker.model.cache_key import differences, source_digest
+from graphkeeper.worker.model.cache_key import differences, source_digest, write_json_atomically
 
 log = logging.getLogger(__name__)
 
@@ -64,12 +64,17 @@ class Remembered:
 
 
 def memory_facts(whole_mixed: bool, tp_size: int, block_size: int) -> dict:
-    """What the verdicts depend on beyond the compile cache key (the capture modules' source: the
-    probe, the timing and the judging)."""
+    """What the verdicts depend on beyond the compile cache key."""
+    return {"whole_mixed": whole_mixed, "tp_size": tp_size, "block_size": block_size, "source": _capture_source()}
+
+
+@functools.cache
+def _capture_source() -> str:
+    """The capture modules' source (the probe, the timing and the judging), hashed once a process:
+    every capture phase, recaptures between steps included, asks."""
     from graphkeeper.worker.executor.graphs import capture, economics, large_steps
 
-    return {"whole_mixed": whole_mixed, "tp_size": tp_size, "block_size": block_size,
-            "source": source_digest([capture, economics, large_steps, sys.modules[__name__]])}
+    return source_digest([capture, economics, large_steps, sys.modules[__name__]])
 
 
 def remembered_skips(plan: list[Key], remembered: Mapping[int, Remembered]) -> tuple[list[Key], dict[Key, Skipped]]:
@@ -110,10 +115,8 @@ class CoarseMemory:
             return
         entries = {**remembered, **fresh}
         data = {"facts": self.facts, "sizes": {str(s): asdict(r) for s, r in sorted(entries.items())}}
-        try:  # atomic, under a name of this process's own: workers on one node share the directory
-            tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(data, sort_keys=True))
-            tmp.replace(self.path)
+        try:
+            write_json_atomically(self.path, data)
         except OSError as err:  # a read-only cache costs the next start these seconds, nothing else
             log.warning("coarse verdicts not written to %s: %s", self.path, err)
 
