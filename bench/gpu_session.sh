@@ -120,6 +120,11 @@ for b in "${benches[@]}"; do  # BENCH="" runs the tests alone
       python3 -m pip install -q --no-deps --no-build-isolation --target /tmp/oldpkg ./.baseline >/dev/null 2>&1
       timeout 240 python3 bench/start_bench.py --cache-root /tmp/start-caches --starts "warm,warm again" \
         --worker-pythonpath /tmp/oldpkg --label "baseline ${BASELINE:-}" --out "$out/start-ii-baseline-$card.json" ;;
+    start-cold-baseline)  # issue 36: .baseline's cold starts on caches of their own (~2 min), beside this
+      # tree's "start" in the same call: BENCH="start-cold-baseline;start"
+      python3 -m pip install -q --no-deps --no-build-isolation --target /tmp/oldpkg ./.baseline >/dev/null 2>&1
+      timeout 240 python3 bench/start_bench.py --cache-root /tmp/baseline-caches --starts cold \
+        --worker-pythonpath /tmp/oldpkg --label "baseline ${BASELINE:-}" --out "$out/start-ii-baseline-cold-$card.json" ;;
     defaults)  # issue 35: defaults only (the budget sized to the device, coarse graphs kept where they pay):
       # long prompts, mixed and decode streams, 64 each (~100 s); the tests: TEST_K=large_steps. The
       # workers' lines about steps past the budget's bound (where each one's time went) are kept

@@ -24,6 +24,7 @@ from typing import Any
 
 from torch import Tensor
 
+from graphkeeper.worker.kernels import compile_ahead
 from graphkeeper.worker.kernels.triton_support import triton
 
 #: Triton versions (major.minor) whose compiled-kernel launcher takes
@@ -58,8 +59,8 @@ class LaunchMemo:
         self._stream: Any = None
 
     def launch(self, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> None:
-        if not self._direct:
-            self.kernel[grid](*args, **kwargs)
+        if not self._direct or compile_ahead.dry():
+            compile_ahead.launcher(self.kernel, grid)(*args, **kwargs)
             return
         if self._knobs is None:
             self._bind()

@@ -17,11 +17,13 @@ weight shape and row bucket, cuBLAS included: the kernel replaces cuBLAS only wh
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
+from graphkeeper.worker.kernels import compile_ahead
 from graphkeeper.worker.kernels.launch_memo import LaunchMemo
 from graphkeeper.worker.kernels.timing import graph_time, weight_copies
 from graphkeeper.worker.kernels.triton_support import tl, triton
@@ -126,16 +128,14 @@ def tune(weight: Tensor, scale: Tensor | None, dtype: torch.dtype) -> dict[int, 
     if triton is None or weight.device.type != "cuda" or k % 64 or nbytes < MIN_TUNED_BYTES:
         return {}
     copies = weight_copies(weight)
+    by_rows = {rows: _candidates(rows, weight, scale, dtype) for rows in BUCKETS}
+    with compile_ahead.compiling("skinny-product candidate"):
+        for candidates in by_rows.values():
+            for _, tile, fn in candidates:
+                if tile is not None:
+                    fn(weight)
     won = {}
-    for rows in BUCKETS:
-        x = torch.randn(rows, k, device=weight.device, dtype=dtype)
-        candidates: list[tuple[str, Tile | None, object]] = []
-        if weight.dtype != FP8:
-            candidates.append(("cublas", None, lambda w, x=x: torch.nn.functional.linear(x, w)))
-        for tile in ONE_ROW if rows == 1 else FEW_ROWS:
-            if k % tile.block_k == 0:
-                candidates.append((f"triton {tile.block_n}x{tile.block_k}/{tile.warps}w{tile.stages}s", tile,
-                                   lambda w, x=x, tile=tile: skinny_linear(x, w, scale, tile)))
+    for rows, candidates in by_rows.items():
         best: tuple[float, str, Tile | None] = (float("inf"), "cublas", None)
         for name, tile, fn in candidates:
             seconds = graph_time(fn, copies)
@@ -147,6 +147,22 @@ def tune(weight: Tensor, scale: Tensor | None, dtype: torch.dtype) -> dict[int, 
     del copies
     torch.cuda.empty_cache()
     return won
+
+
+def _candidates(rows: int, weight: Tensor, scale: Tensor | None,
+                dtype: torch.dtype) -> list[tuple[str, Tile | None, Callable[[Tensor], object]]]:
+    """What ``tune`` times for ``rows`` rows: cuBLAS (not for fp8) and every tile that divides the
+    reduction, each as (name, tile or None, a product of a fresh random input with a weight)."""
+    k = weight.shape[1]
+    x = torch.randn(rows, k, device=weight.device, dtype=dtype)
+    candidates: list[tuple[str, Tile | None, Callable[[Tensor], object]]] = []
+    if weight.dtype != FP8:
+        candidates.append(("cublas", None, lambda w: torch.nn.functional.linear(x, w)))
+    for tile in ONE_ROW if rows == 1 else FEW_ROWS:
+        if k % tile.block_k == 0:
+            candidates.append((f"triton {tile.block_n}x{tile.block_k}/{tile.warps}w{tile.stages}s", tile,
+                               lambda w, tile=tile: skinny_linear(x, w, scale, tile)))
+    return candidates
 
 
 def reference(x: Tensor, weight: Tensor, scale: Tensor | None = None) -> Tensor:

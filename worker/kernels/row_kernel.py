@@ -26,12 +26,13 @@ winner (or ``DEFAULT`` until tuned).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from graphkeeper.worker.kernels import pdl
+from graphkeeper.worker.kernels import compile_ahead, pdl
 from graphkeeper.worker.kernels.timing import graph_time, weight_copies
 from graphkeeper.worker.kernels.triton_support import tl, triton
 
@@ -186,7 +187,7 @@ def row_linear(
     else:
         grid = (triton.cdiv(n, tile.block_n),)
         cos = sin = x
-    _row_kernel[grid](
+    compile_ahead.launcher(_row_kernel, grid)(
         x, norm if norm is not None else x, weight, scale if scale is not None else x,
         residual if residual is not None else x, cos, sin, out, n, eps,
         K=k, BLOCK_K=_pow2(k), BLOCK_N=tile.block_n, MODE=mode, HALF=max(half, 1),
@@ -215,13 +216,13 @@ def tune(mode: int, weight: Tensor, scale: Tensor | None, dtype: torch.dtype, ha
         rope = (cs, cs, n_w // 2, 2 * half)
     copies = weight_copies(weight)
     best: tuple[float, RowTile | None] = (float("inf"), None)
-    for tile in CANDIDATES:
-        if not fits(tile, mode, k, half):
-            continue
-
-        def run(w, tile=tile):
-            row_linear(x, w, scale, norm=norm, eps=1e-5, residual=residual, glu=mode == GLU, rope=rope, tile=tile)
-
+    runs = {tile: functools.partial(row_linear, x, scale=scale, norm=norm, eps=1e-5, residual=residual,
+                                    glu=mode == GLU, rope=rope, tile=tile)
+            for tile in CANDIDATES if fits(tile, mode, k, half)}
+    with compile_ahead.compiling("row-product candidate"):
+        for run in runs.values():
+            run(weight)
+    for tile, run in runs.items():
         seconds = graph_time(run, copies)
         measurements.append((mode, n_w, k, str(weight.dtype), f"{tile.block_n}n/{tile.warps}w", seconds * 1e6))
         if seconds < best[0]:

@@ -1,0 +1,68 @@
+"""Kernels compiled ahead on several threads, on a real GPU: inside the block nothing runs and every
+variant is compiled; after it the real launches find them compiled and compute the right result;
+kernel tuning compiles its candidates this way and still decides every row bucket.
+Run with ``pytest -m cuda`` on the GPU machine."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from graphkeeper.worker.kernels import compile_ahead, linear_kernel
+from graphkeeper.worker.kernels.launch_memo import LaunchMemo
+from graphkeeper.worker.kernels.triton_support import tl, triton
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU (run pytest -m cuda on one)"),
+]
+
+if triton is not None:
+    @triton.jit
+    def _scale_kernel(x_ptr, out_ptr, n, FACTOR: tl.constexpr, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        ok = offs < n
+        tl.store(out_ptr + offs, tl.load(x_ptr + offs, mask=ok) * FACTOR, mask=ok)
+
+
+def _compiled(kernel) -> int:
+    device = torch.cuda.current_device()
+    return len(kernel.device_caches[device][0])
+
+
+def test_variants_compile_ahead_on_threads_and_nothing_runs_until_after(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))  # nothing found on disk: each one compiles
+    memo = LaunchMemo(_scale_kernel)
+    x = torch.arange(1000, device="cuda", dtype=torch.float32)
+    factors = range(2, 8)
+    outs = {f: torch.zeros_like(x) for f in factors}
+    before = _compiled(_scale_kernel)
+    with compile_ahead.compiling("test", threads=4):
+        for f, out in outs.items():
+            memo.launch((triton.cdiv(1000, 128),), x, out, 1000, FACTOR=f, BLOCK=128)
+    torch.cuda.synchronize()
+    assert all(not out.any() for out in outs.values())  # dry: compiled, not run
+    assert _compiled(_scale_kernel) == before + len(outs)
+    for f, out in outs.items():
+        memo.launch((triton.cdiv(1000, 128),), x, out, 1000, FACTOR=f, BLOCK=128)
+    torch.cuda.synchronize()
+    for f, out in outs.items():
+        torch.testing.assert_close(out, x * f)
+    assert _compiled(_scale_kernel) == before + len(outs)  # the real launches compiled nothing more
+
+
+def test_tuning_compiles_its_candidates_ahead_and_decides_every_bucket():
+    weight = torch.randn(4096, 2048, device="cuda", dtype=torch.bfloat16)
+    tiles = len({t for t in linear_kernel.ONE_ROW + linear_kernel.FEW_ROWS if 2048 % t.block_k == 0})
+    before = _compiled(linear_kernel._skinny_kernel)
+    won = linear_kernel.tune(weight, None, torch.bfloat16)
+    assert sorted(won) == list(linear_kernel.BUCKETS)
+    for rows in linear_kernel.BUCKETS:
+        assert (4096, 2048, str(weight.dtype), rows) in linear_kernel.choices()
+    assert _compiled(linear_kernel._skinny_kernel) - before <= 3 * tiles  # rows 1, 4-8 and 16 specialize
+    for rows in (1, 4, 16):
+        x = torch.randn(rows, 2048, device="cuda", dtype=torch.bfloat16)
+        tile = linear_kernel.choose(rows, weight)
+        if tile is not None:
+            torch.testing.assert_close(linear_kernel.skinny_linear(x, weight, None, tile),
+                                       linear_kernel.reference(x, weight), rtol=2e-2, atol=2e-2)

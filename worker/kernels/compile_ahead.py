@@ -1,0 +1,101 @@
+"""Compiling a batch of Triton kernels at once, on several threads, before any of them runs.
+
+Why: kernel tuning at a cold start times about fifty candidate kernels (tiles of the skinny product
+and of the fused row product, per reduction length), and Triton compiles each one at its first
+launch, one after another on the engine thread: 12-18 s of an H100 host's cold start went there.
+Triton's compiler spends most of its time outside the interpreter lock (MLIR and LLVM passes,
+``ptxas`` in a subprocess), so threads compile side by side: on a 2-core machine, 24 of the skinny
+kernels took 5.0 s one after another and 3.0 s on two threads.
+
+``compiling(threads)`` opens Triton's asynchronous compile mode on a thread pool and makes every
+launch made through ``launcher`` (and ``LaunchMemo``) a *dry* one: the kernel is specialized on the
+call's real arguments exactly as a launch would be, its compilation is queued, and nothing runs on
+the GPU. Leaving the block waits for every compilation; the real launches after it find their
+kernels compiled. A compilation that fails is dropped here and fails again, as it did before, at its
+real launch (where tuning reports it).
+
+Only calls whose outputs nobody reads belong inside the block (tuning's candidates on random
+inputs): a dry launch leaves its output tensor as it was allocated.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextvars import ContextVar
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+#: At most this many compiler threads: past it the host's other work (the API process, the
+#: tokenizer) would wait behind the compiler.
+MAX_THREADS = 8
+
+_dry: ContextVar[bool] = ContextVar("graphkeeper_compile_ahead", default=False)
+
+
+def thread_count(cpus: int, limit: int = MAX_THREADS) -> int:
+    """Compiler threads for ``cpus`` usable CPUs (pure): all of them up to ``limit``, at least one."""
+    return max(1, min(limit, cpus))
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on: torch's thread count, which the engine core sizes from the
+    container's CPU quota (``engine/cpu_quota.py``), within the affinity."""
+    import torch
+
+    affinity = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(affinity, torch.get_num_threads()))
+
+
+def dry() -> bool:
+    """Whether launches are being compiled ahead (not run)."""
+    return _dry.get()
+
+
+def launcher(kernel: Any, grid: tuple[int, ...]) -> Callable[..., Any]:
+    """``kernel[grid]``, or inside ``compiling`` its dry launch (compile only, on the pool)."""
+    if _dry.get():
+        return lambda *args, **kwargs: kernel.warmup(*args, grid=grid, **kwargs)
+    return kernel[grid]
+
+
+@contextlib.contextmanager
+def compiling(what: str, threads: int | None = None) -> Iterator[None]:
+    """Launches inside the block compile on ``threads`` threads (default: ``usable_cpus``, at most
+    ``MAX_THREADS``) and run nothing; the block ends when every compilation has. With one thread,
+    or without Triton's asynchronous mode, the block's launches are skipped and nothing is
+    compiled ahead: the real launches after it compile as before."""
+    threads = threads or thread_count(usable_cpus())
+    mode = _async_mode()
+    if mode is None or threads <= 1:
+        token = _dry.set(True)
+        try:
+            yield
+        finally:
+            _dry.reset(token)
+        return
+    start = time.perf_counter()
+    with ThreadPoolExecutor(threads, thread_name_prefix="triton-compile") as pool:
+        with mode(pool, ignore_errors=True) as active:
+            token = _dry.set(True)
+            try:
+                yield
+            finally:
+                _dry.reset(token)
+        queued = len(active.raw_futures)
+    log.info("compiled %d %s kernels ahead on %d threads in %.1f s", queued, what, threads,
+             time.perf_counter() - start)
+
+
+def _async_mode() -> Any:
+    """Triton's ``AsyncCompileMode`` (Triton 3.5+), or None where this Triton has none."""
+    try:
+        from triton.runtime._async_compile import AsyncCompileMode
+    except ImportError:
+        return None
+    return AsyncCompileMode
