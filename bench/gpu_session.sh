@@ -111,8 +111,10 @@ for b in "${benches[@]}"; do  # BENCH="" runs the tests alone
       timeout 120 python3 bench/checkpoint_probe.py --out "$out/checkpoint-probe-$card.json" ;;
     vmm)  # issue 36: a graph replays after its memory was released and mapped again (~15 s)
       timeout 60 python3 bench/vmm_probe.py --out "$out/vmm-probe-$card.json" ;;
-    start)  # issue 36: READY cold, warm and warm again, stage by stage, llama-1b and llama-8b (3 starts each)
-      timeout 470 python3 bench/start_bench.py --out "$out/start-ii-$card.json" ;;
+    start)  # issue 36: READY cold, warm and warm again, stage by stage, llama-1b and llama-8b (3 starts each;
+      # PRESETS and STARTS narrow it), each worker's log kept in $out/logs-start
+      timeout 470 python3 bench/start_bench.py ${PRESETS:+--presets "$PRESETS"} ${STARTS:+--starts "$STARTS"} \
+        --logs "$out/logs-start" --out "$out/start-ii-$card.json" ;;
     start-baseline)  # issue 36: this tree's starts, then .baseline's warm ones on the caches they filled
       # (the step's modules unchanged between the two: one compile key), in one call (~4-6 min). The
       # baseline's first start also writes its tree's bytecode: compare the "warm again" rows.

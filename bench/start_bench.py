@@ -152,6 +152,7 @@ def main() -> int:
     parser.add_argument("--worker-pythonpath", default="",
                         help="first on the workers' PYTHONPATH: another tree's worker (a baseline)")
     parser.add_argument("--label", default="")
+    parser.add_argument("--logs", default="", help="keep each worker's log here (default: a temporary directory)")
     parser.add_argument("--out", default="")
     args = parser.parse_args()
     args.presets = args.presets or default_presets(args.device)
@@ -163,7 +164,8 @@ def main() -> int:
               "commit": _commit(), "label": args.label, "worker_pythonpath": args.worker_pythonpath,
               "pycache": args.pycache, "before": BEFORE, "targets": TARGETS, "rows": []}
     pycache = {"fresh": tempfile.mkdtemp(prefix="pycache-"), "none": ""}.get(args.pycache, args.pycache)
-    logs = Path(tempfile.mkdtemp(prefix="start-bench-"))
+    logs = Path(args.logs or tempfile.mkdtemp(prefix="start-bench-"))
+    logs.mkdir(parents=True, exist_ok=True)
     for preset in args.presets.split(","):
         cache = str(Path(args.cache_root) / preset) if args.cache_root else tempfile.mkdtemp(prefix="compile-cache-")
         for label in args.starts.split(","):

@@ -16,6 +16,12 @@ def test_pool_size_is_one_thread_whenever_the_cache_holds_a_compiled_graph():
     assert compile_pool.pool_size(cached=0, cpus=1) == 1
 
 
+def test_the_pool_s_module_path_leaves_out_the_working_directory(tmp_path):
+    here = str(tmp_path)
+    assert compile_pool.worker_path(["", here, here + "/", "/usr/lib/python3.11", "/site"], here) == [
+        "/usr/lib/python3.11", "/site"]
+
+
 def test_cached_graphs_counts_the_fx_graph_files(tmp_path):
     assert compile_pool.cached_graphs(str(tmp_path)) == 0
     assert compile_pool.cached_graphs(str(tmp_path / "missing")) == 0
@@ -53,7 +59,11 @@ def test_a_cold_cache_starts_a_pool_of_processes_and_stop_ends_them(tmp_path):
         pools = list(async_compile._pool_set)
         assert len(pools) == 1
         sidecar = pools[0].process
-        assert sidecar.poll() is None  # the pool's process is running
+        # Its processes start and answer (run from this repository's root, whose operator/
+        # package once stopped them at their first import): Inductor uses the pool only then.
+        assert async_compile.AsyncCompile._ready_future.result(timeout=120) == "ready"
+        assert async_compile.AsyncCompile.use_process_pool()
+        assert sidecar.poll() is None
     finally:
         compile_pool.stop(threads)
     assert sidecar.wait(timeout=60) is not None

@@ -11,12 +11,18 @@ with a pool stayed alive over a minute after SIGTERM). So:
   starts one;
 - a cold start starts it before kernel tuning, so that its processes have imported torch by the
   time Inductor asks (Inductor compiles in-process while the pool is not ready yet);
-- the pool is shut down as soon as the step is built, and Inductor is left at one thread.
+- the pool is shut down as soon as the step is built, and Inductor is left at one thread;
+- the pool's processes get this interpreter's module path without the working directory: they
+  import only torch and Triton, and a working directory may hold packages named like the standard
+  library's modules (this repository's ``operator/`` is one), which stopped every pool process at
+  its interpreter's first import (Inductor then compiled in-process while waiting for the pool).
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import sys
 from pathlib import Path
 
 from graphkeeper.worker.kernels.compile_ahead import thread_count, usable_cpus
@@ -42,6 +48,13 @@ def pool_size(cached: int, cpus: int) -> int:
     return 1 if cached else thread_count(cpus)
 
 
+def worker_path(paths: list[str], cwd: str) -> list[str]:
+    """The module path for the pool's processes (pure): ``paths`` without the working directory
+    (an empty entry, or ``cwd`` itself)."""
+    here = os.path.abspath(cwd)
+    return [p for p in paths if p and os.path.abspath(p) != here]
+
+
 def start(cache_dir: str) -> int:
     """Sets Inductor's compile threads for this cache directory and, for a pool, starts its
     processes now; returns the thread count (1: no pool)."""
@@ -52,6 +65,7 @@ def start(cache_dir: str) -> int:
     if threads > 1:
         from torch._inductor.async_compile import AsyncCompile
 
+        os.environ.setdefault("TORCH_CUSTOM_PYTHONPATH", os.pathsep.join(worker_path(sys.path, os.getcwd())))
         AsyncCompile.warm_pool()
         AsyncCompile.wakeup()
         log.info("nothing compiled in the cache yet: %d compile worker processes while the step compiles", threads)
