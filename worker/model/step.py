@@ -40,7 +40,7 @@ import torch
 from graphkeeper.proto import worker_pb2 as pb
 from graphkeeper.worker.kernels import choice, decode_kernel, linear_kernel, norm_kernel, pdl, row_kernel, varlen_kernel
 from graphkeeper.worker.kernels.timing import replay_seconds
-from graphkeeper.worker.model import compile_pool, llama, tensor_parallel, tuning
+from graphkeeper.worker.model import llama, tensor_parallel, tuning
 from graphkeeper.worker.model.cache_key import differences, key_of, library_versions, source_digest
 from graphkeeper.worker.model.config import ModelConfig
 from graphkeeper.worker.model.llama import PieceFunctions, make_pieces, make_row_pieces, row_pieces_fit
@@ -83,7 +83,6 @@ class CompileReport:
     graphs: int = 0  # graphs Dynamo compiled (one per piece when nothing recompiled)
     tuning: tuning.TuningReport | None = None
     row_step: str = ""  # the one-token step's choice and the two timings behind it
-    workers: int = 1  # Inductor's compile threads (more than one: a pool of processes, cold caches only)
 
     def read_counters(self, before: dict[str, int]) -> None:
         """Cache outcome and graph count from torch's counters since ``before`` was taken."""
@@ -175,6 +174,16 @@ def _read_json(path: Path) -> dict | None:
     return data if isinstance(data, dict) else None
 
 
+def compile_in_process() -> None:
+    """Inductor compiles in this process, with no pool of compile-worker processes (as vLLM
+    sets it). A pool outlives the compilation: its processes hold memory while the worker
+    serves, and its shutdown at exit waits for them, which kept a worker that had compiled
+    cold alive for over a minute after SIGTERM."""
+    import torch._inductor.config
+
+    torch._inductor.config.compile_threads = 1
+
+
 def dynamic_batch(fn: Callable, dynamic_args: int, backend: str = "inductor") -> Callable:
     """``torch.compile(fn)`` whose first ``dynamic_args`` arguments have a dynamic first dimension.
 
@@ -215,33 +224,28 @@ def prepare_step(model, *, compile: bool, cache_root: str, quantization: str, wa
     pieces = make_pieces(model.config, kernels.add_rms_norm, model.tp)
     report = CompileReport(enabled=compile, level=level, reason=reason)
     rows = device.type == "cuda" and row_pieces_fit(model.config, model.tok_embeddings.weight.dtype)
-    threads = 1
     if compile:  # first: every Triton kernel from here on (the PDL probe's too) is kept in the cache
         _use_compile_cache(model, report, kernels.name, quantization, cache_root)
-        threads = report.workers = compile_pool.start(report.cache_dir)  # cold: workers start while tuning runs
-    try:
-        if device.type == "cuda":
-            pdl.probe(device)
-            report.tuning = tuning.tune_model(model, cache_root, rows)
-            tuning.adopt_first_ranks(model.tp)
-        tuned = report.tuning.summary if report.tuning else ""
-        name = "+".join(n for n in (kernels.name, tuned) if n)
-        if compile:
-            torch.compiler.reset()  # one engine per process: its previous step's compiled code is dropped
-            pieces = compile_pieces(pieces)
-        model.use_pieces(pieces, name)
-        before = compile_counters() if compile else {}
-        start = time.perf_counter()
-        with default_stance():
-            warm_up()
-    finally:
-        if compile:
-            compile_pool.stop(threads)
+    if device.type == "cuda":
+        pdl.probe(device)
+        report.tuning = tuning.tune_model(model, cache_root, rows)
+        tuning.adopt_first_ranks(model.tp)
+    tuned = report.tuning.summary if report.tuning else ""
+    name = "+".join(n for n in (kernels.name, tuned) if n)
+    if compile:
+        compile_in_process()
+        torch.compiler.reset()  # one engine per process: its previous step's compiled code is dropped
+        pieces = compile_pieces(pieces)
+    model.use_pieces(pieces, name)
+    before = compile_counters() if compile else {}
+    start = time.perf_counter()
+    with default_stance():
+        warm_up()
     if compile:
         report.seconds = time.perf_counter() - start
         report.read_counters(before)
-        log.info("compiled the step in %.1f s (%d graphs, cache %s at %s, %d compile threads)", report.seconds,
-                 report.graphs, report.cache, report.cache_dir, report.workers)
+        log.info("compiled the step in %.1f s (%d graphs, cache %s at %s)", report.seconds, report.graphs,
+                 report.cache, report.cache_dir)
     if rows:
         _choose_row_step(model, report)
     return report
