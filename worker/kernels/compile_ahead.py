@@ -1,8 +1,9 @@
 """Compiling a batch of Triton kernels at once, on several threads, before any of them runs.
 
 Why: kernel tuning at a cold start times about fifty candidate kernels (tiles of the skinny product
-and of the fused row product, per reduction length), and Triton compiles each one at its first
-launch, one after another on the engine thread: 12-18 s of an H100 host's cold start went there.
+and of the fused row product, per reduction length), and Triton compiled each one at its first
+launch, one after another on the engine thread: tuning took 12-18 s of an H100 host's cold start,
+most of it compiling (5.6-7.9 s with the candidates compiled here first).
 Triton's compiler spends most of its time outside the interpreter lock (MLIR and LLVM passes,
 ``ptxas`` in a subprocess), so threads compile side by side: on a 2-core machine, 24 of the skinny
 kernels took 5.0 s one after another and 3.0 s on two threads.
@@ -68,8 +69,8 @@ def launcher(kernel: Any, grid: tuple[int, ...]) -> Callable[..., Any]:
 def compiling(what: str, threads: int | None = None) -> Iterator[None]:
     """Launches inside the block compile on ``threads`` threads (default: ``usable_cpus``, at most
     ``MAX_THREADS``) and run nothing; the block ends when every compilation has. With one thread,
-    or without Triton's asynchronous mode, the block's launches are skipped and nothing is
-    compiled ahead: the real launches after it compile as before."""
+    or without Triton's asynchronous mode, the dry launches compile one after another, as the real
+    launches would have."""
     threads = threads or thread_count(usable_cpus())
     mode = _async_mode()
     if mode is None or threads <= 1:
