@@ -59,10 +59,11 @@ def process_started(pid: int) -> float:
     return time.time() - uptime + ticks / os.sysconf("SC_CLK_TCK")
 
 
-#: The packages a worker imports, whose bytecode "primed" compiles before the first start.
+#: The packages a worker imports, whose bytecode "primed" compiles before the first start (the
+#: worker's own subpackages by name: an editable install maps them to directories of their own).
 PRIMED_PACKAGES = ("torch", "triton", "sympy", "mpmath", "numpy", "jinja2", "markupsafe", "networkx", "grpc",
                    "google", "prometheus_client", "safetensors", "filelock", "fsspec", "llguidance", "graphkeeper",
-                   "typing_extensions")
+                   "graphkeeper.worker", "graphkeeper.proto", "typing_extensions")
 
 
 def prime_bytecode(prefix: str) -> float:
