@@ -12,8 +12,8 @@ kernels took 5.0 s one after another and 3.0 s on two threads.
 launch made through ``launcher`` (and ``LaunchMemo``) a *dry* one: the kernel is specialized on the
 call's real arguments exactly as a launch would be, its compilation is queued, and nothing runs on
 the GPU. Leaving the block waits for every compilation; the real launches after it find their
-kernels compiled. A compilation that fails is dropped here and fails again, as it did before, at its
-real launch (where tuning reports it).
+kernels compiled. A compilation that fails is dropped here and fails again at its real launch, as
+it did before.
 
 Only calls whose outputs nobody reads belong inside the block (tuning's candidates on random
 inputs): a dry launch leaves its output tensor as it was allocated.
