@@ -49,6 +49,10 @@ spy() {
   done
   wait "$2"; gzip -c "/tmp/$1.txt" > "$out/$1.txt.gz"
 }
+# The .baseline/ tree (an older commit's, carried along) installed apart, at /tmp/oldpkg.
+install_baseline() {
+  python3 -m pip install -q --no-deps --no-build-isolation --target /tmp/oldpkg ./.baseline >/dev/null 2>&1
+}
 # Entries are split at every ';', so a command given here cannot contain one (not even quoted).
 IFS=';' read -ra benches <<< "${BENCH-load}"
 for b in "${benches[@]}"; do  # BENCH="" runs the tests alone
@@ -56,7 +60,7 @@ for b in "${benches[@]}"; do  # BENCH="" runs the tests alone
     load) timeout 330 python3 bench/load_bench.py --seconds "${SECONDS_PER:-12}" ${SCENARIOS:+--scenarios "$SCENARIOS"} \
         --label "${LABEL:-}" --out "$out/load-$card.json" ;;
     baseline)
-      python3 -m pip install -q --no-deps --no-build-isolation --target /tmp/oldpkg ./.baseline >/dev/null 2>&1
+      install_baseline
       # BASELINE_ARGS="" for a baseline that has --control-port (newer than 8e2591a).
       timeout 330 python3 bench/load_bench.py --scenarios "${SCENARIOS:-mixed}" ${BASELINE_ARGS---legacy} \
         --worker-pythonpath /tmp/oldpkg:/tmp/site \
@@ -119,12 +123,12 @@ for b in "${benches[@]}"; do  # BENCH="" runs the tests alone
       # (the step's modules unchanged between the two: one compile key), in one call (~4-6 min). The
       # baseline's first start also writes its tree's bytecode: compare the "warm again" rows.
       timeout 300 python3 bench/start_bench.py --cache-root /tmp/start-caches --out "$out/start-ii-$card.json"
-      python3 -m pip install -q --no-deps --no-build-isolation --target /tmp/oldpkg ./.baseline >/dev/null 2>&1
+      install_baseline
       timeout 240 python3 bench/start_bench.py --cache-root /tmp/start-caches --starts "warm,warm again" \
         --worker-pythonpath /tmp/oldpkg --label "baseline ${BASELINE:-}" --out "$out/start-ii-baseline-$card.json" ;;
     start-cold-baseline)  # issue 36: .baseline's cold starts on caches of their own (~2 min), beside this
       # tree's "start" in the same call: BENCH="start-cold-baseline;start"
-      python3 -m pip install -q --no-deps --no-build-isolation --target /tmp/oldpkg ./.baseline >/dev/null 2>&1
+      install_baseline
       timeout 240 python3 bench/start_bench.py --cache-root /tmp/baseline-caches --starts cold \
         --worker-pythonpath /tmp/oldpkg --label "baseline ${BASELINE:-}" --out "$out/start-ii-baseline-cold-$card.json" ;;
     defaults)  # issue 35: defaults only (the budget sized to the device, coarse graphs kept where they pay):

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -46,11 +45,10 @@ def thread_count(cpus: int, limit: int = MAX_THREADS) -> int:
 
 def usable_cpus() -> int:
     """The CPUs this process may run on: torch's thread count, which the engine core sizes from the
-    container's CPU quota (``engine/cpu_quota.py``), within the affinity."""
+    container's CPU quota and its CPU affinity (``engine/cpu_quota.py``)."""
     import torch
 
-    affinity = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, min(affinity, torch.get_num_threads()))
+    return max(1, torch.get_num_threads())
 
 
 def dry() -> bool:
@@ -74,23 +72,26 @@ def compiling(what: str, threads: int | None = None) -> Iterator[None]:
     threads = threads or thread_count(usable_cpus())
     mode = _async_mode()
     if mode is None or threads <= 1:
-        token = _dry.set(True)
-        try:
+        with _dry_launches():
             yield
-        finally:
-            _dry.reset(token)
         return
     start = time.perf_counter()
-    with ThreadPoolExecutor(threads, thread_name_prefix="triton-compile") as pool:
-        with mode(pool, ignore_errors=True) as active:
-            token = _dry.set(True)
-            try:
-                yield
-            finally:
-                _dry.reset(token)
-        queued = len(active.raw_futures)
+    # Left in reverse: dry launches end, then the mode waits for every compilation, then the pool.
+    with (ThreadPoolExecutor(threads, thread_name_prefix="triton-compile") as pool,
+          mode(pool, ignore_errors=True) as active, _dry_launches()):
+        yield
+    queued = len(active.raw_futures)
     log.info("compiled %d %s kernels ahead on %d threads in %.1f s", queued, what, threads,
              time.perf_counter() - start)
+
+
+@contextlib.contextmanager
+def _dry_launches() -> Iterator[None]:
+    token = _dry.set(True)
+    try:
+        yield
+    finally:
+        _dry.reset(token)
 
 
 def _async_mode() -> Any:
