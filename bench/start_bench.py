@@ -35,6 +35,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -145,6 +146,14 @@ def start(preset: str, flags: list[str], cache_dir: str, log_path: Path, max_num
             "capture_seconds": status.total_capture_seconds, "graphs_captured": len(status.captured)}
 
 
+def triton_variants(cache_dir: str) -> dict[str, int]:
+    """Kernels compiled into a compile cache's Triton cache (``<cache>/<key>/triton``, Inductor's and
+    the worker's own kernels), by name, most variants first: what a cold start spent compiling, and
+    which kernel compiled a variant per batch size."""
+    counts = Counter(p.stem for p in Path(cache_dir).glob("*/triton/*/*.cubin"))
+    return dict(counts.most_common())
+
+
 def stage_table(rows: list[dict]) -> list[str]:
     """Markdown: one column per start, one row per stage, READY and the issue's figures last (pure)."""
     head = [f"{r['preset']} {r['start']}" for r in rows]
@@ -209,11 +218,15 @@ def main() -> int:
             target = TARGETS.get(preset, {}).get(label)
             row.update(preset=preset, start=label, before=BEFORE.get(preset, {}).get(label, "-"),
                        target=target or 0.0, met=target is not None and row["seconds_to_ready"] <= target)
+            row["triton_variants"] = triton_variants(cache)
             report["rows"].append(row)
             print(f"{preset:<9} {label:<11} READY after {row['seconds_to_ready']:6.1f} s (worker says "
                   f"{row['worker_ready_seconds']:.1f} s; caches {row['caches']}: compile {row['compile_cache']}, "
                   f"tuning {row['tuning_cache']}; {row['graphs_captured']} CUDA graphs)\n    {row['startup_line']}",
                   flush=True)
+            variants = row["triton_variants"]
+            print(f"    Triton cache: {sum(variants.values())} kernels compiled, "
+                  + ", ".join(f"{name} {n}" for name, n in list(variants.items())[:6]), flush=True)
         if not args.cache_root:
             shutil.rmtree(cache, ignore_errors=True)
         report["table"] = stage_table(report["rows"])

@@ -216,7 +216,7 @@ PAGED_CHECKS = textwrap.dedent('''
     # Two slots whose blocks are scattered over the cache, in no order.
     table = torch.tensor([[5, 2, 9, 0, 4], [7, 1, 3, 11, 6]])
 
-    def reference(q, kf, vf, slot, positions):
+    def reference(q, kf, vf, slot, positions, table=table):
         """Causal attention of q [n, heads, d] at ``positions`` over the slot's keys, read block by block."""
         n_keys = int(positions.max()) + 1
         pos = torch.arange(n_keys)
@@ -237,6 +237,18 @@ PAGED_CHECKS = textwrap.dedent('''
         for r in range(3):
             exp = reference(q[r:r + 1], kf, vf, int(slots[r]), lengths[r:r + 1] - 1)[0]
             assert (out[r].float() - exp).abs().max() < (1e-4 if dt == torch.float32 else 2e-2), ('decode', dt, r)
+        # Tables long enough (160 keys) that two half-precision rows split their keys across three
+        # programs (flash-decoding: partial softmaxes, then the combining kernel); float32 never splits.
+        long_table = torch.randperm(96)[:80].view(2, 40)
+        assert dk.decode_splits(2, kvh, 160, dt)[0] == (1 if dt == torch.float32 else 3)
+        K2, V2 = torch.randn(96, bs, kvh, d).to(dt), torch.randn(96, bs, kvh, d).to(dt)
+        slots, lengths = torch.tensor([1, 0]), torch.tensor([150, 70])
+        q = torch.randn(2, heads, d).to(dt)
+        out = dk.decode_attention(q, K2, V2, slots, lengths, long_table)
+        for r in range(2):
+            exp = reference(q[r:r + 1], K2.view(-1, kvh, d), V2.view(-1, kvh, d), int(slots[r]), lengths[r:r + 1] - 1,
+                            long_table)[0]
+            assert (out[r].float() - exp).abs().max() < (1e-4 if dt == torch.float32 else 2e-2), ('split', dt, r)
         # Varlen: a decode row of slot 0 at position 6, a chunk of slot 1 at positions 3..12.
         q = torch.randn(11, heads, d).to(dt)
         block_row, block_len = torch.tensor([0, 1]), torch.tensor([1, 10])
