@@ -1,6 +1,6 @@
 """The decode attention kernel alone, this tree's against another tree's (a baseline), on the GPU's
 clock: seconds per launch at each batch size, replayed from CUDA graphs as a captured step runs it,
-the two kernels alternated so that drift hits both alike.
+the two kernels alternated (and which goes first, round by round) so that drift hits both alike.
 
 A kernel change that should cost nothing (a constant made a runtime argument, say) is checked here
 before the whole-worker benchmarks, and stated with the figure that shows it.
@@ -69,7 +69,7 @@ def main() -> int:
     parser.add_argument("--max-len", type=int, default=8192, help="keys a slot's table holds (the context)")
     parser.add_argument("--length", type=int, default=1024, help="keys each row attends over")
     parser.add_argument("--replays", type=int, default=20)
-    parser.add_argument("--rounds", type=int, default=3, help="alternations of the two kernels; the best kept")
+    parser.add_argument("--rounds", type=int, default=4, help="alternations of the two kernels; the best kept")
     parser.add_argument("--out", default="")
     args = parser.parse_args()
     kernels = {"this tree": decode_kernel}
@@ -77,9 +77,10 @@ def main() -> int:
         kernels["baseline"] = load_baseline(args.baseline)
     rows_list = [int(r) for r in args.rows.split(",")]
     best: dict[str, dict[int, float]] = {name: {} for name in kernels}
-    for _ in range(args.rounds):
+    for round_ in range(args.rounds):
+        order = list(kernels.items())
         for rows in rows_list:
-            for name, module in kernels.items():
+            for name, module in order if round_ % 2 == 0 else order[::-1]:  # neither one always first
                 seconds = launch_seconds(module, rows, args)
                 best[name][rows] = min(best[name].get(rows, seconds), seconds)
     report = {"date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), "gpu": torch.cuda.get_device_name(),
