@@ -1,5 +1,6 @@
 """The decode attention kernel alone, this tree's against another tree's (a baseline), on the GPU's
-clock: seconds per launch at each batch size, replayed from CUDA graphs as a captured step runs it,
+clock: seconds per launch at each batch size, replayed from CUDA graphs as a captured step runs it
+(and as a share of what the GPU's memory allows: the keys and values read at a plain copy's pace),
 the two kernels alternated (and which goes first, round by round) so that drift hits both alike.
 
 A kernel change that should cost nothing (a constant made a runtime argument, say) is checked here
@@ -58,6 +59,20 @@ def launch_seconds(module, rows: int, args: argparse.Namespace, launches: int = 
     return replay_seconds(record, replays=args.replays) / launches
 
 
+def copy_bandwidth(replays: int) -> float:
+    """Bytes per second a device-to-device copy of 1 GiB moves (read plus write), replayed from a
+    CUDA graph: what this GPU's memory allows, in this run, for a kernel that reads its inputs once."""
+    src = torch.empty(2**29, device="cuda", dtype=torch.float16)
+    dst = torch.empty_like(src)
+    seconds = replay_seconds(lambda: dst.copy_(src), replays=replays)
+    return 2 * src.numel() * src.element_size() / seconds
+
+
+def kv_bytes(rows: int, args: argparse.Namespace) -> int:
+    """Bytes of keys and values (bf16) a launch must read: each row's ``--length`` keys."""
+    return 2 * rows * args.length * args.kv_heads * args.head_dim * 2
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--baseline", default="", help="another tree's root: its decode kernel is timed beside")
@@ -83,20 +98,25 @@ def main() -> int:
             for name, module in order if round_ % 2 == 0 else order[::-1]:  # neither one always first
                 seconds = launch_seconds(module, rows, args)
                 best[name][rows] = min(best[name].get(rows, seconds), seconds)
+    allowed = copy_bandwidth(args.replays)
     report = {"date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), "gpu": torch.cuda.get_device_name(),
+              "copy_bytes_per_second": allowed,
               "torch": torch.__version__, "command": " ".join([Path(sys.executable).name, *sys.argv]),
               "commit": _commit(), "shape": {k: getattr(args, k) for k in ("heads", "kv_heads", "head_dim",
                                                                           "block_size", "max_len", "length")},
               "rows": []}
-    print(f"{'rows':>5} {'splits':>6} " + " ".join(f"{name + ' us':>14}" for name in kernels) + "   ratio")
+    print(f"copy bandwidth {allowed / 1e12:.2f} TB/s; share: the keys and values read at that pace, against the launch")
+    print(f"{'rows':>5} {'splits':>6} " + " ".join(f"{name + ' us':>14}" for name in kernels) + "   ratio   share")
     for rows in rows_list:
         splits, _ = decode_kernel.decode_splits(rows, args.kv_heads, args.max_len, torch.bfloat16)
-        entry = {"rows": rows, "splits": splits, **{f"{name} us": best[name][rows] * 1e6 for name in kernels}}
+        entry = {"rows": rows, "splits": splits, **{f"{name} us": best[name][rows] * 1e6 for name in kernels},
+                 "share_of_copy_bandwidth": kv_bytes(rows, args) / allowed / best["this tree"][rows]}
         if args.baseline:
             entry["ratio"] = best["this tree"][rows] / best["baseline"][rows]
         report["rows"].append(entry)
         print(f"{rows:>5} {splits:>6} " + " ".join(f"{best[name][rows] * 1e6:>14.2f}" for name in kernels)
-              + (f"   {entry['ratio']:.3f}" if args.baseline else ""))
+              + (f"   {entry['ratio']:.3f}" if args.baseline else " " * 8)
+              + f"   {entry['share_of_copy_bandwidth']:.2f}")
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     return 0
