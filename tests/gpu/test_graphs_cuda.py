@@ -444,35 +444,6 @@ def test_triton_decode_kernel_matches_sdpa_reference(dtype, tol, block_size):
         assert rel < tol, (r, rel)
 
 
-def test_decode_kernel_compiles_one_variant_for_every_split_count():
-    """The split's shape is a runtime argument: batches of 1 to 16 rows (each split differently)
-    share one compiled splitting kernel, and each still matches the reference attention. Compiled
-    per split count, a cold start compiled one per captured size."""
-    from graphkeeper.worker.kernels import decode_kernel
-
-    torch.manual_seed(0)
-    kv_heads, d, heads, length_max = 8, 64, 32, 2048
-    k, v, table, gather = paged(16, length_max, kv_heads, d, torch.bfloat16)
-    device = torch.cuda.current_device()
-    compiled = lambda: len(decode_kernel._decode_kernel.device_caches[device][0])  # noqa: E731
-    splits_seen, variants = set(), None
-    for rows in (1, 2, 3, 4, 8, 12, 16):
-        splits_seen.add(decode_kernel.decode_splits(rows, kv_heads, table.shape[1] * 16, torch.bfloat16)[0])
-        q = torch.randn(rows, heads, d, device="cuda", dtype=torch.bfloat16)
-        slots = torch.arange(rows, device="cuda")
-        lengths = torch.randint(1, length_max + 1, (rows,), device="cuda")
-        got = decode_kernel.decode_attention(q, k, v, slots, lengths, table).view(rows, heads, d).float()
-        variants = compiled() if variants is None else variants
-        assert compiled() == variants, rows  # no new variant for this batch's split count
-        for r in range(rows):
-            n = int(lengths[r])
-            keys = gather(k, r, n).float().transpose(0, 1).repeat_interleave(heads // kv_heads, 0)
-            values = gather(v, r, n).float().transpose(0, 1).repeat_interleave(heads // kv_heads, 0)
-            want = torch.softmax(q[r].float()[:, None, :] @ keys.transpose(1, 2) / d**0.5, -1) @ values
-            assert ((got[r] - want[:, 0]).norm() / want.norm()).item() < 1e-2, (rows, r)
-    assert len(splits_seen) >= 5 and 1 not in splits_seen  # every batch split, each a count of its own
-
-
 # --- the varlen kernel and mixed steps (Worker III) ------------------------------------------
 
 

@@ -60,17 +60,13 @@ if triton is not None:
         v = tl.load(v_base + offsets, mask=key_ok[:, None], other=0.0)
         return keys, key_ok, k, v
 
-    # The split's shape is a runtime argument, not a constant: it changes with the batch's row
-    # count, and as constants every captured size compiled a variant of its own at a cold start.
-    # Only whether rows split at all is a constant; neither argument is specialized. A split's
-    # keys are counted in tiles (``split_tiles``) so that its first key is a multiple of BLOCK_N
-    # the compiler can see, as it was with a constant: a runtime key count measured 3-8% slower.
-    @triton.jit(do_not_specialize=["split_tiles", "splits"])
+    @triton.jit
     def _decode_kernel(
         q_ptr, k_ptr, v_ptr, out_ptr, part_ptr, stats_ptr, slots_ptr, lengths_ptr, table_ptr, scale,
-        stride_qb, stride_qh, stride_kb, stride_kh, stride_kl, stride_ob, stride_oh, stride_t, split_tiles, splits,
+        stride_qb, stride_qh, stride_kb, stride_kh, stride_kl, stride_ob, stride_oh, stride_t,
         BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-        BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr, USE_PDL: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        SPLIT_KEYS: tl.constexpr, SPLITS: tl.constexpr, IEEE: tl.constexpr, USE_PDL: tl.constexpr,
     ):
         await_inputs(USE_PDL)  # everything below reads what earlier kernels wrote
         row = tl.program_id(0)
@@ -78,8 +74,8 @@ if triton is not None:
         split = tl.program_id(2)
         slot = tl.load(slots_ptr + row)
         length = tl.load(lengths_ptr + row)
-        first = split * split_tiles * BLOCK_N
-        end = tl.minimum(length, first + split_tiles * BLOCK_N)
+        first = split * SPLIT_KEYS
+        end = tl.minimum(length, first + SPLIT_KEYS)
         heads = kv_head * GROUP + tl.arange(0, GROUP_PAD)
         head_ok = tl.arange(0, GROUP_PAD) < GROUP
         dims = tl.arange(0, HEAD_DIM)
@@ -95,7 +91,7 @@ if triton is not None:
             _, key_ok, k, v = load_kv_tile(table, k_base, v_base, start, end, dims, stride_kb, stride_kl,
                                            BLOCK_SIZE, BLOCK_N)
             m_i, l_i, acc = online_softmax_step(q, k, v, key_ok[None, :], scale, m_i, l_i, acc, IEEE)
-        if not SPLIT:
+        if SPLITS == 1:
             acc = acc / l_i[:, None]
             tl.store(out_ptr + row * stride_ob + heads[:, None] * stride_oh + dims[None, :],
                      acc.to(out_ptr.dtype.element_ty), mask=head_ok[:, None])
@@ -103,21 +99,21 @@ if triton is not None:
             # Partial results of this split: unnormalised values and the running max and sum,
             # laid out [row, head, split, ...] for the combining kernel.
             n_heads = tl.num_programs(1) * GROUP
-            base = (row * n_heads + heads) * splits + split
+            base = (row * n_heads + heads) * SPLITS + split
             tl.store(part_ptr + base[:, None] * HEAD_DIM + dims[None, :], acc, mask=head_ok[:, None])
             tl.store(stats_ptr + base * 2, m_i, mask=head_ok)
             tl.store(stats_ptr + base * 2 + 1, l_i, mask=head_ok)
 
-    @triton.jit(do_not_specialize=["splits"])
-    def _combine_kernel(part_ptr, stats_ptr, out_ptr, stride_ob, stride_oh, splits,
+    @triton.jit
+    def _combine_kernel(part_ptr, stats_ptr, out_ptr, stride_ob, stride_oh, SPLITS: tl.constexpr,
                         SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, USE_PDL: tl.constexpr):
         await_inputs(USE_PDL)
         row = tl.program_id(0)
         head = tl.program_id(1)
         n_heads = tl.num_programs(1)
-        split = tl.arange(0, SPLITS_PAD)
-        ok = split < splits
-        base = (row * n_heads + head) * splits + split
+        splits = tl.arange(0, SPLITS_PAD)
+        ok = splits < SPLITS
+        base = (row * n_heads + head) * SPLITS + splits
         m = tl.load(stats_ptr + base * 2, mask=ok, other=float("-inf"))
         l_s = tl.load(stats_ptr + base * 2 + 1, mask=ok, other=0.0)
         m_max = tl.max(m, 0)
@@ -171,12 +167,13 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor,
     _decode_kernel[(rows, kv_heads, splits)](
         q, k_cache, v_cache, out, part, stats, slots, lengths, block_table, head_dim ** -0.5,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(2), k_cache.stride(1),
-        out.stride(0), out.stride(1), block_table.stride(0), -(-split_keys // BLOCK_N), splits,
+        out.stride(0), out.stride(1), block_table.stride(0),
         BLOCK_SIZE=block_size, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-        BLOCK_N=BLOCK_N, SPLIT=splits > 1, IEEE=q.dtype == torch.float32, num_warps=4, **pdl.launch_options(),
+        BLOCK_N=BLOCK_N,
+        SPLIT_KEYS=split_keys, SPLITS=splits, IEEE=q.dtype == torch.float32, num_warps=4, **pdl.launch_options(),
     )
     if splits > 1:
-        _combine_kernel[(rows, heads)](part, stats, out, out.stride(0), out.stride(1), splits,
+        _combine_kernel[(rows, heads)](part, stats, out, out.stride(0), out.stride(1), SPLITS=splits,
                                        SPLITS_PAD=max(2, triton.next_power_of_2(splits)), HEAD_DIM=head_dim,
                                        num_warps=1, **pdl.launch_options())
     return out.view(rows, heads * head_dim)
