@@ -9,7 +9,9 @@ from /proc) to the first 200 from ``/readyz`` (polled over a new HTTP connection
 health poll on one channel waits out the channel's reconnect backoff, up to seconds, after the
 connections it was refused before the servers listened); the worker's own ``GraphStatus.startup`` gives the
 stages, counted from the same process start, and whether its caches made it warm. The figures are
-set against the issue's table (measured at 500ac3d) and its targets.
+set against the issue's table (measured at 500ac3d) and its targets. Each start also records the
+Triton kernels its compile cache holds, by name (``triton_variants``): after a cold start, what it
+compiled, and whether a kernel compiled a variant per batch size.
 
 Python bytecode: the worker image ships compiled bytecode (deploy/docker/Dockerfile), but a
 machine whose site-packages holds none (and cannot be written) compiles torch's modules from

@@ -273,8 +273,9 @@ PAGED_CHECKS = textwrap.dedent('''
 
 def test_paged_attention_kernels_read_through_the_block_table_in_the_interpreter():
     """The decode and varlen kernels (float32, float16) over blocks scattered
-    through the cache, against attention over the same keys gathered by the table; the varlen
-    kernel also over a grid larger than its blocks, as a recorded mixed step launches it."""
+    through the cache, against attention over the same keys gathered by the table; the decode
+    kernel also with its keys split across programs and combined (half precision, long tables);
+    the varlen kernel also over a grid larger than its blocks, as a recorded mixed step launches it."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     out = subprocess.run([sys.executable, "-c", PAGED_CHECKS], env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stdout[-2000:] + out.stderr[-4000:]
