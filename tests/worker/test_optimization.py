@@ -20,7 +20,7 @@ from graphkeeper.worker.model.config import PRESETS
 from graphkeeper.worker.model.llama import row_pieces_fit
 from graphkeeper.worker.model.presets import resolve
 from graphkeeper.worker.model.quantization import quantize, quantize_model
-from graphkeeper.worker.model.step import cache_key, step_modules
+from graphkeeper.worker.model.step import cache_key, compile_timers, step_modules, timer_summary
 
 
 def test_presets_set_compile_and_the_default_graph_mode():
@@ -172,3 +172,23 @@ def test_a_cache_key_hashes_module_contents_not_where_the_module_lives(tmp_path)
     source = Path(pdl.__file__).read_text()
     assert source_digest([load_copy("elsewhere", source)]) == source_digest([pdl])
     assert source_digest([load_copy("edited", source + "\n# changed\n")]) != source_digest([pdl])
+
+
+def test_timer_summary_ranks_what_a_compile_spent_since_the_first_reading():
+    before = {"trace": 1.0, "lowering": 0.5}
+    after = {"trace": 1.5, "lowering": 3.5, "codegen": 0.2, "guards": 0.01}
+    assert timer_summary(before, after) == "lowering 3.0 s, trace 0.5 s, codegen 0.2 s"
+    assert timer_summary(before, after, top=1) == "lowering 3.0 s"
+    assert timer_summary(after, after) == "none over 0.05 s"
+
+
+def test_compile_timers_read_what_a_real_dynamo_compile_counted():
+    """A real trace (Dynamo and AOT autograd on the CPU, no code generated) moves the timers the
+    worker's compile line reports."""
+    before = compile_timers()
+    compiled = torch.compile(lambda x: torch.relu(x) * 3 - 1, backend="aot_eager", fullgraph=True)
+    assert torch.equal(compiled(torch.arange(-2.0, 3.0)), torch.relu(torch.arange(-2.0, 3.0)) * 3 - 1)
+    after = compile_timers()
+    assert after["_compile.compile_inner"] > before.get("_compile.compile_inner", 0.0)
+    assert "_compile.compile_inner" in timer_summary(before, after, top=50)  # ~0.3 s on a 2-core CPU
+

@@ -126,6 +126,22 @@ def compile_counters() -> dict[str, int]:
             "graphs": counters["stats"]["unique_graphs"]}
 
 
+def compile_timers() -> dict[str, float]:
+    """Seconds Dynamo's own timers have counted so far, by phase (tracing, AOT, Inductor's lowering,
+    code generation, kernel compilation; process-wide totals, and the phases nest)."""
+    from torch._dynamo.utils import compilation_time_metrics
+
+    return {name: sum(times) for name, times in compilation_time_metrics.items()}
+
+
+def timer_summary(before: dict[str, float], after: dict[str, float], top: int = 10) -> str:
+    """The phases that took longest between two readings of ``compile_timers``, longest first
+    (pure): where a cold compile's seconds went, in every worker's log."""
+    spent = ((after[name] - before.get(name, 0.0), name) for name in after)
+    ranked = sorted((item for item in spent if item[0] >= 0.05), reverse=True)[:top]
+    return ", ".join(f"{name} {seconds:.1f} s" for seconds, name in ranked) or "none over 0.05 s"
+
+
 def use_cache_dir(root: str, key: str, facts: dict) -> str:
     """Points Inductor's and Triton's caches at ``root/key`` (created); returns that directory.
 
@@ -238,6 +254,7 @@ def prepare_step(model, *, compile: bool, cache_root: str, quantization: str, wa
         pieces = compile_pieces(pieces)
     model.use_pieces(pieces, name)
     before = compile_counters() if compile else {}
+    timers = compile_timers() if compile else {}
     start = time.perf_counter()
     with default_stance():
         warm_up()
@@ -246,6 +263,7 @@ def prepare_step(model, *, compile: bool, cache_root: str, quantization: str, wa
         report.read_counters(before)
         log.info("compiled the step in %.1f s (%d graphs, cache %s at %s)", report.seconds, report.graphs,
                  report.cache, report.cache_dir)
+        log.info("compile phases (Dynamo's timers, nested): %s", timer_summary(timers, compile_timers()))
     if rows:
         _choose_row_step(model, report)
     return report
