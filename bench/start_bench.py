@@ -205,8 +205,8 @@ def main() -> int:
               "torch": torch.__version__, "command": " ".join([Path(sys.executable).name, *sys.argv]),
               "commit": _commit(), "label": args.label, "worker_pythonpath": args.worker_pythonpath,
               "pycache": args.pycache, "before": BEFORE, "targets": TARGETS, "rows": []}
-    pycache = {"fresh": tempfile.mkdtemp(prefix="pycache-"), "primed": tempfile.mkdtemp(prefix="pycache-"),
-               "none": ""}.get(args.pycache, args.pycache)
+    pycache = (tempfile.mkdtemp(prefix="pycache-") if args.pycache in ("fresh", "primed")
+               else "" if args.pycache == "none" else args.pycache)
     if args.pycache == "primed":
         report["pycache_primed_seconds"] = prime_bytecode(pycache)
         print(f"bytecode primed under {pycache} in {report['pycache_primed_seconds']:.1f} s", flush=True)
@@ -227,8 +227,9 @@ def main() -> int:
                   f"tuning {row['tuning_cache']}; {row['graphs_captured']} CUDA graphs)\n    {row['startup_line']}",
                   flush=True)
             variants = row["triton_variants"]
-            print(f"    Triton cache: {sum(variants.values())} kernels compiled, "
-                  + ", ".join(f"{name} {n}" for name, n in list(variants.items())[:6]), flush=True)
+            top = ", ".join(f"{name} {n}" for name, n in list(variants.items())[:6])
+            print(f"    Triton cache: {sum(variants.values())} kernels compiled" + (f": {top}" if top else ""),
+                  flush=True)
         if not args.cache_root:
             shutil.rmtree(cache, ignore_errors=True)
         report["table"] = stage_table(report["rows"])

@@ -20,7 +20,7 @@ from graphkeeper.worker.model.config import PRESETS
 from graphkeeper.worker.model.llama import row_pieces_fit
 from graphkeeper.worker.model.presets import resolve
 from graphkeeper.worker.model.quantization import quantize, quantize_model
-from graphkeeper.worker.model.step import cache_key, compile_timers, step_modules, timer_summary
+from graphkeeper.worker.model.step import cache_key, compile_timers, default_stance, step_modules, timer_summary
 
 
 def test_presets_set_compile_and_the_default_graph_mode():
@@ -187,9 +187,8 @@ def test_compile_timers_read_what_a_real_dynamo_compile_counted():
     worker's compile line reports."""
     before = compile_timers()
     compiled = torch.compile(lambda x: torch.relu(x) * 3 - 1, backend="aot_eager", fullgraph=True)
-    with torch.compiler.set_stance("default"):  # whatever stance an earlier test's engine left
+    with default_stance():  # whatever stance an earlier test's engine left
         assert torch.equal(compiled(torch.arange(-2.0, 3.0)), torch.relu(torch.arange(-2.0, 3.0)) * 3 - 1)
     after = compile_timers()
     assert after["_compile.compile_inner"] > before.get("_compile.compile_inner", 0.0)
     assert "_compile.compile_inner" in timer_summary(before, after, top=50)  # ~0.3 s on a 2-core CPU
-
