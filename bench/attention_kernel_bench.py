@@ -1,12 +1,20 @@
-"""The decode attention kernel alone, this tree's against another tree's (a baseline), on the GPU's
-clock: seconds per launch at each batch size, replayed from CUDA graphs as a captured step runs it
-(and as a share of what the GPU's memory allows: the keys and values read at a plain copy's pace),
-the two kernels alternated (and which goes first, round by round) so that drift hits both alike.
+"""An attention kernel alone, this tree's against another tree's (a baseline), on the GPU's clock:
+seconds per launch, replayed from CUDA graphs as a captured step runs it (and as a share of what the
+GPU's memory allows: the keys and values read at a plain copy's pace), the two kernels alternated
+(and which goes first, round by round) so that drift hits both alike.
 
-A kernel change that should cost nothing (a constant made a runtime argument, say) is checked here
-before the whole-worker benchmarks, and stated with the figure that shows it.
+- ``--kernel decode``: the decode kernel at each batch size (``--rows``), every row ``--length``
+  keys deep.
+- ``--kernel varlen``: the varlen kernel over mixed steps (``--mixed``: decode rows beside prompt
+  tokens, launched over a program per row of the padded size, as a recorded mixed step launches
+  it); decode rows' depths drawn up to ``--length``, the prompt in chunks of ``--chunk`` tokens.
+
+A kernel change that should cost nothing (a constant made a runtime argument, say), or should buy
+something, is checked here before the whole-worker benchmarks, and stated with the figure that
+shows it.
 
     python bench/attention_kernel_bench.py --baseline .baseline --out bench/results/attention-kernel.json
+    python bench/attention_kernel_bench.py --kernel varlen --length 656 --baseline .baseline
 """
 
 from __future__ import annotations
@@ -15,6 +23,7 @@ import argparse
 import datetime as dt
 import importlib.util
 import json
+import random
 import sys
 from pathlib import Path
 
@@ -23,15 +32,15 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from load_bench import _commit  # noqa: E402
 
-from graphkeeper.worker.kernels import decode_kernel  # noqa: E402
+from graphkeeper.worker.kernels import decode_kernel, varlen_kernel  # noqa: E402
 from graphkeeper.worker.kernels.timing import replay_seconds  # noqa: E402
 
 
-def load_baseline(tree: str):
-    """Another tree's decode_kernel module, loaded from its file under a name of its own (it
+def load_baseline(tree: str, kernel: str = "decode"):
+    """Another tree's ``<kernel>_kernel`` module, loaded from its file under a name of its own (it
     imports the rest of the worker from this tree: only the kernel file is compared)."""
-    spec = importlib.util.spec_from_file_location("baseline_decode_kernel",
-                                                  Path(tree) / "worker" / "kernels" / "decode_kernel.py")
+    spec = importlib.util.spec_from_file_location(f"baseline_{kernel}_kernel",
+                                                  Path(tree) / "worker" / "kernels" / f"{kernel}_kernel.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -59,6 +68,53 @@ def launch_seconds(module, rows: int, args: argparse.Namespace, launches: int = 
     return replay_seconds(record, replays=args.replays) / launches
 
 
+def mixed_work(decode: int, prompt: int, padded: int, args: argparse.Namespace) -> dict:
+    """A mixed step's varlen work list (pure: drawn from a seed made of the case): ``decode`` rows each in a slot of
+    its own at a depth drawn from 16 .. ``--length``, then ``prompt`` tokens in chunks of up to
+    ``--chunk`` (each in a slot of its own, from a start drawn below ``--length``), cut into
+    blocks of ``BLOCK_Q`` rows; the list padded with empty entries to ``padded`` (a program per
+    row of the padded size). Returns the blocks, the slot count and the keys the step reads."""
+    rng = random.Random(decode * 1000 + prompt)
+    blocks, row, slot, keys = [], 0, 0, 0
+    for _ in range(decode):
+        depth = rng.randint(16, args.length)
+        blocks.append((row, 1, slot, depth - 1))
+        row, slot, keys = row + 1, slot + 1, keys + depth
+    left = prompt
+    while left:
+        n = min(args.chunk, left)
+        start = rng.randint(0, max(0, args.length - n))
+        for b in range(0, n, varlen_kernel.BLOCK_Q):
+            blocks.append((row + b, min(varlen_kernel.BLOCK_Q, n - b), slot, start + b))
+            keys += start + min(b + varlen_kernel.BLOCK_Q, n)
+        row, slot, left = row + n, slot + 1, left - n
+    assert row <= padded and len(blocks) <= padded, (decode, prompt, padded)
+    return {"blocks": blocks, "slots": slot, "keys": keys}
+
+
+def varlen_launch_seconds(module, decode: int, prompt: int, padded: int, args: argparse.Namespace,
+                          launches: int = 20) -> float:
+    """GPU seconds per ``varlen_attention`` launch over one mixed step's work list (``mixed_work``),
+    in a paged cache whose slots' blocks are scattered."""
+    dtype, device = torch.bfloat16, "cuda"
+    work = mixed_work(decode, prompt, padded, args)
+    per_slot = -(-args.max_len // args.block_size)
+    n_blocks = work["slots"] * per_slot
+    k = torch.randn(n_blocks, args.block_size, args.kv_heads, args.head_dim, device=device, dtype=dtype)
+    v = torch.randn_like(k)
+    table = torch.randperm(n_blocks, device=device).view(work["slots"], per_slot)
+    entries = torch.zeros(4, padded, dtype=torch.long, device=device)
+    entries[:, :len(work["blocks"])] = torch.tensor(work["blocks"], device=device).T
+    q = torch.randn(padded, args.heads, args.head_dim, device=device, dtype=dtype)
+    out = torch.empty(padded, args.heads * args.head_dim, device=device, dtype=dtype)
+
+    def record() -> None:
+        for _ in range(launches):
+            module.varlen_attention(q, k, v, entries[0], entries[1], entries[2], entries[3], padded, table, out)
+
+    return replay_seconds(record, replays=args.replays) / launches
+
+
 def copy_bandwidth(replays: int) -> float:
     """Bytes per second a device-to-device copy of 1 GiB moves (read plus write), replayed from a
     CUDA graph: what this GPU's memory allows, in this run, for a kernel that reads its inputs once."""
@@ -75,46 +131,64 @@ def kv_bytes(rows: int, args: argparse.Namespace) -> int:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--baseline", default="", help="another tree's root: its decode kernel is timed beside")
-    parser.add_argument("--rows", default="1,2,3,4,8,12,16,24,32,64")
+    parser.add_argument("--kernel", choices=("decode", "varlen"), default="decode")
+    parser.add_argument("--baseline", default="", help="another tree's root: its kernel is timed beside")
+    parser.add_argument("--rows", default="1,2,3,4,8,12,16,24,32,64", help="decode: batch sizes")
+    parser.add_argument("--mixed", default="64:0:64,60:68:128,52:76:128,32:96:128,16:240:256,0:512:512",
+                        help="varlen: steps as decode rows:prompt tokens:padded size")
+    parser.add_argument("--chunk", type=int, default=48, help="varlen: prompt tokens a chunk holds at most")
     parser.add_argument("--heads", type=int, default=32)
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--max-len", type=int, default=8192, help="keys a slot's table holds (the context)")
-    parser.add_argument("--length", type=int, default=1024, help="keys each row attends over")
+    parser.add_argument("--length", type=int, default=1024, help="keys each decode row attends over (varlen: at most)")
     parser.add_argument("--replays", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=4, help="alternations of the two kernels; the best kept")
     parser.add_argument("--out", default="")
     args = parser.parse_args()
-    kernels = {"this tree": decode_kernel}
+    this = decode_kernel if args.kernel == "decode" else varlen_kernel
+    kernels = {"this tree": this}
     if args.baseline:
-        kernels["baseline"] = load_baseline(args.baseline)
-    rows_list = [int(r) for r in args.rows.split(",")]
-    best: dict[str, dict[int, float]] = {name: {} for name in kernels}
+        kernels["baseline"] = load_baseline(args.baseline, args.kernel)
+    if args.kernel == "decode":
+        cases = {r: (lambda m, r=int(r): launch_seconds(m, r, args)) for r in args.rows.split(",")}
+    else:
+        cases = {c: (lambda m, c=c: varlen_launch_seconds(m, *map(int, c.split(":")), args))
+                 for c in args.mixed.split(",")}
+    best: dict[str, dict[str, float]] = {name: {} for name in kernels}
     for round_ in range(args.rounds):
         order = list(kernels.items())
-        for rows in rows_list:
+        for case, timed in cases.items():
             for name, module in order if round_ % 2 == 0 else order[::-1]:  # neither one always first
-                seconds = launch_seconds(module, rows, args)
-                best[name][rows] = min(best[name].get(rows, seconds), seconds)
+                seconds = timed(module)
+                best[name][case] = min(best[name].get(case, seconds), seconds)
     allowed = copy_bandwidth(args.replays)
     report = {"date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), "gpu": torch.cuda.get_device_name(),
-              "copy_bytes_per_second": allowed,
+              "kernel": args.kernel, "copy_bytes_per_second": allowed,
               "torch": torch.__version__, "command": " ".join([Path(sys.executable).name, *sys.argv]),
               "commit": _commit(), "shape": {k: getattr(args, k) for k in ("heads", "kv_heads", "head_dim",
-                                                                          "block_size", "max_len", "length")},
+                                                                          "block_size", "max_len", "length", "chunk")},
               "rows": []}
     print(f"copy bandwidth {allowed / 1e12:.2f} TB/s; share: the keys and values read at that pace, against the launch")
-    print(f"{'rows':>5} {'splits':>6} " + " ".join(f"{name + ' us':>14}" for name in kernels) + "   ratio   share")
-    for rows in rows_list:
-        splits, _ = decode_kernel.decode_splits(rows, args.kv_heads, args.max_len, torch.bfloat16)
-        entry = {"rows": rows, "splits": splits, **{f"{name} us": best[name][rows] * 1e6 for name in kernels},
-                 "share_of_copy_bandwidth": kv_bytes(rows, args) / allowed / best["this tree"][rows]}
+    label = "rows splits" if args.kernel == "decode" else "decode:prompt:padded"
+    print(f"{label:>20} " + " ".join(f"{name + ' us':>14}" for name in kernels) + "   ratio   share")
+    for case in cases:
+        if args.kernel == "decode":
+            rows = int(case)
+            splits, _ = decode_kernel.decode_splits(rows, args.kv_heads, args.max_len, torch.bfloat16)
+            entry = {"rows": rows, "splits": splits}
+            nbytes, shown = kv_bytes(rows, args), f"{rows} {splits}"
+        else:
+            work = mixed_work(*map(int, case.split(":")), args)
+            entry = {"case": case, "blocks": len(work["blocks"])}
+            nbytes, shown = 2 * work["keys"] * args.kv_heads * args.head_dim * 2, case
+        entry.update({f"{name} us": best[name][case] * 1e6 for name in kernels})
+        entry["share_of_copy_bandwidth"] = nbytes / allowed / best["this tree"][case]
         if args.baseline:
-            entry["ratio"] = best["this tree"][rows] / best["baseline"][rows]
+            entry["ratio"] = best["this tree"][case] / best["baseline"][case]
         report["rows"].append(entry)
-        print(f"{rows:>5} {splits:>6} " + " ".join(f"{best[name][rows] * 1e6:>14.2f}" for name in kernels)
+        print(f"{shown:>20} " + " ".join(f"{best[name][case] * 1e6:>14.2f}" for name in kernels)
               + (f"   {entry['ratio']:.3f}" if args.baseline else " " * 8)
               + f"   {entry['share_of_copy_bandwidth']:.2f}")
     if args.out:

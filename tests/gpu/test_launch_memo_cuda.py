@@ -40,13 +40,14 @@ def both(memos, call, *args):
         counters.append(memo.kernel)
     try:
         direct = [t.clone() for t in call(*args)]
+        misses = sum(c.calls for c in counters)  # counted before the second run, which is all Triton
         for memo in memos:
             memo._direct = False
         through_triton = [t.clone() for t in call(*args)]
     finally:
         for memo, counter in zip(memos, counters, strict=True):
             memo._direct, memo.kernel = True, counter.kernel
-    return direct, through_triton, sum(c.calls for c in counters) - len(memos)  # the second run: all Triton
+    return direct, through_triton, misses
 
 
 def write(kv, rows, k_layer, v_layer):
@@ -118,7 +119,8 @@ def test_varlen_attention_through_the_memo_equals_triton_launches():
             misses += missed
             assert torch.equal(direct[0], through_triton[0])
             assert direct[0].isfinite().all()
-    assert misses <= 1  # other caches, rows and work lists: one specialization
+    # Other caches, rows and work lists: one specialization per launch (one-row blocks, longer blocks).
+    assert misses <= 2
 
 
 def test_argmax_through_the_memo_equals_triton_launches_and_torch():

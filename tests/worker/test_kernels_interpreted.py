@@ -267,6 +267,15 @@ PAGED_CHECKS = textwrap.dedent('''
                             out16)
         assert torch.equal(out16[:11], out), ('varlen, fixed grid', dt)
         assert bool((out16[11:] == 7.0).all()), ('varlen, fixed grid: padding rows untouched', dt)
+        # A chunk of 17 tokens as the runner cuts it (a block of 16, then a one-token block: the
+        # one-row launch's, as decode rows are), then a decode row after it.
+        q = torch.randn(18, heads, d).to(dt)
+        block_row, block_len = torch.tensor([0, 16, 17]), torch.tensor([16, 1, 1])
+        block_slot, block_pos = torch.tensor([1, 1, 0]), torch.tensor([0, 16, 9])
+        out = vk.varlen_attention(q, K, V, block_row, block_len, block_slot, block_pos, 3, table)
+        exp = reference(q[:17], kf, vf, 1, torch.arange(0, 17))
+        assert (out[:17].float() - exp).abs().max() < tol, ('varlen, a chunk with a one-token tail', dt)
+        assert (out[17:].float() - reference(q[17:], kf, vf, 0, torch.tensor([9]))).abs().max() < tol, ('varlen', dt)
     print("ok")
 ''')
 
@@ -275,7 +284,8 @@ def test_paged_attention_kernels_read_through_the_block_table_in_the_interpreter
     """The decode and varlen kernels (float32, float16) over blocks scattered
     through the cache, against attention over the same keys gathered by the table; the decode
     kernel also with its keys split across programs and combined (half precision, long tables);
-    the varlen kernel also over a grid larger than its blocks, as a recorded mixed step launches it."""
+    the varlen kernel also over a grid larger than its blocks, as a recorded mixed step launches it,
+    and over a chunk whose one-token tail goes to the one-row launch."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     out = subprocess.run([sys.executable, "-c", PAGED_CHECKS], env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stdout[-2000:] + out.stderr[-4000:]

@@ -8,8 +8,15 @@ first row); its tokens attend causally to their own slot, token ``i`` of the blo
 ``0 .. position + i``. One program handles one block and one key/value head, with all the query
 heads of that group stacked as tile rows, so grouped-query attention reads each key once per
 group. Keys are visited in tiles with a running softmax (flash attention), so no mask tensor
-and no per-chunk Python loop exist. The grid depends on the block count, so this kernel runs
-between the pieces of PIECEWISE graphs, never inside one.
+and no per-chunk Python loop exist.
+
+Blocks of one row (every decode row, and the one-token tail of a chunk) and longer blocks run in
+two launches over the same work list, each program skipping the blocks of the other kind. A
+one-row block's tile holds that token's query heads alone (padded to 16 rows, as the decode
+kernel's), not ``BLOCK_Q`` tokens of which one is real: a mixed step is mostly decode rows, and
+with a ``BLOCK_Q``-token tile each of them computed sixteen times the scores and weighted values
+it needs, with the register footprint of that tile. The grid is the work list's length, fixed by
+the padded size where a recorded step launches it.
 """
 
 from __future__ import annotations
@@ -33,40 +40,44 @@ if triton is not None:
         scale, stride_qt, stride_qh, stride_kb, stride_kh, stride_kl, stride_ot, stride_oh, stride_t,
         BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
         HEAD_DIM: tl.constexpr,
-        BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+        BLOCK_N: tl.constexpr, IEEE: tl.constexpr, ONE_ROW: tl.constexpr,
     ):
         block = tl.program_id(0)
         kv_head = tl.program_id(1)
-        first_row = tl.load(block_row_ptr + block)
         n_rows = tl.load(block_len_ptr + block)
-        slot = tl.load(block_slot_ptr + block)
-        first_pos = tl.load(block_pos_ptr + block)
-        # Tile row r is token r // GROUP_PAD of the block, query head r % GROUP_PAD of the group.
-        r = tl.arange(0, BLOCK_Q * GROUP_PAD)
-        token = r // GROUP_PAD
-        head_in_group = r % GROUP_PAD
-        row_ok = (token < n_rows) & (head_in_group < GROUP)
-        # Rows past the block's end compute as its last token (finite values) and are not stored.
-        pos = first_pos + tl.minimum(token, n_rows - 1)
-        head = kv_head * GROUP + head_in_group
-        dims = tl.arange(0, HEAD_DIM)
-        q_offsets = (first_row + token)[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :]
-        q = tl.load(q_ptr + q_offsets, mask=row_ok[:, None], other=0.0)
-        table = table_ptr + slot * stride_t
-        k_base = k_ptr + kv_head * stride_kh
-        v_base = v_ptr + kv_head * stride_kh
-        m_i = tl.full([BLOCK_Q * GROUP_PAD], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_Q * GROUP_PAD], tl.float32)
-        acc = tl.zeros([BLOCK_Q * GROUP_PAD, HEAD_DIM], tl.float32)
-        end = first_pos + n_rows  # keys the block's last token sees
-        for start in range(0, end, BLOCK_N):
-            keys, _, k, v = load_kv_tile(table, k_base, v_base, start, end, dims, stride_kb, stride_kl,
-                                         BLOCK_SIZE, BLOCK_N)
-            visible = keys[None, :] <= pos[:, None]
-            m_i, l_i, acc = online_softmax_step(q, k, v, visible, scale, m_i, l_i, acc, IEEE)
-        acc = acc / l_i[:, None]
-        o_offsets = (first_row + token)[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :]
-        tl.store(out_ptr + o_offsets, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+        # This launch's kind of block only; entries past the work list (no rows) are nobody's.
+        mine = (n_rows == 1) if ONE_ROW else (n_rows > 1)
+        if mine:
+            first_row = tl.load(block_row_ptr + block)
+            slot = tl.load(block_slot_ptr + block)
+            first_pos = tl.load(block_pos_ptr + block)
+            # Tile row r is token r // GROUP_PAD of the block, query head r % GROUP_PAD of the group
+            # (one token: tile row r is query head r of the group).
+            r = tl.arange(0, BLOCK_Q * GROUP_PAD)
+            token = r // GROUP_PAD
+            head_in_group = r % GROUP_PAD
+            row_ok = (token < n_rows) & (head_in_group < GROUP)
+            # Rows past the block's end compute as its last token (finite values) and are not stored.
+            pos = first_pos + tl.minimum(token, n_rows - 1)
+            head = kv_head * GROUP + head_in_group
+            dims = tl.arange(0, HEAD_DIM)
+            q_offsets = (first_row + token)[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :]
+            q = tl.load(q_ptr + q_offsets, mask=row_ok[:, None], other=0.0)
+            table = table_ptr + slot * stride_t
+            k_base = k_ptr + kv_head * stride_kh
+            v_base = v_ptr + kv_head * stride_kh
+            m_i = tl.full([BLOCK_Q * GROUP_PAD], float("-inf"), tl.float32)
+            l_i = tl.zeros([BLOCK_Q * GROUP_PAD], tl.float32)
+            acc = tl.zeros([BLOCK_Q * GROUP_PAD, HEAD_DIM], tl.float32)
+            end = first_pos + n_rows  # keys the block's last token sees
+            for start in range(0, end, BLOCK_N):
+                keys, _, k, v = load_kv_tile(table, k_base, v_base, start, end, dims, stride_kb, stride_kl,
+                                             BLOCK_SIZE, BLOCK_N)
+                visible = keys[None, :] <= pos[:, None]
+                m_i, l_i, acc = online_softmax_step(q, k, v, visible, scale, m_i, l_i, acc, IEEE)
+            acc = acc / l_i[:, None]
+            o_offsets = (first_row + token)[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :]
+            tl.store(out_ptr + o_offsets, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
     _varlen = LaunchMemo(_varlen_kernel)
 
@@ -91,13 +102,15 @@ def varlen_attention(
     out3 = out.view(rows, heads, head_dim)
     if num_blocks:
         group_pad = triton.next_power_of_2(group)
-        _varlen.launch(
-            (num_blocks, kv_heads),
-            q, k_cache, v_cache, out3, block_row, block_len, block_slot, block_pos, block_table, head_dim ** -0.5,
-            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(2), k_cache.stride(1),
-            out3.stride(0), out3.stride(1), block_table.stride(0),
-            BLOCK_SIZE=k_cache.shape[1], GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=BLOCK_Q, HEAD_DIM=head_dim,
-            BLOCK_N=32 if head_dim > 64 else 64, IEEE=q.dtype == torch.float32,
-            num_warps=8 if group_pad >= 8 else 4,
-        )
+        args = (q, k_cache, v_cache, out3, block_row, block_len, block_slot, block_pos, block_table, head_dim ** -0.5,
+                q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(2), k_cache.stride(1),
+                out3.stride(0), out3.stride(1), block_table.stride(0))
+        shared = {"BLOCK_SIZE": k_cache.shape[1], "GROUP": group, "HEAD_DIM": head_dim,
+                  "BLOCK_N": 32 if head_dim > 64 else 64, "IEEE": q.dtype == torch.float32}
+        # One-row blocks: one token's query heads, padded to the 16 rows a tensor-core product
+        # takes (BLOCK_Q 1, GROUP_PAD of at least 16), as the decode kernel tiles a decode row.
+        _varlen.launch((num_blocks, kv_heads), *args, **shared, GROUP_PAD=max(16, group_pad), BLOCK_Q=1,
+                       ONE_ROW=True, num_warps=4)
+        _varlen.launch((num_blocks, kv_heads), *args, **shared, GROUP_PAD=group_pad, BLOCK_Q=BLOCK_Q,
+                       ONE_ROW=False, num_warps=8 if group_pad >= 8 else 4)
     return out.view(rows, heads * head_dim)
