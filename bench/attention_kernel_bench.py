@@ -93,9 +93,10 @@ def mixed_work(decode: int, prompt: int, padded: int, args: argparse.Namespace) 
 
 
 def varlen_launch_seconds(module, decode: int, prompt: int, padded: int, args: argparse.Namespace,
-                          launches: int = 20) -> float:
-    """GPU seconds per ``varlen_attention`` launch over one mixed step's work list (``mixed_work``),
-    in a paged cache whose slots' blocks are scattered."""
+                          layout: str = "", launches: int = 20) -> float:
+    """GPU seconds per ``varlen_attention`` call over one mixed step's work list (``mixed_work``),
+    in a paged cache whose slots' blocks are scattered; ``layout``: how this tree launches the
+    blocks (``varlen_kernel.LAYOUTS``; a baseline's kernel is called as it is)."""
     dtype, device = torch.bfloat16, "cuda"
     work = mixed_work(decode, prompt, padded, args)
     per_slot = -(-args.max_len // args.block_size)
@@ -108,9 +109,11 @@ def varlen_launch_seconds(module, decode: int, prompt: int, padded: int, args: a
     q = torch.randn(padded, args.heads, args.head_dim, device=device, dtype=dtype)
     out = torch.empty(padded, args.heads * args.head_dim, device=device, dtype=dtype)
 
+    how = {"layout": layout} if layout else {}
+
     def record() -> None:
         for _ in range(launches):
-            module.varlen_attention(q, k, v, entries[0], entries[1], entries[2], entries[3], padded, table, out)
+            module.varlen_attention(q, k, v, entries[0], entries[1], entries[2], entries[3], padded, table, out, **how)
 
     return replay_seconds(record, replays=args.replays) / launches
 
@@ -137,6 +140,8 @@ def main() -> int:
     parser.add_argument("--mixed", default="64:0:64,60:68:128,52:76:128,32:96:128,16:240:256,0:512:512",
                         help="varlen: steps as decode rows:prompt tokens:padded size")
     parser.add_argument("--chunk", type=int, default=48, help="varlen: prompt tokens a chunk holds at most")
+    parser.add_argument("--layouts", default="", help="varlen: this tree's ways of launching the blocks, each timed "
+                        "(varlen_kernel.LAYOUTS; default: its default alone)")
     parser.add_argument("--heads", type=int, default=32)
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=64)
@@ -147,21 +152,26 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=4, help="alternations of the two kernels; the best kept")
     parser.add_argument("--out", default="")
     args = parser.parse_args()
-    this = decode_kernel if args.kernel == "decode" else varlen_kernel
-    kernels = {"this tree": this}
-    if args.baseline:
-        kernels["baseline"] = load_baseline(args.baseline, args.kernel)
+    # name -> (module, layout): this tree's kernel (in each layout asked for), and the baseline's
     if args.kernel == "decode":
-        cases = {r: (lambda m, r=int(r): launch_seconds(m, r, args)) for r in args.rows.split(",")}
+        kernels = {"this tree": (decode_kernel, "")}
     else:
-        cases = {c: (lambda m, c=c: varlen_launch_seconds(m, *map(int, c.split(":")), args))
+        layouts = args.layouts.split(",") if args.layouts else [""]
+        kernels = {f"this tree {layout}".strip(): (varlen_kernel, layout) for layout in layouts}
+    if args.baseline:
+        kernels["baseline"] = (load_baseline(args.baseline, args.kernel), "")
+    ours = next(iter(kernels))
+    if args.kernel == "decode":
+        cases = {r: (lambda m, _, r=int(r): launch_seconds(m, r, args)) for r in args.rows.split(",")}
+    else:
+        cases = {c: (lambda m, layout, c=c: varlen_launch_seconds(m, *map(int, c.split(":")), args, layout))
                  for c in args.mixed.split(",")}
     best: dict[str, dict[str, float]] = {name: {} for name in kernels}
     for round_ in range(args.rounds):
         order = list(kernels.items())
         for case, timed in cases.items():
-            for name, module in order if round_ % 2 == 0 else order[::-1]:  # neither one always first
-                seconds = timed(module)
+            for name, (module, layout) in order if round_ % 2 == 0 else order[::-1]:  # none always first
+                seconds = timed(module, layout)
                 best[name][case] = min(best[name].get(case, seconds), seconds)
     allowed = copy_bandwidth(args.replays)
     report = {"date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), "gpu": torch.cuda.get_device_name(),
@@ -172,7 +182,8 @@ def main() -> int:
               "rows": []}
     print(f"copy bandwidth {allowed / 1e12:.2f} TB/s; share: the keys and values read at that pace, against the launch")
     label = "rows splits" if args.kernel == "decode" else "decode:prompt:padded"
-    print(f"{label:>20} " + " ".join(f"{name + ' us':>14}" for name in kernels) + "   ratio   share")
+    print(f"{label:>20} " + " ".join(f"{name + ' us':>22}" for name in kernels) + "   ratio   share"
+          + f"   (ratio: {ours} against the baseline; share: {ours})")
     for case in cases:
         if args.kernel == "decode":
             rows = int(case)
@@ -184,11 +195,11 @@ def main() -> int:
             entry = {"case": case, "blocks": len(work["blocks"])}
             nbytes, shown = 2 * work["keys"] * args.kv_heads * args.head_dim * 2, case
         entry.update({f"{name} us": best[name][case] * 1e6 for name in kernels})
-        entry["share_of_copy_bandwidth"] = nbytes / allowed / best["this tree"][case]
+        entry["share_of_copy_bandwidth"] = nbytes / allowed / best[ours][case]
         if args.baseline:
-            entry["ratio"] = best["this tree"][case] / best["baseline"][case]
+            entry["ratio"] = best[ours][case] / best["baseline"][case]
         report["rows"].append(entry)
-        print(f"{shown:>20} " + " ".join(f"{best[name][case] * 1e6:>14.2f}" for name in kernels)
+        print(f"{shown:>20} " + " ".join(f"{best[name][case] * 1e6:>22.2f}" for name in kernels)
               + (f"   {entry['ratio']:.3f}" if args.baseline else " " * 8)
               + f"   {entry['share_of_copy_bandwidth']:.2f}")
     if args.out:

@@ -10,6 +10,7 @@ scenario's pace where the device is the limit, so this says which kernels to wor
 
     python bench/mixed_step_bench.py --out bench/results/mixed-step.json
     python bench/mixed_step_bench.py --steps 60:68:128,64:0:64 --depth 656 --chunk 48
+    python bench/mixed_step_bench.py --layouts blocks,split,branch   # the varlen kernel's launch layouts
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from load_bench import _commit  # noqa: E402
 from graphkeeper.worker.executor.graphs.graph_set import CapturedGraph, GraphSet  # noqa: E402
 from graphkeeper.worker.executor.graphs.modes import FULL, PIECEWISE  # noqa: E402
 from graphkeeper.worker.executor.runner import ModelRunner  # noqa: E402
+from graphkeeper.worker.kernels import varlen_kernel  # noqa: E402
 from graphkeeper.worker.model.kv_cache import KVCache  # noqa: E402
 from graphkeeper.worker.model.loader import load_model  # noqa: E402
 from graphkeeper.worker.plan import PrefillChunk, StepPlan  # noqa: E402
@@ -122,6 +124,8 @@ def main() -> int:
     parser.add_argument("--max-seq-len", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=50)
     parser.add_argument("--step", default="compiled", choices=("compiled", "fused"))
+    parser.add_argument("--layouts", default="", help="the varlen kernel's launch layouts to record each mixed "
+                        "step with (varlen_kernel.LAYOUTS; default: its default)")
     parser.add_argument("--out", default="")
     args = parser.parse_args()
     cases = [tuple(map(int, c.split(":"))) for c in args.steps.split(",")]
@@ -136,20 +140,25 @@ def main() -> int:
         cache.k.normal_(), cache.v.normal_()  # never time on zeros
         runner = ModelRunner(loaded, cache, max_tokens)
         report["build"] = prepare(runner, args.step)
-        graphs = GraphSet(runner)
-        for decode, prompt, size in cases:
-            plan = mixed_plan(decode, prompt, args.depth, args.chunk, loaded.config.vocab_size, seed=decode + prompt)
-            mode = FULL if prompt == 0 and decode == size else PIECEWISE
-            runner.forward_eager(runner.prepare(plan, size), size)  # library handles exist before the capture
-            if (mode, size) not in graphs.captured:
+        vocab = loaded.config.vocab_size
+        for layout in args.layouts.split(",") if args.layouts else [varlen_kernel.LAYOUT]:
+            varlen_kernel.LAYOUT = layout  # what the recorded steps launch
+            graphs = GraphSet(runner)
+            for decode, prompt, size in cases:
+                plan = mixed_plan(decode, prompt, args.depth, args.chunk, vocab, seed=decode + prompt)
+                mode = FULL if prompt == 0 and decode == size else PIECEWISE
+                runner.forward_eager(runner.prepare(plan, size), size)  # library handles exist before the capture
                 graphs.captured[(mode, size)] = CapturedGraph(mode, size, graphs.record(mode, size), 0.0, 0, 0)
-            ms = replay_ms(graphs, runner, mode, size, plan, args.repeats)
-            row = {"decode": decode, "prompt": prompt, "size": size, "mode": "FULL" if mode == FULL else "PIECEWISE",
-                   "replay_ms": ms, **kernel_breakdown(graphs, runner, mode, size, plan)}
-            report["steps"].append(row)
-            kinds = ", ".join(f"{k} {v / 1e3:.3f}" for k, v in sorted(row["by_kind_us"].items(), key=lambda kv: -kv[1]))
-            print(f"{decode:>3} decode + {prompt:>3} prompt @ {size:>3} ({row['mode']}): replay {ms:.3f} ms; "
-                  f"kernels (ms, summed): {kinds}", flush=True)
+                ms = replay_ms(graphs, runner, mode, size, plan, args.repeats)
+                row = {"layout": layout, "decode": decode, "prompt": prompt, "size": size,
+                       "mode": "FULL" if mode == FULL else "PIECEWISE", "replay_ms": ms,
+                       **kernel_breakdown(graphs, runner, mode, size, plan)}
+                report["steps"].append(row)
+                kinds = ", ".join(f"{k} {v / 1e3:.3f}"
+                                  for k, v in sorted(row["by_kind_us"].items(), key=lambda kv: -kv[1]))
+                print(f"{layout:>7} {decode:>3} decode + {prompt:>3} prompt @ {size:>3} ({row['mode']}): replay "
+                      f"{ms:.3f} ms; kernels (ms, summed): {kinds}", flush=True)
+            graphs.release()
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     return 0

@@ -249,33 +249,37 @@ PAGED_CHECKS = textwrap.dedent('''
             exp = reference(q[r:r + 1], K2.view(-1, kvh, d), V2.view(-1, kvh, d), int(slots[r]), lengths[r:r + 1] - 1,
                             long_table)[0]
             assert (out[r].float() - exp).abs().max() < (1e-4 if dt == torch.float32 else 2e-2), ('split', dt, r)
-        # Varlen: a decode row of slot 0 at position 6, a chunk of slot 1 at positions 3..12.
-        q = torch.randn(11, heads, d).to(dt)
-        block_row, block_len = torch.tensor([0, 1]), torch.tensor([1, 10])
-        block_slot, block_pos = torch.tensor([0, 1]), torch.tensor([6, 3])
-        out = vk.varlen_attention(q, K, V, block_row, block_len, block_slot, block_pos, 2, table)
-        tol = 1e-4 if dt == torch.float32 else 2e-2
-        assert (out[:1].float() - reference(q[:1], kf, vf, 0, torch.tensor([6]))).abs().max() < tol, ('varlen', dt)
-        assert (out[1:].float() - reference(q[1:], kf, vf, 1, torch.arange(3, 13))).abs().max() < tol, ('varlen', dt)
-        # Launched as a recorded step launches it: a program per row of the padded size (16), the
-        # work list's entries past its two blocks zeros (as the runner leaves them). Those
-        # programs write nothing: the same values, and padding rows left as they were.
-        pad = lambda t: torch.cat([t, torch.zeros(14, dtype=t.dtype)])  # noqa: E731
-        q16 = torch.cat([q, torch.randn(5, heads, d).to(dt)])
-        out16 = torch.full((16, heads * d), 7.0, dtype=dt)
-        vk.varlen_attention(q16, K, V, pad(block_row), pad(block_len), pad(block_slot), pad(block_pos), 16, table,
-                            out16)
-        assert torch.equal(out16[:11], out), ('varlen, fixed grid', dt)
-        assert bool((out16[11:] == 7.0).all()), ('varlen, fixed grid: padding rows untouched', dt)
-        # A chunk of 17 tokens as the runner cuts it (a block of 16, then a one-token block: the
-        # one-row launch's, as decode rows are), then a decode row after it.
-        q = torch.randn(18, heads, d).to(dt)
-        block_row, block_len = torch.tensor([0, 16, 17]), torch.tensor([16, 1, 1])
-        block_slot, block_pos = torch.tensor([1, 1, 0]), torch.tensor([0, 16, 9])
-        out = vk.varlen_attention(q, K, V, block_row, block_len, block_slot, block_pos, 3, table)
-        exp = reference(q[:17], kf, vf, 1, torch.arange(0, 17))
-        assert (out[:17].float() - exp).abs().max() < tol, ('varlen, a chunk with a one-token tail', dt)
-        assert (out[17:].float() - reference(q[17:], kf, vf, 0, torch.tensor([9]))).abs().max() < tol, ('varlen', dt)
+        for layout in vk.LAYOUTS:  # every way of launching the blocks computes the same attention
+            # Varlen: a decode row of slot 0 at position 6, a chunk of slot 1 at positions 3..12.
+            q = torch.randn(11, heads, d).to(dt)
+            block_row, block_len = torch.tensor([0, 1]), torch.tensor([1, 10])
+            block_slot, block_pos = torch.tensor([0, 1]), torch.tensor([6, 3])
+            out = vk.varlen_attention(q, K, V, block_row, block_len, block_slot, block_pos, 2, table,
+                                      layout=layout)
+            tol = 1e-4 if dt == torch.float32 else 2e-2
+            exp = torch.cat([reference(q[:1], kf, vf, 0, torch.tensor([6])),
+                             reference(q[1:], kf, vf, 1, torch.arange(3, 13))])
+            assert (out.float() - exp).abs().max() < tol, ('varlen', dt, layout)
+            # Launched as a recorded step launches it: a program per row of the padded size (16), the
+            # work list's entries past its two blocks zeros (as the runner leaves them). Those
+            # programs write nothing: the same values, and padding rows left as they were.
+            pad = lambda t: torch.cat([t, torch.zeros(14, dtype=t.dtype)])  # noqa: E731
+            q16 = torch.cat([q, torch.randn(5, heads, d).to(dt)])
+            out16 = torch.full((16, heads * d), 7.0, dtype=dt)
+            vk.varlen_attention(q16, K, V, pad(block_row), pad(block_len), pad(block_slot), pad(block_pos), 16, table,
+                                out16, layout=layout)
+            assert torch.equal(out16[:11], out), ('varlen, fixed grid', dt, layout)
+            assert bool((out16[11:] == 7.0).all()), ('varlen, fixed grid: padding rows untouched', dt, layout)
+            # A chunk of 17 tokens as the runner cuts it (a block of 16, then a one-token block: the
+            # one-row launch's, as decode rows are), then a decode row after it.
+            q = torch.randn(18, heads, d).to(dt)
+            block_row, block_len = torch.tensor([0, 16, 17]), torch.tensor([16, 1, 1])
+            block_slot, block_pos = torch.tensor([1, 1, 0]), torch.tensor([0, 16, 9])
+            out = vk.varlen_attention(q, K, V, block_row, block_len, block_slot, block_pos, 3, table,
+                                      layout=layout)
+            exp = torch.cat([reference(q[:17], kf, vf, 1, torch.arange(0, 17)),
+                             reference(q[17:], kf, vf, 0, torch.tensor([9]))])
+            assert (out.float() - exp).abs().max() < tol, ('varlen, a one-token tail', dt, layout)
     print("ok")
 ''')
 

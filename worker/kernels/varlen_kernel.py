@@ -29,62 +29,88 @@ from graphkeeper.worker.kernels.triton_support import tl, triton
 
 #: Query tokens per block (a prefill chunk of n tokens makes ceil(n / BLOCK_Q) blocks).
 BLOCK_Q = 16
+#: How a step's blocks are launched, each launch its ``(ONE_TILE, MIN_ROWS)``: "blocks", one launch,
+#: every block through the ``BLOCK_Q``-token tile; "split", two launches over the work list, one-row
+#: blocks through the one-token tile, then the longer ones; "branch", one launch, each program
+#: choosing its tile by its block's rows (one compiled kernel holding both tiles).
+LAYOUTS = {"blocks": ((False, 1),), "split": ((True, BLOCK_Q + 1), (False, 2)), "branch": ((True, 2),)}
+LAYOUT = "split"
 
 
 if triton is not None:
     from graphkeeper.worker.kernels.decode_kernel import load_kv_tile, online_softmax_step
 
     @triton.jit
+    def _attend(
+        q_ptr, k_ptr, v_ptr, out_ptr, block_row_ptr, block_slot_ptr, block_pos_ptr, table_ptr, block, kv_head, n_rows,
+        scale, stride_qt, stride_qh, stride_kb, stride_kh, stride_kl, stride_ot, stride_oh, stride_t,
+        BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
+        HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+    ):
+        """One block of ``n_rows`` (at most ``BLOCK_Q``) tokens and one key/value head: the group's
+        query heads of each token are the rows of one tile."""
+        first_row = tl.load(block_row_ptr + block)
+        slot = tl.load(block_slot_ptr + block)
+        first_pos = tl.load(block_pos_ptr + block)
+        # Tile row r is token r // GROUP_PAD of the block, query head r % GROUP_PAD of the group
+        # (BLOCK_Q 1: tile row r is query head r of the group).
+        r = tl.arange(0, BLOCK_Q * GROUP_PAD)
+        token = r // GROUP_PAD
+        head_in_group = r % GROUP_PAD
+        row_ok = (token < n_rows) & (head_in_group < GROUP)
+        # Rows past the block's end compute as its last token (finite values) and are not stored.
+        pos = first_pos + tl.minimum(token, n_rows - 1)
+        head = kv_head * GROUP + head_in_group
+        dims = tl.arange(0, HEAD_DIM)
+        q_offsets = (first_row + token)[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :]
+        q = tl.load(q_ptr + q_offsets, mask=row_ok[:, None], other=0.0)
+        table = table_ptr + slot * stride_t
+        k_base = k_ptr + kv_head * stride_kh
+        v_base = v_ptr + kv_head * stride_kh
+        m_i = tl.full([BLOCK_Q * GROUP_PAD], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_Q * GROUP_PAD], tl.float32)
+        acc = tl.zeros([BLOCK_Q * GROUP_PAD, HEAD_DIM], tl.float32)
+        end = first_pos + n_rows  # keys the block's last token sees
+        for start in range(0, end, BLOCK_N):
+            keys, _, k, v = load_kv_tile(table, k_base, v_base, start, end, dims, stride_kb, stride_kl,
+                                         BLOCK_SIZE, BLOCK_N)
+            visible = keys[None, :] <= pos[:, None]
+            m_i, l_i, acc = online_softmax_step(q, k, v, visible, scale, m_i, l_i, acc, IEEE)
+        acc = acc / l_i[:, None]
+        o_offsets = (first_row + token)[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :]
+        tl.store(out_ptr + o_offsets, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+    @triton.jit
     def _varlen_kernel(
         q_ptr, k_ptr, v_ptr, out_ptr, block_row_ptr, block_len_ptr, block_slot_ptr, block_pos_ptr, table_ptr,
         scale, stride_qt, stride_qh, stride_kb, stride_kh, stride_kl, stride_ot, stride_oh, stride_t,
-        BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
-        HEAD_DIM: tl.constexpr,
-        BLOCK_N: tl.constexpr, IEEE: tl.constexpr, ONE_ROW: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, ROW_PAD: tl.constexpr,
+        BLOCK_Q: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+        ONE_TILE: tl.constexpr, MIN_ROWS: tl.constexpr,
     ):
+        """``ONE_TILE``: this launch attends one-row blocks through the one-token tile (``ROW_PAD``
+        rows); blocks of at least ``MIN_ROWS`` rows (none past ``BLOCK_Q``) through the
+        ``BLOCK_Q``-token tile. Entries past the work list (no rows) are nobody's."""
         block = tl.program_id(0)
         kv_head = tl.program_id(1)
         n_rows = tl.load(block_len_ptr + block)
-        # This launch's kind of block only; entries past the work list (no rows) are nobody's.
-        mine = (n_rows == 1) if ONE_ROW else (n_rows > 1)
-        if mine:
-            first_row = tl.load(block_row_ptr + block)
-            slot = tl.load(block_slot_ptr + block)
-            first_pos = tl.load(block_pos_ptr + block)
-            # Tile row r is token r // GROUP_PAD of the block, query head r % GROUP_PAD of the group
-            # (one token: tile row r is query head r of the group).
-            r = tl.arange(0, BLOCK_Q * GROUP_PAD)
-            token = r // GROUP_PAD
-            head_in_group = r % GROUP_PAD
-            row_ok = (token < n_rows) & (head_in_group < GROUP)
-            # Rows past the block's end compute as its last token (finite values) and are not stored.
-            pos = first_pos + tl.minimum(token, n_rows - 1)
-            head = kv_head * GROUP + head_in_group
-            dims = tl.arange(0, HEAD_DIM)
-            q_offsets = (first_row + token)[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :]
-            q = tl.load(q_ptr + q_offsets, mask=row_ok[:, None], other=0.0)
-            table = table_ptr + slot * stride_t
-            k_base = k_ptr + kv_head * stride_kh
-            v_base = v_ptr + kv_head * stride_kh
-            m_i = tl.full([BLOCK_Q * GROUP_PAD], float("-inf"), tl.float32)
-            l_i = tl.zeros([BLOCK_Q * GROUP_PAD], tl.float32)
-            acc = tl.zeros([BLOCK_Q * GROUP_PAD, HEAD_DIM], tl.float32)
-            end = first_pos + n_rows  # keys the block's last token sees
-            for start in range(0, end, BLOCK_N):
-                keys, _, k, v = load_kv_tile(table, k_base, v_base, start, end, dims, stride_kb, stride_kl,
-                                             BLOCK_SIZE, BLOCK_N)
-                visible = keys[None, :] <= pos[:, None]
-                m_i, l_i, acc = online_softmax_step(q, k, v, visible, scale, m_i, l_i, acc, IEEE)
-            acc = acc / l_i[:, None]
-            o_offsets = (first_row + token)[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :]
-            tl.store(out_ptr + o_offsets, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+        if ONE_TILE:  # noqa: SIM102 - a constexpr, resolved at compile time (the inner test is per program)
+            if n_rows == 1:
+                _attend(q_ptr, k_ptr, v_ptr, out_ptr, block_row_ptr, block_slot_ptr, block_pos_ptr, table_ptr, block,
+                        kv_head, n_rows, scale, stride_qt, stride_qh, stride_kb, stride_kh, stride_kl, stride_ot,
+                        stride_oh, stride_t, BLOCK_SIZE, GROUP, ROW_PAD, 1, HEAD_DIM, BLOCK_N, IEEE)
+        if MIN_ROWS <= BLOCK_Q:  # noqa: SIM102 - constexprs, resolved at compile time
+            if n_rows >= MIN_ROWS:
+                _attend(q_ptr, k_ptr, v_ptr, out_ptr, block_row_ptr, block_slot_ptr, block_pos_ptr, table_ptr, block,
+                        kv_head, n_rows, scale, stride_qt, stride_qh, stride_kb, stride_kh, stride_kl, stride_ot,
+                        stride_oh, stride_t, BLOCK_SIZE, GROUP, GROUP_PAD, BLOCK_Q, HEAD_DIM, BLOCK_N, IEEE)
 
     _varlen = LaunchMemo(_varlen_kernel)
 
 
 def varlen_attention(
     q: Tensor, k_cache: Tensor, v_cache: Tensor, block_row: Tensor, block_len: Tensor, block_slot: Tensor,
-    block_pos: Tensor, num_blocks: int, block_table: Tensor, out: Tensor | None = None,
+    block_pos: Tensor, num_blocks: int, block_table: Tensor, out: Tensor | None = None, layout: str = "",
 ) -> Tensor:
     """``q [T, heads, d]`` over ``k_cache/v_cache [blocks, block_size, kv_heads, d]`` through
     ``block_table [slots, max_blocks]`` -> ``[T, heads * d]``, written into ``out`` (contiguous
@@ -105,12 +131,14 @@ def varlen_attention(
         args = (q, k_cache, v_cache, out3, block_row, block_len, block_slot, block_pos, block_table, head_dim ** -0.5,
                 q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(2), k_cache.stride(1),
                 out3.stride(0), out3.stride(1), block_table.stride(0))
-        shared = {"BLOCK_SIZE": k_cache.shape[1], "GROUP": group, "HEAD_DIM": head_dim,
+        # One-row blocks: one token's query heads, padded to the 16 rows a tensor-core product takes,
+        # as the decode kernel tiles a decode row.
+        shared = {"BLOCK_SIZE": k_cache.shape[1], "GROUP": group, "GROUP_PAD": group_pad,
+                  "ROW_PAD": max(16, group_pad), "BLOCK_Q": BLOCK_Q, "HEAD_DIM": head_dim,
                   "BLOCK_N": 32 if head_dim > 64 else 64, "IEEE": q.dtype == torch.float32}
-        # One-row blocks: one token's query heads, padded to the 16 rows a tensor-core product
-        # takes (BLOCK_Q 1, GROUP_PAD of at least 16), as the decode kernel tiles a decode row.
-        _varlen.launch((num_blocks, kv_heads), *args, **shared, GROUP_PAD=max(16, group_pad), BLOCK_Q=1,
-                       ONE_ROW=True, num_warps=4)
-        _varlen.launch((num_blocks, kv_heads), *args, **shared, GROUP_PAD=group_pad, BLOCK_Q=BLOCK_Q,
-                       ONE_ROW=False, num_warps=8 if group_pad >= 8 else 4)
+        warps = 8 if group_pad >= 8 else 4
+        for one_tile, min_rows in LAYOUTS[layout or LAYOUT]:
+            only_one_row = min_rows > BLOCK_Q
+            _varlen.launch((num_blocks, kv_heads), *args, **shared, ONE_TILE=one_tile, MIN_ROWS=min_rows,
+                           num_warps=4 if only_one_row else warps)
     return out.view(rows, heads * head_dim)
