@@ -34,7 +34,7 @@ BLOCK_Q = 16
 #: blocks through the one-token tile, then the longer ones; "branch", one launch, each program
 #: choosing its tile by its block's rows (one compiled kernel holding both tiles).
 LAYOUTS = {"blocks": ((False, 1),), "split": ((True, BLOCK_Q + 1), (False, 2)), "branch": ((True, 2),)}
-LAYOUT = "split"
+LAYOUT = "branch"
 
 
 if triton is not None:
