@@ -10,13 +10,16 @@ heads of that group stacked as tile rows, so grouped-query attention reads each 
 group. Keys are visited in tiles with a running softmax (flash attention), so no mask tensor
 and no per-chunk Python loop exist.
 
-Blocks of one row (every decode row, and the one-token tail of a chunk) and longer blocks run in
-two launches over the same work list, each program skipping the blocks of the other kind. A
-one-row block's tile holds that token's query heads alone (padded to 16 rows, as the decode
-kernel's), not ``BLOCK_Q`` tokens of which one is real: a mixed step is mostly decode rows, and
-with a ``BLOCK_Q``-token tile each of them computed sixteen times the scores and weighted values
-it needs, with the register footprint of that tile. The grid is the work list's length, fixed by
-the padded size where a recorded step launches it.
+A block of one row (every decode row, and the one-token tail of a chunk) is tiled as that token's
+query heads alone (padded to 16 rows, as the decode kernel tiles a decode row), not as ``BLOCK_Q``
+tokens of which one is real: a mixed step is mostly decode rows, and with the ``BLOCK_Q``-token
+tile each of them computed sixteen times the scores and weighted values it needs. Longer blocks
+keep the ``BLOCK_Q``-token tile, and entries past the work list do nothing. By default
+(``LAYOUT``) one launch does both, each program choosing its tile from its block's rows: on an
+H100 that attended a 60-decode-row, 68-prompt-token step in 0.72x the time of one tile for all, and
+in 0.64x the time of two launches, whose second (the prompt blocks, the longest programs) waited
+for the first (``bench/results/performance-iii-95ddd56-h100.md``). The grid is the work list's
+length, fixed by the padded size where a recorded step launches it.
 """
 
 from __future__ import annotations
@@ -118,7 +121,8 @@ def varlen_attention(
     the cache's blocks are runs of key positions.)
 
     Rows that no block covers (padding) are left as they are in ``out`` (zeros when allocated here):
-    they belong to no sequence, and only their finiteness matters.
+    they belong to no sequence, and only their finiteness matters. ``layout``: how the blocks are
+    launched (``LAYOUTS``; ``LAYOUT`` when empty), for the benchmarks that compare them.
     """
     rows, heads, head_dim = q.shape
     kv_heads = k_cache.shape[2]
