@@ -74,3 +74,25 @@ def test_tuning_compiles_its_candidates_ahead_and_decides_every_bucket(caplog):
         if tile is not None:
             torch.testing.assert_close(linear_kernel.skinny_linear(x, weight, None, tile),
                                        linear_kernel.reference(x, weight), rtol=2e-2, atol=2e-2)
+
+
+def test_the_warm_up_compiles_every_decode_variant_ahead():
+    """A runner's warm-up compiles the decode attention kernels its decode steps launch inside the
+    compile-ahead block (one variant per split count); its real launches compile nothing more. The
+    cache holds 1,008 keys a slot, a table no other test uses: its split sizes are variants of
+    their own, so the block has something to compile."""
+    from graphkeeper.worker.executor.runner import ModelRunner
+    from graphkeeper.worker.kernels import decode_kernel
+    from graphkeeper.worker.kernels.linear_kernel import warm_rows
+    from graphkeeper.worker.model.kv_cache import KVCache
+    from graphkeeper.worker.model.loader import load_model
+
+    loaded = load_model("random:tiny", device="cuda", dtype="bfloat16", max_positions=1008)
+    cache = KVCache(loaded.config, 16, 1008, device=loaded.device, dtype=loaded.dtype)
+    runner = ModelRunner(loaded, cache, max_tokens=64)
+    before = _compiled(decode_kernel._decode_kernel), _compiled(decode_kernel._combine_kernel)
+    runner.compile_decode_ahead([16, *warm_rows(64)])
+    ahead = _compiled(decode_kernel._decode_kernel), _compiled(decode_kernel._combine_kernel)
+    assert ahead[0] > before[0] and ahead[1] > before[1]
+    runner.warm_up(16)
+    assert (_compiled(decode_kernel._decode_kernel), _compiled(decode_kernel._combine_kernel)) == ahead

@@ -61,3 +61,35 @@ def test_the_block_ends_dry_mode_when_its_body_raises():
     with pytest.raises(RuntimeError), compile_ahead.compiling("test", threads=1):
         raise RuntimeError("a candidate failed")
     assert not compile_ahead.dry()
+
+
+def test_decode_variants_are_one_row_count_per_split_count():
+    import torch
+
+    from graphkeeper.worker.kernels import decode_kernel as dk
+
+    rows = list(range(1, 65))
+    chosen = dk.variant_rows(rows, 8, 1024, torch.bfloat16)
+    splits = {n: dk.decode_splits(n, 8, 1024, torch.bfloat16) for n in rows}
+    assert len({splits[n] for n in chosen}) == len(chosen) == len(set(splits.values())) > 1
+    assert all(n in rows for n in chosen)
+    assert dk.variant_rows(rows, 8, 1024, torch.float32) == [1]  # float32 never splits: one variant
+
+
+def test_decode_attention_launches_dry_inside_the_block(monkeypatch):
+    """Its kernels go through ``compile_ahead.launcher``: compiled, not run, inside the block."""
+    import torch
+
+    from graphkeeper.worker.kernels import decode_kernel as dk
+
+    decode, combine = Recorder(), Recorder()
+    monkeypatch.setattr(dk, "_decode_kernel", decode)
+    monkeypatch.setattr(dk, "_combine_kernel", combine)
+    k = torch.zeros(8, 16, 2, 64, dtype=torch.float16)
+    q, table = torch.zeros(2, 8, 64, dtype=torch.float16), torch.zeros(2, 16, dtype=torch.long)  # 256 keys
+    slots, lengths = torch.zeros(2, dtype=torch.long), torch.ones(2, dtype=torch.long)
+    with compile_ahead.compiling("test", threads=1):
+        dk.decode_attention(q, k, k, slots, lengths, table)
+    splits, _ = dk.decode_splits(2, 2, 256, torch.float16)
+    assert splits > 1 and [w[0] for w in decode.warmed] == [(2, 2, splits)] and len(combine.warmed) == 1
+    assert not decode.launched and not combine.launched

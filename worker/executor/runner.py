@@ -25,7 +25,7 @@ from graphkeeper.worker.executor.logits import count_sampled, sample_processed
 from graphkeeper.worker.executor.penalty_counts import PenaltyCounts
 from graphkeeper.worker.executor.sampling import sample
 from graphkeeper.worker.executor.transfer import to_device
-from graphkeeper.worker.kernels import logprob_kernel
+from graphkeeper.worker.kernels import compile_ahead, decode_kernel, logprob_kernel
 from graphkeeper.worker.kernels.linear_kernel import warm_rows
 from graphkeeper.worker.model.attention import BLOCK_Q, AttentionMetadata, SlotAttention
 from graphkeeper.worker.model.kv_cache import KVCache
@@ -367,10 +367,11 @@ class ModelRunner:
         here, before the capture phase's baseline, it is not charged to the graphs (it stays when
         every graph is released). A CPU has nothing to load; tests ask for it there by name."""
         dummy = self.cache.dummy_slot
-        plan = self.inert_decode(rows)
-        self.sample_and_send(self.forward_eager(self.prepare(plan, rows), rows), plan).tokens()
         if every_row_count is None:
             every_row_count = self.device.type == "cuda"
+        self.compile_decode_ahead([rows, *(warm_rows(self.max_tokens) if every_row_count else [])])
+        plan = self.inert_decode(rows)
+        self.sample_and_send(self.forward_eager(self.prepare(plan, rows), rows), plan).tokens()
         if every_row_count:
             for m in warm_rows(self.max_tokens):
                 self.forward_eager(self.prepare(self.inert_decode(m), m), m)
@@ -387,6 +388,24 @@ class ModelRunner:
         self.warm_up_logits()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+    def compile_decode_ahead(self, rows: list[int]) -> None:
+        """Compiles the decode attention kernels that decode steps of ``rows`` rows launch, side by
+        side on threads (``compile_ahead``), before the warm-up launches them: Triton compiled each
+        variant (one per split count, ``decode_kernel.variant_rows``) at its first launch, one after
+        another on the engine thread, about half of the time a cold start spent compiling our own
+        kernels. The dry launches take this runner's own input rows and the cache's first layer, so
+        they specialize as the real launches do; nothing runs. CUDA with the Triton kernel only."""
+        attention = self.attention
+        if self.device.type != "cuda" or not attention.triton_decode:
+            return
+        cache = self.cache
+        max_len = cache.block_table.shape[1] * cache.block_size
+        with compile_ahead.compiling("decode attention"):
+            for m in decode_kernel.variant_rows(rows, attention.n_kv, max_len, self.loaded.dtype):
+                q = torch.empty(m, attention.n_heads, attention.head_dim, dtype=self.loaded.dtype, device=self.device)
+                decode_kernel.decode_attention(q, cache.k_layers[0], cache.v_layers[0], self._row(self.SLOTS, m),
+                                               self._row(self.LENGTHS, m), cache.block_table)
 
     #: Penalised rows of the logits warm-up's steps: Triton specializes the penalty kernels' row
     #: count as one, a multiple of sixteen, or any other.

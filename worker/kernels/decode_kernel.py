@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from graphkeeper.worker.kernels import pdl
+from graphkeeper.worker.kernels import compile_ahead, pdl
 from graphkeeper.worker.kernels.triton_support import tl, triton
 
 if triton is not None:
@@ -142,6 +142,16 @@ def decode_splits(rows: int, kv_heads: int, max_len: int, dtype: torch.dtype) ->
     return -(-max_len // keys), keys
 
 
+def variant_rows(rows: list[int], kv_heads: int, max_len: int, dtype: torch.dtype) -> list[int]:
+    """One row count for each compiled variant that decode steps of ``rows`` rows launch (pure):
+    the kernels specialize on the split count and the keys per split (``decode_splits``), not on
+    the row count, so a warm-up that runs every row count compiles only these."""
+    firsts: dict[tuple[int, int], int] = {}
+    for n in rows:
+        firsts.setdefault(decode_splits(n, kv_heads, max_len, dtype), n)
+    return sorted(firsts.values())
+
+
 def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, lengths: Tensor,
                      block_table: Tensor, out: Tensor | None = None) -> Tensor:
     """``q [B, heads, d]`` over ``k_cache/v_cache [blocks, block_size, kv_heads, d]`` through
@@ -164,7 +174,7 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor,
     if splits > 1:
         part = torch.empty(rows, heads, splits, head_dim, dtype=torch.float32, device=q.device)
         stats = torch.empty(rows, heads, splits, 2, dtype=torch.float32, device=q.device)
-    _decode_kernel[(rows, kv_heads, splits)](
+    compile_ahead.launcher(_decode_kernel, (rows, kv_heads, splits))(
         q, k_cache, v_cache, out, part, stats, slots, lengths, block_table, head_dim ** -0.5,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(2), k_cache.stride(1),
         out.stride(0), out.stride(1), block_table.stride(0),
@@ -173,7 +183,8 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor,
         SPLIT_KEYS=split_keys, SPLITS=splits, IEEE=q.dtype == torch.float32, num_warps=4, **pdl.launch_options(),
     )
     if splits > 1:
-        _combine_kernel[(rows, heads)](part, stats, out, out.stride(0), out.stride(1), SPLITS=splits,
+        compile_ahead.launcher(_combine_kernel, (rows, heads))(
+            part, stats, out, out.stride(0), out.stride(1), SPLITS=splits,
                                        SPLITS_PAD=max(2, triton.next_power_of_2(splits)), HEAD_DIM=head_dim,
                                        num_warps=1, **pdl.launch_options())
     return out.view(rows, heads * head_dim)
