@@ -167,3 +167,31 @@ def test_a_failed_logits_warm_up_is_logged_and_the_worker_goes_on(runner, monkey
     runner.warm_up_logits()
     assert "logits-processing warm-up failed" in caplog.text and "no such kernel" in caplog.text
     assert runner.penalties.counts.shape[0] == 0
+
+
+def test_compiling_the_decode_attention_ahead_is_cuda_only_and_a_failure_is_logged(runner, monkeypatch, caplog):
+    """On a CPU nothing is compiled; where it runs (a GPU, stood in for by the device's type here),
+    each split count's variant is launched once (``variant_rows``), and a failure is logged: the
+    warm-up goes on."""
+    from types import SimpleNamespace
+
+    from graphkeeper.worker.kernels import decode_kernel
+
+    launched = []
+    monkeypatch.setattr(decode_kernel, "decode_attention", lambda q, *args: launched.append(q.shape[0]))
+    runner.compile_decode_ahead([1, 2, 64])
+    assert launched == []  # a CPU: nothing to compile
+    monkeypatch.setattr(runner.attention, "triton_decode", True)
+    monkeypatch.setattr(runner, "device", SimpleNamespace(type="cuda"))
+    monkeypatch.setattr(torch, "empty", lambda *shape, **kw: torch.zeros(*shape, dtype=kw.get("dtype")))
+    runner.compile_decode_ahead([1, 2, 64])
+    rows = decode_kernel.variant_rows([1, 2, 64], runner.attention.n_kv, runner.cache.max_blocks_per_seq
+                                      * runner.cache.block_size, runner.loaded.dtype)
+    assert launched == rows == [1]  # float32 never splits: one variant for every row count
+
+    def broken(*args):
+        raise RuntimeError("no compiler")
+
+    monkeypatch.setattr(decode_kernel, "decode_attention", broken)
+    runner.compile_decode_ahead([1, 2, 64])
+    assert "compiling the decode attention ahead failed" in caplog.text and "no compiler" in caplog.text

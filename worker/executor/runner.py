@@ -395,17 +395,23 @@ class ModelRunner:
         variant (one per split count, ``decode_kernel.variant_rows``) at its first launch, one after
         another on the engine thread, about half of the time a cold start spent compiling our own
         kernels. The dry launches take this runner's own input rows and the cache's first layer, so
-        they specialize as the real launches do; nothing runs. CUDA with the Triton kernel only."""
+        they specialize as the real launches do; nothing runs. CUDA with the Triton kernel only. A
+        failure here is logged, not raised: the warm-up's launches then compile them, as before."""
         attention = self.attention
         if self.device.type != "cuda" or not attention.triton_decode:
             return
         cache = self.cache
         max_len = cache.block_table.shape[1] * cache.block_size
-        with compile_ahead.compiling("decode attention"):
-            for m in decode_kernel.variant_rows(rows, attention.n_kv, max_len, self.loaded.dtype):
-                q = torch.empty(m, attention.n_heads, attention.head_dim, dtype=self.loaded.dtype, device=self.device)
-                decode_kernel.decode_attention(q, cache.k_layers[0], cache.v_layers[0], self._row(self.SLOTS, m),
-                                               self._row(self.LENGTHS, m), cache.block_table)
+        try:
+            with compile_ahead.compiling("decode attention"):
+                for m in decode_kernel.variant_rows(rows, attention.n_kv, max_len, self.loaded.dtype):
+                    q = torch.empty(m, attention.n_heads, attention.head_dim, dtype=self.loaded.dtype,
+                                    device=self.device)
+                    decode_kernel.decode_attention(q, cache.k_layers[0], cache.v_layers[0],
+                                                   self._row(self.SLOTS, m), self._row(self.LENGTHS, m),
+                                                   cache.block_table)
+        except Exception as err:  # noqa: BLE001 - an optimization of the start, never a failed start
+            log.warning("compiling the decode attention ahead failed (its warm-up launches compile it): %s", err)
 
     #: Penalised rows of the logits warm-up's steps: Triton specializes the penalty kernels' row
     #: count as one, a multiple of sixteen, or any other.
