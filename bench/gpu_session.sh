@@ -145,6 +145,11 @@ for b in "${benches[@]}"; do  # BENCH="" runs the tests alone
       timeout 330 python3 bench/load_bench.py --scenarios long,mixed --seconds "${SECONDS_PER:-10}" \
         --worker-args=--no-record-mixed-attention --label "defaults, attention eager between pieces" \
         --out "$out/load-pieces-$card.json" ;;
+    mixed-step)  # issue 35: where a recorded mixed step's GPU time goes, by kernel kind, in each of the
+      # varlen kernel's launch layouts; then that kernel alone against .baseline's, if one travels (~120 s)
+      timeout 150 python3 bench/mixed_step_bench.py --layouts blocks,split,branch --out "$out/mixed-step-$card.json"
+      timeout 90 python3 bench/attention_kernel_bench.py --kernel varlen --layouts branch,split,blocks \
+        ${BASELINE:+--baseline .baseline} --length 656 --max-len 1024 --out "$out/attention-varlen-$card.json" ;;
     guard-off)  # issue 35: the same long and mixed load with the TTFT guard never stretching (the target
       # alone), beside "defaults" for what the guard buys (~70 s): BENCH="defaults;guard-off"
       timeout 330 python3 bench/load_bench.py --scenarios long,mixed --seconds "${SECONDS_PER:-10}" \
