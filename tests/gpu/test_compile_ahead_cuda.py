@@ -79,8 +79,9 @@ def test_tuning_compiles_its_candidates_ahead_and_decides_every_bucket(caplog):
 def test_the_warm_up_compiles_every_decode_variant_ahead():
     """A runner's warm-up compiles the decode attention kernels its decode steps launch inside the
     compile-ahead block (one variant per split count); its real launches compile nothing more. The
-    cache holds 1,008 keys a slot, a table no other test uses: its split sizes are variants of
-    their own, so the block has something to compile."""
+    cache holds 1,008 keys a slot, a table no other test uses: the decode kernel's keys per split
+    are variants of their own, so the block has something to compile (the combining kernel
+    specializes on the split count alone, which other tests may have compiled already)."""
     from graphkeeper.worker.executor.runner import ModelRunner
     from graphkeeper.worker.kernels import decode_kernel
     from graphkeeper.worker.kernels.linear_kernel import warm_rows
@@ -93,6 +94,6 @@ def test_the_warm_up_compiles_every_decode_variant_ahead():
     before = _compiled(decode_kernel._decode_kernel), _compiled(decode_kernel._combine_kernel)
     runner.compile_decode_ahead([16, *warm_rows(64)])
     ahead = _compiled(decode_kernel._decode_kernel), _compiled(decode_kernel._combine_kernel)
-    assert ahead[0] > before[0] and ahead[1] > before[1]
+    assert ahead[0] > before[0] and ahead[1] >= before[1]
     runner.warm_up(16)
     assert (_compiled(decode_kernel._decode_kernel), _compiled(decode_kernel._combine_kernel)) == ahead
