@@ -94,6 +94,6 @@ def test_the_warm_up_compiles_every_decode_variant_ahead():
     before = _compiled(decode_kernel._decode_kernel), _compiled(decode_kernel._combine_kernel)
     runner.compile_decode_ahead([16, *warm_rows(64)])
     ahead = _compiled(decode_kernel._decode_kernel), _compiled(decode_kernel._combine_kernel)
-    assert ahead[0] > before[0] and ahead[1] >= before[1]
+    assert ahead[0] > before[0]
     runner.warm_up(16)
     assert (_compiled(decode_kernel._decode_kernel), _compiled(decode_kernel._combine_kernel)) == ahead
