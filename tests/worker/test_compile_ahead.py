@@ -29,10 +29,14 @@ def test_compiler_threads_follow_the_usable_cpus_up_to_the_limit(cpus, threads):
     assert compile_ahead.thread_count(cpus) == threads
 
 
-def test_usable_cpus_never_exceed_torch_s_threads():
+def test_usable_cpus_follow_torch_s_thread_count(monkeypatch):
+    """The engine core sets torch's thread count from the CPU quota and affinity; the compiler's
+    threads follow it (at least one)."""
     import torch
 
-    assert 1 <= compile_ahead.usable_cpus() <= max(1, torch.get_num_threads())
+    for threads, usable in ((3, 3), (1, 1), (0, 1)):
+        monkeypatch.setattr(torch, "get_num_threads", lambda threads=threads: threads)
+        assert compile_ahead.usable_cpus() == usable
 
 
 def test_a_launch_inside_the_block_is_dry_and_one_outside_runs():
