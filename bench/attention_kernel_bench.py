@@ -23,7 +23,6 @@ import argparse
 import datetime as dt
 import importlib.util
 import json
-import random
 import sys
 from pathlib import Path
 
@@ -31,6 +30,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from load_bench import _commit  # noqa: E402
+from mixed_step_bench import mixed_plan  # noqa: E402
+from step_bench import copy_bandwidth  # noqa: E402  (the floor step_bench measures the step against)
 
 from graphkeeper.worker.kernels import decode_kernel, varlen_kernel  # noqa: E402
 from graphkeeper.worker.kernels.timing import replay_seconds  # noqa: E402
@@ -69,27 +70,22 @@ def launch_seconds(module, rows: int, args: argparse.Namespace, launches: int = 
 
 
 def mixed_work(decode: int, prompt: int, padded: int, args: argparse.Namespace) -> dict:
-    """A mixed step's varlen work list (pure: drawn from a seed made of the case): ``decode`` rows each in a slot of
-    its own at a depth drawn from 16 .. ``--length``, then ``prompt`` tokens in chunks of up to
-    ``--chunk`` (each in a slot of its own, from a start drawn below ``--length``), cut into
-    blocks of ``BLOCK_Q`` rows; the list padded with empty entries to ``padded`` (a program per
-    row of the padded size). Returns the blocks, the slot count and the keys the step reads."""
-    rng = random.Random(decode * 1000 + prompt)
-    blocks, row, slot, keys = [], 0, 0, 0
-    for _ in range(decode):
-        depth = rng.randint(16, args.length)
-        blocks.append((row, 1, slot, depth - 1))
-        row, slot, keys = row + 1, slot + 1, keys + depth
-    left = prompt
-    while left:
-        n = min(args.chunk, left)
-        start = rng.randint(0, max(0, args.length - n))
-        for b in range(0, n, varlen_kernel.BLOCK_Q):
-            blocks.append((row + b, min(varlen_kernel.BLOCK_Q, n - b), slot, start + b))
-            keys += start + min(b + varlen_kernel.BLOCK_Q, n)
-        row, slot, left = row + n, slot + 1, left - n
-    assert row <= padded and len(blocks) <= padded, (decode, prompt, padded)
-    return {"blocks": blocks, "slots": slot, "keys": keys}
+    """The varlen work list of ``mixed_step_bench.mixed_plan``'s step (decode rows up to ``--length``
+    keys deep, the prompt in chunks of up to ``--chunk``; drawn from a seed made of the case): one
+    block per decode row, each chunk cut into blocks of ``BLOCK_Q`` rows, as the runner cuts them,
+    within ``padded`` entries (a program per row of the padded size). Returns the blocks, the slot
+    count and the keys the step reads."""
+    plan = mixed_plan(decode, prompt, args.length, args.chunk, vocab=4, seed=decode * 1000 + prompt)
+    blocks = [(r, 1, int(plan.slots[r]), int(plan.positions[r])) for r in range(decode)]
+    keys = int(plan.positions[:decode].sum()) + decode
+    q_block = varlen_kernel.BLOCK_Q
+    for chunk in plan.prefill:
+        for b in range(0, chunk.length, q_block):
+            n = min(q_block, chunk.length - b)
+            blocks.append((chunk.row + b, n, chunk.slot, chunk.start + b))
+            keys += chunk.start + b + n
+    assert plan.num_tokens <= padded and len(blocks) <= padded, (decode, prompt, padded)
+    return {"blocks": blocks, "slots": decode + len(plan.prefill), "keys": keys}
 
 
 def varlen_launch_seconds(module, decode: int, prompt: int, padded: int, args: argparse.Namespace,
@@ -116,15 +112,6 @@ def varlen_launch_seconds(module, decode: int, prompt: int, padded: int, args: a
             module.varlen_attention(q, k, v, entries[0], entries[1], entries[2], entries[3], padded, table, out, **how)
 
     return replay_seconds(record, replays=args.replays) / launches
-
-
-def copy_bandwidth(replays: int) -> float:
-    """Bytes per second a device-to-device copy of 1 GiB moves (read plus write), replayed from a
-    CUDA graph: what this GPU's memory allows, in this run, for a kernel that reads its inputs once."""
-    src = torch.empty(2**29, device="cuda", dtype=torch.float16)
-    dst = torch.empty_like(src)
-    seconds = replay_seconds(lambda: dst.copy_(src), replays=replays)
-    return 2 * src.numel() * src.element_size() / seconds
 
 
 def kv_bytes(rows: int, args: argparse.Namespace) -> int:
@@ -173,7 +160,7 @@ def main() -> int:
             for name, (module, layout) in order if round_ % 2 == 0 else order[::-1]:  # none always first
                 seconds = timed(module, layout)
                 best[name][case] = min(best[name].get(case, seconds), seconds)
-    allowed = copy_bandwidth(args.replays)
+    allowed = copy_bandwidth("cuda")
     report = {"date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), "gpu": torch.cuda.get_device_name(),
               "kernel": args.kernel, "copy_bytes_per_second": allowed,
               "torch": torch.__version__, "command": " ".join([Path(sys.executable).name, *sys.argv]),

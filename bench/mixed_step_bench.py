@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from decode_bench import prepare  # noqa: E402
 from load_bench import _commit  # noqa: E402
 
+from graphkeeper.worker.executor.graphs.capture import timed_once  # noqa: E402
 from graphkeeper.worker.executor.graphs.graph_set import CapturedGraph, GraphSet  # noqa: E402
 from graphkeeper.worker.executor.graphs.modes import FULL, PIECEWISE  # noqa: E402
 from graphkeeper.worker.executor.runner import ModelRunner  # noqa: E402
@@ -83,12 +84,7 @@ def replay_ms(graphs: GraphSet, runner: ModelRunner, mode: int, size: int, plan:
     times = []
     for _ in range(repeats):
         meta = runner.prepare(plan, size)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graphs.replay(mode, size, meta)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
+        times.append(1e3 * timed_once(lambda meta=meta: graphs.replay(mode, size, meta))[1])
     return statistics.median(times)
 
 

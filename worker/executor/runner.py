@@ -369,12 +369,12 @@ class ModelRunner:
         dummy = self.cache.dummy_slot
         if every_row_count is None:
             every_row_count = self.device.type == "cuda"
-        self.compile_decode_ahead([rows, *(warm_rows(self.max_tokens) if every_row_count else [])])
+        row_counts = warm_rows(self.max_tokens) if every_row_count else []
+        self.compile_decode_ahead([rows, *row_counts])
         plan = self.inert_decode(rows)
         self.sample_and_send(self.forward_eager(self.prepare(plan, rows), rows), plan).tokens()
-        if every_row_count:
-            for m in warm_rows(self.max_tokens):
-                self.forward_eager(self.prepare(self.inert_decode(m), m), m)
+        for m in row_counts:
+            self.forward_eager(self.prepare(self.inert_decode(m), m), m)
         n = min(BLOCK_Q + 1, self.max_tokens, self.cache.max_seq_len)
         chunk = StepPlan(prompt_tokens=[0] * n, positions=np.arange(n, dtype=np.int64),
                          slots=np.full(n, dummy, dtype=np.int64), num_decode=0,
@@ -401,7 +401,7 @@ class ModelRunner:
         if self.device.type != "cuda" or not attention.triton_decode:
             return
         cache = self.cache
-        max_len = cache.block_table.shape[1] * cache.block_size
+        max_len = decode_kernel.table_keys(cache.block_table, cache.k_layers[0])
         try:
             with compile_ahead.compiling("decode attention"):
                 for m in decode_kernel.variant_rows(rows, attention.n_kv, max_len, self.loaded.dtype):

@@ -142,6 +142,11 @@ def decode_splits(rows: int, kv_heads: int, max_len: int, dtype: torch.dtype) ->
     return -(-max_len // keys), keys
 
 
+def table_keys(block_table: Tensor, k_cache: Tensor) -> int:
+    """Keys a slot's row of the block table reaches: the length the split sizes are cut from."""
+    return block_table.shape[1] * k_cache.shape[1]
+
+
 def variant_rows(rows: list[int], kv_heads: int, max_len: int, dtype: torch.dtype) -> list[int]:
     """One row count for each compiled variant that decode steps of ``rows`` rows launch (pure):
     the kernels specialize on the split count and the keys per split (``decode_splits``), not on
@@ -165,7 +170,7 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor,
     kv_heads = k_cache.shape[2]
     group = heads // kv_heads
     block_size = k_cache.shape[1]
-    splits, split_keys = decode_splits(rows, kv_heads, block_table.shape[1] * block_size, q.dtype)
+    splits, split_keys = decode_splits(rows, kv_heads, table_keys(block_table, k_cache), q.dtype)
     if out is None:
         out = torch.empty(rows, heads, head_dim, dtype=q.dtype, device=q.device)
     else:
@@ -185,6 +190,5 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor,
     if splits > 1:
         compile_ahead.launcher(_combine_kernel, (rows, heads))(
             part, stats, out, out.stride(0), out.stride(1), SPLITS=splits,
-                                       SPLITS_PAD=max(2, triton.next_power_of_2(splits)), HEAD_DIM=head_dim,
-                                       num_warps=1, **pdl.launch_options())
+            SPLITS_PAD=max(2, triton.next_power_of_2(splits)), HEAD_DIM=head_dim, num_warps=1, **pdl.launch_options())
     return out.view(rows, heads * head_dim)
