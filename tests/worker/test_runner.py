@@ -112,10 +112,30 @@ def test_every_step_writes_the_varlen_work_list_and_zeros_past_it(runner):
     runner.prepare(prefill_plan(1, list(range(20, 40))), 24)  # 20 rows: two blocks, then padding
     meta = runner.prepare(decode_plan([0, 2, 3], [5, 9, 1], [11, 12, 13]), ROWS)
     assert meta.num_blocks == 3
-    assert row(runner, runner.BLOCK_ROW) == [0, 1, 2, 0, 0, 0, 0, 0]
+    assert row(runner, runner.BLOCK_ROW) == [1, 0, 2, 0, 0, 0, 0, 0]  # the longest context first
     assert row(runner, runner.BLOCK_LEN) == [1, 1, 1, 0, 0, 0, 0, 0]
-    assert row(runner, runner.BLOCK_SLOT) == [0, 2, 3, 0, 0, 0, 0, 0]
-    assert row(runner, runner.BLOCK_POS) == [5, 9, 1, 0, 0, 0, 0, 0]
+    assert row(runner, runner.BLOCK_SLOT) == [2, 0, 3, 0, 0, 0, 0, 0]
+    assert row(runner, runner.BLOCK_POS) == [9, 5, 1, 0, 0, 0, 0, 0]
+
+
+def test_the_work_list_holds_the_chunks_blocks_first_then_decode_rows_longest_first(runner):
+    """A launch runs its programs about in the work list's order: the chunks' blocks (the longest
+    programs) are listed first, then the decode rows from the longest context down; every row of
+    the step is in exactly one block."""
+    chunk = PrefillChunk(row=3, length=20, slot=1, start=30)
+    plan = StepPlan(prompt_tokens=list(range(20)), positions=np.array([4, 12, 8, *range(30, 50)]),
+                    slots=np.array([0, 2, 3, *[1] * 20]), num_decode=3, prefill=[chunk],
+                    sample_rows=np.array([0, 1, 2, 22]), sample_slots=np.array([0, 2, 3, 1]),
+                    decode_tokens=np.array([11, 12, 13]))
+    meta = runner.prepare(plan, 24)
+    assert meta.num_blocks == 5
+    assert row(runner, runner.BLOCK_ROW, 6) == [3, 19, 1, 2, 0, 0]
+    assert row(runner, runner.BLOCK_LEN, 6) == [16, 4, 1, 1, 1, 0]
+    assert row(runner, runner.BLOCK_SLOT, 6) == [1, 1, 2, 3, 0, 0]
+    assert row(runner, runner.BLOCK_POS, 6) == [30, 46, 12, 8, 4, 0]
+    firsts, lengths = row(runner, runner.BLOCK_ROW, 5), row(runner, runner.BLOCK_LEN, 5)
+    covered = sorted(r for first, n in zip(firsts, lengths, strict=True) for r in range(first, first + n))
+    assert covered == list(range(23))
 
 
 def test_a_mixed_probe_is_decode_rows_then_a_chunk_per_scratch_slot(runner):

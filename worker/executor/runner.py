@@ -146,7 +146,6 @@ class ModelRunner:
         self._sent = [torch.cuda.Event() if cuda else None for _ in range(2)]
         self._turn = 0
         self._logprob_host: list[Tensor] | None = None
-        self._arange = np.arange(max_tokens, dtype=np.int64)
         # Views of the static buffers, made once per (row, length): slicing is host work on the
         # step's hot path, and these buffers never move while the runner lives.
         self._views: dict[tuple[int | None, int], Tensor] = {}
@@ -225,14 +224,15 @@ class ModelRunner:
         cache.block_table.view(-1).index_copy_(0, device[:k], device[k:])
 
     def _block_table(self, host: np.ndarray, plan: StepPlan) -> int:
-        """The varlen attention's work list: one block per decode row, and each prefill chunk cut
-        into blocks of ``BLOCK_Q`` tokens: (first row, rows, slot, position of the first row)."""
-        nd = plan.num_decode
-        host[self.BLOCK_ROW, :nd] = self._arange[:nd]
-        host[self.BLOCK_LEN, :nd] = 1
-        host[self.BLOCK_SLOT, :nd] = host[self.SLOTS, :nd]
-        host[self.BLOCK_POS, :nd] = host[self.POSITIONS, :nd]
-        b = nd
+        """The varlen attention's work list: each prefill chunk cut into blocks of ``BLOCK_Q``
+        tokens, then one block per decode row: (first row, rows, slot, position of the first row).
+
+        Longest work first: a launch runs its programs about in the list's order and holds fewer of
+        them at once than a step has, so work listed last starts last. The chunks' blocks (a
+        ``BLOCK_Q``-token tile each, the longest programs) come first, then the decode rows from
+        the longest context down: the programs still starting when the first ones end are the
+        shortest (the order is the scheduler's, not the output's: each block writes its own rows)."""
+        b = 0
         for chunk in plan.prefill:
             starts = np.arange(0, chunk.length, BLOCK_Q)
             k = len(starts)
@@ -241,7 +241,13 @@ class ModelRunner:
             host[self.BLOCK_SLOT, b:b + k] = chunk.slot
             host[self.BLOCK_POS, b:b + k] = chunk.start + starts
             b += k
-        return b
+        nd = plan.num_decode
+        order = np.argsort(-host[self.POSITIONS, :nd], kind="stable")
+        host[self.BLOCK_ROW, b:b + nd] = order
+        host[self.BLOCK_LEN, b:b + nd] = 1
+        host[self.BLOCK_SLOT, b:b + nd] = host[self.SLOTS, order]
+        host[self.BLOCK_POS, b:b + nd] = host[self.POSITIONS, order]
+        return b + nd
 
     def metadata(self, rows: int, num_decode: int, prefill: list[PrefillChunk], blocks: int = 0) -> AttentionMetadata:
         row, m = self._row, self.max_tokens

@@ -19,7 +19,9 @@ keep the ``BLOCK_Q``-token tile, and entries past the work list do nothing. By d
 H100 that attended a 60-decode-row, 68-prompt-token step in 0.72x the time of one tile for all, and
 in 0.64x the time of two launches, whose second (the prompt blocks, the longest programs) waited
 for the first (``bench/results/performance-iii-95ddd56-h100.md``). The grid is the work list's
-length, fixed by the padded size where a recorded step launches it.
+length, fixed by the padded size where a recorded step launches it; a block's key/value heads are
+neighbours in it (the grid's first axis), so the work list's order is the launch's: the host lists
+the longest blocks first (``ModelRunner._block_table``).
 """
 
 from __future__ import annotations
@@ -94,8 +96,8 @@ if triton is not None:
         """``ONE_TILE``: this launch attends one-row blocks through the one-token tile (``ROW_PAD``
         rows); blocks of at least ``MIN_ROWS`` rows (none past ``BLOCK_Q``) through the
         ``BLOCK_Q``-token tile. Entries past the work list (no rows) are nobody's."""
-        block = tl.program_id(0)
-        kv_head = tl.program_id(1)
+        kv_head = tl.program_id(0)
+        block = tl.program_id(1)
         n_rows = tl.load(block_len_ptr + block)
         if ONE_TILE:  # noqa: SIM102 - a constexpr, resolved at compile time (the inner test is per program)
             if n_rows == 1:
@@ -143,6 +145,6 @@ def varlen_attention(
         warps = 8 if group_pad >= 8 else 4
         for one_tile, min_rows in LAYOUTS[layout or LAYOUT]:
             only_one_row = min_rows > BLOCK_Q
-            _varlen.launch((num_blocks, kv_heads), *args, **shared, ONE_TILE=one_tile, MIN_ROWS=min_rows,
+            _varlen.launch((kv_heads, num_blocks), *args, **shared, ONE_TILE=one_tile, MIN_ROWS=min_rows,
                            num_warps=4 if only_one_row else warps)
     return out.view(rows, heads * head_dim)
