@@ -92,7 +92,7 @@ def test_the_warm_up_compiles_every_decode_variant_ahead():
     cache = KVCache(loaded.config, 16, 1008, device=loaded.device, dtype=loaded.dtype)
     runner = ModelRunner(loaded, cache, max_tokens=64)
     before = _compiled(decode_kernel._decode_kernel), _compiled(decode_kernel._combine_kernel)
-    runner.compile_decode_ahead([16, *warm_rows(64)])
+    runner.compile_attention_ahead([16, *warm_rows(64)])
     ahead = _compiled(decode_kernel._decode_kernel), _compiled(decode_kernel._combine_kernel)
     assert ahead[0] > before[0]
     runner.warm_up(16)

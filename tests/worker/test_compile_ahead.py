@@ -97,3 +97,37 @@ def test_decode_attention_launches_dry_inside_the_block(monkeypatch):
     splits, _ = dk.decode_splits(2, 2, 256, torch.float16)
     assert splits > 1 and [w[0] for w in decode.warmed] == [(2, 2, splits)] and len(combine.warmed) == 1
     assert not decode.launched and not combine.launched
+
+
+def test_work_started_in_the_background_compiles_dry_while_the_caller_launches_for_real(caplog):
+    """``in_background`` runs its work on a thread of its own: the work's launches inside its
+    ``compiling`` block are dry, while the caller's launches meanwhile run as before (the block's
+    mode belongs to the thread's context); the wait returns once the work has ended."""
+    import threading
+
+    kernel, inside, release = Recorder(), threading.Event(), threading.Event()
+
+    def work() -> None:
+        with compile_ahead.compiling("test", threads=1):
+            compile_ahead.launcher(kernel, (2,))("in the background")
+            inside.set()
+            release.wait(5)
+
+    wait = compile_ahead.in_background("test", work)
+    assert inside.wait(5)
+    compile_ahead.launcher(kernel, (1,))("the caller's")  # while the thread is inside its block
+    release.set()
+    with caplog.at_level("INFO"):
+        wait()
+    assert kernel.warmed == [((2,), ("in the background",), {})]
+    assert kernel.launched == [((1,), ("the caller's",), {})]
+    assert "waited" in caplog.text and "compiled ahead" in caplog.text
+
+
+def test_a_failure_in_the_background_is_logged_at_the_wait_not_raised(caplog):
+    def work() -> None:
+        raise RuntimeError("no compiler here")
+
+    wait = compile_ahead.in_background("test", work)
+    wait()
+    assert "compiling the test kernels ahead failed" in caplog.text and "no compiler here" in caplog.text

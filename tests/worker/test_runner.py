@@ -4,6 +4,8 @@ greedy sampling takes the LM head's own dtype, and the warm-up runs a prefill ch
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
@@ -189,29 +191,40 @@ def test_a_failed_logits_warm_up_is_logged_and_the_worker_goes_on(runner, monkey
     assert runner.penalties.counts.shape[0] == 0
 
 
-def test_compiling_the_decode_attention_ahead_is_cuda_only_and_a_failure_is_logged(runner, monkeypatch, caplog):
+def test_compiling_the_attention_ahead_is_cuda_only_and_a_failure_is_logged(runner, monkeypatch, caplog):
     """On a CPU nothing is compiled; where it runs (a GPU, stood in for by the device's type here),
-    each split count's variant is launched once (``variant_rows``), and a failure is logged: the
-    warm-up goes on."""
-    from types import SimpleNamespace
-
-    from graphkeeper.worker.kernels import decode_kernel
+    each split count's decode variant is launched once (``variant_rows``), then the varlen kernel
+    once at the runner's token budget, and a failure is logged: the warm-up goes on."""
+    from graphkeeper.worker.kernels import decode_kernel, varlen_kernel
 
     launched = []
     monkeypatch.setattr(decode_kernel, "decode_attention", lambda q, *args: launched.append(q.shape[0]))
-    runner.compile_decode_ahead([1, 2, 64])
+    monkeypatch.setattr(varlen_kernel, "varlen_attention", lambda q, *args: launched.append(("varlen", q.shape[0])))
+    runner.compile_attention_ahead([1, 2, 64])
     assert launched == []  # a CPU: nothing to compile
     monkeypatch.setattr(runner.attention, "triton_decode", True)
+    monkeypatch.setattr(runner.attention, "triton_varlen", True)
     monkeypatch.setattr(runner, "device", SimpleNamespace(type="cuda"))
     monkeypatch.setattr(torch, "empty", lambda *shape, **kw: torch.zeros(*shape, dtype=kw.get("dtype")))
-    runner.compile_decode_ahead([1, 2, 64])
+    runner.compile_attention_ahead([1, 2, 64])
     rows = decode_kernel.variant_rows([1, 2, 64], runner.attention.n_kv, runner.cache.max_blocks_per_seq
                                       * runner.cache.block_size, runner.loaded.dtype)
-    assert launched == rows == [1]  # float32 never splits: one variant for every row count
+    assert rows == [1]  # float32 never splits: one variant for every row count
+    assert launched == [1, ("varlen", runner.max_tokens)]
 
     def broken(*args):
         raise RuntimeError("no compiler")
 
     monkeypatch.setattr(decode_kernel, "decode_attention", broken)
-    runner.compile_decode_ahead([1, 2, 64])
-    assert "compiling the decode attention ahead failed" in caplog.text and "no compiler" in caplog.text
+    runner.compile_attention_ahead([1, 2, 64])
+    assert "compiling the attention ahead failed" in caplog.text and "no compiler" in caplog.text
+
+
+def test_the_start_compiles_the_warm_up_s_attention_ahead_of_it_on_a_thread(runner, monkeypatch):
+    """What a start compiles ahead, on its own thread, is the attention at the rows the warm-up
+    runs: the warm-up's row, then every count a GPU's warm-up adds."""
+    seen = []
+    monkeypatch.setattr(runner, "compile_attention_ahead", seen.append)
+    monkeypatch.setattr(runner, "device", SimpleNamespace(type="cuda"))
+    runner.compile_ahead_of_warm_up(4)
+    assert seen == [[4, *warm_rows(runner.max_tokens)]]

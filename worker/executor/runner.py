@@ -25,7 +25,7 @@ from graphkeeper.worker.executor.logits import count_sampled, sample_processed
 from graphkeeper.worker.executor.penalty_counts import PenaltyCounts
 from graphkeeper.worker.executor.sampling import sample
 from graphkeeper.worker.executor.transfer import to_device
-from graphkeeper.worker.kernels import compile_ahead, decode_kernel, logprob_kernel
+from graphkeeper.worker.kernels import compile_ahead, decode_kernel, logprob_kernel, varlen_kernel
 from graphkeeper.worker.kernels.linear_kernel import warm_rows
 from graphkeeper.worker.model.attention import BLOCK_Q, AttentionMetadata, SlotAttention
 from graphkeeper.worker.model.kv_cache import KVCache
@@ -373,10 +373,8 @@ class ModelRunner:
         here, before the capture phase's baseline, it is not charged to the graphs (it stays when
         every graph is released). A CPU has nothing to load; tests ask for it there by name."""
         dummy = self.cache.dummy_slot
-        if every_row_count is None:
-            every_row_count = self.device.type == "cuda"
-        row_counts = warm_rows(self.max_tokens) if every_row_count else []
-        self.compile_decode_ahead([rows, *row_counts])
+        row_counts = self._warm_counts(every_row_count)
+        self.compile_attention_ahead([rows, *row_counts])  # at once where a thread did it already
         plan = self.inert_decode(rows)
         self.sample_and_send(self.forward_eager(self.prepare(plan, rows), rows), plan).tokens()
         for m in row_counts:
@@ -395,29 +393,49 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def compile_decode_ahead(self, rows: list[int]) -> None:
-        """Compiles the decode attention kernels that decode steps of ``rows`` rows launch, side by
+    def compile_attention_ahead(self, rows: list[int]) -> None:
+        """Compiles the attention kernels that the warm-up's steps of ``rows`` rows launch, side by
         side on threads (``compile_ahead``), before the warm-up launches them: Triton compiled each
-        variant (one per split count, ``decode_kernel.variant_rows``) at its first launch, one after
-        another on the engine thread, about half of the time a cold start spent compiling our own
-        kernels. The dry launches take this runner's own input rows and the cache's first layer, so
-        they specialize as the real launches do; nothing runs. CUDA with the Triton kernel only. A
+        at its first launch, one after another on the engine thread, about half of the time a cold
+        start spent compiling our own kernels. The decode attention has a variant per split count
+        (``decode_kernel.variant_rows``); the varlen attention (prefill and mixed steps) one. The
+        dry launches take this runner's own input rows and the cache's first layer, so they
+        specialize as the real launches do; nothing runs. CUDA with the Triton kernels only. A
         failure here is logged, not raised: the warm-up's launches then compile them, as before."""
         attention = self.attention
-        if self.device.type != "cuda" or not attention.triton_decode:
+        if self.device.type != "cuda" or not (attention.triton_decode or attention.triton_varlen):
             return
-        cache = self.cache
-        max_len = decode_kernel.table_keys(cache.block_table, cache.k_layers[0])
+        cache, dtype = self.cache, self.loaded.dtype
         try:
-            with compile_ahead.compiling("decode attention"):
-                for m in decode_kernel.variant_rows(rows, attention.n_kv, max_len, self.loaded.dtype):
-                    q = torch.empty(m, attention.n_heads, attention.head_dim, dtype=self.loaded.dtype,
-                                    device=self.device)
-                    decode_kernel.decode_attention(q, cache.k_layers[0], cache.v_layers[0],
-                                                   self._row(self.SLOTS, m), self._row(self.LENGTHS, m),
-                                                   cache.block_table)
+            with compile_ahead.compiling("attention"):
+                if attention.triton_decode:
+                    max_len = decode_kernel.table_keys(cache.block_table, cache.k_layers[0])
+                    for m in decode_kernel.variant_rows(rows, attention.n_kv, max_len, dtype):
+                        q = torch.empty(m, attention.n_heads, attention.head_dim, dtype=dtype, device=self.device)
+                        decode_kernel.decode_attention(q, cache.k_layers[0], cache.v_layers[0],
+                                                       self._row(self.SLOTS, m), self._row(self.LENGTHS, m),
+                                                       cache.block_table)
+                if attention.triton_varlen:
+                    m = self.max_tokens
+                    q = torch.empty(m, attention.n_heads, attention.head_dim, dtype=dtype, device=self.device)
+                    row = self._row
+                    varlen_kernel.varlen_attention(q, cache.k_layers[0], cache.v_layers[0], row(self.BLOCK_ROW, m),
+                                                   row(self.BLOCK_LEN, m), row(self.BLOCK_SLOT, m),
+                                                   row(self.BLOCK_POS, m), 1, cache.block_table)
         except Exception as err:  # noqa: BLE001 - an optimization of the start, never a failed start
-            log.warning("compiling the decode attention ahead failed (its warm-up launches compile it): %s", err)
+            log.warning("compiling the attention ahead failed (its warm-up launches compile it): %s", err)
+
+    def compile_ahead_of_warm_up(self, rows: int) -> None:
+        """What ``warm_up(rows)`` compiles first, for a start that begins it early, on a thread
+        (``compile_ahead.in_background``), while the kernels are tuned."""
+        self.compile_attention_ahead([rows, *self._warm_counts(None)])
+
+    def _warm_counts(self, every_row_count: bool | None) -> list[int]:
+        """The row counts the warm-up runs a whole decode step at: on a GPU (None), every count the
+        skinny products bucket."""
+        if every_row_count is None:
+            every_row_count = self.device.type == "cuda"
+        return warm_rows(self.max_tokens) if every_row_count else []
 
     #: Penalised rows of the logits warm-up's steps: Triton specializes the penalty kernels' row
     #: count as one, a multiple of sixteen, or any other.

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -101,3 +102,37 @@ def _async_mode() -> Any:
     except ImportError:
         return None
     return AsyncCompileMode
+
+
+def in_background(what: str, work: Callable[[], None], device: Any = None) -> Callable[[], None]:
+    """Starts ``work`` (launches inside ``compiling`` blocks) on a thread of its own and returns
+    the wait for it: a start compiles kernels it knows it will launch while it does something
+    else (kernel tuning times its candidates on the GPU, mostly waiting), and waits before its
+    first real launch of them. Triton's compile mode and the dry launches are context variables,
+    so the caller's own launches meanwhile run (and compile) as before. ``device``: the CUDA device
+    the thread compiles for (a thread starts on device 0). A failure is logged when waited for,
+    never raised: the real launches compile what is missing."""
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            if device is not None:
+                import torch
+
+                torch.cuda.set_device(device)
+            work()
+        except Exception as err:  # noqa: BLE001 - an optimization of the start, never a failed start
+            failure.append(err)
+
+    thread = threading.Thread(target=run, name=f"compile-ahead-{what}", daemon=True)
+    thread.start()
+
+    def wait() -> None:
+        start = time.perf_counter()
+        thread.join()
+        log.info("waited %.1f s for the %s kernels compiled ahead", time.perf_counter() - start, what)
+        if failure:
+            log.warning("compiling the %s kernels ahead failed (their first launches compile them): %s",
+                        what, failure[0])
+
+    return wait

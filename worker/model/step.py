@@ -38,7 +38,16 @@ from types import ModuleType
 import torch
 
 from graphkeeper.proto import worker_pb2 as pb
-from graphkeeper.worker.kernels import choice, decode_kernel, linear_kernel, norm_kernel, pdl, row_kernel, varlen_kernel
+from graphkeeper.worker.kernels import (
+    choice,
+    compile_ahead,
+    decode_kernel,
+    linear_kernel,
+    norm_kernel,
+    pdl,
+    row_kernel,
+    varlen_kernel,
+)
 from graphkeeper.worker.kernels.timing import replay_seconds
 from graphkeeper.worker.model import llama, tensor_parallel, tuning
 from graphkeeper.worker.model.cache_key import differences, key_of, library_versions, source_digest
@@ -230,11 +239,13 @@ def compile_pieces(pieces: PieceFunctions, backend: str = "inductor") -> PieceFu
 
 
 def prepare_step(model, *, compile: bool, cache_root: str, quantization: str, warm_up: Callable[[], None],
-                 level: int, reason: str) -> CompileReport:
+                 level: int, reason: str, ahead: Callable[[], None] | None = None) -> CompileReport:
     """Installs the model's step functions (fused kernels or compiled) and runs ``warm_up`` once,
     which is when a compiled step is traced and compiled (or loaded from the cache). On CUDA the
     kernels are tuned first (or their tuning read from the cache), and the one-token step runs the
-    fused row pieces where they measured faster than the others."""
+    fused row pieces where they measured faster than the others. ``ahead`` (CUDA only) compiles
+    kernels the warm-up launches (``compile_ahead``): it runs on a thread while the kernels are
+    tuned, from when the compile cache is chosen (its kernels land there) until the warm-up."""
     device = model.tok_embeddings.weight.device
     kernels = choice.choose_kernels(device.type, compile)
     pieces = make_pieces(model.config, kernels.add_rms_norm, model.tp)
@@ -242,6 +253,9 @@ def prepare_step(model, *, compile: bool, cache_root: str, quantization: str, wa
     rows = device.type == "cuda" and row_pieces_fit(model.config, model.tok_embeddings.weight.dtype)
     if compile:  # first: every Triton kernel from here on (the PDL probe's too) is kept in the cache
         _use_compile_cache(model, report, kernels.name, quantization, cache_root)
+    wait_ahead = None
+    if ahead is not None and device.type == "cuda":
+        wait_ahead = compile_ahead.in_background("warm-up", ahead, device)
     if device.type == "cuda":
         pdl.probe(device)
         report.tuning = tuning.tune_model(model, cache_root, rows)
@@ -256,6 +270,8 @@ def prepare_step(model, *, compile: bool, cache_root: str, quantization: str, wa
     before = compile_counters() if compile else {}
     timers = compile_timers() if compile else {}
     start = time.perf_counter()
+    if wait_ahead is not None:
+        wait_ahead()
     with default_stance():
         warm_up()
     if compile:
