@@ -99,35 +99,29 @@ def test_decode_attention_launches_dry_inside_the_block(monkeypatch):
     assert not decode.launched and not combine.launched
 
 
-def test_work_started_in_the_background_compiles_dry_while_the_caller_launches_for_real(caplog):
-    """``in_background`` runs its work on a thread of its own: the work's launches inside its
-    ``compiling`` block are dry, while the caller's launches meanwhile run as before (the block's
-    mode belongs to the thread's context); the wait returns once the work has ended."""
-    import threading
-
-    kernel, inside, release = Recorder(), threading.Event(), threading.Event()
-
-    def work() -> None:
-        with compile_ahead.compiling("test", threads=1):
-            compile_ahead.launcher(kernel, (2,))("in the background")
-            inside.set()
-            release.wait(5)
-
-    wait = compile_ahead.in_background("test", work)
-    assert inside.wait(5)
-    compile_ahead.launcher(kernel, (1,))("the caller's")  # while the thread is inside its block
-    release.set()
+def test_launches_started_ahead_are_dry_and_the_caller_s_launches_after_run(caplog):
+    """``started`` makes its launches now, dry, and returns: the caller's launches meanwhile run
+    as before, and the caller may open a ``compiling`` block of its own (kernel tuning's); the
+    wait closes the compile mode and logs how long it waited."""
+    pytest.importorskip("triton.runtime._async_compile")  # Triton's compile mode (3.5+), as on a GPU
+    kernel = Recorder()
+    wait = compile_ahead.started("test", lambda: compile_ahead.launcher(kernel, (2,))("ahead"), threads=2)
+    assert kernel.warmed == [((2,), ("ahead",), {})] and not compile_ahead.dry()
+    compile_ahead.launcher(kernel, (1,))("the caller's")
+    with compile_ahead.compiling("another", threads=2):
+        compile_ahead.launcher(kernel, (3,))("another block's")
     with caplog.at_level("INFO"):
         wait()
-    assert kernel.warmed == [((2,), ("in the background",), {})]
     assert kernel.launched == [((1,), ("the caller's",), {})]
-    assert "waited" in caplog.text and "compiled ahead" in caplog.text
+    assert kernel.warmed[1:] == [((3,), ("another block's",), {})]
+    assert "test kernels ahead on 2 threads" in caplog.text and "waited for" in caplog.text
 
 
-def test_a_failure_in_the_background_is_logged_at_the_wait_not_raised(caplog):
-    def work() -> None:
+def test_a_failure_in_launches_started_ahead_is_logged_not_raised(caplog):
+    def launches() -> None:
         raise RuntimeError("no compiler here")
 
-    wait = compile_ahead.in_background("test", work)
+    wait = compile_ahead.started("test", launches, threads=2)
+    assert not compile_ahead.dry()
     wait()
     assert "compiling the test kernels ahead failed" in caplog.text and "no compiler here" in caplog.text

@@ -220,11 +220,16 @@ def test_compiling_the_attention_ahead_is_cuda_only_and_a_failure_is_logged(runn
     assert "compiling the attention ahead failed" in caplog.text and "no compiler" in caplog.text
 
 
-def test_the_start_compiles_the_warm_up_s_attention_ahead_of_it_on_a_thread(runner, monkeypatch):
-    """What a start compiles ahead, on its own thread, is the attention at the rows the warm-up
-    runs: the warm-up's row, then every count a GPU's warm-up adds."""
-    seen = []
-    monkeypatch.setattr(runner, "compile_attention_ahead", seen.append)
+def test_a_start_compiles_ahead_the_attention_at_every_row_count_the_warm_up_runs(runner, monkeypatch):
+    """What a start launches dry while it tunes kernels is the attention at the rows the warm-up
+    runs: its first row count, then every count a GPU's warm-up adds."""
+    from graphkeeper.worker.kernels import decode_kernel
+
+    counts = []
+    monkeypatch.setattr(decode_kernel, "variant_rows", lambda rows, *args: counts.append(rows) or [])
+    runner.attention_launches(runner.warm_up_rows(4))
+    assert counts == []  # a CPU: nothing compiles ahead
+    monkeypatch.setattr(runner.attention, "triton_decode", True)
     monkeypatch.setattr(runner, "device", SimpleNamespace(type="cuda"))
-    runner.compile_ahead_of_warm_up(4)
-    assert seen == [[4, *warm_rows(runner.max_tokens)]]
+    runner.attention_launches(runner.warm_up_rows(4))
+    assert counts == [[4, *warm_rows(runner.max_tokens)]]

@@ -397,38 +397,48 @@ class ModelRunner:
         """Compiles the attention kernels that the warm-up's steps of ``rows`` rows launch, side by
         side on threads (``compile_ahead``), before the warm-up launches them: Triton compiled each
         at its first launch, one after another on the engine thread, about half of the time a cold
-        start spent compiling our own kernels. The decode attention has a variant per split count
-        (``decode_kernel.variant_rows``); the varlen attention (prefill and mixed steps) one. The
-        dry launches take this runner's own input rows and the cache's first layer, so they
-        specialize as the real launches do; nothing runs. CUDA with the Triton kernels only. A
-        failure here is logged, not raised: the warm-up's launches then compile them, as before."""
-        attention = self.attention
-        if self.device.type != "cuda" or not (attention.triton_decode or attention.triton_varlen):
+        start spent compiling our own kernels. CUDA with the Triton kernels only. A failure here is
+        logged, not raised: the warm-up's launches then compile them, as before."""
+        if not self.compiles_attention():
             return
-        cache, dtype = self.cache, self.loaded.dtype
         try:
             with compile_ahead.compiling("attention"):
-                if attention.triton_decode:
-                    max_len = decode_kernel.table_keys(cache.block_table, cache.k_layers[0])
-                    for m in decode_kernel.variant_rows(rows, attention.n_kv, max_len, dtype):
-                        q = torch.empty(m, attention.n_heads, attention.head_dim, dtype=dtype, device=self.device)
-                        decode_kernel.decode_attention(q, cache.k_layers[0], cache.v_layers[0],
-                                                       self._row(self.SLOTS, m), self._row(self.LENGTHS, m),
-                                                       cache.block_table)
-                if attention.triton_varlen:
-                    m = self.max_tokens
-                    q = torch.empty(m, attention.n_heads, attention.head_dim, dtype=dtype, device=self.device)
-                    row = self._row
-                    varlen_kernel.varlen_attention(q, cache.k_layers[0], cache.v_layers[0], row(self.BLOCK_ROW, m),
-                                                   row(self.BLOCK_LEN, m), row(self.BLOCK_SLOT, m),
-                                                   row(self.BLOCK_POS, m), 1, cache.block_table)
+                self.attention_launches(rows)
         except Exception as err:  # noqa: BLE001 - an optimization of the start, never a failed start
             log.warning("compiling the attention ahead failed (its warm-up launches compile it): %s", err)
 
-    def compile_ahead_of_warm_up(self, rows: int) -> None:
-        """What ``warm_up(rows)`` compiles first, for a start that begins it early, on a thread
-        (``compile_ahead.in_background``), while the kernels are tuned."""
-        self.compile_attention_ahead([rows, *self._warm_counts(None)])
+    def compiles_attention(self) -> bool:
+        """Whether this runner's attention is Triton kernels (on CUDA), which compile ahead."""
+        attention = self.attention
+        return self.device.type == "cuda" and (attention.triton_decode or attention.triton_varlen)
+
+    def attention_launches(self, rows: list[int]) -> None:
+        """The attention launches steps of ``rows`` rows make, one per compiled variant: the decode
+        attention's, one per split count (``decode_kernel.variant_rows``), and the varlen
+        attention's (prefill and mixed steps), one. Made inside a compile-ahead block (dry: nothing
+        runs). They take this runner's own input rows and the cache's first layer, so they
+        specialize as the real launches do. Nothing where the attention does not compile (a CPU, SDPA)."""
+        if not self.compiles_attention():
+            return
+        attention, cache, dtype = self.attention, self.cache, self.loaded.dtype
+        row = self._row
+        if attention.triton_decode:
+            max_len = decode_kernel.table_keys(cache.block_table, cache.k_layers[0])
+            for m in decode_kernel.variant_rows(rows, attention.n_kv, max_len, dtype):
+                q = torch.empty(m, attention.n_heads, attention.head_dim, dtype=dtype, device=self.device)
+                decode_kernel.decode_attention(q, cache.k_layers[0], cache.v_layers[0], row(self.SLOTS, m),
+                                               row(self.LENGTHS, m), cache.block_table)
+        if attention.triton_varlen:
+            m = self.max_tokens
+            q = torch.empty(m, attention.n_heads, attention.head_dim, dtype=dtype, device=self.device)
+            varlen_kernel.varlen_attention(q, cache.k_layers[0], cache.v_layers[0], row(self.BLOCK_ROW, m),
+                                           row(self.BLOCK_LEN, m), row(self.BLOCK_SLOT, m), row(self.BLOCK_POS, m),
+                                           1, cache.block_table)
+
+    def warm_up_rows(self, rows: int) -> list[int]:
+        """Every row count ``warm_up(rows)`` runs a decode step at (its attention's variants: a
+        start compiles them ahead while it tunes kernels, ``compile_ahead.started``)."""
+        return [rows, *self._warm_counts(None)]
 
     def _warm_counts(self, every_row_count: bool | None) -> list[int]:
         """The row counts the warm-up runs a whole decode step at: on a GPU (None), every count the

@@ -22,8 +22,8 @@ inputs): a dry launch leaves its output tensor as it was allocated.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import logging
-import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -104,35 +104,51 @@ def _async_mode() -> Any:
     return AsyncCompileMode
 
 
-def in_background(what: str, work: Callable[[], None], device: Any = None) -> Callable[[], None]:
-    """Starts ``work`` (launches inside ``compiling`` blocks) on a thread of its own and returns
-    the wait for it: a start compiles kernels it knows it will launch while it does something
-    else (kernel tuning times its candidates on the GPU, mostly waiting), and waits before its
-    first real launch of them. Triton's compile mode and the dry launches are context variables,
-    so the caller's own launches meanwhile run (and compile) as before. ``device``: the CUDA device
-    the thread compiles for (a thread starts on device 0). A failure is logged when waited for,
-    never raised: the real launches compile what is missing."""
-    failure: list[BaseException] = []
 
-    def run() -> None:
+def started(what: str, launches: Callable[[], None], threads: int | None = None) -> Callable[[], None]:
+    """Makes ``launches()``'s launches now, dry, and returns while their kernels compile on a pool
+    of threads; the returned wait finishes them (the real launches after it find them compiled).
+
+    Why: a start compiles kernels it knows it will launch while it does something else (kernel
+    tuning times its candidates on the GPU, mostly waiting for it), and waits only before its first
+    real launch of them. The compile mode and the dry launches are opened in a copy of the caller's
+    context, so the caller's own launches meanwhile run (and compile) as before, and another
+    ``compiling`` block may open; the dry launches, and whatever they allocate on the device,
+    are the caller's thread's, made before it goes on (nothing happens on another thread while it
+    records a CUDA graph but compiling). A failure is logged, never raised: the real launches
+    compile what is missing."""
+    threads = threads or thread_count(usable_cpus())
+    mode_type = _async_mode()
+    start = time.perf_counter()
+    if mode_type is None or threads <= 1:  # nothing to overlap: compile them now, as ``compiling`` does
         try:
-            if device is not None:
-                import torch
-
-                torch.cuda.set_device(device)
-            work()
+            with compiling(what, threads):
+                launches()
         except Exception as err:  # noqa: BLE001 - an optimization of the start, never a failed start
-            failure.append(err)
+            log.warning("compiling the %s kernels ahead failed (their first launches compile them): %s", what, err)
+        return lambda: None
+    pool = ThreadPoolExecutor(threads, thread_name_prefix="triton-compile")
+    mode = mode_type(pool, ignore_errors=True)
+    context = contextvars.copy_context()
 
-    thread = threading.Thread(target=run, name=f"compile-ahead-{what}", daemon=True)
-    thread.start()
+    def open_and_launch() -> None:
+        mode.__enter__()
+        with _dry_launches():
+            launches()
+
+    try:
+        context.run(open_and_launch)
+    except Exception as err:  # noqa: BLE001 - as above; what was queued still compiles
+        log.warning("compiling the %s kernels ahead failed (their first launches compile them): %s", what, err)
 
     def wait() -> None:
-        start = time.perf_counter()
-        thread.join()
-        log.info("waited %.1f s for the %s kernels compiled ahead", time.perf_counter() - start, what)
-        if failure:
-            log.warning("compiling the %s kernels ahead failed (their first launches compile them): %s",
-                        what, failure[0])
+        waited = time.perf_counter()
+        try:
+            context.run(mode.__exit__, None, None, None)
+        finally:
+            pool.shutdown()
+        end = time.perf_counter()
+        log.info("compiled %d %s kernels ahead on %d threads in %.1f s, %.1f s of it waited for",
+                 len(mode.raw_futures), what, threads, end - start, end - waited)
 
     return wait

@@ -243,9 +243,10 @@ def prepare_step(model, *, compile: bool, cache_root: str, quantization: str, wa
     """Installs the model's step functions (fused kernels or compiled) and runs ``warm_up`` once,
     which is when a compiled step is traced and compiled (or loaded from the cache). On CUDA the
     kernels are tuned first (or their tuning read from the cache), and the one-token step runs the
-    fused row pieces where they measured faster than the others. ``ahead`` (CUDA only) compiles
-    kernels the warm-up launches (``compile_ahead``): it runs on a thread while the kernels are
-    tuned, from when the compile cache is chosen (its kernels land there) until the warm-up."""
+    fused row pieces where they measured faster than the others. ``ahead`` (CUDA only): launches
+    the warm-up will make, made dry once the compile cache is chosen (their kernels land there) and
+    compiled on threads while the kernels are tuned (``compile_ahead.started``), waited for before
+    the warm-up."""
     device = model.tok_embeddings.weight.device
     kernels = choice.choose_kernels(device.type, compile)
     pieces = make_pieces(model.config, kernels.add_rms_norm, model.tp)
@@ -255,7 +256,7 @@ def prepare_step(model, *, compile: bool, cache_root: str, quantization: str, wa
         _use_compile_cache(model, report, kernels.name, quantization, cache_root)
     wait_ahead = None
     if ahead is not None and device.type == "cuda":
-        wait_ahead = compile_ahead.in_background("warm-up", ahead, device)
+        wait_ahead = compile_ahead.started("warm-up attention", ahead)
     if device.type == "cuda":
         pdl.probe(device)
         report.tuning = tuning.tune_model(model, cache_root, rows)
