@@ -374,7 +374,7 @@ class ModelRunner:
         every graph is released). A CPU has nothing to load; tests ask for it there by name."""
         dummy = self.cache.dummy_slot
         row_counts = self._warm_counts(every_row_count)
-        self.compile_attention_ahead([rows, *row_counts])  # at once where a thread did it already
+        self.compile_attention_ahead([rows, *row_counts])  # found compiled where a start compiled them ahead
         plan = self.inert_decode(rows)
         self.sample_and_send(self.forward_eager(self.prepare(plan, rows), rows), plan).tokens()
         for m in row_counts:
