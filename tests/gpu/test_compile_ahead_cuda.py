@@ -97,3 +97,30 @@ def test_the_warm_up_compiles_every_decode_variant_ahead():
     assert ahead[0] > before[0]
     runner.warm_up(16)
     assert (_compiled(decode_kernel._decode_kernel), _compiled(decode_kernel._combine_kernel)) == ahead
+
+
+def test_a_start_s_warm_up_finds_every_attention_kernel_compiled_ahead(tmp_path, caplog, monkeypatch):
+    """Through ``prepare_step`` as a start runs it: the attention launches compiled ahead while the
+    kernels are tuned are the ones the warm-up makes, so the warm-up's own compile-ahead block
+    queues nothing (on an H100 it queued 11 of 12 again when the launches were made before the
+    PDL probe, which turns PDL on, 2026-12-07). A table of 1,040 keys a slot, which no other test
+    uses, so the start has decode variants of its own to compile; PDL starts off, as in a new
+    worker process."""
+    from graphkeeper.worker.executor.runner import ModelRunner
+    from graphkeeper.worker.kernels import pdl
+    from graphkeeper.worker.model.kv_cache import KVCache
+    from graphkeeper.worker.model.loader import load_model
+    from graphkeeper.worker.model.step import prepare_step
+
+    caplog.set_level(logging.INFO, logger=compile_ahead.__name__)
+    monkeypatch.setattr(pdl, "_enabled", False)
+    loaded = load_model("random:tiny", device="cuda", dtype="bfloat16", max_positions=1040)
+    cache = KVCache(loaded.config, 16, 1040, device=loaded.device, dtype=loaded.dtype)
+    runner = ModelRunner(loaded, cache, max_tokens=64)
+    prepare_step(runner.model, compile=False, cache_root=str(tmp_path), quantization="", level=1, reason="test",
+                 warm_up=lambda: runner.warm_up(16), ahead=lambda: runner.attention_launches(runner.warm_up_rows(16)))
+    lines = [r.getMessage() for r in caplog.records]
+    ahead = [int(m.group(1)) for line in lines if (m := re.match(r"compiled (\d+) warm-up attention", line))]
+    again = [int(m.group(1)) for line in lines if (m := re.match(r"compiled (\d+) attention kernels", line))]
+    assert len(ahead) == 1 and ahead[0] > 0, lines
+    assert again == [0], lines

@@ -245,8 +245,8 @@ def prepare_step(model, *, compile: bool, cache_root: str, quantization: str, wa
     kernels are tuned first (or their tuning read from the cache), and the one-token step runs the
     fused row pieces where they measured faster than the others. ``ahead`` (CUDA only): launches
     the warm-up will make, made dry once the compile cache is chosen (their kernels land there) and
-    compiled on threads while the kernels are tuned (``compile_ahead.started``), waited for before
-    the warm-up."""
+    PDL probed, and compiled on threads while the kernels are tuned (``_tune_kernels``), waited for
+    before the warm-up."""
     device = model.tok_embeddings.weight.device
     kernels = choice.choose_kernels(device.type, compile)
     pieces = make_pieces(model.config, kernels.add_rms_norm, model.tp)
@@ -254,13 +254,7 @@ def prepare_step(model, *, compile: bool, cache_root: str, quantization: str, wa
     rows = device.type == "cuda" and row_pieces_fit(model.config, model.tok_embeddings.weight.dtype)
     if compile:  # first: every Triton kernel from here on (the PDL probe's too) is kept in the cache
         _use_compile_cache(model, report, kernels.name, quantization, cache_root)
-    wait_ahead = None
-    if ahead is not None and device.type == "cuda":
-        wait_ahead = compile_ahead.started("warm-up attention", ahead)
-    if device.type == "cuda":
-        pdl.probe(device)
-        report.tuning = tuning.tune_model(model, cache_root, rows)
-        tuning.adopt_first_ranks(model.tp)
+    wait_ahead = _tune_kernels(model, report, cache_root, rows, ahead) if device.type == "cuda" else None
     tuned = report.tuning.summary if report.tuning else ""
     name = "+".join(n for n in (kernels.name, tuned) if n)
     if compile:
@@ -284,6 +278,19 @@ def prepare_step(model, *, compile: bool, cache_root: str, quantization: str, wa
     if rows:
         _choose_row_step(model, report)
     return report
+
+
+def _tune_kernels(model, report: CompileReport, cache_root: str, rows: bool,
+                  ahead: Callable[[], None] | None) -> Callable[[], None] | None:
+    """CUDA: probes PDL, starts compiling ``ahead``'s launches, tunes the kernels; returns the wait
+    for the launches compiled ahead. The probe comes first: a launch passes PDL's switch to its
+    kernel, so a kernel compiled ahead before the probe turned PDL on was not the one the warm-up
+    launched, and compiled again there (11 of 12 on an H100, 2026-12-07)."""
+    pdl.probe(model.tok_embeddings.weight.device)
+    wait_ahead = compile_ahead.started("warm-up attention", ahead) if ahead is not None else None
+    report.tuning = tuning.tune_model(model, cache_root, rows)
+    tuning.adopt_first_ranks(model.tp)
+    return wait_ahead
 
 
 def _use_compile_cache(model, report: CompileReport, kernels: str, quantization: str, cache_root: str) -> None:
