@@ -399,7 +399,7 @@ class ModelRunner:
         at its first launch, one after another on the engine thread, about half of the time a cold
         start spent compiling our own kernels. CUDA with the Triton kernels only. A failure here is
         logged, not raised: the warm-up's launches then compile them, as before."""
-        if not self.compiles_attention():
+        if not self._compiles_attention():
             return
         try:
             with compile_ahead.compiling("attention"):
@@ -407,7 +407,7 @@ class ModelRunner:
         except Exception as err:  # noqa: BLE001 - an optimization of the start, never a failed start
             log.warning("compiling the attention ahead failed (its warm-up launches compile it): %s", err)
 
-    def compiles_attention(self) -> bool:
+    def _compiles_attention(self) -> bool:
         """Whether this runner's attention is Triton kernels (on CUDA), which compile ahead."""
         attention = self.attention
         return self.device.type == "cuda" and (attention.triton_decode or attention.triton_varlen)
@@ -418,7 +418,7 @@ class ModelRunner:
         attention's (prefill and mixed steps), one. Made inside a compile-ahead block (dry: nothing
         runs). They take this runner's own input rows and the cache's first layer, so they
         specialize as the real launches do. Nothing where the attention does not compile (a CPU, SDPA)."""
-        if not self.compiles_attention():
+        if not self._compiles_attention():
             return
         attention, cache, dtype = self.attention, self.cache, self.loaded.dtype
         row = self._row

@@ -104,51 +104,33 @@ def _async_mode() -> Any:
     return AsyncCompileMode
 
 
-
 def started(what: str, launches: Callable[[], None], threads: int | None = None) -> Callable[[], None]:
-    """Makes ``launches()``'s launches now, dry, and returns while their kernels compile on a pool
-    of threads; the returned wait finishes them (the real launches after it find them compiled).
+    """Opens a ``compiling`` block, makes ``launches()``'s launches in it (dry) and returns while
+    their kernels compile; the returned wait leaves the block (the real launches after it find
+    them compiled).
 
     Why: a start compiles kernels it knows it will launch while it does something else (kernel
     tuning times its candidates on the GPU, mostly waiting for it), and waits only before its first
-    real launch of them. The compile mode and the dry launches are opened in a copy of the caller's
-    context, so the caller's own launches meanwhile run (and compile) as before, and another
-    ``compiling`` block may open; the dry launches, and whatever they allocate on the device,
-    are the caller's thread's, made before it goes on (nothing happens on another thread while it
-    records a CUDA graph but compiling). A failure is logged, never raised: the real launches
-    compile what is missing."""
-    threads = threads or thread_count(usable_cpus())
-    mode_type = _async_mode()
-    start = time.perf_counter()
-    if mode_type is None or threads <= 1:  # nothing to overlap: compile them now, as ``compiling`` does
-        try:
-            with compiling(what, threads):
-                launches()
-        except Exception as err:  # noqa: BLE001 - an optimization of the start, never a failed start
-            log.warning("compiling the %s kernels ahead failed (their first launches compile them): %s", what, err)
-        return lambda: None
-    pool = ThreadPoolExecutor(threads, thread_name_prefix="triton-compile")
-    mode = mode_type(pool, ignore_errors=True)
+    real launch of them. The block is opened in a copy of the caller's context, so the caller's own
+    launches meanwhile run (and compile) as before, and another ``compiling`` block may open; the
+    dry launches, and whatever they allocate on the device, are the caller's thread's, made before
+    it goes on (nothing happens on another thread while it records a CUDA graph but compiling). A
+    failure is logged, never raised: the real launches compile what is missing."""
+    block = contextlib.ExitStack()
     context = contextvars.copy_context()
 
     def open_and_launch() -> None:
-        mode.__enter__()
-        with _dry_launches():
-            launches()
+        block.enter_context(compiling(what, threads))
+        launches()
 
     try:
         context.run(open_and_launch)
-    except Exception as err:  # noqa: BLE001 - as above; what was queued still compiles
+    except Exception as err:  # noqa: BLE001 - an optimization of the start, never a failed start
         log.warning("compiling the %s kernels ahead failed (their first launches compile them): %s", what, err)
 
     def wait() -> None:
         waited = time.perf_counter()
-        try:
-            context.run(mode.__exit__, None, None, None)
-        finally:
-            pool.shutdown()
-        end = time.perf_counter()
-        log.info("compiled %d %s kernels ahead on %d threads in %.1f s, %.1f s of it waited for",
-                 len(mode.raw_futures), what, threads, end - start, end - waited)
+        context.run(block.close)
+        log.info("%.1f s waited for the %s kernels compiled ahead", time.perf_counter() - waited, what)
 
     return wait
