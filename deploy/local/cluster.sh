@@ -103,14 +103,20 @@ stop() { # stop NAME: TERM, then KILL after 10 s; only the process this script s
   rm -f "$f"
 }
 
-wait_for() { # wait_for WHAT SECONDS CMD...
-  local what=$1 secs=$2 i; shift 2
+wait_for() { # wait_for WHAT LOG SECONDS CMD...: LOG names the component whose log tells why
+  local what=$1 own=$logs/$2.log secs=$3 i f; shift 3
   for i in $(seq $((secs * 10))); do
     if "$@" >/dev/null 2>&1; then return 0; fi
     sleep 0.1
   done
   log "$what did not come up in ${secs}s; see $logs"
-  tail -n 20 "$logs"/*.log >&2 || true
+  # The other logs first (some may be left from an earlier run), the failing component's last,
+  # where the end of a CI log shows it.
+  for f in "$logs"/*.log; do
+    [ "$f" = "$own" ] || tail -v -n 20 "$f" >&2 || true
+  done
+  [ -f "$own" ] && tail -v -n 40 "$own" >&2
+  log "$what did not come up in ${secs}s: the end of $own is above"
   return 1
 }
 
@@ -246,7 +252,7 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
     conf_dir = "$node_dir/cni/net.d"
 TOML
   start containerd containerd --config "$node_dir/containerd/config.toml"
-  wait_for containerd 30 ctr --address "$containerd_sock" version
+  wait_for containerd containerd 30 ctr --address "$containerd_sock" version
 }
 
 node_ready() { # node_ready KUBECTL
@@ -288,7 +294,7 @@ YAML
   start kubelet "$bin/kubelet" --config "$node_dir/kubelet-config.yaml" \
     --kubeconfig "$node_dir/kubelet.kubeconfig" --root-dir "$node_dir/kubelet" \
     --cert-dir "$node_dir/kubelet-pki" --node-ip "$node_ip" --hostname-override "$node_name" --v 1
-  wait_for "the node to be Ready" 120 node_ready "$bin/kubectl"
+  wait_for "the node to be Ready" kubelet 120 node_ready "$bin/kubectl"
   # The node lifecycle controller lifts the not-ready taint after its monitor period; do not wait.
   "$bin/kubectl" --kubeconfig "$kubeconfig" taint node "$node_name" node.kubernetes.io/not-ready:NoSchedule- \
     >/dev/null 2>&1 || true
@@ -418,7 +424,7 @@ up() {
     --initial-cluster "local=http://127.0.0.1:$((etcd_port + 1))" \
     --listen-metrics-urls "http://127.0.0.1:$((etcd_port + 2))" \
     --quota-backend-bytes $((2 * 1024 * 1024 * 1024)) --log-level warn
-  wait_for etcd 30 curl -fsS "http://127.0.0.1:$((etcd_port + 2))/health"
+  wait_for etcd etcd 30 curl -fsS "http://127.0.0.1:$((etcd_port + 2))/health"
 
   local extra=() controllers=namespace-controller,garbage-collector-controller,serviceaccount-controller,serviceaccount-token-controller,root-ca-certificate-publisher-controller,clusterrole-aggregation-controller
   if [ "$node" = 1 ]; then
@@ -448,7 +454,7 @@ up() {
     --service-cluster-ip-range 10.96.0.0/16 \
     --profiling=false --allow-privileged=true \
     --cert-dir "$state/apiserver-certs" "${extra[@]}" "${audit[@]}"
-  wait_for kube-apiserver 60 "$bin/kubectl" --kubeconfig "$kubeconfig" get --raw /readyz
+  wait_for kube-apiserver kube-apiserver 60 "$bin/kubectl" --kubeconfig "$kubeconfig" get --raw /readyz
 
   start kube-controller-manager "$bin/kube-controller-manager" \
     --kubeconfig "$state/kcm.kubeconfig" \
@@ -458,7 +464,7 @@ up() {
     --controllers "$controllers" \
     --service-account-private-key-file "$pki/sa.key" --root-ca-file "$pki/ca.crt" \
     --use-service-account-credentials=true --cert-dir "$state/kcm-certs" --profiling=false
-  wait_for "the default ServiceAccount" 60 \
+  wait_for "the default ServiceAccount" kube-controller-manager 60 \
     "$bin/kubectl" --kubeconfig "$kubeconfig" -n default get serviceaccount default
   if [ "$node" = 1 ]; then node_up "$bin"; fi
   log "up: KUBECONFIG=$kubeconfig (apiserver https://127.0.0.1:$api_port)"

@@ -48,6 +48,16 @@ POLICY = "decode"
 WORKER_LABEL = "app.kubernetes.io/component=inference-worker"
 OPERATOR_LABEL = "app.kubernetes.io/component=operator"
 PROMETHEUS_PORT = 29190
+# The node's fixed ports, all below Linux's ephemeral range (32768-60999 by default): a port in it
+# can be the local end of any outgoing connection when a component binds it. etcd's metrics port
+# 33892 was, once, and the whole suite failed in the fixture ("bind: address already in use").
+NODE_PORTS = {
+    "GRAPHKEEPER_APISERVER_PORT": "26543",
+    "GRAPHKEEPER_ETCD_PORT": "23890",  # peer and metrics: +1, +2
+    "GRAPHKEEPER_KCM_PORT": "30357",
+    "GRAPHKEEPER_SCHEDULER_PORT": "30359",
+    "GRAPHKEEPER_KUBELET_PORT": "10350",
+}
 
 
 def wait_until(what: str, check: Callable[[], Any], timeout: float = 120.0,
@@ -105,11 +115,7 @@ def node() -> Iterator[Node]:
     env = {
         **os.environ,
         "GRAPHKEEPER_CLUSTER_DIR": str(state),
-        "GRAPHKEEPER_APISERVER_PORT": "26543",
-        "GRAPHKEEPER_ETCD_PORT": "33890",
-        "GRAPHKEEPER_KCM_PORT": "30357",
-        "GRAPHKEEPER_SCHEDULER_PORT": "30359",
-        "GRAPHKEEPER_KUBELET_PORT": "10350",
+        **NODE_PORTS,
         "GRAPHKEEPER_NODE_BRIDGE": "gkbr1",
         "GRAPHKEEPER_NODE_NET": "198.18.2",
         "GRAPHKEEPER_PROMETHEUS_PORT": str(PROMETHEUS_PORT),

@@ -1,0 +1,62 @@
+"""The local cluster's fixed ports stay out of Linux's ephemeral range.
+
+A port in that range can be the local end of any outgoing connection on the machine when a
+component binds it; ``cluster.sh``'s check sees only listening sockets, so the component then fails
+to start. Once, the end-to-end suite's etcd metrics port (then 33892) was taken that way and every
+test of the suite errored in the node fixture.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from e2e.conftest import NODE_PORTS, PROMETHEUS_PORT
+
+ROOT = Path(__file__).resolve().parents[1]
+LOCAL = ROOT / "deploy" / "local"
+ETCD_SPAN = 3  # client, peer (+1) and metrics (+2)
+
+
+def ephemeral_low() -> int:
+    """The first port of the machine's ephemeral range (Linux's default 32768 where unreadable)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def expand(name: str, port: int) -> list[int]:
+    return list(range(port, port + ETCD_SPAN)) if "ETCD" in name else [port]
+
+
+def script_defaults() -> dict[str, int]:
+    """The ``${GRAPHKEEPER_*_PORT:-N}`` defaults of the local scripts."""
+    found: dict[str, int] = {}
+    for script in ("cluster.sh", "prometheus.sh"):
+        text = (LOCAL / script).read_text()
+        for name, port in re.findall(r"\$\{(GRAPHKEEPER_\w+_PORT):-(\d+)\}", text):
+            found[name] = int(port)
+    return found
+
+
+def test_the_scripts_declare_their_port_defaults():
+    assert {"GRAPHKEEPER_APISERVER_PORT", "GRAPHKEEPER_ETCD_PORT", "GRAPHKEEPER_KCM_PORT",
+            "GRAPHKEEPER_KUBELET_PORT", "GRAPHKEEPER_SCHEDULER_PORT",
+            "GRAPHKEEPER_PROMETHEUS_PORT"} <= set(script_defaults())
+
+
+def test_every_fixed_port_is_below_the_ephemeral_range():
+    low = ephemeral_low()
+    fixed = {**{k: int(v) for k, v in NODE_PORTS.items()},
+             "GRAPHKEEPER_PROMETHEUS_PORT (e2e)": PROMETHEUS_PORT}
+    ports = {f"{name}={p}" for name, port in [*fixed.items(), *script_defaults().items()]
+             for p in expand(name, port) if p >= low}
+    assert not ports, f"ports in the ephemeral range (from {low}): {sorted(ports)}"
+
+
+def test_the_end_to_end_ports_differ_from_the_default_cluster_s():
+    """The suite's node runs beside ``make demo``'s cluster: no port of one is a port of the other."""
+    ours = {p for name, v in NODE_PORTS.items() for p in expand(name, int(v))} | {PROMETHEUS_PORT}
+    theirs = {p for name, v in script_defaults().items() for p in expand(name, v)}
+    assert not ours & theirs
