@@ -26,6 +26,7 @@ import json
 import sys
 from pathlib import Path
 
+import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -71,19 +72,15 @@ def launch_seconds(module, rows: int, args: argparse.Namespace, launches: int = 
 
 def mixed_work(decode: int, prompt: int, padded: int, args: argparse.Namespace) -> dict:
     """The varlen work list of ``mixed_step_bench.mixed_plan``'s step (decode rows up to ``--length``
-    keys deep, the prompt in chunks of up to ``--chunk``; drawn from a seed made of the case): one
-    block per decode row, each chunk cut into blocks of ``BLOCK_Q`` rows, as the runner cuts them,
-    within ``padded`` entries (a program per row of the padded size). Returns the blocks, the slot
-    count and the keys the step reads."""
+    keys deep, the prompt in chunks of up to ``--chunk``; drawn from a seed made of the case), as the
+    runner lists it (``varlen_kernel.fill_work_list``: the chunks' blocks of up to ``BLOCK_Q`` rows,
+    then one block per decode row, the longest context first), within ``padded`` entries (a program
+    per row of the padded size). Returns the blocks, the slot count and the keys the step reads."""
     plan = mixed_plan(decode, prompt, args.length, args.chunk, vocab=4, seed=decode * 1000 + prompt)
-    blocks = [(r, 1, int(plan.slots[r]), int(plan.positions[r])) for r in range(decode)]
-    keys = int(plan.positions[:decode].sum()) + decode
-    q_block = varlen_kernel.BLOCK_Q
-    for chunk in plan.prefill:
-        for b in range(0, chunk.length, q_block):
-            n = min(q_block, chunk.length - b)
-            blocks.append((chunk.row + b, n, chunk.slot, chunk.start + b))
-            keys += chunk.start + b + n
+    table = np.zeros((4, plan.num_tokens), dtype=np.int64)  # a block holds one row or more
+    count = varlen_kernel.fill_work_list(table, plan.prefill, plan.positions[:decode], plan.slots[:decode])
+    blocks = [tuple(int(x) for x in column) for column in table[:, :count].T]
+    keys = sum(pos + n for _, n, _, pos in blocks)  # each block's last row sees position + rows keys
     assert plan.num_tokens <= padded and len(blocks) <= padded, (decode, prompt, padded)
     return {"blocks": blocks, "slots": decode + len(plan.prefill), "keys": keys}
 

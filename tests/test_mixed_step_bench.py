@@ -17,14 +17,23 @@ from mixed_step_bench import kind_of, mixed_plan  # noqa: E402
 from graphkeeper.worker.kernels.varlen_kernel import BLOCK_Q  # noqa: E402
 
 
-def test_a_mixed_work_list_covers_each_row_once_with_decode_rows_as_one_row_blocks():
+def test_a_mixed_work_list_covers_each_row_once_in_the_runner_s_order():
+    """The chunks' blocks first, then one block per decode row from the longest context down, as
+    the runner lists them (the attention bench times the launch the step makes)."""
     args = argparse.Namespace(length=656, chunk=48)
     work = mixed_work(60, 68, 128, args)
     blocks = work["blocks"]
-    rows = [r for first, n, _, _ in blocks for r in range(first, first + n)]
+    rows = sorted(r for first, n, _, _ in blocks for r in range(first, first + n))
     assert rows == list(range(128))
-    assert [n for _, n, _, _ in blocks[:60]] == [1] * 60
-    assert all(1 <= n <= BLOCK_Q for _, n, _, _ in blocks[60:])
+    chunks, decode = blocks[:len(blocks) - 60], blocks[-60:]
+    assert all(1 <= n <= BLOCK_Q for _, n, _, _ in chunks) and min(first for first, *_ in chunks) == 60
+    assert [n for _, n, _, _ in decode] == [1] * 60 and sorted(first for first, *_ in decode) == list(range(60))
+    depths = [pos for *_, pos in decode]
+    assert depths == sorted(depths, reverse=True)
+    plan = mixed_plan(60, 68, 656, 48, vocab=4, seed=60 * 1000 + 68)
+    assert [(slot, pos) for first, _, slot, pos in decode] == [
+        (int(plan.slots[first]), int(plan.positions[first])) for first, *_ in decode]
+    assert work["keys"] == int(plan.positions[:60].sum()) + 60 + sum(pos + n for _, n, _, pos in chunks)
     assert work["slots"] == 62  # 60 decode rows, then chunks of 48 and 20
     assert mixed_work(60, 68, 128, args) == work  # the same case draws the same list
 

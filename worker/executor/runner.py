@@ -174,9 +174,10 @@ class ModelRunner:
         host[self.SLOTS, n:] = self.cache.dummy_slot
         host[self.LENGTHS] = host[self.POSITIONS] + 1
         host[self.KV_ROWS] = self.cache.row_index(host[self.SLOTS], host[self.POSITIONS])
-        # Entries past the step's blocks stay zeros (no rows) up to ``rows``: a recorded varlen
-        # launch has a program for each.
-        count = self._block_table(host, plan)
+        # The varlen attention's work list, longest work first. Entries past the step's blocks stay
+        # zeros (no rows) up to ``rows``: a recorded varlen launch has a program for each.
+        count = varlen_kernel.fill_work_list(host[self.BLOCK_ROW:self.BLOCK_POS + 1], plan.prefill,
+                                             host[self.POSITIONS, :nd], host[self.SLOTS, :nd])
         ns = plan.num_samples
         host[self.SAMPLE_ROWS, :ns] = plan.sample_rows
         host[self.SAMPLE_SLOTS, :ns] = plan.sample_slots
@@ -222,32 +223,6 @@ class ModelRunner:
         device = self._table_device[:2 * k]
         device.copy_(pinned[:2 * k], non_blocking=True)
         cache.block_table.view(-1).index_copy_(0, device[:k], device[k:])
-
-    def _block_table(self, host: np.ndarray, plan: StepPlan) -> int:
-        """The varlen attention's work list: each prefill chunk cut into blocks of ``BLOCK_Q``
-        tokens, then one block per decode row: (first row, rows, slot, position of the first row).
-
-        Longest work first: a launch runs its programs about in the list's order and holds fewer of
-        them at once than a step has, so work listed last starts last. The chunks' blocks (a
-        ``BLOCK_Q``-token tile each, the longest programs) come first, then the decode rows from
-        the longest context down: the programs still starting when the first ones end are the
-        shortest (the order is the scheduler's, not the output's: each block writes its own rows)."""
-        b = 0
-        for chunk in plan.prefill:
-            starts = np.arange(0, chunk.length, BLOCK_Q)
-            k = len(starts)
-            host[self.BLOCK_ROW, b:b + k] = chunk.row + starts
-            host[self.BLOCK_LEN, b:b + k] = np.minimum(BLOCK_Q, chunk.length - starts)
-            host[self.BLOCK_SLOT, b:b + k] = chunk.slot
-            host[self.BLOCK_POS, b:b + k] = chunk.start + starts
-            b += k
-        nd = plan.num_decode
-        order = np.argsort(-host[self.POSITIONS, :nd], kind="stable")
-        host[self.BLOCK_ROW, b:b + nd] = order
-        host[self.BLOCK_LEN, b:b + nd] = 1
-        host[self.BLOCK_SLOT, b:b + nd] = host[self.SLOTS, order]
-        host[self.BLOCK_POS, b:b + nd] = host[self.POSITIONS, order]
-        return b + nd
 
     def metadata(self, rows: int, num_decode: int, prefill: list[PrefillChunk], blocks: int = 0) -> AttentionMetadata:
         row, m = self._row, self.max_tokens

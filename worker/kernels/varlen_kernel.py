@@ -21,16 +21,23 @@ in 0.64x the time of two launches, whose second (the prompt blocks, the longest 
 for the first (``bench/results/performance-iii-95ddd56-h100.md``). The grid is the work list's
 length, fixed by the padded size where a recorded step launches it; a block's key/value heads are
 neighbours in it (the grid's first axis), so the work list's order is the launch's: the host lists
-the longest blocks first (``ModelRunner._block_table``).
+the longest blocks first (``fill_work_list``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
 import torch
 from torch import Tensor
 
 from graphkeeper.worker.kernels.launch_memo import LaunchMemo
 from graphkeeper.worker.kernels.triton_support import tl, triton
+
+if TYPE_CHECKING:
+    from graphkeeper.worker.plan import PrefillChunk
 
 #: Query tokens per block (a prefill chunk of n tokens makes ceil(n / BLOCK_Q) blocks).
 BLOCK_Q = 16
@@ -111,6 +118,37 @@ if triton is not None:
                         stride_oh, stride_t, BLOCK_SIZE, GROUP, GROUP_PAD, BLOCK_Q, HEAD_DIM, BLOCK_N, IEEE)
 
     _varlen = LaunchMemo(_varlen_kernel)
+
+
+def fill_work_list(out: np.ndarray, prefill: Sequence[PrefillChunk], positions: np.ndarray,
+                   slots: np.ndarray) -> int:
+    """Write a step's work list into ``out`` (four rows: first row, rows, slot, position of the
+    first row; a column per block) and return its length: each prefill chunk cut into blocks of
+    ``BLOCK_Q`` tokens, then one block per decode row (``positions`` and ``slots`` are the decode
+    rows', row ``i`` of the step being decode row ``i``).
+
+    Longest work first: a launch runs its programs about in the list's order and holds fewer of
+    them at once than a step has, so work listed last starts last. The chunks' blocks (a
+    ``BLOCK_Q``-token tile each, the longest programs) come first, then the decode rows from the
+    longest context down (ties in row order): the programs still starting when the first ones end
+    are the shortest. The order is the launch's, not the output's: each block writes its own rows.
+    Columns past the returned length are left as they are."""
+    b = 0
+    for chunk in prefill:
+        starts = np.arange(0, chunk.length, BLOCK_Q)
+        k = len(starts)
+        out[0, b:b + k] = chunk.row + starts
+        out[1, b:b + k] = np.minimum(BLOCK_Q, chunk.length - starts)
+        out[2, b:b + k] = chunk.slot
+        out[3, b:b + k] = chunk.start + starts
+        b += k
+    nd = len(positions)
+    order = np.argsort(-positions, kind="stable")
+    out[0, b:b + nd] = order
+    out[1, b:b + nd] = 1
+    out[2, b:b + nd] = slots[order]
+    out[3, b:b + nd] = positions[order]
+    return b + nd
 
 
 def varlen_attention(
