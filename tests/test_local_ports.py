@@ -1,4 +1,4 @@
-"""The local cluster's fixed ports stay out of Linux's ephemeral range.
+"""The local cluster's fixed ports, and the ports the tests draw, stay out of Linux's ephemeral range.
 
 A port in that range can be the local end of any outgoing connection on the machine when a
 component binds it; ``cluster.sh``'s check sees only listening sockets, so the component then fails
@@ -12,18 +12,11 @@ import re
 from pathlib import Path
 
 from e2e.conftest import NODE_PORTS, PROMETHEUS_PORT
+from ports import HIGH, LOW, ephemeral_low, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 LOCAL = ROOT / "deploy" / "local"
 ETCD_SPAN = 3  # client, peer (+1) and metrics (+2)
-
-
-def ephemeral_low() -> int:
-    """The first port of the machine's ephemeral range (Linux's default 32768 where unreadable)."""
-    try:
-        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768
 
 
 def expand(name: str, port: int) -> list[int]:
@@ -60,3 +53,12 @@ def test_the_end_to_end_ports_differ_from_the_default_cluster_s():
     ours = {p for name, v in NODE_PORTS.items() for p in expand(name, int(v))} | {PROMETHEUS_PORT}
     theirs = {p for name, v in script_defaults().items() for p in expand(name, v)}
     assert not ours & theirs
+
+
+def test_drawn_ports_are_below_the_ephemeral_range_free_and_never_handed_out_twice():
+    low = ephemeral_low()
+    drawn = [free_port() for _ in range(50)] + [free_port(3)]
+    assert all(LOW <= p < min(HIGH, low) for p in drawn)
+    assert drawn[-1] + 2 < min(HIGH, low)
+    handed = [*drawn[:-1], *range(drawn[-1], drawn[-1] + 3)]
+    assert len(set(handed)) == len(handed)
