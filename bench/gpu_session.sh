@@ -27,7 +27,7 @@ export PYTHONUNBUFFERED=1
 if [ "${TESTS:-1}" = 1 ]; then
   # PYTEST_X="" runs every test past a failure (the whole picture in one call). TEST_SELECT: the
   # files; TEST_K: a -k expression, spaces allowed (TEST_K="sleep or sampling"). A -k that matches
-  # nothing deselects everything and the call tests nothing. The whole suite (187 tests) ran 257 s on one
+  # nothing deselects everything and the call tests nothing. The whole suite ran 257 s (185 tests, 95ddd56) on one
   # H100 host and did not finish in 330 s on another (2026-12-07): give it a call of its own with
   # TEST_TIMEOUT=450, or split it with TEST_SELECT.
   timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -m cuda -q ${PYTEST_X--x} -p no:cacheprovider ${TEST_SELECT:-tests/gpu} ${TEST_K:+-k "$TEST_K"} 2>&1 \
