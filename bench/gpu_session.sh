@@ -121,6 +121,17 @@ for b in "${benches[@]}"; do  # BENCH="" runs the tests alone
       # PRESETS and STARTS narrow it), each worker's log kept in $out/logs-start
       timeout 470 python3 bench/start_bench.py ${PRESETS:+--presets "$PRESETS"} ${STARTS:+--starts "$STARTS"} \
         --logs "$out/logs-start" --out "$out/start-ii-$card.json" ;;
+    start-shipped)  # issue 36: cold starts that measure their tuning (the worker's tables set aside),
+      # bench/ship_tuning.py adds it to the worker's tables (copied to $out), then a cold start on
+      # fresh compile caches installs it and a warm one follows (~4 min for llama-1b and llama-8b)
+      rm -rf /tmp/measured-caches; mkdir -p /tmp/tables-set-aside
+      mv worker/model/tuned/*.json /tmp/tables-set-aside/ 2>/dev/null
+      timeout 200 python3 bench/start_bench.py ${PRESETS:+--presets "$PRESETS"} --starts cold \
+        --cache-root /tmp/measured-caches --logs "$out/logs-measured" --label "cold, tuning measured" \
+        --out "$out/start-ii-measured-$card.json"
+      python3 bench/ship_tuning.py /tmp/measured-caches && cp worker/model/tuned/*.json "$out/"
+      timeout 240 python3 bench/start_bench.py ${PRESETS:+--presets "$PRESETS"} --starts cold,warm \
+        --logs "$out/logs-shipped" --label "the tuning shipped" --out "$out/start-ii-shipped-$card.json" ;;
     start-baseline)  # issue 36: this tree's starts, then .baseline's warm ones on the caches they filled
       # (the step's modules unchanged between the two: one compile key), in one call (~4-6 min). The
       # baseline's first start also writes its tree's bytecode: compare the "warm again" rows.

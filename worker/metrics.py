@@ -47,8 +47,9 @@ STARTUP_STAGES = ("before_engine", "engine_process", "engine_setup", "device_con
                   "tokenizer", "kernel_tuning", "compile", "warm_up", "capture_setup", "capture_prime",
                   "capture_warm_up", "capture_record", "capture_validate", "capture_measure", "capture_finish",
                   "capture_other", "after_capture", "ready")
-#: Label values of graphkeeper_startup_cache{outcome}; {cache} is "compile" or "tuning".
-CACHE_OUTCOMES = ("off", "hit", "miss", "partial")
+#: Label values of graphkeeper_startup_cache{outcome}; {cache} is "compile" or "tuning" ("shipped": the
+#: tuning the worker ships for this GPU, model/shipped_tuning.py).
+CACHE_OUTCOMES = ("off", "hit", "miss", "partial", "shipped")
 #: Label values of graphkeeper_sleeps_total{level}.
 SLEEP_LEVELS = ("1", "2")
 #: Label values of graphkeeper_wakes_total{cause}: a Wake call, a request sent to the sleeping

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -124,3 +125,39 @@ def test_a_start_s_warm_up_finds_every_attention_kernel_compiled_ahead(tmp_path,
     again = [int(m.group(1)) for line in lines if (m := re.match(r"compiled (\d+) attention kernels", line))]
     assert len(ahead) == 1 and ahead[0] > 0, lines
     assert again == [0], lines
+
+
+@torch.inference_mode()
+def test_a_start_without_a_tuning_cache_installs_the_shipped_table_and_times_nothing(tmp_path, monkeypatch):
+    """A model's tuning, measured once and shipped as a table entry (``bench/ship_tuning.py``'s
+    ``add``), is what a later start with an empty tuning cache installs: the same decisions for
+    every projection and row bucket, its tiles compiled ahead, no candidate timed, and the start
+    says ``shipped``. The start after it finds its own cache empty again (a shipped table is not
+    copied into the node's cache)."""
+    import json
+
+    from graphkeeper.worker.kernels import row_kernel
+    from graphkeeper.worker.model import shipped_tuning, tuning
+    from graphkeeper.worker.model.loader import load_model
+
+    model = load_model("random:llama-1b@3", device="cuda", dtype="bfloat16", max_positions=256).model
+    measured = tuning.tune_model(model, str(tmp_path / "measured"), True)
+    assert measured.cache in ("miss", "shipped")
+    if measured.cache == "shipped":  # this GPU has a table already: measure anyway, without it
+        monkeypatch.setattr(shipped_tuning, "TABLE_DIR", tmp_path / "none")
+        measured = tuning.tune_model(model, str(tmp_path / "measured-again"), True)
+        assert measured.cache == "miss"
+    decided = linear_kernel.choices(), row_kernel.choices()
+    tables = tmp_path / "tables"
+    tables.mkdir()
+    (tables / "gpu.json").write_text(json.dumps(shipped_tuning.add({}, json.loads(Path(measured.path).read_text()))))
+    monkeypatch.setattr(shipped_tuning, "TABLE_DIR", tables)
+    linear_kernel._choices.clear()
+    row_kernel._choices.clear()
+    timed = len(linear_kernel.measurements), len(row_kernel.measurements)
+    for root in ("fresh", "fresh-again"):
+        report = tuning.tune_model(model, str(tmp_path / root), True)
+        assert report.cache == "shipped"
+        assert (linear_kernel.choices(), row_kernel.choices()) == decided
+        assert (len(linear_kernel.measurements), len(row_kernel.measurements)) == timed
+        assert not Path(report.path).exists()

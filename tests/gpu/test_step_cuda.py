@@ -193,7 +193,7 @@ def test_start_up_times_the_one_token_step_and_installs_what_it_chose(cache_root
     assert report.row_step.startswith(("fused row kernels", "the general step"))
     chosen = report.row_step.startswith("fused row kernels")
     assert (runner.model.row_pieces is not None) == chosen == runner.model.kernels.endswith("+row1")
-    assert report.tuning is not None and report.tuning.cache in ("hit", "miss")
+    assert report.tuning is not None and report.tuning.cache in ("hit", "miss", "shipped")
 
 
 # --- the compiled step ---------------------------------------------------------------------------

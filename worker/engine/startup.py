@@ -125,11 +125,11 @@ def capture_parts(parts: dict[str, float]) -> dict[str, float]:
 
 def caches(compile_cache: str, tuning_cache: str) -> str:
     """"warm" when every cache used hit, "cold" when one missed or hit in part, "none" when none
-    was used (pure)."""
+    was used (pure). Tuning the worker ships for the GPU counts as a hit: nothing was measured."""
     used = [c for c in (compile_cache, tuning_cache) if c and c != "off"]
     if not used:
         return "none"
-    return "warm" if all(c == "hit" for c in used) else "cold"
+    return "warm" if all(c in ("hit", "shipped") for c in used) else "cold"
 
 
 def finish(engine_ready: pb.StartupStatus, seen_at: float) -> pb.StartupStatus:

@@ -149,17 +149,34 @@ def tune(weight: Tensor, scale: Tensor | None, dtype: torch.dtype) -> dict[int, 
     return won
 
 
-def _candidates(rows: int, weight: Tensor, scale: Tensor | None,
-                dtype: torch.dtype) -> list[tuple[str, Tile | None, Callable[[Tensor], object]]]:
+def compile_chosen(weight: Tensor, scale: Tensor | None, dtype: torch.dtype) -> None:
+    """Launches the tile installed for each of ``weight``'s row buckets once, as ``tune`` launches
+    its candidates (inside ``compile_ahead.compiling`` the launches compile and run nothing): a
+    start that installed decisions it did not measure (``model/shipped_tuning.py``) compiles only
+    the tiles chosen."""
+    n, k = weight.shape
+    if triton is None or weight.device.type != "cuda" or k % 64:
+        return
+    for rows in BUCKETS:
+        tile = _choices.get((n, k, str(weight.dtype), rows))
+        if tile is None:  # cuBLAS, or nothing installed: nothing of ours to compile
+            continue
+        for _, _, fn in _candidates(rows, weight, scale, dtype, only=tile):
+            fn(weight)
+
+
+def _candidates(rows: int, weight: Tensor, scale: Tensor | None, dtype: torch.dtype,
+                only: Tile | None = None) -> list[tuple[str, Tile | None, Callable[[Tensor], object]]]:
     """What ``tune`` times for ``rows`` rows: cuBLAS (not for fp8) and every tile that divides the
-    reduction, each as (name, tile or None, a product of a fresh random input with a weight)."""
+    reduction, each as (name, tile or None, a product of a fresh random input with a weight);
+    with ``only``, that tile alone."""
     k = weight.shape[1]
     x = torch.randn(rows, k, device=weight.device, dtype=dtype)
     candidates: list[tuple[str, Tile | None, Callable[[Tensor], object]]] = []
-    if weight.dtype != FP8:
+    if weight.dtype != FP8 and only is None:
         candidates.append(("cublas", None, lambda w: torch.nn.functional.linear(x, w)))
     for tile in ONE_ROW if rows == 1 else FEW_ROWS:
-        if k % tile.block_k == 0:
+        if k % tile.block_k == 0 and only in (None, tile):
             candidates.append((f"triton {tile.block_n}x{tile.block_k}/{tile.warps}w{tile.stages}s", tile,
                                lambda w, tile=tile: skinny_linear(x, w, scale, tile)))
     return candidates

@@ -207,18 +207,9 @@ def tune(mode: int, weight: Tensor, scale: Tensor | None, dtype: torch.dtype, ha
     of back-to-back launches over weight copies that leave L2 (``timing.graph_time``)."""
     n_w, k = weight.shape
     key = (mode, n_w, k, str(weight.dtype))
-    x = torch.randn(1, k, device=weight.device, dtype=dtype)
-    norm = torch.ones(k, device=weight.device, dtype=dtype) if mode != PLAIN else None
-    residual = torch.randn(1, n_w, device=weight.device, dtype=dtype) if mode == PLAIN else None
-    rope = None
-    if mode == ROPE:
-        cs = torch.ones(1, 2 * half, device=weight.device, dtype=dtype)
-        rope = (cs, cs, n_w // 2, 2 * half)
     copies = weight_copies(weight)
     best: tuple[float, RowTile | None] = (float("inf"), None)
-    runs = {tile: functools.partial(row_linear, x, scale=scale, norm=norm, eps=1e-5, residual=residual,
-                                    glu=mode == GLU, rope=rope, tile=tile)
-            for tile in CANDIDATES if fits(tile, mode, k, half)}
+    runs = _runs(mode, weight, scale, dtype, half, CANDIDATES)
     with compile_ahead.compiling("row-product candidate"):
         for run in runs.values():
             run(weight)
@@ -233,6 +224,32 @@ def tune(mode: int, weight: Tensor, scale: Tensor | None, dtype: torch.dtype, ha
         raise ValueError(f"no row tile fits a reduction of {k}")
     _choices[key] = best[1]
     return best[1]
+
+
+def _runs(mode: int, weight: Tensor, scale: Tensor | None, dtype: torch.dtype, half: int,
+          tiles: tuple[RowTile, ...]) -> dict[RowTile, functools.partial]:
+    """A product of one fresh random row with a weight for each of ``tiles`` that fits ``mode``."""
+    n_w, k = weight.shape
+    x = torch.randn(1, k, device=weight.device, dtype=dtype)
+    norm = torch.ones(k, device=weight.device, dtype=dtype) if mode != PLAIN else None
+    residual = torch.randn(1, n_w, device=weight.device, dtype=dtype) if mode == PLAIN else None
+    rope = None
+    if mode == ROPE:
+        cs = torch.ones(1, 2 * half, device=weight.device, dtype=dtype)
+        rope = (cs, cs, n_w // 2, 2 * half)
+    return {tile: functools.partial(row_linear, x, scale=scale, norm=norm, eps=1e-5, residual=residual,
+                                    glu=mode == GLU, rope=rope, tile=tile)
+            for tile in tiles if fits(tile, mode, k, half)}
+
+
+def compile_chosen(mode: int, weight: Tensor, scale: Tensor | None, dtype: torch.dtype, half: int = 0) -> None:
+    """Launches the tile installed for ``weight`` in ``mode`` once, as ``tune`` launches its
+    candidates (inside ``compile_ahead.compiling`` it only compiles): a start that installed
+    decisions it did not measure (``model/shipped_tuning.py``) compiles only the tiles chosen."""
+    tile = _choices.get((mode, *weight.shape, str(weight.dtype)))
+    if tile is not None:
+        for run in _runs(mode, weight, scale, dtype, half, (tile,)).values():
+            run(weight)
 
 
 def remember(mode: int, n: int, k: int, weight_dtype: str, tile: RowTile) -> None:

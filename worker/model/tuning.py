@@ -22,9 +22,10 @@ from pathlib import Path
 
 import torch
 
-from graphkeeper.worker.kernels import linear_kernel, pdl, row_kernel, timing
+from graphkeeper.worker.kernels import compile_ahead, linear_kernel, pdl, row_kernel, timing
 from graphkeeper.worker.kernels.linear_kernel import Tile
 from graphkeeper.worker.kernels.row_kernel import RowTile
+from graphkeeper.worker.model import shipped_tuning
 from graphkeeper.worker.model.cache_key import (
     differences,
     key_of,
@@ -52,7 +53,7 @@ class Shape:
 @dataclass
 class TuningReport:
     summary: str = ""  # e.g. "skinny 4/20": row buckets where the skinny kernel beat cuBLAS
-    cache: str = "off"  # off | hit | miss
+    cache: str = "off"  # off | hit | shipped (the worker's table for this GPU) | miss
     seconds: float = 0.0
     path: str = ""
 
@@ -66,6 +67,13 @@ def model_shapes(model) -> list[Shape]:
             Shape("w13", f.w13.weight, f.w13.scale, row_kernel.GLU),
             Shape("w2", f.w2.weight, f.w2.scale, row_kernel.PLAIN),
             Shape("output", model.output.weight, model.output.scale, -1)]
+
+
+def shape_facts(shapes: list[Shape], row_pieces: bool, dtype: torch.dtype) -> list[tuple]:
+    """What tuning measures, besides the GPU: each projection's shape and dtype, whether its fp8
+    scale is per channel, whether the row kernel is tuned, and the activations' dtype (pure)."""
+    return [(s.name, *s.weight.shape, str(s.weight.dtype), s.scale is not None and s.scale.numel() > 1)
+            for s in shapes] + [("rows", row_pieces), ("dtype", str(dtype))]
 
 
 def tuning_facts(device_name: str, capability: str, versions: dict[str, str], source: str, pdl_on: bool,
@@ -108,21 +116,22 @@ def decode(data: dict) -> tuple[dict, dict]:
 
 def tune_model(model, cache_root: str, row_pieces: bool) -> TuningReport:
     """Tunes ``model``'s projections (the row kernel's only when ``row_pieces``), or installs what
-    the cache holds for the same key."""
+    the cache holds for the same key, or else what the worker's shipped table holds for this GPU and
+    these shapes (``shipped_tuning``; its tiles are compiled here, nothing is timed)."""
     shapes = model_shapes(model)
     dtype = model.tok_embeddings.weight.dtype
     device = model.tok_embeddings.weight.device
-    shape_facts = [(s.name, *s.weight.shape, str(s.weight.dtype), s.scale is not None and s.scale.numel() > 1)
-                   for s in shapes] + [("rows", row_pieces), ("dtype", str(dtype))]
     facts = tuning_facts(torch.cuda.get_device_name(device),
                          ".".join(map(str, torch.cuda.get_device_capability(device))), library_versions(),
-                         kernel_source_digest(), pdl.enabled(), shape_facts)
+                         kernel_source_digest(), pdl.enabled(), shape_facts(shapes, row_pieces, dtype))
     key = key_of(facts)
     path = Path(os.path.expanduser(cache_root)) / f"tuning-{key}.json"
     report = TuningReport(cache="miss", path=str(path))
     start = time.perf_counter()
     if load(path, key, facts):
         report.cache = "hit"
+    elif install_shipped(shapes, facts, dtype, row_pieces):
+        report.cache = "shipped"
     else:
         _measure(shapes, dtype, row_pieces)
         _save(path, key, facts)
@@ -130,6 +139,39 @@ def tune_model(model, cache_root: str, row_pieces: bool) -> TuningReport:
     report.summary = _summary(shapes)
     log.info("kernel tuning %s in %.1f s (%s): %s", report.cache, report.seconds, path, report.summary)
     return report
+
+
+def install_shipped(shapes: list[Shape], facts: dict, dtype: torch.dtype, row_pieces: bool) -> bool:
+    """Installs the shipped table's decisions for these facts, when it has usable ones, and compiles
+    the tiles they chose (on ``compile_ahead``'s threads); False when it has none. Not written to
+    the node's cache: the cache holds what was measured on the node, and a newer worker's table
+    must not be shadowed by an older one's copy."""
+    entry = shipped_tuning.lookup(facts)
+    if entry is None:
+        return False
+    linear, rows = decode(entry)
+    halves = {(s.mode, *s.weight.shape, str(s.weight.dtype)): s.half for s in shapes if s.mode >= 0}
+    for (mode, n, k, dt), tile in rows.items():
+        if not row_kernel.fits(tile, mode, k, halves.get((mode, n, k, dt), 0)):
+            log.warning("shipped tuning: row tile %s does not fit mode %d, k=%d: measuring", tile, mode, k)
+            return False
+    _install(linear, rows)
+    with compile_ahead.compiling("shipped tuning's tiles"):
+        _compile_chosen(shapes, dtype, row_pieces)
+    return True
+
+
+def _compile_chosen(shapes: list[Shape], dtype: torch.dtype, row_pieces: bool) -> None:
+    """Launches each projection's installed tiles once, as tuning launches its candidates: inside
+    ``compile_ahead.compiling`` the launches only compile."""
+    seen = set()
+    for s in shapes:
+        key = (tuple(s.weight.shape), s.weight.dtype)
+        if key not in seen:
+            seen.add(key)
+            linear_kernel.compile_chosen(s.weight, s.scale, dtype)
+        if row_pieces and s.mode >= 0:
+            row_kernel.compile_chosen(s.mode, s.weight, s.scale, dtype, s.half)
 
 
 def _measure(shapes: list[Shape], dtype: torch.dtype, row_pieces: bool) -> None:
