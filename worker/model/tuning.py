@@ -164,25 +164,25 @@ def install_shipped(shapes: list[Shape], facts: dict, dtype: torch.dtype, row_pi
 def _compile_chosen(shapes: list[Shape], dtype: torch.dtype, row_pieces: bool) -> None:
     """Launches each projection's installed tiles once, as tuning launches its candidates: inside
     ``compile_ahead.compiling`` the launches only compile."""
-    seen = set()
-    for s in shapes:
-        key = (tuple(s.weight.shape), s.weight.dtype)
-        if key not in seen:
-            seen.add(key)
-            linear_kernel.compile_chosen(s.weight, s.scale, dtype)
-        if row_pieces and s.mode >= 0:
-            row_kernel.compile_chosen(s.mode, s.weight, s.scale, dtype, s.half)
+    _each_projection(shapes, dtype, row_pieces, linear_kernel.compile_chosen, row_kernel.compile_chosen)
 
 
 def _measure(shapes: list[Shape], dtype: torch.dtype, row_pieces: bool) -> None:
+    _each_projection(shapes, dtype, row_pieces, linear_kernel.tune, row_kernel.tune)
+
+
+def _each_projection(shapes: list[Shape], dtype: torch.dtype, row_pieces: bool, linear, row) -> None:
+    """``linear(weight, scale, dtype)`` once per distinct weight shape and dtype, and (with
+    ``row_pieces``) ``row(mode, weight, scale, dtype, half)`` for every decoder projection: what
+    tuning measures, and what installed decisions compile."""
     seen = set()
     for s in shapes:
         key = (tuple(s.weight.shape), s.weight.dtype)
         if key not in seen:
             seen.add(key)
-            linear_kernel.tune(s.weight, s.scale, dtype)
+            linear(s.weight, s.scale, dtype)
         if row_pieces and s.mode >= 0:
-            row_kernel.tune(s.mode, s.weight, s.scale, dtype, s.half)
+            row(s.mode, s.weight, s.scale, dtype, s.half)
 
 
 def _summary(shapes: list[Shape]) -> str:
