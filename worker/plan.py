@@ -8,6 +8,7 @@ no torch, so the scheduler and its tests never load the device stack.
 from __future__ import annotations
 
 from array import array
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -201,7 +202,8 @@ class LogitsBatch:
     and the ``reset_*`` arrays (re)start the rows of sequences sampling on a slot for the first
     time: ``reset_prompt`` and ``reset_output`` are ``[2, k]`` (slot, token). Token lists are
     sparse: ``bias`` is ``(index into rows, token)`` pairs and their values. ``masks`` holds a
-    grammar's allowed-token bitmask (32 tokens an int32 word) for each index in ``mask_rows``.
+    grammar's allowed-token bitmask (32 tokens an int32 word) for each index in ``mask_rows``, or
+    the future of it while llguidance computes it (``finished_masks`` waits for it).
     ``logprobs`` has one entry per sample row (-1: none).
     """
 
@@ -212,13 +214,21 @@ class LogitsBatch:
     min_p: np.ndarray
     bias: tuple[np.ndarray, np.ndarray]  # ([2, k] int64 (index into rows, token), [k] float32)
     mask_rows: np.ndarray  # int64 indices into rows
-    masks: Any  # [len(mask_rows), words] int32: a numpy array, or a pinned CPU tensor (`transfer.pinned_masks`)
+    masks: Any  # [len(mask_rows), words] int32: numpy, a pinned CPU tensor (`transfer.pinned_masks`), or its Future
     logprobs: np.ndarray  # int64, per sample row
     penalised: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # indices into rows
     penalty_slots: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # per penalised
     reset_slots: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     reset_prompt: np.ndarray = field(default_factory=lambda: np.zeros((2, 0), dtype=np.int64))
     reset_output: np.ndarray = field(default_factory=lambda: np.zeros((2, 0), dtype=np.int64))
+
+    def finished_masks(self) -> Any:
+        """The grammar masks, once computed: a step's masks are computed on llguidance's threads
+        while the engine thread launches the step's LM head and other processing
+        (``logits_state.grammar_masks``); whatever reads them, or hands the batch on, waits here."""
+        if isinstance(self.masks, Future):
+            self.masks = self.masks.result()
+        return self.masks
 
     @property
     def top_logprobs(self) -> int:
@@ -241,7 +251,7 @@ class LogitsBatch:
             presence=self.presence[entries], frequency=self.frequency[entries],
             repetition=self.repetition[entries], min_p=self.min_p[entries],
             bias=(np.stack([renumber[bias_at[0]], bias_at[1]]), self.bias[1][bias_kept]),
-            mask_rows=renumber[self.mask_rows[mask_kept]], masks=self.masks[mask_kept],
+            mask_rows=renumber[self.mask_rows[mask_kept]], masks=self.finished_masks()[mask_kept],
             logprobs=self.logprobs[keep],
             penalised=renumber[self.penalised[penalised_kept]], penalty_slots=self.penalty_slots[penalised_kept],
             reset_slots=self.reset_slots, reset_prompt=self.reset_prompt, reset_output=self.reset_output,

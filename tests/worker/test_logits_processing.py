@@ -269,8 +269,65 @@ def test_grammar_masks_are_written_into_the_buffer_the_engine_installs(monkeypat
     states = [SimpleNamespace(matcher="refuses 0-31", mask_words=3), SimpleNamespace(matcher="allows", mask_words=3)]
     monkeypatch.setattr(logits_state, "_mask_buffer", logits_state._mask_buffer)  # restored after the test
     logits_state.use_mask_buffer(buffer)
-    masks = logits_state.grammar_masks(states)
+    masks = logits_state.grammar_masks(states).result()
     assert masks is made[0] and masks.tolist() == [[0, -1, -1], [-1, -1, -1]]
     assert to_device(masks, torch.device("cpu")) is masks
     logits_state.use_mask_buffer(logits_state._numpy_masks)
-    assert isinstance(logits_state.grammar_masks(states), np.ndarray)
+    assert isinstance(logits_state.grammar_masks(states).result(), np.ndarray)
+
+
+def test_grammar_masks_are_computed_while_the_engine_thread_goes_on(monkeypatch):
+    """``grammar_masks`` returns before the masks are computed (llguidance works on its own
+    threads while the engine launches the step's head, bias and penalties): here the masks wait
+    for an event this thread sets only after ``grammar_masks`` returned, which a call that
+    computed them itself would never see. ``finished_masks`` then waits for them."""
+    import threading
+    from types import SimpleNamespace
+
+    import llguidance.numpy
+
+    from graphkeeper.worker.engine import logits_state
+
+    went_on = threading.Event()
+    threads = []
+
+    def fill(executor, matchers, masks):
+        threads.append(threading.current_thread().name)
+        assert went_on.wait(30), "the masks were computed on the caller's thread"
+        masks[0, 0] = 7
+
+    monkeypatch.setattr(llguidance.numpy, "fill_next_token_bitmask_par", fill)
+    batch = build_logits_batch(states(LogitsSpec(frequency_penalty=1.0)))
+    batch.masks = logits_state.grammar_masks([SimpleNamespace(matcher="m", mask_words=2)])
+    went_on.set()
+    assert batch.finished_masks().tolist() == [[7, -1]]
+    assert batch.finished_masks() is batch.masks and threads[0].startswith("grammar-masks")
+
+
+def test_masking_after_the_bias_and_penalties_gives_what_masking_first_gives():
+    """The mask is applied after the bias and the penalties (so that it is computed meanwhile); a
+    masked token is -inf whichever comes first, an allowed one is not touched by the mask: the
+    row equals vLLM's order (mask, bias, repetition, frequency and presence), bit for bit."""
+    import dataclasses
+
+    torch.manual_seed(3)
+    vocab = 64
+    logits = torch.randn(2, vocab) * 4
+    spec = LogitsSpec(repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.25,
+                      logit_bias=((2, 3.0), (5, -2.0), (40, 1.5)))
+    batch = build_logits_batch(states(spec, None, outputs=((5, 5, 9, 40),), prompt=(1, 2, 33)))
+    words = np.array([[0xF0000226, 1 << 3 | 1 << 18]], dtype=np.int64).astype(np.int32)  # 1, 2, 5, 9, 28-31, 35, 50
+    batch = dataclasses.replace(batch, mask_rows=np.array([0], np.int64), masks=words)
+    out = process(logits, batch, None, counts(vocab))
+    allowed = unpack_mask(torch.from_numpy(words), vocab)[0]
+    expected = logits[0].masked_fill(~allowed, float("-inf"))
+    for token, value in spec.logit_bias:
+        expected[token] += value
+    seen = torch.zeros(vocab, dtype=torch.bool)
+    seen[[1, 2, 33, 5, 9, 40]] = True
+    expected = torch.where(seen, torch.where(expected > 0, expected / 1.3, expected * 1.3), expected)
+    count = torch.zeros(vocab)
+    count[[5, 9, 40]] = torch.tensor([2.0, 1.0, 1.0])
+    expected = expected - (0.5 * count + 0.25 * (count > 0))
+    assert allowed[[1, 2, 5, 9]].all() and not allowed[[33, 40]].any()  # masked and allowed penalised tokens
+    assert torch.equal(out[0], expected) and torch.equal(out[1], logits[1])

@@ -411,7 +411,11 @@ class Engine:
         if step.needs_history:
             self.outputs.accept_ahead(before)
             plan.logits = build_logits_batch(step.samplers)
-        launched = runner.sample_and_send(hidden, plan)
+        try:
+            launched = runner.sample_and_send(hidden, plan)
+        finally:  # the matchers are the publication's again (the masks' thread may still hold them on a failure)
+            if plan.logits is not None:
+                plan.logits.finished_masks()
         if plan.logits is not None and len(plan.logits.reset_slots):
             mark_counted(step.samplers)
         return InFlight(step, decision, desc, launched, started, time.perf_counter() - started)

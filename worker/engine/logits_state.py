@@ -8,7 +8,7 @@ receives; it needs every earlier token before its next row is sampled
 before it and feeds its tokens to the matchers (``OutputProcessor.accept_ahead``; the device
 computes meanwhile), builds the batch here and queues the sampling; the step before is published
 after that, off the path between the two steps' sampling. The masks of a step's grammars are
-computed together, on llguidance's threads.
+computed together, on llguidance's threads, while the engine thread launches the step's LM head.
 
 Penalties keep their counts on the device (``executor/penalty_counts.py``, a row per KV slot that
 the device updates with each token it samples); the host only says, the first time a sequence
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -186,19 +187,37 @@ def use_mask_buffer(make: Callable[[tuple[int, int]], tuple[np.ndarray, Any]]) -
 
 
 def grammar_masks(states: list[LogitsState]) -> Any:
-    """The next token's allowed-token bitmasks of these sequences' grammars, ``[n, words]`` int32,
-    computed together on llguidance's threads (a mask takes tens of microseconds at a large
-    vocabulary; one after another they would add up on the step's path), written straight into
-    the array ``use_mask_buffer`` installed: on a GPU pinned host memory, whose copy to the device
-    is queued as it is (``executor/transfer.py``)."""
+    """The future of the next token's allowed-token bitmasks of these sequences' grammars,
+    ``[n, words]`` int32 (``LogitsBatch.finished_masks`` waits for it), computed together on
+    llguidance's threads (a mask takes tens of microseconds at a large vocabulary; one after
+    another they would add up on the step's path), written straight into the array
+    ``use_mask_buffer`` installed: on a GPU pinned host memory, whose copy to the device is queued
+    as it is (``executor/transfer.py``).
+
+    Started from a thread of its own, as the step's batch is built: llguidance computes without
+    the interpreter lock, so the engine thread launches the step's LM head, bias and penalties
+    meanwhile (the mask is applied last). Nothing touches these matchers until the masks are
+    finished: the engine waits for them before the step's sampling is queued, before a
+    tensor-parallel step's batch is sent, and before the step before is published."""
     if not states:
         return np.zeros((0, 0), dtype=np.int32)
+    fill, masks = _mask_buffer((len(states), states[0].mask_words))
+    pairs = [(s.matcher, j) for j, s in enumerate(states)]
+    return _mask_thread().submit(_fill_masks, pairs, fill, masks)
+
+
+def _fill_masks(pairs: list[tuple[Any, int]], fill: np.ndarray, masks: Any) -> Any:
     from llguidance.numpy import fill_next_token_bitmask_par
 
-    fill, masks = _mask_buffer((len(states), states[0].mask_words))
     fill.fill(-1)  # every token allowed where a matcher writes nothing
-    fill_next_token_bitmask_par(_executor(), [(s.matcher, j) for j, s in enumerate(states)], fill)
+    fill_next_token_bitmask_par(_executor(), pairs, fill)
     return masks
+
+
+@functools.cache
+def _mask_thread() -> ThreadPoolExecutor:
+    """The one thread that hands a step's masks to llguidance, made once."""
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-masks")
 
 
 @functools.cache

@@ -263,6 +263,8 @@ class RankedRunner:
 
     def sample_and_send(self, hidden: torch.Tensor, plan: StepPlan) -> Any:
         changed = plan.logits is not self._sent_logits
+        if changed and plan.logits is not None:
+            plan.logits.finished_masks()  # the batch travels as data, its masks computed
         self.ranks.send(Sample(plan.logits if changed else None, changed))
         return self.local.sample_and_send(hidden, plan)
 

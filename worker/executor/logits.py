@@ -1,6 +1,6 @@
 """Logits processing between the LM head and the sampler: grammar masks, logit biases,
-repetition, frequency and presence penalties and min-p, with vLLM's meanings and order; and the
-log probabilities a request asks for.
+repetition, frequency and presence penalties and min-p, with vLLM's meanings and, in effect, its
+order; and the log probabilities a request asks for.
 
 This runs after the step's graph (or eager step) has produced the hidden states, on the
 sampled rows' logits only, so nothing here is recorded in a graph and no request's parameters
@@ -8,12 +8,15 @@ need a capture: each step's parameters are small per-row tensors copied in with 
 that ask for nothing are never written: their logits, and so their tokens, are bit for bit what
 they would be in a batch where no row asks for anything.
 
-Order, as vLLM v1 applies it: the grammar's mask (before the sampler), then the logit bias,
-then the penalties (repetition, then frequency and presence; their counts are on the device,
-``penalty_counts.py``), then, for drawn rows, min-p on the temperature-scaled distribution (before
-top-k and top-p). The step's index arrays reach the device in one copy. Log probabilities are those of the
-model's own distribution, before any of this (vLLM's default, ``raw_logprobs``): the runner takes
-them from the LM head's output (``kernels/logprob_kernel.py``).
+Order: the logit bias, the penalties (repetition, then frequency and presence; their counts are
+on the device, ``penalty_counts.py``), the grammar's mask, then, for drawn rows, min-p on the
+temperature-scaled distribution (before top-k and top-p). vLLM v1 masks first; the result is the
+same: a masked token is ``-inf``, which a finite bias, a positive repetition factor and finite
+count penalties leave ``-inf``, and an allowed token is not touched by the mask. Masking last lets
+the masks be computed (on llguidance's threads) while the LM head, bias and penalties are
+launched. The step's index arrays reach the device in one copy. Log probabilities are those of
+the model's own distribution, before any of this (vLLM's default, ``raw_logprobs``): the runner
+takes them from the LM head's output (``kernels/logprob_kernel.py``).
 """
 
 from __future__ import annotations
@@ -70,8 +73,6 @@ def process_rows(logits: Tensor, batch: LogitsBatch, sampling: SamplingBatch | N
         [batch.rows, batch.mask_rows, batch.bias[0], batch.reset_slots, batch.reset_prompt, batch.reset_output],
         device)
     sub = logits.index_select(0, rows).float()
-    if len(batch.mask_rows):
-        apply_masks(sub, to_device(batch.masks, device), mask_rows)
     if batch.bias[1].size:
         sub.index_put_((bias_at[0], bias_at[1]), to_device(batch.bias[1], device), accumulate=True)
     if len(batch.reset_slots):
@@ -79,6 +80,8 @@ def process_rows(logits: Tensor, batch: LogitsBatch, sampling: SamplingBatch | N
         penalties.reset(reset_slots, reset_prompt, reset_output)
     if len(batch.penalised):
         penalties.penalise(sub, batch)
+    if len(batch.mask_rows):  # last of the three: its masks computed meanwhile (-inf stays -inf through them)
+        apply_masks(sub, to_device(batch.finished_masks(), device), mask_rows)
     if sampling is not None and batch.min_p.any():
         _min_p(sub, batch.min_p, sampling.temperature[batch.rows])
     return rows, sub

@@ -49,7 +49,7 @@ from graphkeeper.worker.kernels import (
     varlen_kernel,
 )
 from graphkeeper.worker.kernels.timing import replay_seconds
-from graphkeeper.worker.model import llama, tensor_parallel, tuning
+from graphkeeper.worker.model import compiler_import, llama, tensor_parallel, tuning
 from graphkeeper.worker.model.cache_key import differences, key_of, library_versions, source_digest
 from graphkeeper.worker.model.config import ModelConfig
 from graphkeeper.worker.model.llama import PieceFunctions, make_pieces, make_row_pieces, row_pieces_fit
@@ -254,10 +254,12 @@ def prepare_step(model, *, compile: bool, cache_root: str, quantization: str, wa
     rows = device.type == "cuda" and row_pieces_fit(model.config, model.tok_embeddings.weight.dtype)
     if compile:  # first: every Triton kernel from here on (the PDL probe's too) is kept in the cache
         _use_compile_cache(model, report, kernels.name, quantization, cache_root)
+    imported = compiler_import.ahead() if compile else None
     wait_ahead = _tune_kernels(model, report, cache_root, rows, ahead) if device.type == "cuda" else None
     tuned = report.tuning.summary if report.tuning else ""
     name = "+".join(n for n in (kernels.name, tuned) if n)
-    if compile:
+    if imported is not None:
+        imported()
         compile_in_process()
         torch.compiler.reset()  # one engine per process: its previous step's compiled code is dropped
         pieces = compile_pieces(pieces)
