@@ -181,9 +181,10 @@ for b in "${benches[@]}"; do  # BENCH="" runs the tests alone
       timeout 200 python3 bench/load_bench.py --scenarios "${b#profile-}" --seconds 10 --no-step-times \
         --out "$out/load-${b#profile-}-profiled-$card.json" > "$out/$b.txt" 2>&1 &
       spy "spy-${b#profile-}" $!; grep "^${b#profile-}" "$out/$b.txt" ;;
-    profile-start)  # issue 36: llama-8b's cold, warm and warm-again starts, each worker and its engine
-      # core profiled from its first seconds to READY (~100 s)
-      timeout 200 python3 bench/start_bench.py --presets llama-8b --out "$out/start-8b-profiled-$card.json" \
+    profile-start)  # issue 36: cold, warm and warm-again starts (PRESETS, default llama-8b; STARTS narrows
+      # them), each worker and its engine core profiled from its first seconds to READY (~100 s)
+      timeout 200 python3 bench/start_bench.py --presets "${PRESETS:-llama-8b}" ${STARTS:+--starts "$STARTS"} \
+        --logs "$out/logs-profiled" --out "$out/start-profiled-$card.json" \
         > "$out/$b.txt" 2>&1 &
       spy spy-start $!; tail -4 "$out/$b.txt" ;;
     pacing)  # issue 35: long and decode streams with the stream pacing capped at 8 ms (the default since

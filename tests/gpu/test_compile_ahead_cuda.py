@@ -119,12 +119,40 @@ def test_a_start_s_warm_up_finds_every_attention_kernel_compiled_ahead(tmp_path,
     cache = KVCache(loaded.config, 16, 1040, device=loaded.device, dtype=loaded.dtype)
     runner = ModelRunner(loaded, cache, max_tokens=64)
     prepare_step(runner.model, compile=False, cache_root=str(tmp_path), quantization="", level=1, reason="test",
-                 warm_up=lambda: runner.warm_up(16), ahead=lambda: runner.attention_launches(runner.warm_up_rows(16)))
+                 warm_up=lambda: runner.warm_up(16), ahead=lambda: runner.launches_ahead(16))
     lines = [r.getMessage() for r in caplog.records]
-    ahead = [int(m.group(1)) for line in lines if (m := re.match(r"compiled (\d+) warm-up attention", line))]
+    ahead = [int(m.group(1)) for line in lines if (m := re.match(r"compiled (\d+) warm-up kernels", line))]
     again = [int(m.group(1)) for line in lines if (m := re.match(r"compiled (\d+) attention kernels", line))]
     assert len(ahead) == 1 and ahead[0] > 0, lines
     assert again == [0], lines
+
+
+def test_the_warm_up_s_sampling_kernels_compile_ahead_and_its_launches_compile_nothing_more(monkeypatch):
+    """``launches_ahead`` made dry compiles the kernels the warm-up's sampling launches (argmax,
+    grammar mask, penalties and counts, log probabilities), every variant of them: afterwards the
+    warm-up's real sampling compiles none. Every kernel's variants are forgotten first (Triton's
+    in-memory table and the launch memo; the disk cache may still hold them), so what the block
+    compiles is this test's, whatever ran before it in the process."""
+    from graphkeeper.worker.executor.runner import ModelRunner
+    from graphkeeper.worker.kernels import argmax_kernel, logprob_kernel, mask_kernel, penalty_kernel
+    from graphkeeper.worker.model.kv_cache import KVCache
+    from graphkeeper.worker.model.loader import load_model
+
+    memos = [argmax_kernel._chunks, argmax_kernel._rows, mask_kernel._mask, penalty_kernel._apply,
+             penalty_kernel._count, logprob_kernel._chunks, logprob_kernel._rows]
+    for memo in memos:
+        monkeypatch.setattr(memo, "_compiled", {})
+        memo.kernel.device_caches.clear()
+    loaded = load_model("random:tiny", device="cuda", dtype="bfloat16")
+    cache = KVCache(loaded.config, 16, 256, device=loaded.device, dtype=loaded.dtype)
+    runner = ModelRunner(loaded, cache, max_tokens=64)
+    with compile_ahead.compiling("test", threads=4):
+        runner.warm_up_sampling()
+    ahead = [_compiled(memo.kernel) for memo in memos]
+    assert all(ahead), ahead  # every sampling kernel has its variants compiled
+    runner.warm_up_sampling()
+    torch.cuda.synchronize()
+    assert [_compiled(memo.kernel) for memo in memos] == ahead
 
 
 @torch.inference_mode()

@@ -233,3 +233,28 @@ def test_a_start_compiles_ahead_the_attention_at_every_row_count_the_warm_up_run
     monkeypatch.setattr(runner, "device", SimpleNamespace(type="cuda"))
     runner.attention_launches(runner.warm_up_rows(4))
     assert counts == [[4, *warm_rows(runner.max_tokens)]]
+
+
+def test_a_start_compiles_ahead_the_warm_up_s_sampling_launches_on_a_gpu_only(runner, monkeypatch):
+    """``launches_ahead`` (made dry while a start tunes its kernels) is the warm-up's attention and,
+    on a GPU, its sampling launches: the same method the warm-up itself runs after its steps."""
+    calls = []
+    monkeypatch.setattr(runner, "attention_launches", lambda rows: calls.append(("attention", rows)))
+    monkeypatch.setattr(runner, "warm_up_sampling", lambda: calls.append("sampling"))
+    runner.launches_ahead(4)
+    assert calls == [("attention", runner.warm_up_rows(4))]  # a CPU: its sampling has no kernels to compile
+    calls.clear()
+    monkeypatch.setattr(runner, "device", SimpleNamespace(type="cuda"))
+    runner.last_tokens.fill_(7)  # what dry launches would have left there
+    runner.launches_ahead(4)
+    assert calls == [("attention", [4, *warm_rows(runner.max_tokens)]), "sampling"]
+    assert not runner.last_tokens.any()
+
+
+def test_the_warm_up_samples_through_the_method_a_start_compiles_ahead(runner, monkeypatch):
+    """The warm-up's sampling launches are ``warm_up_sampling``'s, the ones ``launches_ahead``
+    compiles: one list, so what is compiled ahead cannot drift from what the warm-up launches."""
+    calls = []
+    monkeypatch.setattr(runner, "warm_up_sampling", lambda: calls.append("sampling"))
+    runner.warm_up(4)
+    assert calls == ["sampling"]

@@ -188,7 +188,7 @@ class ModelSlot:
         self.compile_report = prepare_step(
             self.runner.model, compile=o.compile, cache_root=s.compile_cache_dir, quantization=s.quantization,
             warm_up=lambda: local.warm_up(rows), level=o.level, reason=o.reason,
-            ahead=lambda: local.attention_launches(local.warm_up_rows(rows)))
+            ahead=lambda: local.launches_ahead(rows))
         r = self.compile_report
         self.metrics.set_compile(o.level, r.enabled, r.cache, self.runner.model.kernels, s.quantization, r.seconds)
 

@@ -360,13 +360,34 @@ class ModelRunner:
                          prefill=[PrefillChunk(row=0, length=n, slot=dummy, start=0)],
                          sample_rows=np.array([n - 1]), sample_slots=np.array([dummy]))
         self.sample_and_send(self.forward_eager(self.prepare(chunk, n), n), chunk).tokens()
+        self.warm_up_sampling()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def warm_up_sampling(self) -> None:
+        """The LM head with greedy sampling at every row count the skinny products bucket, drawn
+        sampling, and every kind of logits processing (``warm_up_logits``): the warm-up's launches
+        after its steps, which a start also makes dry, ahead (``launches_ahead``)."""
         for m in warm_rows(self.max_tokens):
             sample(self.model.head(self.hidden[:m]), None)
         drawn = SamplingBatch.build([SamplingSpec(temperature=1.0, top_k=8, top_p=0.9)], [0], np.zeros(1, np.int64))
         sample(self.model.head(self.hidden[:1]), drawn)
         self.warm_up_logits()
+
+    def launches_ahead(self, rows: int) -> None:
+        """What a start compiles ahead while it tunes kernels (``compile_ahead.started``: made dry,
+        nothing runs): the attention launches of ``warm_up(rows)``'s steps and its sampling launches
+        (argmax, grammar mask, penalties, counts, log probabilities). The sampling kernels compiled
+        one after another at the warm-up's own launches, on the engine thread: some fifteen variants,
+        most of the 6-7 s an H100's cold start spent in the warm-up's first step outside Dynamo and
+        Inductor (``bench/results``, 2026-12-07). Their outputs are left as allocated and read by
+        nothing but the inert rows' discarded tokens (on a GPU nothing indexes by them; the dummy
+        slot's last tokens they were copied to are zeroed after); before tuning the LM head is
+        torch's product, so no skinny tile is compiled here that tuning would not choose."""
+        self.attention_launches(self.warm_up_rows(rows))
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+            self.warm_up_sampling()
+            self.last_tokens.zero_()
 
     def compile_attention_ahead(self, rows: list[int]) -> None:
         """Compiles the attention kernels that the warm-up's steps of ``rows`` rows launch, side by

@@ -289,7 +289,7 @@ def _tune_kernels(model, report: CompileReport, cache_root: str, rows: bool,
     kernel, so a kernel compiled ahead before the probe turned PDL on was not the one the warm-up
     launched, and compiled again there (11 of 12 on an H100, 2026-12-07)."""
     pdl.probe(model.tok_embeddings.weight.device)
-    wait_ahead = compile_ahead.started("warm-up attention", ahead) if ahead is not None else None
+    wait_ahead = compile_ahead.started("warm-up", ahead) if ahead is not None else None
     report.tuning = tuning.tune_model(model, cache_root, rows)
     tuning.adopt_first_ranks(model.tp)
     return wait_ahead
