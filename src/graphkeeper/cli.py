@@ -221,8 +221,9 @@ def _run_worker(args: argparse.Namespace) -> int:
     spawned = None
     if args.engine_process:
         from graphkeeper.worker.engine.spawn import spawn_core  # the standard library only
+        from graphkeeper.worker.model.presets import compiles
 
-        spawned = spawn_core(args.log_level.upper())
+        spawned = spawn_core(args.log_level.upper(), compiles(args.optimization_level, args.compile, args.device))
     try:
         from graphkeeper.worker.main import run
 

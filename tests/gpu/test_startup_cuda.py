@@ -57,3 +57,14 @@ def test_a_cuda_worker_holds_torch_in_the_engine_core_only(tmp_path):
         assert any("libtorch_cuda" in mapped_libraries(child) for child in children(worker.proc.pid))
     finally:
         worker.stop()
+
+
+def test_importing_the_compiler_ahead_initialises_no_cuda():
+    """The engine core imports torch's compiler while it waits for its settings, before it has
+    chosen its device (``model/compiler_import.py``): the import must leave CUDA uninitialised, or
+    a worker on ``cuda:1`` would also hold a context on the first GPU."""
+    code = ("import torch\nfrom graphkeeper.worker.model import compiler_import\n"
+            "compiler_import.ahead()()\nimport sys\n"
+            "print(all(m in sys.modules for m in compiler_import.MODULES), torch.cuda.is_initialized())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
+    assert out.stdout.split() == ["True", "False"], out.stderr

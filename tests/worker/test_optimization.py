@@ -18,7 +18,7 @@ from graphkeeper.worker.model import tuning
 from graphkeeper.worker.model.cache_key import library_versions, source_digest
 from graphkeeper.worker.model.config import PRESETS
 from graphkeeper.worker.model.llama import row_pieces_fit
-from graphkeeper.worker.model.presets import resolve
+from graphkeeper.worker.model.presets import compiles, resolve
 from graphkeeper.worker.model.quantization import quantize, quantize_model
 from graphkeeper.worker.model.step import cache_key, compile_timers, default_stance, step_modules, timer_summary
 
@@ -31,6 +31,14 @@ def test_presets_set_compile_and_the_default_graph_mode():
     assert preset(0) == (False, pb.GRAPH_MODE_NONE)
     assert preset(1) == (False, pb.GRAPH_MODE_FULL_AND_PIECEWISE)
     assert preset(2) == (True, pb.GRAPH_MODE_FULL_AND_PIECEWISE)
+
+
+def test_the_flags_say_before_any_check_whether_the_worker_compiles():
+    """What the engine core is told at its spawn (it imports torch's compiler while it waits for its
+    settings when the flags compile): the preset's decision, on the device as ``--device`` spells it."""
+    assert compiles(2, None, "cuda") and compiles(2, None, "cuda:1") and compiles(1, True, "cuda")
+    assert not compiles(2, None, "cpu") and not compiles(1, None, "cuda") and not compiles(2, False, "cuda")
+    assert not compiles(0, None, "cuda") and not compiles(7, None, "cuda")  # a level the checks refuse
 
 
 def test_explicit_flags_override_the_preset_and_say_so():

@@ -42,13 +42,21 @@ def die_with_parent(parent_pid: int) -> None:
         os._exit(1)
 
 
-def engine_core_main(conn: Connection, parent_pid: int, log_level: str, switch_interval: float) -> None:
+def engine_core_main(conn: Connection, parent_pid: int, log_level: str, switch_interval: float,
+                     import_compiler: bool = False) -> None:
     """The engine-core process's entry point (``multiprocessing`` spawn target): imports the device
-    side, then runs the engine with the settings the worker sends once its checks pass."""
+    side, then runs the engine with the settings the worker sends once its checks pass.
+    ``import_compiler``: the worker's flags compile the step, so torch's compiler is imported on a
+    thread while the settings are awaited (``model/compiler_import.py``)."""
     die_with_parent(parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the worker owns shutdown, from the first moment
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     from graphkeeper.worker.engine import process  # torch and the engine, while the worker checks its flags
+
+    if import_compiler:
+        from graphkeeper.worker.model import compiler_import
+
+        compiler_import.start()
 
     try:
         settings = pickle.loads(conn.recv_bytes())
@@ -84,14 +92,15 @@ class SpawnedCore:
         self.proc.join()
 
 
-def spawn_core(log_level: str) -> SpawnedCore:
+def spawn_core(log_level: str, import_compiler: bool = False) -> SpawnedCore:
     """Spawns the engine core now (a fresh interpreter: CUDA is never initialised in a forked
-    child); call from the main thread, since the child dies with the thread that started it."""
+    child); call from the main thread, since the child dies with the thread that started it.
+    ``import_compiler``: whether the worker's flags compile the step (``engine_core_main``)."""
     ctx = multiprocessing.get_context("spawn")
     ours, theirs = ctx.Pipe(duplex=True)
     spawned_at = time.time()
     proc = ctx.Process(target=engine_core_main, name="engine-core",
-                       args=(theirs, os.getpid(), log_level, SWITCH_INTERVAL_SECONDS))
+                       args=(theirs, os.getpid(), log_level, SWITCH_INTERVAL_SECONDS, import_compiler))
     proc.start()
     theirs.close()
     return SpawnedCore(proc, ours, spawned_at)

@@ -1,15 +1,22 @@
-"""torch's compiler (Dynamo and Inductor) imported on a thread while a start tunes its kernels.
+"""torch's compiler (Dynamo and Inductor) imported on a thread, off a start's path.
 
-Why: the first use of ``torch.compile`` imports Dynamo and Inductor, about 2.5 s of module imports
-(``torch._inductor.config`` alone 1.3 s on a 2-core machine); a start made them one after the other on
-its own path, after the kernels were tuned and before the step was traced (a warm H100 start: 2.5 s
-of its 10.8 s). Tuning, and installing shipped tuning, spend their time mostly outside the
-interpreter lock (the GPU timing candidates, Triton's compiler on threads), where the imports can
-run. The start joins the thread before it compiles; an import that failed there is not reported
-there: the start's own import then raises it, where it always did.
+Why: the first use of ``torch.compile`` imports Dynamo and Inductor, about 2 s of module imports
+(1.7 s on a 2-core machine); a start made them one after the other on its own path, after the
+kernels were tuned and before the step was traced (a warm H100 start: 2.0-2.9 s of its 10.8 s).
+Two moments have the interpreter to spare for them:
 
-Started once the compile cache is chosen (Inductor reads its cache directory from the environment),
-and joined before the first ``torch.compile`` call.
+- the engine core's wait for its settings: it has imported torch and the engine, and the worker
+  process may still be checking its flags and importing its servers. The worker tells the engine
+  core at its spawn whether its flags compile (``spawn.spawn_core``), and it starts the import
+  then (``start``);
+- kernel tuning, or installing shipped tuning, which spends its time mostly outside the
+  interpreter lock (the GPU timing candidates, Triton's compiler on threads): a start that did not
+  begin the import earlier begins it there (``ahead``).
+
+The start joins the thread before it compiles; an import that failed there is not reported there:
+the start's own import then raises it, where it always did. Importing touches no device (a GPU
+test checks that CUDA is not initialised by it) and reads no cache directory: Inductor and Triton
+read theirs from the environment when they compile, after the start has chosen them.
 """
 
 from __future__ import annotations
@@ -24,17 +31,29 @@ log = logging.getLogger(__name__)
 #: What the first compilation imports, in the order it does.
 MODULES = ("torch._dynamo", "torch._inductor.config", "torch._inductor.compile_fx")
 
+_thread: threading.Thread | None = None
+_lock = threading.Lock()
+
+
+def start() -> None:
+    """Starts importing ``MODULES`` on a thread, once per process (a later call finds it started)."""
+    global _thread
+    with _lock:
+        if _thread is None:
+            _thread = threading.Thread(target=_import, args=(time.perf_counter(),), name="import-compiler",
+                                       daemon=True)
+            _thread.start()
+
 
 def ahead() -> Callable[[], None]:
-    """Starts importing ``MODULES`` on a thread; returns the join, which logs how long it waited."""
-    started = time.perf_counter()
-    thread = threading.Thread(target=_import, args=(started,), name="import-compiler", daemon=True)
-    thread.start()
+    """``start`` (if nothing started the import yet); returns the join, which logs how long it waited."""
+    start()
+    thread = _thread
 
     def join() -> None:
         waited = time.perf_counter()
         thread.join()
-        log.info("torch's compiler imported beside tuning; %.1f s waited for it", time.perf_counter() - waited)
+        log.info("torch's compiler imported ahead; %.1f s waited for it", time.perf_counter() - waited)
 
     return join
 
