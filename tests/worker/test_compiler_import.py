@@ -1,12 +1,15 @@
-"""torch's compiler imported on a thread during a start (``model/compiler_import.py``): in a fresh
-interpreter the modules are absent, then present once the join returns; an import that fails there
-is logged and left to the start's own import, never raised on the start's path."""
+"""torch's compiler imported, and Triton's key hashed, on a thread during a start
+(``model/compiler_import.py``): in a fresh interpreter the modules are absent, then present once
+the join returns; an import that fails there is logged and left to the start's own import, never
+raised on the start's path."""
 
 from __future__ import annotations
 
 import logging
 import subprocess
 import sys
+
+import pytest
 
 from graphkeeper.worker.model import compiler_import
 
@@ -52,3 +55,24 @@ def test_the_import_starts_once_however_many_times_it_is_asked_for():
     done = subprocess.run([sys.executable, "-c", STARTED_TWICE], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["True"]
+
+
+KEYED = """
+from triton.runtime.cache import triton_key
+from graphkeeper.worker.model import compiler_import
+compiler_import.wait_for_key()  # nothing started: returns at once
+before = triton_key.cache_info().currsize
+compiler_import.start()
+compiler_import.wait_for_key()
+print(before, triton_key.cache_info().currsize)
+compiler_import.ahead()()
+"""
+
+
+def test_the_thread_hashes_triton_s_key_first_and_the_probe_can_wait_for_it():
+    """Triton's key (a hash of its compiler and its library, cached for the process) is what the
+    start's first Triton kernel waits for: the thread has it before the PDL probe asks."""
+    pytest.importorskip("triton")
+    done = subprocess.run([sys.executable, "-c", KEYED], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["0", "1"]

@@ -1,8 +1,14 @@
-"""torch's compiler (Dynamo and Inductor) imported on a thread, off a start's path.
+"""torch's compiler (Dynamo and Inductor) imported, and Triton's key hashed, on a thread off a
+start's path.
 
 Why: the first use of ``torch.compile`` imports Dynamo and Inductor, about 2 s of module imports
 (1.7 s on a 2-core machine); a start made them one after the other on its own path, after the
 kernels were tuned and before the step was traced (a warm H100 start: 2.0-2.9 s of its 10.8 s).
+And the first Triton kernel a process compiles or finds in its cache (the PDL probe's) waits for
+Triton's key: a hash of its compiler's sources and its 400 MB library, about 1 s of an H100 host's
+warm start (py-spy, 2026-12-07), mostly reading and hashing outside the interpreter lock. The
+thread hashes the key first (the start needs it first; ``wait_for_key`` waits for it before the
+probe instead of hashing it a second time beside it), then imports.
 Two moments have the interpreter to spare for them:
 
 - the engine core's wait for its settings: it has imported torch and the engine, and the worker
@@ -33,6 +39,7 @@ MODULES = ("torch._dynamo", "torch._inductor.config", "torch._inductor.compile_f
 
 _thread: threading.Thread | None = None
 _lock = threading.Lock()
+_keyed = threading.Event()  # Triton's key is hashed (or hashing it failed)
 
 
 def start() -> None:
@@ -58,9 +65,23 @@ def ahead() -> Callable[[], None]:
     return join
 
 
+def wait_for_key() -> None:
+    """Waits for the thread's hash of Triton's key, when the thread was started (else returns)."""
+    if _thread is not None:
+        _keyed.wait()
+
+
 def _import(started: float) -> None:
     import importlib
 
+    try:
+        from triton.runtime.cache import triton_key
+
+        triton_key()  # cached for the process: the first compile or cache lookup finds it
+    except Exception as err:  # noqa: BLE001 - no Triton (or another one): its first compile hashes what it has
+        log.debug("Triton's key not hashed ahead: %s", err)
+    finally:
+        _keyed.set()
     for name in MODULES:
         try:
             importlib.import_module(name)

@@ -288,6 +288,7 @@ def _tune_kernels(model, report: CompileReport, cache_root: str, rows: bool,
     for the launches compiled ahead. The probe comes first: a launch passes PDL's switch to its
     kernel, so a kernel compiled ahead before the probe turned PDL on was not the one the warm-up
     launched, and compiled again there (11 of 12 on an H100, 2026-12-07)."""
+    compiler_import.wait_for_key()  # the probe's kernel is the process's first: it needs Triton's key
     pdl.probe(model.tok_embeddings.weight.device)
     wait_ahead = compile_ahead.started("warm-up", ahead) if ahead is not None else None
     report.tuning = tuning.tune_model(model, cache_root, rows)
