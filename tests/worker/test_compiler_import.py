@@ -32,6 +32,7 @@ def test_the_compiler_is_imported_by_the_time_the_join_returns():
 def test_an_import_that_fails_ahead_is_logged_and_not_raised(monkeypatch, caplog):
     monkeypatch.setattr(compiler_import, "MODULES", ("graphkeeper_no_such_module",))
     monkeypatch.setattr(compiler_import, "_thread", None)
+    monkeypatch.setattr(compiler_import, "_key_thread", None)
     with caplog.at_level(logging.INFO, logger=compiler_import.__name__):
         compiler_import.ahead()()
     assert "importing graphkeeper_no_such_module ahead failed" in caplog.text

@@ -1,4 +1,4 @@
-"""torch's compiler (Dynamo and Inductor) imported, and Triton's key hashed, on a thread off a
+"""torch's compiler (Dynamo and Inductor) imported, and Triton's key hashed, on threads off a
 start's path.
 
 Why: the first use of ``torch.compile`` imports Dynamo and Inductor, about 2 s of module imports
@@ -6,10 +6,9 @@ Why: the first use of ``torch.compile`` imports Dynamo and Inductor, about 2 s o
 kernels were tuned and before the step was traced (a warm H100 start: 2.0-2.9 s of its 10.8 s).
 And the first Triton kernel a process compiles or finds in its cache (the PDL probe's) waits for
 Triton's key: a hash of its compiler's sources and its 400 MB library, about 1 s of an H100 host's
-warm start (py-spy, 2026-12-07), mostly reading and hashing outside the interpreter lock. The
-thread hashes the key first (the start needs it first; ``wait_for_key`` waits for it before the
-probe instead of hashing it a second time beside it), then imports.
-Two moments have the interpreter to spare for them:
+warm start (py-spy, 2026-12-07), mostly reading and hashing outside the interpreter lock: a thread
+of its own hashes it beside the imports, and the probe waits for that thread (``wait_for_key``)
+instead of hashing it a second time beside it. Two moments have the interpreter to spare:
 
 - the engine core's wait for its settings: it has imported torch and the engine, and the worker
   process may still be checking its flags and importing its servers. The worker tells the engine
@@ -19,7 +18,7 @@ Two moments have the interpreter to spare for them:
   interpreter lock (the GPU timing candidates, Triton's compiler on threads): a start that did not
   begin the import earlier begins it there (``ahead``).
 
-The start joins the thread before it compiles; an import that failed there is not reported there:
+The start joins the import before it compiles; an import that failed there is not reported there:
 the start's own import then raises it, where it always did. Importing touches no device (a GPU
 test checks that CUDA is not initialised by it) and reads no cache directory: Inductor and Triton
 read theirs from the environment when they compile, after the start has chosen them.
@@ -37,16 +36,20 @@ log = logging.getLogger(__name__)
 #: What the first compilation imports, in the order it does.
 MODULES = ("torch._dynamo", "torch._inductor.config", "torch._inductor.compile_fx")
 
-_thread: threading.Thread | None = None
+_thread: threading.Thread | None = None  # imports MODULES
+_key_thread: threading.Thread | None = None  # hashes Triton's key
 _lock = threading.Lock()
-_keyed = threading.Event()  # Triton's key is hashed (or hashing it failed)
 
 
 def start() -> None:
-    """Starts importing ``MODULES`` on a thread, once per process (a later call finds it started)."""
-    global _thread
+    """Starts hashing Triton's key and importing ``MODULES``, each on a thread of its own (the hash
+    mostly outside the interpreter lock, the imports inside it), once per process: a later call
+    finds them started."""
+    global _thread, _key_thread
     with _lock:
         if _thread is None:
+            _key_thread = threading.Thread(target=_hash_triton_key, name="hash-triton-key", daemon=True)
+            _key_thread.start()
             _thread = threading.Thread(target=_import, args=(time.perf_counter(),), name="import-compiler",
                                        daemon=True)
             _thread.start()
@@ -66,22 +69,23 @@ def ahead() -> Callable[[], None]:
 
 
 def wait_for_key() -> None:
-    """Waits for the thread's hash of Triton's key, when the thread was started (else returns)."""
-    if _thread is not None:
-        _keyed.wait()
+    """Waits for the hash of Triton's key, when ``start`` began it (else returns at once)."""
+    if _key_thread is not None:
+        _key_thread.join()
 
 
-def _import(started: float) -> None:
-    import importlib
-
+def _hash_triton_key() -> None:
     try:
         from triton.runtime.cache import triton_key
 
         triton_key()  # cached for the process: the first compile or cache lookup finds it
     except Exception as err:  # noqa: BLE001 - no Triton (or another one): its first compile hashes what it has
         log.debug("Triton's key not hashed ahead: %s", err)
-    finally:
-        _keyed.set()
+
+
+def _import(started: float) -> None:
+    import importlib
+
     for name in MODULES:
         try:
             importlib.import_module(name)
