@@ -10,6 +10,7 @@ thread waits (``Event.synchronize``: for the device; ``Mailbox.sleep``: for work
 
     python bench/spy_report.py gpu-out/spy-penalties.txt.gz --blocks 34,35,36
     python bench/spy_report.py gpu-out/spy-start.txt.gz --frame "Engine._startup (core.py)" --blocks 9,10,11
+    python bench/spy_report.py gpu-out/spy-start.txt.gz --phases --blocks 14,15,16,17
 """
 
 from __future__ import annotations
@@ -46,6 +47,36 @@ def short(frame: str) -> str:
     return f"{m.group(1)} ({m.group(2).split('/')[-1]})" if m else frame
 
 
+#: A start's phases (``--phases``): the first of these frames a sample's stack holds names its
+#: phase, so the order matters (capture's parts before the capture job, the warm-up's sampling
+#: before the warm-up, the PDL probe before kernel tuning's frame that calls it).
+START_PHASES = (
+    ("CaptureJob._prime (capture.py)", "capture: prime"), ("validate (capture.py)", "capture: validate"),
+    ("least_time (capture.py)", "capture: timing"), ("CaptureJob.run_all (capture.py)", "capture: other"),
+    ("_choose_row_step (step.py)", "row step"), ("ModelRunner.warm_up_sampling (runner.py)", "warm-up: sampling"),
+    ("ModelRunner.warm_up (runner.py)", "warm-up: steps (a compiled step's first call traces or loads it)"),
+    ("ModelRunner.launches_ahead (runner.py)", "compile ahead: dry launches"), ("probe (pdl.py)", "PDL probe"),
+    ("tune_model (tuning.py)", "kernel tuning"), ("prepare_step (step.py)", "building the step: other"),
+    ("freeze_heap (gc_pauses.py)", "freezing the heap"), ("Engine._startup (core.py)", "start: other"))
+
+
+def phases(path: str, chosen: set[str] | None, top: int = 3) -> None:
+    """Seconds of the engine thread's start in each phase (``START_PHASES``; py-spy's 250 samples a
+    second), each with its largest leaf frames."""
+    seconds, leaves = collections.Counter(), collections.defaultdict(collections.Counter)
+    for name, rows in blocks(path):
+        if chosen and name not in chosen:
+            continue
+        for frames, n in rows:
+            if "Engine._startup (core.py)" not in frames:
+                continue
+            phase = next((label for frame, label in START_PHASES if frame in frames), "?")
+            seconds[phase] += n / 250
+            leaves[phase][frames[-1]] += n / 250
+    for phase, s in seconds.most_common():
+        print(f"{s:6.2f} s  {phase}: " + "; ".join(f"{f} {v:.2f}" for f, v in leaves[phase].most_common(top)))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("path")
@@ -53,8 +84,13 @@ def main() -> int:
     parser.add_argument("--top", type=int, default=45)
     parser.add_argument("--frame", default=ENGINE,
                         help="the samples counted: those with this frame (profile-start: 'Engine._startup (core.py)')")
+    parser.add_argument("--phases", action="store_true",
+                        help="a start's recording (profile-start): seconds of the engine thread by phase")
     args = parser.parse_args()
     chosen = set(args.blocks.split(",")) if args.blocks else None
+    if args.phases:
+        phases(args.path, chosen)
+        return 0
     inclusive, own, total = collections.Counter(), collections.Counter(), 0
     for name, rows in blocks(args.path):
         engine = [(frames, n) for frames, n in rows if args.frame in frames]

@@ -143,7 +143,9 @@ def test_the_warm_up_s_sampling_kernels_compile_ahead_and_its_launches_compile_n
     for memo in memos:
         monkeypatch.setattr(memo, "_compiled", {})
         memo.kernel.device_caches.clear()
-    loaded = load_model("random:tiny", device="cuda", dtype="bfloat16", max_positions=256)
+    # Llama's vocabulary: the argmax and log-probability kernels take rows of 8,192 tokens or more
+    # (random:tiny's 512 go to torch), and every kernel here must have something to compile.
+    loaded = load_model("random:llama-1b", device="cuda", dtype="bfloat16", max_positions=256)
     cache = KVCache(loaded.config, 16, 256, device=loaded.device, dtype=loaded.dtype)
     runner = ModelRunner(loaded, cache, max_tokens=64)
     with compile_ahead.compiling("test", threads=4):
