@@ -48,14 +48,17 @@ def short(frame: str) -> str:
 
 
 #: A start's phases (``--phases``): the first of these frames a sample's stack holds names its
-#: phase, so the order matters (capture's parts before the capture job, the warm-up's sampling
-#: before the warm-up, the PDL probe before kernel tuning's frame that calls it).
+#: phase, so the order matters (capture's parts before the capture job, the dry launches before the
+#: sampling they make, the warm-up's sampling before the warm-up).
 START_PHASES = (
     ("CaptureJob._prime (capture.py)", "capture: prime"), ("validate (capture.py)", "capture: validate"),
     ("least_time (capture.py)", "capture: timing"), ("CaptureJob.run_all (capture.py)", "capture: other"),
-    ("_choose_row_step (step.py)", "row step"), ("ModelRunner.warm_up_sampling (runner.py)", "warm-up: sampling"),
+    ("_choose_row_step (step.py)", "row step"),
+    ("ModelRunner.launches_ahead (runner.py)", "compile ahead: dry launches"),
+    ("ModelRunner.warm_up_sampling (runner.py)", "warm-up: sampling"),
     ("ModelRunner.warm_up (runner.py)", "warm-up: steps (a compiled step's first call traces or loads it)"),
-    ("ModelRunner.launches_ahead (runner.py)", "compile ahead: dry launches"), ("probe (pdl.py)", "PDL probe"),
+    ("wait_for_key (compiler_import.py)", "waiting for Triton's key"),
+    ("ahead.<locals>.join (compiler_import.py)", "waiting for the compiler's import"), ("probe (pdl.py)", "PDL probe"),
     ("tune_model (tuning.py)", "kernel tuning"), ("prepare_step (step.py)", "building the step: other"),
     ("freeze_heap (gc_pauses.py)", "freezing the heap"), ("Engine._startup (core.py)", "start: other"))
 
