@@ -10,10 +10,11 @@ warm start (py-spy, 2026-12-07), mostly reading and hashing outside the interpre
 of its own hashes it beside the imports, and the probe waits for that thread (``wait_for_key``)
 instead of hashing it a second time beside it. Two moments have the interpreter to spare:
 
-- the engine core's wait for its settings: it has imported torch and the engine, and the worker
-  process may still be checking its flags and importing its servers. The worker tells the engine
-  core at its spawn whether its flags compile (``spawn.spawn_core``), and it starts the import
-  then (``start``);
+- the engine core's start, from the end of its own imports: the worker tells it at its spawn
+  whether its flags compile (``spawn.spawn_core``), and it starts the threads then (``start``),
+  before its settings arrive. Its imports are the slower of the two processes' (a profiled H100
+  start found it never waiting for its settings, 2026-12-07), so the threads run beside its setup
+  and gain where that waits on the device or outside the interpreter lock (the key's hashing);
 - kernel tuning, or installing shipped tuning, which spends its time mostly outside the
   interpreter lock (the GPU timing candidates, Triton's compiler on threads): a start that did not
   begin the import earlier begins it there (``ahead``).
