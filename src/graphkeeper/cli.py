@@ -220,8 +220,7 @@ def _run_worker(args: argparse.Namespace) -> int:
     imports its servers: ``worker/engine/spawn.py``), then runs the worker."""
     spawned = None
     if args.engine_process:
-        from graphkeeper.worker.engine.spawn import spawn_core  # the standard library only
-        from graphkeeper.worker.model.presets import compiles
+        from graphkeeper.worker.engine.spawn import compiles, spawn_core  # the standard library only
 
         spawned = spawn_core(args.log_level.upper(), compiles(args.optimization_level, args.compile, args.device))
     try:

@@ -13,6 +13,13 @@ import pytest
 
 from graphkeeper.worker.model import compiler_import
 
+
+def printed_by_a_fresh_interpreter(code: str) -> list[str]:
+    """What ``code`` prints, run in a new interpreter (nothing imported yet), split on whitespace."""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.split()
+
 FRESH = """
 import sys
 from graphkeeper.worker.model import compiler_import
@@ -24,9 +31,7 @@ print(before, [m in sys.modules for m in compiler_import.MODULES])
 
 
 def test_the_compiler_is_imported_by_the_time_the_join_returns():
-    done = subprocess.run([sys.executable, "-c", FRESH], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == ["[False,", "False,", "False]", "[True,", "True,", "True]"]
+    assert printed_by_a_fresh_interpreter(FRESH) == ["[False,", "False,", "False]", "[True,", "True,", "True]"]
 
 
 def test_an_import_that_fails_ahead_is_logged_and_not_raised(monkeypatch, caplog):
@@ -53,9 +58,7 @@ join()
 def test_the_import_starts_once_however_many_times_it_is_asked_for():
     """The engine core starts it while it waits for its settings; the start's ``ahead`` then joins
     that same thread instead of importing again beside it."""
-    done = subprocess.run([sys.executable, "-c", STARTED_TWICE], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == ["True"]
+    assert printed_by_a_fresh_interpreter(STARTED_TWICE) == ["True"]
 
 
 KEYED = """
@@ -74,6 +77,4 @@ def test_the_thread_hashes_triton_s_key_first_and_the_probe_can_wait_for_it():
     """Triton's key (a hash of its compiler and its library, cached for the process) is what the
     start's first Triton kernel waits for: the thread has it before the PDL probe asks."""
     pytest.importorskip("triton")
-    done = subprocess.run([sys.executable, "-c", KEYED], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == ["0", "1"]
+    assert printed_by_a_fresh_interpreter(KEYED) == ["0", "1"]

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from graphkeeper.proto import worker_pb2 as pb
+from graphkeeper.worker.engine.spawn import compiles
 from graphkeeper.worker.engine.startup import process_age
 from graphkeeper.worker.kernels import linear_kernel, row_kernel
 from graphkeeper.worker.kernels.decode_kernel import decode_splits
@@ -18,7 +19,7 @@ from graphkeeper.worker.model import tuning
 from graphkeeper.worker.model.cache_key import library_versions, source_digest
 from graphkeeper.worker.model.config import PRESETS
 from graphkeeper.worker.model.llama import row_pieces_fit
-from graphkeeper.worker.model.presets import compiles, resolve
+from graphkeeper.worker.model.presets import resolve
 from graphkeeper.worker.model.quantization import quantize, quantize_model
 from graphkeeper.worker.model.step import cache_key, compile_timers, default_stance, step_modules, timer_summary
 

@@ -54,7 +54,7 @@ from graphkeeper.worker.engine.lifecycle import SERVING_STATES
 from graphkeeper.worker.engine.outputs import direct_publish
 from graphkeeper.worker.engine.sequence import Limits
 from graphkeeper.worker.engine.sizing import SizingError
-from graphkeeper.worker.engine.spawn import SpawnedCore, spawn_core
+from graphkeeper.worker.engine.spawn import SpawnedCore, compiles, spawn_core
 from graphkeeper.worker.metrics import WorkerMetrics
 from graphkeeper.worker.model.tokenizer import Tokenizer, load_tokenizer
 from graphkeeper.worker.settings import EngineSettings
@@ -192,7 +192,8 @@ class EngineClient:
         """Hands the engine core its settings: ``spawned``, started while the worker checked its
         flags (``spawn``), or one spawned now (call from the main thread: the child dies
         with this thread)."""
-        spawned = spawned or spawn_core(self.log_level)
+        s = self.settings
+        spawned = spawned or spawn_core(self.log_level, compiles(s.optimization_level, s.compile, s.device))
         self.settings = dataclasses.replace(self.settings, engine_spawned_at=spawned.spawned_at)
         self.proc = spawned.proc
         spawned.send_settings(self.settings)

@@ -8,9 +8,9 @@ hands it the settings once the boot checks pass. When they do not, the worker ex
 one-line refusal and the engine core, still importing or waiting, is killed first and says
 nothing (``PR_SET_PDEATHSIG`` kills it too if the worker itself is killed).
 
-This module needs only the standard library, but it lives in the engine's room, so the worker
-imports the engine package's face (numpy, protobuf, prometheus: about 0.2 s here) before it can
-spawn; it imports that face anyway.
+This module imports only the standard library (``compiles`` reads the presets when called), but
+it lives in the engine's room, so the worker imports the engine package's face (numpy, protobuf,
+prometheus: about 0.2 s here) before it can spawn; it imports that face anyway.
 """
 
 from __future__ import annotations
@@ -90,6 +90,19 @@ class SpawnedCore:
         self.conn.close()
         self.proc.kill()
         self.proc.join()
+
+
+def compiles(level: int, compile_flag: bool | None, device: str) -> bool:
+    """Whether a worker with these flags compiles its step (``presets.resolve``'s decision on
+    ``--device`` as ``cuda_probe.parse_device`` reads it), known before anything checks the flags:
+    the engine core, spawned first, is told so and imports torch's compiler from the end of its
+    own imports (``import_compiler``). A flag the checks refuse costs nothing: that engine core is
+    killed unused."""
+    from graphkeeper.worker.engine.cuda_probe import parse_device
+    from graphkeeper.worker.model.presets import LEVELS, resolve
+
+    parsed = parse_device(device)
+    return parsed is not None and level in LEVELS and resolve(level, compile_flag, parsed[0]).compile
 
 
 def spawn_core(log_level: str, import_compiler: bool = False) -> SpawnedCore:

@@ -11,7 +11,7 @@ of its own hashes it beside the imports, and the probe waits for that thread (``
 instead of hashing it a second time beside it. Two moments have the interpreter to spare:
 
 - the engine core's start, from the end of its own imports: the worker tells it at its spawn
-  whether its flags compile (``spawn.spawn_core``), and it starts the threads then (``start``),
+  whether its flags compile (``spawn.compiles``), and it starts the threads then (``start``),
   before its settings arrive. Its imports are the slower of the two processes' (a profiled H100
   start found it never waiting for its settings, 2026-12-07), so the threads run beside its setup
   and gain where that waits on the device or outside the interpreter lock (the key's hashing);

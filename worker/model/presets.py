@@ -26,14 +26,6 @@ class Optimization:
     reason: str  # why compile is what it is, for status and logs
 
 
-def compiles(level: int, compile_flag: bool | None, device: str) -> bool:
-    """Whether a worker with these flags compiles its step, read from the flags as given (``device``
-    as ``--device`` spells it) before anything checks them: the engine core, spawned before the
-    checks, then imports torch's compiler while it waits for its settings (pure). A flag that the
-    checks refuse costs nothing: the engine core is killed unused."""
-    return level in LEVELS and resolve(level, compile_flag, device.split(":", 1)[0]).compile
-
-
 def resolve(level: int, compile_flag: bool | None, device_type: str) -> Optimization:
     """The preset ``level`` with explicit settings applied over it (pure).
 
