@@ -234,17 +234,20 @@ def cache_root():
 
 
 @torch.inference_mode()
-def test_compiled_step_equals_uncompiled_at_every_size_with_one_compilation_per_piece(cache_root):
-    plain = make_runner("plain", cache_root)
-    before = compile_counters()
-    compiled = make_runner("compiled", cache_root)  # the same seed: the same weights
-    torch.compiler.set_stance("fail_on_recompile")  # any recompile below raises
-    for b in SIZES:
-        plan = decode_plan(b, 5 + b, seed=b)
-        expected = hidden_for(plain, plan, b)
-        got = hidden_for(compiled, plan, b)
-        assert rel(got, expected) < 2e-2, b
-    assert compile_counters()["graphs"] - before["graphs"] == 3  # first, middle, last: nothing recompiled
+def test_compiled_step_equals_uncompiled_at_every_size_with_one_compilation_per_piece(tmp_path):
+    """A fresh cache compiles each piece once (ahead, and saves it); the next start loads the saved
+    pieces and compiles nothing. Both equal the uncompiled step at every size, with no recompile."""
+    plain = make_runner("plain", str(tmp_path))
+    for start, compilations in (("compiled ahead", 3), ("loaded", 0)):
+        torch.compiler.set_stance("default")
+        before = compile_counters()
+        compiled = make_runner("compiled", str(tmp_path))  # the same seed: the same weights
+        torch.compiler.set_stance("fail_on_recompile")  # any recompile below raises
+        for b in SIZES:
+            plan = decode_plan(b, 5 + b, seed=b)
+            assert rel(hidden_for(compiled, plan, b), hidden_for(plain, plan, b)) < 2e-2, (start, b)
+        assert compile_counters()["graphs"] - before["graphs"] == compilations, start  # first, middle, last
+    assert sorted(p.name.split("-")[0] for p in tmp_path.rglob("precompiled/*.bin")) == ["first", "last", "middle"]
 
 
 @torch.inference_mode()

@@ -113,6 +113,23 @@ def test_one_inflated_eager_timing_below_the_ceiling_does_not_price_every_larger
     assert alone.can_stretch and alone.stretched == alone.model.largest_within(alone.guard.itl_max, 8192) < 8192
 
 
+def test_a_stretched_step_stops_at_the_largest_graph_within_the_ceiling_rather_than_just_past_it():
+    """As read on an H100 (llama-1b, 5ce1976): the 1,024-token graph replays in 5.16 ms, eager steps
+    were timed at capture at 6.09 ms (1,024) and 12.69 ms (2,048, its graph given back), and the
+    stretch ceiling is 6.48 ms. The eager line priced a 1,084-token step at the ceiling, but under
+    load such steps took 13.35 ms (the host launching them eager): with a graph above the normal
+    bound that fits the ceiling, a stretched step stops there."""
+    graphs = [Timed(PW, s, 0.0008 + 3.5e-6 * s, 0.006) for s in LADDER] + [Timed(PW, 1024, 0.00516, 0.00609)]
+    budget = plan_step_budget(8192, 0.0, graphs, "cuda", itl_max_ms=6.48, eager={2048: 0.01269})
+    assert budget.model.largest_within(0.00648, 8192) > 1024  # the eager line alone would go past the graph
+    assert budget.stretched == 1024
+    assert budget.prefill_tokens(60, budget.guard.ttft_target) == 1024 - 60
+    # No graph above the normal bound within the ceiling: the eager line still gives the late prompt its stretch.
+    slow = [g for g in graphs if g.size != 1024] + [Timed(PW, 1024, 0.0070, 0.00609)]
+    eager_only = plan_step_budget(8192, 0.0, slow, "cuda", itl_max_ms=6.48, eager={2048: 0.01269})
+    assert eager_only.stretched == eager_only.model.largest_within(0.00648, 8192) > eager_only.with_decode
+
+
 def test_a_flat_launch_bound_eager_line_never_prices_the_whole_budget_at_its_last_time():
     """Eager steps timed at 7 ms from 24 to 512 tokens (launch bound, as on an H100 with a 1B model)
     and no timing above: a stretch ceiling above 7 ms must not let a step with decode rows carry

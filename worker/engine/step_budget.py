@@ -34,9 +34,12 @@ within the stretch ceiling ``itl_max`` (never less than the normal bound), and n
 late prompts need (the prefill up to the last admitted late one, ``Scheduler.late_prefill``), so a
 late short prompt lengthens its step by its own tokens only. Decode rows then wait at most
 ``itl_max`` for a token, and only while a prompt is late; short-prompt traffic served within the
-TTFT target never stretches. Defaults, from the measured target T: ``itl_max`` = 2.5 x T (the ~12 ms
-the latency acceptance allows over the ~4.8 ms ceiling step on an H200) and ``ttft_target`` = 10 x T
-(a prompt is stretched for only once it has waited about ten steps). ``--itl-max-ms`` and
+TTFT target never stretches. A stretched step stops at the largest graph within the ceiling when
+one lies above the normal bound, and runs eager past every graph only when none does (``_stretch``:
+a replay's price holds under load, an eager step's does not). Defaults, from the measured target
+T: ``itl_max`` = 2.5 x T (the ~12 ms the latency acceptance allows over the ~4.8 ms ceiling step on
+an H200) and ``ttft_target`` = 10 x T (a prompt is stretched for only once it has waited about ten
+steps). ``--itl-max-ms`` and
 ``--ttft-target-ms`` set them instead. Without measurements there is no target and no guard.
 
 Everything here is pure: the scheduler asks ``StepBudget.prefill_tokens(decode_rows, waited)`` once a
@@ -143,13 +146,15 @@ class StepTimeModel:
             return self.replay[i][1]  # padded up to the captured size: the padding is paid for
         return _linear(self.eager, tokens, self.tail_slope)
 
+    def largest_replayed_within(self, target: float, limit: int) -> int:
+        """The largest replayed size of at most ``limit`` tokens predicted within ``target`` seconds
+        (0: none)."""
+        return max((size for size, secs in self.replay if size <= limit and secs <= target), default=0)
+
     def largest_within(self, target: float, limit: int) -> int:
         """The most tokens (at most ``limit``) a step may have and still be predicted within
         ``target`` seconds; 0 when even the smallest step is predicted slower."""
-        best = 0
-        for size, secs in self.replay:
-            if size <= limit and secs <= target:
-                best = max(best, size)
+        best = self.largest_replayed_within(target, limit)
         start = self.ceiling + 1  # above every graph (from 1 when mixed steps never replay): eager
         if start <= limit:
             best = max(best, _solve_linear(self.eager, target, start, limit, self.tail_slope))
@@ -211,7 +216,7 @@ class StepBudget:
     def for_target(cls, tokens: int, target: float, model: StepTimeModel, source: str,
                    tokens_source: str = "--max-num-batched-tokens", guard: TTFTGuard | None = None) -> StepBudget:
         with_decode = model.largest_within(target, tokens)
-        stretched = max(with_decode, model.largest_within(guard.itl_max, tokens)) if guard else with_decode
+        stretched = max(with_decode, _stretch(model, guard.itl_max, tokens, with_decode)) if guard else with_decode
         return cls(tokens=tokens, target=target, model=model, source=source, with_decode=with_decode,
                    tokens_source=tokens_source, guard=guard, stretched=stretched)
 
@@ -275,6 +280,22 @@ class StepBudget:
                                    ttft_target_seconds=guard.ttft_target if guard else 0.0,
                                    tokens_stretched=self.stretched if guard else self.with_decode,
                                    guard_source=guard.source if guard else "")
+
+
+def _stretch(model: StepTimeModel, itl_max: float, tokens: int, with_decode: int) -> int:
+    """The most tokens a stretched step with decode rows may carry: the largest captured size within
+    ``itl_max`` when one lies above the normal bound, else the largest step the model predicts
+    within it, eager past every graph.
+
+    Graphs first, because a replay's price holds under load and an eager step's does not: eager
+    timings are taken at capture, on short synthetic steps and a quiet host, while under load an
+    eager step is launch bound beside the worker's other threads. Measured on an H100 (llama-1b,
+    64 long-prompt streams): a 1,084-token step, one past the 1,024-token graph and priced at the
+    6.48 ms ceiling, took 13.35 ms, 12.13 of them the host launching it; stopping at the graph kept
+    ITL p99 at 10.5 ms. With no graph above the normal bound (coarse graphs given back as compute
+    bound) the eager line is all there is, and a late prompt still gets its stretch."""
+    graphed = model.largest_replayed_within(itl_max, tokens)
+    return graphed if graphed > with_decode else model.largest_within(itl_max, tokens)
 
 
 def plan_step_budget(tokens: int, itl_target_ms: float, captured: Iterable[TimedGraph], device: str,

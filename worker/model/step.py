@@ -49,7 +49,7 @@ from graphkeeper.worker.kernels import (
     varlen_kernel,
 )
 from graphkeeper.worker.kernels.timing import replay_seconds
-from graphkeeper.worker.model import compiler_import, llama, tensor_parallel, tuning
+from graphkeeper.worker.model import compiler_import, llama, precompiled, tensor_parallel, tuning
 from graphkeeper.worker.model.cache_key import differences, key_of, library_versions, source_digest
 from graphkeeper.worker.model.config import ModelConfig
 from graphkeeper.worker.model.llama import PieceFunctions, make_pieces, make_row_pieces, row_pieces_fit
@@ -58,11 +58,13 @@ from graphkeeper.worker.model.tensor_parallel import first_ranks
 log = logging.getLogger(__name__)
 #: The record of a compile cache directory's key and the facts it hashes.
 KEY_FILE = "key.json"
+#: The step's compiled pieces (``first``, ``middle``, ``last``): one graph each when nothing recompiles.
+PIECES = 3
 
 def step_modules() -> list[ModuleType]:
     """The modules whose source is the compiled step: a change to any of them changes the key."""
     return [llama, tensor_parallel, choice, linear_kernel, norm_kernel, sys.modules[__name__], decode_kernel,
-            varlen_kernel, row_kernel, pdl]
+            varlen_kernel, row_kernel, pdl, precompiled]
 
 
 def cache_facts(config: ModelConfig, dtype: torch.dtype, quantization: str, kernels: str, capability: str,
@@ -92,6 +94,7 @@ class CompileReport:
     graphs: int = 0  # graphs Dynamo compiled (one per piece when nothing recompiled)
     tuning: tuning.TuningReport | None = None
     row_step: str = ""  # the one-token step's choice and the two timings behind it
+    precompiled: str = ""  # which pieces loaded precompiled and which were compiled ahead and saved
 
     def read_counters(self, before: dict[str, int]) -> None:
         """Cache outcome and graph count from torch's counters since ``before`` was taken."""
@@ -101,6 +104,15 @@ class CompileReport:
         self.graphs = now["graphs"] - before["graphs"]
         self.cache = "miss" if not hits else "partial" if misses else "hit"
 
+
+    def read_precompiled(self, outcomes: precompiled.Outcomes) -> None:
+        """A step whose every piece loaded precompiled is a cache hit of its pieces (Dynamo, which
+        the counters count, never ran); one that compiled any piece ahead keeps the counters'."""
+        if outcomes.every_piece_loaded(PIECES):
+            self.cache, self.graphs = "hit", PIECES
+        if outcomes.loaded or outcomes.compiled:
+            self.precompiled = (f"loaded {', '.join(outcomes.loaded) or 'none'}; "
+                                f"compiled ahead {', '.join(outcomes.compiled) or 'none'}")
 
     def to_proto(self, kernels: str, quantization: str) -> pb.CompileStatus:
         return pb.CompileStatus(optimization_level=self.level, enabled=self.enabled, reason=self.reason,
@@ -230,12 +242,19 @@ def dynamic_batch(fn: Callable, dynamic_args: int, backend: str = "inductor") ->
     return call
 
 
-def compile_pieces(pieces: PieceFunctions, backend: str = "inductor") -> PieceFunctions:
+def compile_pieces(pieces: PieceFunctions, backend: str = "inductor", saved: Path | None = None,
+                   outcomes: precompiled.Outcomes | None = None) -> PieceFunctions:
     """The same pieces, compiled: tokens/cos/sin are dynamic in ``first``; h/attn_out/cos/sin in
-    ``middle``; h/attn_out in ``last``."""
+    ``middle``; h/attn_out in ``last``. ``saved``: each piece precompiled there instead, loaded by
+    a later start (``model/precompiled.py``; what each first call did goes into ``outcomes``)."""
     torch.fx.experimental._config.backed_size_oblivious = True
-    return PieceFunctions(dynamic_batch(pieces.first, 3, backend), dynamic_batch(pieces.middle, 4, backend),
-                          dynamic_batch(pieces.last, 2, backend))
+    dynamic = {"first": 3, "middle": 4, "last": 2}
+    if saved is not None:
+        done = outcomes if outcomes is not None else precompiled.Outcomes()
+        return PieceFunctions(**{name: precompiled.PrecompiledPiece(getattr(pieces, name), n, backend, saved,
+                                                                    name, done)
+                                 for name, n in dynamic.items()})
+    return PieceFunctions(**{name: dynamic_batch(getattr(pieces, name), n, backend) for name, n in dynamic.items()})
 
 
 def prepare_step(model, *, compile: bool, cache_root: str, quantization: str, warm_up: Callable[[], None],
@@ -258,11 +277,12 @@ def prepare_step(model, *, compile: bool, cache_root: str, quantization: str, wa
     wait_ahead = _tune_kernels(model, report, cache_root, rows, ahead) if device.type == "cuda" else None
     tuned = report.tuning.summary if report.tuning else ""
     name = "+".join(n for n in (kernels.name, tuned) if n)
+    outcomes = precompiled.Outcomes()
     if imported is not None:
         imported()
         compile_in_process()
         torch.compiler.reset()  # one engine per process: its previous step's compiled code is dropped
-        pieces = compile_pieces(pieces)
+        pieces = compile_pieces(pieces, saved=_precompiled_dir(model, report), outcomes=outcomes)
     model.use_pieces(pieces, name)
     before = compile_counters() if compile else {}
     timers = compile_timers() if compile else {}
@@ -274,8 +294,9 @@ def prepare_step(model, *, compile: bool, cache_root: str, quantization: str, wa
     if compile:
         report.seconds = time.perf_counter() - start
         report.read_counters(before)
-        log.info("compiled the step in %.1f s (%d graphs, cache %s at %s)", report.seconds, report.graphs,
-                 report.cache, report.cache_dir)
+        report.read_precompiled(outcomes)
+        log.info("compiled the step in %.1f s (%d graphs, cache %s at %s%s)", report.seconds, report.graphs,
+                 report.cache, report.cache_dir, f"; precompiled: {report.precompiled}" if report.precompiled else "")
         log.info("compile phases (Dynamo's timers, nested): %s", timer_summary(timers, compile_timers()))
     if rows:
         _choose_row_step(model, report)
@@ -311,6 +332,15 @@ def _use_compile_cache(model, report: CompileReport, kernels: str, quantization:
     except OSError as err:  # an unwritable cache volume costs this start its cache, not the start
         log.warning("compile cache %s unusable (%s): compiling into a temporary directory", cache_root, err)
         report.cache_dir = use_cache_dir(tempfile.mkdtemp(prefix="graphkeeper-compile-"), report.key, facts)
+
+
+def _precompiled_dir(model, report: CompileReport) -> Path | None:
+    """Where this step's pieces are precompiled (``model/precompiled.py``): the compile cache
+    directory's, when this torch can and the model is on one rank (a rank's pieces have its
+    shard's shapes, and the ranks share one directory)."""
+    if not report.cache_dir or model.tp.enabled or not precompiled.available():
+        return None
+    return precompiled.pieces_dir(report.cache_dir)
 
 
 def _choose_row_step(model, report: CompileReport) -> None:
