@@ -6,7 +6,9 @@ answers (bytecode tracing, fake tensors, guards): 1.4-1.6 s of a warm H100 start
 (9 s in all, against a target of 8), the largest part left (``bench/results``, 2026-12-07). A piece
 compiled ahead (``aot_compile``) with the first call's arguments, the batch dimensions marked
 dynamic as the jit path marks them, serializes with its guards, its bytecode and Inductor's code;
-loading it runs none of the tracing. vLLM does the same with ``VLLM_USE_AOT_COMPILE``.
+loading it runs none of the tracing: the warm compile stage read 0.4-0.7 s instead, READY warm
+7.1-7.5 s (``bench/results/gpu-5ce1976-d73442e-h100.md``). vLLM does the same with
+``VLLM_USE_AOT_COMPILE``.
 
 Where: ``<compile cache dir>/precompiled/<piece>-<signature>.bin``. The directory's key covers
 everything the generated code depends on (model shapes, dtype, quantization, kernels, GPU, library
