@@ -39,8 +39,8 @@ one lies above the normal bound, and runs eager past every graph only when none 
 a replay's price holds under load, an eager step's does not). Defaults, from the measured target
 T: ``itl_max`` = 2.5 x T (the ~12 ms the latency acceptance allows over the ~4.8 ms ceiling step on
 an H200) and ``ttft_target`` = 10 x T (a prompt is stretched for only once it has waited about ten
-steps). ``--itl-max-ms`` and
-``--ttft-target-ms`` set them instead. Without measurements there is no target and no guard.
+steps). ``--itl-max-ms`` and ``--ttft-target-ms`` set them instead. Without measurements there is
+no target and no guard.
 
 Everything here is pure: the scheduler asks ``StepBudget.prefill_tokens(decode_rows, waited)`` once a
 step, with how long the oldest prompt has waited for its first token.
@@ -291,8 +291,8 @@ def _stretch(model: StepTimeModel, itl_max: float, tokens: int, with_decode: int
     timings are taken at capture, on short synthetic steps and a quiet host, while under load an
     eager step is launch bound beside the worker's other threads. Measured on an H100 (llama-1b,
     64 long-prompt streams): a 1,084-token step, one past the 1,024-token graph and priced at the
-    6.48 ms ceiling, took 13.35 ms, 12.13 of them the host launching it; stopping at the graph kept
-    ITL p99 at 10.5 ms. With no graph above the normal bound (coarse graphs given back as compute
+    6.48 ms ceiling, took 13.35 ms, 12.13 of them the host launching it (ITL p99 17.45 ms); stopping
+    at the graph, ITL p99 read 10.74 ms. With no graph above the normal bound (coarse graphs given back as compute
     bound) the eager line is all there is, and a late prompt still gets its stretch."""
     graphed = model.largest_replayed_within(itl_max, tokens)
     return graphed if graphed > with_decode else model.largest_within(itl_max, tokens)

@@ -16,9 +16,9 @@ versions, the step's source); the signature covers what the piece's guards check
 call's arguments (each tensor's dtype, device, shape with the batch dimension left out, strides,
 and the grad mode), so a benchmark's runner that shares the cache with other buffers (a KV cache of
 another length, grad mode on) keeps files of its own beside the worker's instead of replacing them
-at every turn. A file that does not load (another torch, a
-truncated write) is replaced: the piece compiles ahead again and is saved. Files appear whole
-(written under another name and renamed), so workers starting together never read one half made.
+at every turn. A file that does not load (another torch, a truncated write) is replaced: the piece
+compiles ahead again and is saved. Files appear whole (written under another name and renamed),
+so workers starting together never read one half made.
 
 Not with tensor parallelism: every rank's pieces have their own shard's shapes and one directory.
 """
@@ -59,9 +59,10 @@ class Outcomes:
 
 
 class PrecompiledPiece:
-    """One piece, precompiled: its first call loads ``path`` or compiles the piece ahead from that
-    call's arguments (their first ``dynamic_args`` tensors' batch dimension dynamic) and saves it
-    there, and runs it with its guards checked; every call after runs it without them.
+    """One piece, precompiled: its first call loads the file in ``directory`` named for that call's
+    arguments (``signature``), or compiles the piece ahead from them (their first ``dynamic_args``
+    tensors' batch dimension dynamic) and saves it there, and runs it with its guards checked;
+    every call after runs it without them.
 
     Why without: a precompiled function checks its guards in Python at every call (binding the
     arguments, about 100 us a call of a 2-core CPU, against half that with them off), and the
@@ -74,38 +75,38 @@ class PrecompiledPiece:
                  outcomes: Outcomes) -> None:
         self.fn, self.dynamic_args, self.backend, self.outcomes = fn, dynamic_args, backend, outcomes
         self.directory, self.name = directory, name
-        self.path = directory / f"{name}.bin"  # named for the first call's arguments at that call
         self._target: Callable | None = None
 
     def __call__(self, *args: Any) -> Any:
         if self._target is not None:
             return self._target(*args)
-        self.path = self.directory / f"{self.name}-{signature(args, self.dynamic_args)}.bin"
-        target = self._load(args) or self._compile(args)
+        path = self.directory / f"{self.name}-{signature(args, self.dynamic_args)}.bin"
+        target = self._load(path, args) or self._compile(path, args)
         out = target(*args)  # guards checked
         target.disable_guard_check()
         self._target = target
         return out
 
-    def _load(self, args: tuple) -> Callable | None:
-        """The saved function, if there is one that loads and whose guards take ``args``."""
-        if not self.path.exists():
+    def _load(self, path: Path, args: tuple) -> Callable | None:
+        """The function saved at ``path``, if it loads and its guards take ``args``."""
+        if not path.exists():
             return None
         try:
-            with self.path.open("rb") as f:
+            with path.open("rb") as f:
                 loaded = torch.compiler.load_compiled_function(f)
             fits = loaded.guard_check(*args)
         except Exception as err:  # noqa: BLE001 - a file that does not load is compiled again, never a failed start
-            log.warning("precompiled %s at %s did not load (%s): compiling it again", self.name, self.path, err)
+            log.warning("precompiled %s at %s did not load (%s): compiling it again", self.name, path, err)
             return None
         if not fits:
             log.warning("precompiled %s at %s does not take this step's arguments: compiling it again",
-                        self.name, self.path)
+                        self.name, path)
             return None
         self.outcomes.loaded.append(self.name)
         return loaded
 
-    def _compile(self, args: tuple) -> Callable:
+    def _compile(self, path: Path, args: tuple) -> Callable:
+        """The piece compiled ahead from ``args``, saved at ``path`` (an unsaved one is logged)."""
         import torch._dynamo
 
         torch._dynamo.config.enable_aot_compile = True
@@ -114,12 +115,12 @@ class PrecompiledPiece:
         compiled = torch.compile(self.fn, fullgraph=True, dynamic=False, backend=self.backend).aot_compile((args, {}))
         self.outcomes.compiled.append(self.name)
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            staging = self.path.with_name(f"{self.path.name}.{os.getpid()}.new")
+            path.parent.mkdir(parents=True, exist_ok=True)
+            staging = path.with_name(f"{path.name}.{os.getpid()}.new")
             compiled.save_compiled_function(str(staging))
-            staging.replace(self.path)
+            staging.replace(path)
         except Exception as err:  # noqa: BLE001 - an unsaved piece costs the next start its load, not this start
-            log.warning("precompiled %s not saved to %s: %s", self.name, self.path, err)
+            log.warning("precompiled %s not saved to %s: %s", self.name, path, err)
         return compiled
 
 

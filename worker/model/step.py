@@ -104,7 +104,6 @@ class CompileReport:
         self.graphs = now["graphs"] - before["graphs"]
         self.cache = "miss" if not hits else "partial" if misses else "hit"
 
-
     def read_precompiled(self, outcomes: precompiled.Outcomes) -> None:
         """A step whose every piece loaded precompiled is a cache hit of its pieces (Dynamo, which
         the counters count, never ran); one that compiled any piece ahead keeps the counters'."""
