@@ -137,7 +137,8 @@ def tune_model(model, cache_root: str, row_pieces: bool) -> TuningReport:
         _save(path, key, facts)
     report.seconds = time.perf_counter() - start
     report.summary = _summary(shapes)
-    log.info("kernel tuning %s in %.1f s (%s): %s", report.cache, report.seconds, path, report.summary)
+    where = "the worker's table for this GPU; not written to the node's cache" if report.cache == "shipped" else path
+    log.info("kernel tuning %s in %.1f s (%s): %s", report.cache, report.seconds, where, report.summary)
     return report
 
 
