@@ -71,9 +71,11 @@ class PrecompiledPiece:
     GPU test of one compilation per piece at every size holds the jit path to it). vLLM skips
     Dynamo's guards for its compiled step the same way."""
 
-    def __init__(self, fn: Callable, dynamic_args: int, backend: str, directory: Path, name: str,
+    def __init__(self, compile: Callable[[], Any], dynamic_args: int, directory: Path, name: str,
                  outcomes: Outcomes) -> None:
-        self.fn, self.dynamic_args, self.backend, self.outcomes = fn, dynamic_args, backend, outcomes
+        #: Makes ``torch.compile(piece, ...)`` as the jit path does (``step.jit_compiled``), called
+        #: with AOT compile on (the compiled function has ``aot_compile`` only when made so).
+        self.compile, self.dynamic_args, self.outcomes = compile, dynamic_args, outcomes
         self.directory, self.name = directory, name
         self._target: Callable | None = None
 
@@ -109,10 +111,9 @@ class PrecompiledPiece:
         """The piece compiled ahead from ``args``, saved at ``path`` (an unsaved one is logged)."""
         import torch._dynamo
 
-        torch._dynamo.config.enable_aot_compile = True
-        for tensor in args[: self.dynamic_args]:
-            torch._dynamo.mark_dynamic(tensor, 0)
-        compiled = torch.compile(self.fn, fullgraph=True, dynamic=False, backend=self.backend).aot_compile((args, {}))
+        mark_batch_dynamic(args, self.dynamic_args)
+        with torch._dynamo.config.patch(enable_aot_compile=True):
+            compiled = self.compile().aot_compile((args, {}))
         self.outcomes.compiled.append(self.name)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -122,6 +123,15 @@ class PrecompiledPiece:
         except Exception as err:  # noqa: BLE001 - an unsaved piece costs the next start its load, not this start
             log.warning("precompiled %s not saved to %s: %s", self.name, path, err)
         return compiled
+
+
+def mark_batch_dynamic(args: tuple, dynamic_args: int) -> None:
+    """Marks the first dimension (the batch: rows or tokens) of the first ``dynamic_args`` tensors
+    dynamic, before the call that traces them: every later size runs the same compiled code."""
+    import torch._dynamo
+
+    for tensor in args[:dynamic_args]:
+        torch._dynamo.mark_dynamic(tensor, 0)
 
 
 def signature(args: tuple, dynamic_args: int) -> str:

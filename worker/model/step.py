@@ -23,6 +23,7 @@ worker's own CUDA graphs.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -227,18 +228,23 @@ def dynamic_batch(fn: Callable, dynamic_args: int, backend: str = "inductor") ->
     pass the compiled code's guards without a recompile. ``backend`` other than Inductor is for
     tests that check the tracing on a CPU (``aot_eager``: no code generated, no C++ toolchain).
     """
-    compiled = torch.compile(fn, fullgraph=True, dynamic=False, backend=backend)
+    compiled = jit_compiled(fn, backend)
     traced = False
 
     def call(*args):
         nonlocal traced
         if not traced:
-            for tensor in args[:dynamic_args]:
-                torch._dynamo.mark_dynamic(tensor, 0)
+            precompiled.mark_batch_dynamic(args, dynamic_args)
             traced = True
         return compiled(*args)
 
     return call
+
+
+def jit_compiled(fn: Callable, backend: str) -> Callable:
+    """How a piece is compiled, whether it then runs jit (``dynamic_batch``) or is compiled ahead
+    and saved (``precompiled.PrecompiledPiece``): one graph, shapes static but for the batch."""
+    return torch.compile(fn, fullgraph=True, dynamic=False, backend=backend)
 
 
 def compile_pieces(pieces: PieceFunctions, backend: str = "inductor", saved: Path | None = None,
@@ -250,9 +256,9 @@ def compile_pieces(pieces: PieceFunctions, backend: str = "inductor", saved: Pat
     dynamic = {"first": 3, "middle": 4, "last": 2}
     if saved is not None:
         done = outcomes if outcomes is not None else precompiled.Outcomes()
-        return PieceFunctions(**{name: precompiled.PrecompiledPiece(getattr(pieces, name), n, backend, saved,
-                                                                    name, done)
-                                 for name, n in dynamic.items()})
+        ahead = {name: precompiled.PrecompiledPiece(functools.partial(jit_compiled, getattr(pieces, name), backend),
+                                                    n, saved, name, done) for name, n in dynamic.items()}
+        return PieceFunctions(**ahead)
     return PieceFunctions(**{name: dynamic_batch(getattr(pieces, name), n, backend) for name, n in dynamic.items()})
 
 
