@@ -7,6 +7,7 @@ no torch, so the scheduler and its tests never load the device stack.
 
 from __future__ import annotations
 
+import functools
 from array import array
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -175,21 +176,30 @@ class LogitsSpec:
     #: Alternatives for each prompt token's log probability; -1: the prompt's are not computed.
     prompt_logprobs: int = -1
 
-    @property
+    @functools.cached_property
     def penalised(self) -> bool:
         return bool(self.presence_penalty or self.frequency_penalty) or self.repetition_penalty != 1.0
 
-    @property
+    @functools.cached_property
     def changes_logits(self) -> bool:
         """Whether the row's logits differ from the model's before temperature (not logprobs)."""
         return self.penalised or bool(self.logit_bias) or self.min_p > 0.0 or self.constrained
 
-    @property
+    @functools.cached_property
     def needs_history(self) -> bool:
         """Whether the row needs every earlier token on the host before its logits are processed
         (the grammar's state), so the step before it must be read first. Penalties need no such
         thing: their counts are kept on the device (``executor/penalty_counts.py``)."""
         return self.constrained
+
+    @functools.cached_property
+    def row_parameters(self) -> tuple[float, float, float, float]:
+        """(presence, frequency, repetition, min-p): the row's entries in a ``LogitsBatch``.
+
+        These four and the flags above are read for every row of every step; a spec never
+        changes, so each is computed once (``cached_property`` writes the instance's ``__dict__``,
+        which a frozen dataclass allows; equality still compares the fields alone)."""
+        return self.presence_penalty, self.frequency_penalty, self.repetition_penalty, self.min_p
 
 
 @dataclass

@@ -51,6 +51,23 @@ def test_plain_rows_keep_their_logits_bit_for_bit():
     assert torch.equal(out[1], expected)
 
 
+def test_a_batch_lists_each_processed_rows_parameters_in_row_order():
+    """The builder's one pass: entries follow the processed rows in order, penalties point at
+    their entries and slots, logprobs cover every sample row, and a spec whose flags were read
+    still equals a fresh one (the flags are cached on the spec, never compared)."""
+    penalised = LogitsSpec(presence_penalty=0.5, repetition_penalty=1.5)
+    batch = build_logits_batch(states(None, LogitsSpec(logprobs=2), LogitsSpec(min_p=0.25, logit_bias=((5, -1.0),)),
+                                      None, penalised))
+    assert batch.rows.tolist() == [2, 4]
+    assert batch.min_p.tolist() == [0.25, 0.0] and batch.presence.tolist() == [0.0, 0.5]
+    assert batch.repetition.tolist() == [1.0, 1.5] and batch.frequency.tolist() == [0.0, 0.0]
+    assert batch.penalised.tolist() == [1] and batch.penalty_slots.tolist() == [4]
+    assert batch.bias[0].tolist() == [[0], [5]] and batch.bias[1].tolist() == [-1.0]
+    assert batch.logprobs.tolist() == [-1, 2, -1, -1, -1]
+    assert penalised == LogitsSpec(presence_penalty=0.5, repetition_penalty=1.5) and penalised.penalised
+    assert build_logits_batch(states(None, None)) is None
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("drawn", [False, True], ids=["greedy", "drawn"])
 def test_sampling_processed_rows_alone_gives_the_whole_batchs_tokens(dtype, drawn):

@@ -97,38 +97,53 @@ def logits_state_for(req: pb.GenerateRequest, grammars: Any, tokenizer: Any, voc
 
 def build_logits_batch(samplers: list[Any]) -> LogitsBatch | None:
     """A step's ``LogitsBatch`` for its sample rows' sequences (each with ``logits``, ``slot``,
-    ``prompt`` and ``output``); None when no row asks for anything."""
-    states: list[LogitsState | None] = [s.logits for s in samplers]
-    if all(s is None for s in states):
-        return None
-    rows = [i for i, s in enumerate(states) if s is not None and s.spec.changes_logits]
-    specs = [states[i].spec for i in rows]
-    penalised, bias_at, bias, grammars = [], [], [], []
+    ``prompt`` and ``output``); None when no row asks for anything.
+
+    One pass over the rows, reading each spec's flags and parameters as computed once
+    (``LogitsSpec.row_parameters``): this runs on the engine thread for every step that has a
+    parameterised row, between the step's forward pass and its sampling."""
+    logprobs: list[int] = []
+    rows: list[int] = []
+    params: list[tuple[float, float, float, float]] = []
+    penalised, penalty_slots, bias_at, bias, grammars = [], [], [], [], []
     resets = _Resets()
-    for k, i in enumerate(rows):
-        seq, state = samplers[i], states[i]
-        if state.spec.penalised:
+    asked = False
+    for i, seq in enumerate(samplers):
+        state: LogitsState | None = seq.logits
+        if state is None:
+            logprobs.append(-1)
+            continue
+        asked = True
+        spec = state.spec
+        logprobs.append(spec.logprobs)
+        if not spec.changes_logits:
+            continue
+        k = len(rows)
+        rows.append(i)
+        params.append(spec.row_parameters)
+        if spec.penalised:
             penalised.append(k)
+            penalty_slots.append(seq.slot)
             if state.counted_slot != seq.slot:
                 resets.add(seq, state)
-        for token, value in state.spec.logit_bias:
+        for token, value in spec.logit_bias:
             bias_at.append((k, token))
             bias.append(value)
         if state.matcher is not None and not state.grammar_done:  # done: its row's token is dropped
             grammars.append((k, state))
+    if not asked:
+        return None
     f32 = np.float32
+    presence, frequency, repetition, min_p = np.array(params, dtype=f32).reshape(-1, 4).T.copy()
     return LogitsBatch(
         rows=np.asarray(rows, dtype=np.int64),
-        presence=np.array([s.presence_penalty for s in specs], dtype=f32),
-        frequency=np.array([s.frequency_penalty for s in specs], dtype=f32),
-        repetition=np.array([s.repetition_penalty for s in specs], dtype=f32),
-        min_p=np.array([s.min_p for s in specs], dtype=f32),
+        presence=presence, frequency=frequency, repetition=repetition, min_p=min_p,
         bias=(np.asarray(bias_at, dtype=np.int64).reshape(-1, 2).T.copy(), np.asarray(bias, dtype=f32)),
         mask_rows=np.asarray([k for k, _ in grammars], dtype=np.int64),
         masks=grammar_masks([state for _, state in grammars]),
-        logprobs=np.array([-1 if s is None else s.spec.logprobs for s in states], dtype=np.int64),
+        logprobs=np.asarray(logprobs, dtype=np.int64),
         penalised=np.asarray(penalised, dtype=np.int64),
-        penalty_slots=np.asarray([samplers[rows[k]].slot for k in penalised], dtype=np.int64),
+        penalty_slots=np.asarray(penalty_slots, dtype=np.int64),
         **resets.arrays(),
     )
 
