@@ -185,7 +185,7 @@ class LogitsSpec:
         """Whether the row's logits differ from the model's before temperature (not logprobs)."""
         return self.penalised or bool(self.logit_bias) or self.min_p > 0.0 or self.constrained
 
-    @functools.cached_property
+    @property
     def needs_history(self) -> bool:
         """Whether the row needs every earlier token on the host before its logits are processed
         (the grammar's state), so the step before it must be read first. Penalties need no such
@@ -196,7 +196,7 @@ class LogitsSpec:
     def row_parameters(self) -> tuple[float, float, float, float]:
         """(presence, frequency, repetition, min-p): the row's entries in a ``LogitsBatch``.
 
-        These four and the flags above are read for every row of every step; a spec never
+        These four and the two flags above are read for every row of every step; a spec never
         changes, so each is computed once (``cached_property`` writes the instance's ``__dict__``,
         which a frozen dataclass allows; equality still compares the fields alone)."""
         return self.presence_penalty, self.frequency_penalty, self.repetition_penalty, self.min_p

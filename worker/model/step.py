@@ -59,8 +59,11 @@ from graphkeeper.worker.model.tensor_parallel import first_ranks
 log = logging.getLogger(__name__)
 #: The record of a compile cache directory's key and the facts it hashes.
 KEY_FILE = "key.json"
-#: The step's compiled pieces (``first``, ``middle``, ``last``): one graph each when nothing recompiles.
-PIECES = 3
+#: The step's compiled pieces and how many of each one's leading arguments have a dynamic batch
+#: dimension: tokens/cos/sin in ``first``, h/attn_out/cos/sin in ``middle``, h/attn_out in ``last``.
+DYNAMIC_ARGS = {"first": 3, "middle": 4, "last": 2}
+#: One graph each when nothing recompiles.
+PIECES = len(DYNAMIC_ARGS)
 
 def step_modules() -> list[ModuleType]:
     """The modules whose source is the compiled step: a change to any of them changes the key."""
@@ -249,11 +252,11 @@ def jit_compiled(fn: Callable, backend: str) -> Callable:
 
 def compile_pieces(pieces: PieceFunctions, backend: str = "inductor", saved: Path | None = None,
                    outcomes: precompiled.Outcomes | None = None) -> PieceFunctions:
-    """The same pieces, compiled: tokens/cos/sin are dynamic in ``first``; h/attn_out/cos/sin in
-    ``middle``; h/attn_out in ``last``. ``saved``: each piece precompiled there instead, loaded by
-    a later start (``model/precompiled.py``; what each first call did goes into ``outcomes``)."""
+    """The same pieces, compiled, each with its batch dimensions dynamic (``DYNAMIC_ARGS``).
+    ``saved``: each piece precompiled there instead, loaded by a later start
+    (``model/precompiled.py``; what each first call did goes into ``outcomes``)."""
     torch.fx.experimental._config.backed_size_oblivious = True
-    dynamic = {"first": 3, "middle": 4, "last": 2}
+    dynamic = DYNAMIC_ARGS
     if saved is not None:
         done = outcomes if outcomes is not None else precompiled.Outcomes()
         ahead = {name: precompiled.PrecompiledPiece(functools.partial(jit_compiled, getattr(pieces, name), backend),
