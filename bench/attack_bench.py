@@ -39,7 +39,6 @@ import multiprocessing as mp
 import os
 import platform
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -57,10 +56,8 @@ CORPUS = ["the graphs replay every decode step", "kubernetes operator reconciles
           "café crème brûlée — naïve façade"] * 20
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from ports import free_port  # noqa: E402  (tests/ports.py: below the ephemeral range, never handed out twice)
 
 
 def text_model(root: Path) -> Path:

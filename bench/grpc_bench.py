@@ -11,7 +11,6 @@ import argparse
 import datetime as dt
 import json
 import random
-import socket
 import statistics
 import subprocess
 import sys
@@ -25,11 +24,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from graphkeeper.proto import worker_pb2 as pb
 from graphkeeper.proto import worker_pb2_grpc as pb_grpc
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from ports import free_port  # noqa: E402  (tests/ports.py: below the ephemeral range, never handed out twice)
 
 
 def start_worker(args: argparse.Namespace, mode: str) -> tuple[subprocess.Popen, str]:

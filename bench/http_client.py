@@ -27,7 +27,6 @@ import json
 import multiprocessing as mp
 import os
 import random
-import socket
 import subprocess
 import sys
 import time
@@ -38,11 +37,8 @@ from pathlib import Path
 BUSY = 0.9
 
 
-def free_port() -> int:
-    """A free loopback port (for a worker a benchmark starts)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from ports import free_port  # noqa: E402, F401  (tests/ports.py, for the benchmarks that import it from here)
 
 
 def wait_ready(proc: subprocess.Popen, url: str, log: Path, timeout: float = 900.0) -> None:

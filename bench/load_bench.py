@@ -41,7 +41,6 @@ import os
 import platform
 import random
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -99,10 +98,8 @@ class WorkerFlags:
     extra: tuple[str, ...] = ()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from ports import free_port  # noqa: E402  (tests/ports.py: below the ephemeral range, never handed out twice)
 
 
 def add_worker_arguments(parser: argparse.ArgumentParser, *, preset: str) -> None:

@@ -29,7 +29,6 @@ import platform
 import random
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -49,10 +48,8 @@ RESULTS = Path(__file__).parent / "results"
 TENANTS = ("", "chat", "batch")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from ports import free_port  # noqa: E402  (tests/ports.py: below the ephemeral range, never handed out twice)
 
 
 def vm_rss_bytes(pid: int) -> int:

@@ -1,4 +1,5 @@
-"""Loopback ports for the processes the tests start (workers, stand-ins, the local cluster).
+"""Loopback ports for the processes the tests and the benchmarks start (workers, stand-ins, the
+local cluster); ``bench/`` imports this module too.
 
 A port is drawn below Linux's ephemeral range (32768-60999 by default), from which the kernel
 takes the local end of every outgoing connection: a port drawn from that range (as binding port 0

@@ -62,3 +62,12 @@ def test_drawn_ports_are_below_the_ephemeral_range_free_and_never_handed_out_twi
     assert drawn[-1] + 2 < min(HIGH, low)
     handed = [*drawn[:-1], *range(drawn[-1], drawn[-1] + 3)]
     assert len(set(handed)) == len(handed)
+
+
+def test_no_benchmark_draws_its_ports_from_the_ephemeral_range():
+    """A benchmark's worker ports come from ``ports.free_port`` too: a port handed out by binding
+    port 0 once lost a race with an outgoing connection and failed the budget sweep's second worker
+    ("cannot bind the metrics port ... address already in use")."""
+    port_zero = re.compile(r"""\.bind\(\s*\(\s*["'][^"']*["']\s*,\s*0\s*\)\s*\)""")
+    drawing = sorted(p.name for p in (ROOT / "bench").glob("*.py") if port_zero.search(p.read_text()))
+    assert not drawing, f"benchmarks that bind port 0 to choose a port: {drawing}"
