@@ -46,6 +46,9 @@ import threading
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from ports import free_port  # noqa: E402  (tests/ports.py: below the ephemeral range, never handed out twice)
+
 INFERENCE = "graphkeeper.worker.v1.InferenceWorker"
 #: ``--table``'s attacks (bench/attacks.py), in order.
 ATTACK_NAMES = ("idle_h2", "idle_http", "slowloris", "bad_bodies", "unparseable", "expect_oversize", "gzip_bomb",
@@ -54,10 +57,6 @@ WORKER_FLAGS = ("--max-num-seqs", "8", "--max-seq-len", "512", "--max-num-batche
                 "--max-queue", "64", "--log-level", "WARNING", "--drain-seconds", "5")
 CORPUS = ["the graphs replay every decode step", "kubernetes operator reconciles the policy",
           "café crème brûlée — naïve façade"] * 20
-
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from ports import free_port  # noqa: E402  (tests/ports.py: below the ephemeral range, never handed out twice)
 
 
 def text_model(root: Path) -> Path:

@@ -33,12 +33,11 @@ import time
 import urllib.request
 from pathlib import Path
 
-#: A client process busier than this share of one core may be what limits the figure.
-BUSY = 0.9
-
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from ports import free_port  # noqa: E402, F401  (tests/ports.py, for the benchmarks that import it from here)
+
+#: A client process busier than this share of one core may be what limits the figure.
+BUSY = 0.9
 
 
 def wait_ready(proc: subprocess.Popen, url: str, log: Path, timeout: float = 900.0) -> None:

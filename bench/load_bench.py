@@ -50,8 +50,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from metrics_text import fetch, label, series_key, summed  # noqa: E402  (bench/metrics_text.py, beside this file)
+# bench/ (this file's helpers beside it) and tests/ (ports.py: below the ephemeral range, never handed out twice)
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1] / "tests")]
+from metrics_text import fetch, label, series_key, summed  # noqa: E402
+from ports import free_port  # noqa: E402
 from proc_stats import host_cpu  # noqa: E402
 
 from graphkeeper.worker.engine.gc_pauses import GC_PROCESSES  # noqa: E402  (the process label's values)
@@ -96,10 +98,6 @@ class WorkerFlags:
     budget: int
     max_seq_len: int = 1024
     extra: tuple[str, ...] = ()
-
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from ports import free_port  # noqa: E402  (tests/ports.py: below the ephemeral range, never handed out twice)
 
 
 def add_worker_arguments(parser: argparse.ArgumentParser, *, preset: str) -> None:

@@ -44,12 +44,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from graphkeeper.proto import worker_pb2 as pb
 from graphkeeper.proto import worker_pb2_grpc as pb_grpc
 
-RESULTS = Path(__file__).parent / "results"
-TENANTS = ("", "chat", "batch")
-
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from ports import free_port  # noqa: E402  (tests/ports.py: below the ephemeral range, never handed out twice)
+
+RESULTS = Path(__file__).parent / "results"
+TENANTS = ("", "chat", "batch")
 
 
 def vm_rss_bytes(pid: int) -> int:

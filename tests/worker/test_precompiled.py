@@ -23,7 +23,6 @@ needs_precompile = pytest.mark.skipif(not precompiled.available(),
                                              "torch >= 2.10): the worker compiles its pieces jit here")
 
 
-
 def test_precompile_is_found_on_every_torch_that_has_it():
     """The four ``needs_precompile`` tests skip only where torch lacks AOT precompile (before 2.10):
     on 2.10 and later (CI's pinned 2.11) ``available`` must say so, or a detection bug would skip

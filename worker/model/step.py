@@ -256,13 +256,13 @@ def compile_pieces(pieces: PieceFunctions, backend: str = "inductor", saved: Pat
     ``saved``: each piece precompiled there instead, loaded by a later start
     (``model/precompiled.py``; what each first call did goes into ``outcomes``)."""
     torch.fx.experimental._config.backed_size_oblivious = True
-    dynamic = DYNAMIC_ARGS
     if saved is not None:
         done = outcomes if outcomes is not None else precompiled.Outcomes()
         ahead = {name: precompiled.PrecompiledPiece(functools.partial(jit_compiled, getattr(pieces, name), backend),
-                                                    n, saved, name, done) for name, n in dynamic.items()}
+                                                    n, saved, name, done) for name, n in DYNAMIC_ARGS.items()}
         return PieceFunctions(**ahead)
-    return PieceFunctions(**{name: dynamic_batch(getattr(pieces, name), n, backend) for name, n in dynamic.items()})
+    return PieceFunctions(**{name: dynamic_batch(getattr(pieces, name), n, backend)
+                             for name, n in DYNAMIC_ARGS.items()})
 
 
 def prepare_step(model, *, compile: bool, cache_root: str, quantization: str, warm_up: Callable[[], None],
